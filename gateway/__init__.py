@@ -1,0 +1,1 @@
+"""conveyor's HTTP edge: routes, admission, reply dispatch."""

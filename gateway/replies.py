@@ -1,0 +1,80 @@
+"""One loop per gateway process reads its reply stream and resolves waiting futures.
+
+No connection is held per waiting request and nothing polls: the loop blocks on
+XREAD of this process's own reply stream and wakes each waiter by request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pipelines.envelope import Reply, decode_reply
+from pipelines.errors import EnvelopeError
+
+logger = logging.getLogger(__name__)
+
+
+class ReplyDispatcher:
+    """Routes replies to the requests waiting for them.
+
+    Args:
+        client: a client whose socket timeout exceeds ``block_ms``.
+        stream: this gateway's reply stream.
+        block_ms: how long one XREAD blocks.
+    """
+
+    def __init__(self, client: aioredis.Redis, stream: str, block_ms: int) -> None:
+        self.client = client
+        self.stream = stream
+        self.block_ms = block_ms
+        self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._last_id = "0-0"
+
+    def expect(self, request_id: str) -> asyncio.Future[Reply]:
+        """A future the reply for ``request_id`` will resolve; register before sending."""
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = future
+        return future
+
+    def forget(self, request_id: str) -> None:
+        """Stop waiting for ``request_id`` (answered, timed out or abandoned)."""
+        self._waiters.pop(request_id, None)
+
+    @property
+    def waiting(self) -> int:
+        """Requests this process is waiting on."""
+        return len(self._waiters)
+
+    async def run(self) -> None:
+        """Read and dispatch until cancelled; Redis outages are waited out."""
+        backoff = 0.1
+        while True:
+            try:
+                response = await self.client.xread(
+                    {self.stream: self._last_id}, count=1024, block=self.block_ms
+                )
+                backoff = 0.1
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                logger.warning("reply stream unreachable (%s); retry in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            for _stream, entries in response or ():
+                for entry_id, fields in entries:
+                    self._last_id = entry_id.decode()
+                    self._dispatch(entry_id, fields)
+
+    def _dispatch(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            reply = decode_reply(fields)
+        except EnvelopeError as exc:
+            logger.warning("ignoring reply entry %r: %s", entry_id, exc)
+            return
+        future = self._waiters.pop(reply.id, None)
+        if future is not None and not future.done():
+            future.set_result(reply)

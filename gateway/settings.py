@@ -1,0 +1,35 @@
+"""The gateway process's settings, read from ``CONVEYOR_*`` environment variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from pipelines.settings import CommonSettings
+
+
+class GatewaySettings(CommonSettings):
+    """Settings of one gateway process.
+
+    Attributes:
+        host: address to bind.
+        port: port to bind.
+        pipelines: comma-separated stages to route (unset: the built-in defaults).
+        max_body_bytes: larger request bodies get 413 before they are read.
+        default_timeout_s: a request's deadline unless it asks for less.
+        max_timeout_s: the most a client may ask for with ``X-Conveyor-Timeout``.
+        max_backlog: overrides every stage's backlog bound when set.
+        retry_after_s: the Retry-After a 503 carries.
+        admission_refresh_ms: how stale a stage's measured backlog may be.
+        reply_block_ms: how long one read of the reply stream blocks.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    pipelines: str | None = None
+    max_body_bytes: int = Field(default=1_048_576, ge=1)
+    default_timeout_s: float = Field(default=30.0, gt=0)
+    max_timeout_s: float = Field(default=300.0, gt=0)
+    max_backlog: int | None = Field(default=None, ge=1)
+    retry_after_s: int = Field(default=1, ge=1)
+    admission_refresh_ms: float = Field(default=50.0, ge=0)
+    reply_block_ms: int = Field(default=1000, ge=1, le=30_000)

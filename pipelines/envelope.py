@@ -1,0 +1,123 @@
+"""The wire envelope: what one stream entry carries, and its encoding.
+
+Each entry in a stage stream or a reply stream has one field, ``e``, holding a JSON
+object. JSON (orjson) rather than msgpack: payloads are mostly text and float lists,
+orjson encodes both faster than msgpack-python here, and any client can read it. No
+pickle or other code-executing format is ever decoded; an entry that does not parse
+and validate is rejected with :class:`~pipelines.errors.EnvelopeError`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipelines.errors import EnvelopeError
+
+VERSION = 1
+FIELD = b"e"
+"""The one stream-entry field that holds the encoded envelope."""
+
+Outcome = Literal["ok", "error", "expired"]
+
+
+class Request(BaseModel):
+    """A request travelling to a stage.
+
+    Attributes:
+        v: envelope version.
+        id: request id, unique per client request.
+        pipeline: the pipeline the request was made to.
+        stage: the stage this entry is for.
+        payload: the stage's input, as its input model validated it.
+        deadline: absolute deadline, seconds since the epoch on the Redis clock.
+        reply_to: the reply stream of the gateway that waits for the result.
+        attempt: how many times this request has been delivered before (0 first).
+        trace_id: carried unchanged through every stage and log line.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    v: Literal[1] = VERSION
+    id: str = Field(min_length=1, max_length=128)
+    pipeline: str
+    stage: str
+    payload: dict[str, Any]
+    deadline: float
+    reply_to: str
+    attempt: int = 0
+    trace_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+
+
+class Reply(BaseModel):
+    """The outcome of one request, published to its ``reply_to`` stream.
+
+    Attributes:
+        v: envelope version.
+        id: the request id.
+        stage: the stage that produced it.
+        outcome: ``ok``, ``error`` (the model failed on this item) or ``expired``.
+        result: the stage's output when ``outcome`` is ``ok``.
+        error: a client-safe message otherwise.
+        trace_id: the request's trace id.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    v: Literal[1] = VERSION
+    id: str
+    stage: str
+    outcome: Outcome
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    trace_id: str = ""
+
+
+def new_request_id() -> str:
+    """A fresh random request id."""
+    return uuid.uuid4().hex
+
+
+def encode(message: Request | Reply) -> dict[bytes, bytes]:
+    """Stream-entry fields for ``message`` (what XADD takes)."""
+    return {FIELD: orjson.dumps(message.model_dump(mode="json"))}
+
+
+def _field(fields: dict[bytes, bytes]) -> bytes:
+    try:
+        return fields[FIELD]
+    except KeyError:
+        raise EnvelopeError(f"entry has no {FIELD.decode()!r} field") from None
+
+
+def decode_request(fields: dict[bytes, bytes]) -> Request:
+    """Parse and validate a stage-stream entry.
+
+    Args:
+        fields: the entry's fields as redis-py returns them (bytes keys and values).
+
+    Raises:
+        EnvelopeError: the entry is not a valid version-1 request envelope.
+    """
+    try:
+        return Request.model_validate_json(_field(fields))
+    except ValidationError as exc:
+        raise EnvelopeError(f"invalid request envelope: {exc.error_count()} error(s)") from exc
+
+
+def decode_reply(fields: dict[bytes, bytes]) -> Reply:
+    """Parse and validate a reply-stream entry.
+
+    Args:
+        fields: the entry's fields as redis-py returns them.
+
+    Raises:
+        EnvelopeError: the entry is not a valid version-1 reply envelope.
+    """
+    try:
+        return Reply.model_validate_json(_field(fields))
+    except ValidationError as exc:
+        raise EnvelopeError(f"invalid reply envelope: {exc.error_count()} error(s)") from exc

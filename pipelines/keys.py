@@ -1,0 +1,55 @@
+"""Every Redis key and stream name conveyor uses, built in one place.
+
+All names live under one namespace, written as a Redis Cluster hash tag
+(``{conveyor}:...``), so every key of a deployment maps to one cluster slot and the
+MULTI/EXEC that publishes results and acks a batch never crosses slots. A deployment
+that outgrows one shard runs several namespaces.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+GROUP = "workers"
+"""The consumer group every stage stream is read by."""
+
+
+class Keys:
+    """Builds the key names of one namespace.
+
+    Args:
+        namespace: letters, digits, ``_ . -``; becomes the hash tag ``{namespace}``.
+    """
+
+    def __init__(self, namespace: str) -> None:
+        if not _NAMESPACE_RE.match(namespace):
+            raise ValueError(
+                f"namespace {namespace!r} must be 1-64 letters, digits, '_', '.' or '-'"
+            )
+        self.namespace = namespace
+        self.prefix = "{" + namespace + "}"
+
+    def stage_stream(self, stage: str) -> str:
+        """The stream a stage's workers read their requests from."""
+        return f"{self.prefix}:stage:{stage}"
+
+    def stage_stats(self, stage: str) -> str:
+        """The hash of a stage's counters and histogram buckets."""
+        return f"{self.prefix}:stats:{stage}"
+
+    def reply_stream(self, gateway_id: str) -> str:
+        """The stream one gateway process reads its replies from."""
+        return f"{self.prefix}:reply:{gateway_id}"
+
+    def stages_set(self) -> str:
+        """The set of stage names that have ever had a worker (for status views)."""
+        return f"{self.prefix}:stages"
+
+    def stage_from_stream(self, stream: str) -> str:
+        """Inverse of :meth:`stage_stream`."""
+        head = f"{self.prefix}:stage:"
+        if not stream.startswith(head):
+            raise ValueError(f"{stream!r} is not a stage stream of {self.prefix}")
+        return stream[len(head) :]

@@ -1,0 +1,38 @@
+"""The model interface every stage's runner implements.
+
+A model is constructed once per worker process (that is where weights load) and then
+called with whole batches. The batch contract: ``predict`` takes a list of n items and
+returns a list of n results, in the same order. The worker enforces it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+Item = dict[str, Any]
+"""One request's payload as the stage's input model validated it (JSON types only)."""
+
+Result = dict[str, Any]
+"""One item's output: JSON types only (no numpy or torch values)."""
+
+
+@runtime_checkable
+class Model(Protocol):
+    """Anything with a batched ``predict`` can be served.
+
+    The worker builds it as ``factory(**options)`` where ``options`` always contains
+    ``model`` (an HF id, a local path, or a runner-specific spec), ``device``
+    (``cpu``, ``cuda``, ``cuda:N`` or ``auto``), ``dtype`` (``auto``, ``float32``,
+    ``float16`` or ``bfloat16``) and ``cache_dir`` (where generated assets may live).
+    """
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Run the model on a whole batch.
+
+        Args:
+            items: the batch, oldest request first.
+
+        Returns:
+            One JSON-safe result per item, in the same order.
+        """
+        ...

@@ -1,0 +1,68 @@
+"""Redis connections, consumer-group setup and the shared clock."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from pipelines.keys import GROUP
+from pipelines.settings import CommonSettings
+
+
+def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
+    """An asyncio client for ``settings.redis_url``.
+
+    Args:
+        settings: the process's settings (URL and timeouts).
+        block_ms: the longest BLOCK this client will issue; its socket timeout is set
+            above it so a blocking read is not cut short, yet a dead server is noticed.
+    """
+    timeout = settings.redis_timeout_s + block_ms / 1000.0
+    return aioredis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=timeout,
+        socket_connect_timeout=settings.redis_timeout_s,
+        health_check_interval=30,
+    )
+
+
+async def ensure_group(client: aioredis.Redis, stream: str) -> None:
+    """Create the stage's consumer group (and stream) unless it exists.
+
+    Only BUSYGROUP (the group is already there) is swallowed; anything else raises.
+    """
+    try:
+        await client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class RedisClock:
+    """Wall time on the Redis server's clock.
+
+    Stream ids carry the server's arrival time in milliseconds; deadlines are set on
+    the same clock, so gateway and workers on hosts with skewed clocks still agree.
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    async def calibrate(self, client: aioredis.Redis) -> None:
+        """Measure the offset of the local clock from the server's (once at start)."""
+        before = time.time()
+        seconds, micros = await client.time()
+        after = time.time()
+        self.offset = seconds + micros / 1e6 - (before + after) / 2
+
+    def now(self) -> float:
+        """Seconds since the epoch on the server's clock."""
+        return time.time() + self.offset
+
+
+def entry_ms(entry_id: bytes | str) -> int:
+    """The arrival time (server milliseconds) that a stream id carries."""
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(raw.split("-", 1)[0])

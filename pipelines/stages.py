@@ -1,0 +1,196 @@
+"""What a stage is, and the built-in stages.
+
+A stage is one model served by its own pool of workers reading one stream. It names
+its input model (validated at the gateway and again at the worker), the runner that
+builds the model, the model to load, and its batching bounds. The runner is named by
+an import path (``"workers.hf:Embedder"``) so this package never imports the worker
+runtime; user code may pass a factory callable instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipelines.errors import ConfigError, UnknownStage
+from pipelines.model import Model
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+
+Profile = Literal["offline", "hub"]
+
+
+class TextIn(BaseModel):
+    """Input of the single-text built-ins."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1, max_length=100_000, description="The input text.")
+
+
+class GenerateIn(TextIn):
+    """Input of ``generate``."""
+
+    max_new_tokens: int = Field(
+        default=32, ge=1, le=512, description="At most this many tokens are generated."
+    )
+
+
+class AnyIn(BaseModel):
+    """Input of ``echo``: any JSON object."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One model stage, served by workers reading the stage's stream.
+
+    Attributes:
+        name: lower-case route and stream name (``/v1/{name}``).
+        input_model: pydantic model of one request's payload.
+        runner: ``"module:attr"`` or a callable returning a :class:`~pipelines.model.Model`.
+        model: the model the offline profile loads (HF id, path, ``minilm``, ``tiny:kind``).
+        hub_model: the model the ``hub`` profile loads (defaults to ``model``).
+        hub_runner: the runner of the ``hub`` profile (defaults to ``runner``).
+        options: extra keyword arguments for the runner.
+        max_batch_size: at most this many items per model call.
+        batch_wait_ms: a batch waits at most this long after its oldest item arrived.
+        max_backlog: the gateway refuses new requests (503) above this many waiting items.
+        summary: one line for the API docs.
+    """
+
+    name: str
+    input_model: type[BaseModel]
+    runner: str | Callable[..., Model]
+    model: str = ""
+    hub_model: str | None = None
+    hub_runner: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    max_batch_size: int = 32
+    batch_wait_ms: float = 5.0
+    max_backlog: int = 1024
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ConfigError(
+                f"stage name {self.name!r} must be lower-case letters, digits, '-' or '_'"
+            )
+        if self.max_batch_size < 1:
+            raise ConfigError(f"stage {self.name!r}: max_batch_size must be >= 1")
+        if self.batch_wait_ms < 0:
+            raise ConfigError(f"stage {self.name!r}: batch_wait_ms must be >= 0")
+        if self.max_backlog < 1:
+            raise ConfigError(f"stage {self.name!r}: max_backlog must be >= 1")
+
+    @property
+    def single_text(self) -> bool:
+        """Whether ``GET /v1/{name}?text=...`` can build this stage's input."""
+        required = {n for n, f in self.input_model.model_fields.items() if f.is_required()}
+        return required == {"text"}
+
+    def model_for(self, profile: Profile) -> str:
+        """The model spec to load under ``profile``."""
+        if profile == "hub" and self.hub_model:
+            return self.hub_model
+        return self.model
+
+    def factory(self, profile: Profile = "offline") -> Callable[..., Model]:
+        """Resolve the runner of ``profile`` to a callable (importing it if named by path)."""
+        runner = self.hub_runner if profile == "hub" and self.hub_runner else self.runner
+        if not isinstance(runner, str):
+            return runner
+        module_name, _, attr = runner.partition(":")
+        if not module_name or not attr:
+            raise ConfigError(f"stage {self.name!r}: runner {runner!r} is not 'module:attr'")
+        try:
+            found: Callable[..., Model] = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(
+                f"stage {self.name!r}: cannot import runner {runner!r}: {exc}"
+            ) from exc
+        return found
+
+
+BUILTIN: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        Stage(
+            "embed",
+            TextIn,
+            "workers.hf:Embedder",
+            model="minilm",
+            hub_model="sentence-transformers/all-MiniLM-L6-v2",
+            max_batch_size=32,
+            summary="Sentence embedding (mean-pooled, L2-normalised).",
+        ),
+        Stage(
+            "sentiment",
+            TextIn,
+            "workers.hf:TextClassifier",
+            model="tiny:sentiment",
+            hub_model="distilbert-base-uncased-finetuned-sst-2-english",
+            summary="Sentiment: POSITIVE or NEGATIVE with a score.",
+        ),
+        Stage(
+            "ner",
+            TextIn,
+            "workers.hf:TokenClassifier",
+            model="tiny:ner",
+            hub_model="dslim/bert-base-NER",
+            summary="Named entities, aggregated over sub-words.",
+        ),
+        Stage(
+            "summarize",
+            TextIn,
+            "workers.hf:ExtractiveSummarizer",
+            model="minilm",
+            hub_model="sshleifer/distilbart-cnn-12-6",
+            hub_runner="workers.hf:Summarizer",
+            max_batch_size=8,
+            summary="Summary of a text.",
+        ),
+        Stage(
+            "generate",
+            GenerateIn,
+            "workers.hf:Generator",
+            model="tiny:generate",
+            hub_model="gpt2",
+            max_batch_size=8,
+            summary="Text continuation.",
+        ),
+        Stage(
+            "echo",
+            AnyIn,
+            "workers.runners:Echo",
+            summary="Returns its input: measures serving overhead without a model.",
+        ),
+    )
+}
+
+DEFAULT_STAGES = ("embed", "sentiment", "ner", "summarize", "generate")
+"""What ``conveyor up`` serves when no ``--pipelines`` are given."""
+
+
+def get_stage(name: str) -> Stage:
+    """The built-in stage called ``name``.
+
+    Raises:
+        UnknownStage: with the list of known names.
+    """
+    try:
+        return BUILTIN[name]
+    except KeyError:
+        raise UnknownStage(f"unknown stage {name!r}; known: {', '.join(sorted(BUILTIN))}") from None
+
+
+def parse_stage_list(spec: str | None) -> list[Stage]:
+    """Stages named in a comma-separated list (``None`` or empty: the defaults)."""
+    names = [n.strip() for n in (spec or "").split(",") if n.strip()] or list(DEFAULT_STAGES)
+    return [get_stage(n) for n in names]

@@ -1,0 +1,235 @@
+"""Per-stage counters and histograms kept in Redis, and their Prometheus rendering.
+
+Workers add to a stage's stats hash inside the same MULTI/EXEC that publishes a batch's
+results and acks it, so the counts can never disagree with what was acknowledged. Any
+process (gateway ``/metrics``, ``conveyor status``) renders them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from pipelines.keys import GROUP, Keys
+
+OUTCOMES = ("ok", "error", "expired")
+
+BUCKETS: dict[str, tuple[float, ...]] = {
+    "batch_size": (1, 2, 4, 8, 16, 32, 64, 128, 256),
+    "queue_wait_seconds": (
+        0.001,
+        0.0025,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1,
+        2.5,
+        5,
+        10,
+        30,
+    ),
+    "run_seconds": (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+}
+
+
+def _le(value: float) -> str:
+    return "+Inf" if value == float("inf") else f"{value:g}"
+
+
+class Histogram:
+    """Cumulative-bucket histogram; ``observe`` is cheap and local.
+
+    Args:
+        bounds: upper bounds of the finite buckets, ascending.
+    """
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Add one observation."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def fields(self, name: str) -> dict[str, float]:
+        """Non-zero per-bucket increments as stats-hash fields (``h:name:le``)."""
+        out: dict[str, float] = {}
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            if count:
+                out[f"h:{name}:{_le(bound)}"] = count
+        out[f"h:{name}:sum"] = self.sum
+        out[f"h:{name}:count"] = sum(self.counts)
+        return out
+
+
+def batch_fields(
+    outcomes: Mapping[str, int], batch_size: int, waits: Iterable[float], run_s: float
+) -> dict[str, float]:
+    """The increments one batch adds to its stage's stats hash."""
+    fields: dict[str, float] = {f"items:{k}": v for k, v in outcomes.items() if v}
+    fields["batches"] = 1
+    size = Histogram(BUCKETS["batch_size"])
+    size.observe(batch_size)
+    wait = Histogram(BUCKETS["queue_wait_seconds"])
+    for w in waits:
+        wait.observe(w)
+    run = Histogram(BUCKETS["run_seconds"])
+    run.observe(run_s)
+    fields.update(size.fields("batch_size"))
+    fields.update(wait.fields("queue_wait_seconds"))
+    fields.update(run.fields("run_seconds"))
+    return fields
+
+
+def labels(**values: str) -> str:
+    """Prometheus label set text, values escaped."""
+    inner = ",".join(
+        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in values.items()
+    )
+    return "{" + inner + "}"
+
+
+def histogram_lines(
+    metric: str, bounds: Sequence[float], per_bucket: Sequence[float], total: float, **lab: str
+) -> list[str]:
+    """Exposition lines of one histogram series from per-bucket (non-cumulative) counts."""
+    lines = []
+    running = 0.0
+    for bound, count in zip((*bounds, float("inf")), per_bucket, strict=True):
+        running += count
+        lines.append(f"{metric}_bucket{labels(**lab, le=_le(bound))} {running:g}")
+    lines.append(f"{metric}_sum{labels(**lab)} {total:g}")
+    lines.append(f"{metric}_count{labels(**lab)} {running:g}")
+    return lines
+
+
+async def read_stats(client: aioredis.Redis, keys: Keys, stage: str) -> dict[str, float]:
+    """A stage's stats hash as floats (empty when the stage never ran)."""
+    raw: dict[bytes, bytes] = await client.hgetall(keys.stage_stats(stage))
+    return {k.decode(): float(v) for k, v in raw.items()}
+
+
+@dataclass
+class StageStatus:
+    """Queue state of one stage.
+
+    Attributes:
+        stage: the stage name.
+        length: entries in the stream (trimmed ones excluded).
+        lag: entries not yet delivered to any worker.
+        pending: delivered but not yet acknowledged.
+        consumers: per consumer: name, pending, idle_ms.
+    """
+
+    stage: str
+    length: int = 0
+    lag: int = 0
+    pending: int = 0
+    consumers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def backlog(self) -> int:
+        """Work admitted but not finished: undelivered plus in flight."""
+        return self.lag + self.pending
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def _group_counts(
+    client: aioredis.Redis, stream: str, lag_cap: int
+) -> tuple[int, int] | None:
+    """(lag, pending) of the workers' group; None when the stream or group is absent."""
+    try:
+        groups = await client.xinfo_groups(stream)
+    except ResponseError:  # no such stream yet
+        return None
+    group = next((g for g in groups if _text(g["name"]) == GROUP), None)
+    if group is None:
+        return None
+    lag = group.get("lag")
+    if lag is None:
+        # Redis < 7, or lag unknown after deletions: count what is past the cursor.
+        last = _text(group["last-delivered-id"])
+        lag = len(await client.xrange(stream, min=f"({last}", max="+", count=lag_cap))
+    return int(lag), int(group["pending"])
+
+
+async def stage_backlog(
+    client: aioredis.Redis, keys: Keys, stage: str, *, lag_cap: int = 100_000
+) -> int:
+    """Items admitted to a stage and not yet finished (undelivered + pending)."""
+    stream = keys.stage_stream(stage)
+    counts = await _group_counts(client, stream, lag_cap)
+    if counts is None:
+        return int(await client.xlen(stream))
+    return sum(counts)
+
+
+async def stage_status(
+    client: aioredis.Redis, keys: Keys, stage: str, *, lag_cap: int = 100_000
+) -> StageStatus:
+    """Length, lag, pending and consumers of a stage's stream.
+
+    Args:
+        client: Redis client.
+        keys: key names.
+        stage: the stage.
+        lag_cap: where the server cannot report lag (Redis < 7), it is counted by a
+            range read of at most this many entries.
+    """
+    stream = keys.stage_stream(stage)
+    status = StageStatus(stage, length=int(await client.xlen(stream)))
+    counts = await _group_counts(client, stream, lag_cap)
+    if counts is None:
+        status.lag = status.length
+        return status
+    status.lag, status.pending = counts
+    for c in await client.xinfo_consumers(stream, GROUP):
+        status.consumers.append(
+            {"name": _text(c["name"]), "pending": int(c["pending"]), "idle_ms": int(c["idle"])}
+        )
+    return status
+
+
+async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Iterable[str]) -> str:
+    """Prometheus text for the counters, histograms and queue gauges of ``stages``."""
+    out: list[str] = [
+        "# TYPE conveyor_stage_items_total counter",
+        "# TYPE conveyor_stage_batches_total counter",
+        "# TYPE conveyor_stage_backlog gauge",
+        "# TYPE conveyor_stage_pending gauge",
+        "# TYPE conveyor_stage_consumers gauge",
+    ]
+    out += [f"# TYPE conveyor_stage_{name} histogram" for name in BUCKETS]
+    for stage in stages:
+        stats = await read_stats(client, keys, stage)
+        for outcome in OUTCOMES:
+            value = stats.get(f"items:{outcome}", 0)
+            out.append(
+                f"conveyor_stage_items_total{labels(stage=stage, outcome=outcome)} {value:g}"
+            )
+        out.append(f"conveyor_stage_batches_total{labels(stage=stage)} {stats.get('batches', 0):g}")
+        for name, bounds in BUCKETS.items():
+            per = [stats.get(f"h:{name}:{_le(b)}", 0.0) for b in (*bounds, float("inf"))]
+            out += histogram_lines(
+                f"conveyor_stage_{name}", bounds, per, stats.get(f"h:{name}:sum", 0.0), stage=stage
+            )
+        st = await stage_status(client, keys, stage)
+        out.append(f"conveyor_stage_backlog{labels(stage=stage)} {st.lag}")
+        out.append(f"conveyor_stage_pending{labels(stage=stage)} {st.pending}")
+        out.append(f"conveyor_stage_consumers{labels(stage=stage)} {len(st.consumers)}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,74 @@
+"""Shared fixtures: a real redis-server for the session, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from pipelines.embedded import free_port, start_redis
+from pipelines.settings import CommonSettings
+from tests.helpers import Harness
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free loopback port (or CONVEYOR_TEST_REDIS_URL)."""
+    given = os.environ.get("CONVEYOR_TEST_REDIS_URL")
+    if given:
+        yield given
+        return
+    port = free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where tiny models are generated, once per session."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A namespace no other test uses."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def env(redis_url: str, namespace: str, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point every settings class at the test's Redis and namespace."""
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", redis_url)
+    monkeypatch.setenv("CONVEYOR_NAMESPACE", namespace)
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(cache_dir))
+
+
+@pytest.fixture
+async def redis(env: None) -> AsyncIterator[aioredis.Redis]:
+    """A client on the test's Redis."""
+    client = aioredis.Redis.from_url(CommonSettings().redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def harness(env: None, redis: aioredis.Redis) -> AsyncIterator[Harness]:
+    """Builds workers and gateways on the test's namespace and tears them down."""
+    h = Harness(redis)
+    try:
+        yield h
+    finally:
+        await h.close()

@@ -1,0 +1,147 @@
+"""Test harness: real workers and gateways on a test's own namespace, and small models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from pipelines.envelope import Request, encode, new_request_id
+from pipelines.model import Item, Model, Result
+from pipelines.settings import CommonSettings
+from pipelines.stages import Stage
+from workers.loop import Worker
+from workers.settings import WorkerSettings
+
+
+class NumberIn(BaseModel):
+    """Input of the test stages."""
+
+    model_config = ConfigDict(extra="forbid")
+    value: int
+    fail: bool = False
+
+
+class Doubler:
+    """Doubles ``value``; fails an item with ``fail``; records every batch it ran."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.batches: list[list[int]] = []
+        self.lock = threading.Lock()
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Double each value (after ``delay_s``, standing in for model time)."""
+        with self.lock:
+            self.batches.append([i["value"] for i in items])
+        if self.delay_s:
+            time.sleep(self.delay_s)  # the model's own cost, in its thread
+        if any(i["fail"] for i in items):
+            raise ValueError("poisoned item")
+        return [{"value": i["value"] * 2} for i in items]
+
+
+class WrongCount:
+    """Breaks the batch contract: always one result short."""
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Return one result fewer than items."""
+        return [{"value": 0}] * (len(items) - 1)
+
+
+def number_stage(name: str = "double", **options: Any) -> Stage:
+    """A test stage on :class:`NumberIn` (its model is passed to the worker directly)."""
+    return Stage(name, NumberIn, runner="tests.helpers:Doubler", **options)
+
+
+class Harness:
+    """Starts workers and gateways for one test and stops them after it.
+
+    Args:
+        redis: a client on the test's Redis.
+    """
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self.settings = CommonSettings()
+        self.keys = self.settings.keys
+        self._tasks: list[asyncio.Task[int]] = []
+        self._workers: list[Worker] = []
+        self._stack = contextlib.AsyncExitStack()
+
+    def worker(self, stage: Stage, model: Model | None = None, **overrides: Any) -> Worker:
+        """A worker for ``stage`` (not yet running)."""
+        w = Worker(stage, WorkerSettings(**overrides), model)
+        self._workers.append(w)
+        return w
+
+    def run(self, worker: Worker, **kwargs: Any) -> asyncio.Task[int]:
+        """Run ``worker`` in the background until it stops or the test ends."""
+        task = asyncio.create_task(worker.run(**kwargs))
+        self._tasks.append(task)
+        return task
+
+    async def gateway(self, stages: list[Stage], **overrides: Any) -> httpx.AsyncClient:
+        """An HTTP client on a started gateway app routing ``stages``."""
+        app: FastAPI = create_app(GatewaySettings(**overrides), stages)
+        await self._stack.enter_async_context(app.router.lifespan_context(app))
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gateway"
+        )
+        await self._stack.enter_async_context(client)
+        return client
+
+    async def enqueue(
+        self,
+        stage: str,
+        payloads: list[dict[str, Any]],
+        *,
+        deadline_in: float = 60.0,
+        reply_to: str | None = None,
+    ) -> list[Request]:
+        """XADD requests straight to a stage stream, as a gateway would."""
+        now = time.time()
+        requests = [
+            Request(
+                id=new_request_id(),
+                pipeline=stage,
+                stage=stage,
+                payload=p,
+                deadline=now + deadline_in,
+                reply_to=reply_to or self.keys.reply_stream("test"),
+            )
+            for p in payloads
+        ]
+        pipe = self.redis.pipeline(transaction=False)
+        for r in requests:
+            pipe.xadd(self.keys.stage_stream(stage), encode(r))
+        await pipe.execute()
+        return requests
+
+    async def stats(self, stage: str) -> dict[str, int]:
+        """The stage's integer counters from its Redis stats hash."""
+        raw = await self.redis.hgetall(self.keys.stage_stats(stage))
+        return {k.decode(): int(float(v)) for k, v in raw.items() if b":sum" not in k}
+
+    async def close(self) -> None:
+        """Stop every worker and gateway started through the harness."""
+        for w in self._workers:
+            w.stop()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=10)
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._stack.aclose()
+        for w in self._workers:
+            await w.close()

@@ -1,0 +1,174 @@
+"""The batch window, the batch contract, and what a batch publishes (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from pipelines.envelope import decode_reply
+from pipelines.keys import GROUP
+from tests.helpers import Doubler, Harness, WrongCount, number_stage
+
+
+async def replies(redis: aioredis.Redis, harness: Harness) -> dict[str, dict[str, object]]:
+    entries = await redis.xrange(harness.keys.reply_stream("test"))
+    out = {}
+    for _, fields in entries:
+        reply = decode_reply(fields)
+        out[reply.id] = reply.model_dump()
+    return out
+
+
+async def test_full_batch_goes_at_once(harness: Harness) -> None:
+    stage = number_stage(max_batch_size=4, batch_wait_ms=60_000)
+    model = Doubler()
+    await harness.enqueue("double", [{"value": i} for i in range(4)])
+    worker = harness.worker(stage, model)
+    assert await worker.run(max_batches=1) == 1
+    (record,) = worker.history
+    assert record.size == 4
+    # A 60 s window was not waited for: a full batch closes at once.
+    assert record.closed_at * 1000 - record.oldest_ms < 10_000
+    assert model.batches == [[0, 1, 2, 3]]
+
+
+async def test_partial_batch_closes_when_window_ends(harness: Harness) -> None:
+    stage = number_stage(max_batch_size=16, batch_wait_ms=400)
+    worker = harness.worker(stage, Doubler())
+    await harness.enqueue("double", [{"value": i} for i in range(3)])
+    assert await worker.run(max_batches=1) == 1
+    (record,) = worker.history
+    assert record.size == 3
+    waited_ms = record.closed_at * 1000 - record.oldest_ms
+    assert 400 - 2 <= waited_ms < 400 + 500
+
+
+async def test_window_is_timed_from_oldest_arrival_not_from_read(harness: Harness) -> None:
+    stage = number_stage(max_batch_size=16, batch_wait_ms=1000)
+    worker = harness.worker(stage, Doubler())
+    await worker.start()  # model and connection ready, so reading starts at once below
+    await harness.enqueue("double", [{"value": 1}])
+    await asyncio.sleep(0.8)  # the entry ages before any worker reads it
+    assert await worker.run(max_batches=1) == 1
+    (record,) = worker.history
+    waited_ms = record.closed_at * 1000 - record.oldest_ms
+    # Closes ~1000 ms after arrival; a window started at read time would close >= 1800.
+    assert 1000 - 2 <= waited_ms < 1500
+
+
+async def test_window_does_not_restart_with_each_arrival(harness: Harness) -> None:
+    stage = number_stage(max_batch_size=100, batch_wait_ms=1000)
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    task = harness.run(worker, max_batches=1)
+    await harness.enqueue("double", [{"value": 0}])
+    for value in (1, 2):
+        await asyncio.sleep(0.3)  # arrivals spread over the window
+        await harness.enqueue("double", [{"value": value}])
+    assert await task == 1
+    (record,) = worker.history
+    assert record.size == 3
+    waited_ms = record.closed_at * 1000 - record.oldest_ms
+    # A window restarted by the last arrival (+600 ms) would close >= 1600 ms.
+    assert 1000 - 2 <= waited_ms < 1500
+
+
+async def test_results_acked_and_counted_in_one_go(harness: Harness, redis: aioredis.Redis) -> None:
+    stage = number_stage(max_batch_size=8, batch_wait_ms=0)
+    sent = await harness.enqueue("double", [{"value": i} for i in range(20)])
+    worker = harness.worker(stage, Doubler())
+    await worker.run(burst=True)
+    got = await replies(redis, harness)
+    assert {r.id: r.payload["value"] * 2 for r in sent} == {
+        rid: r["result"]["value"] for rid, r in got.items()  # type: ignore[index]
+    }
+    pending = await redis.xpending(harness.keys.stage_stream("double"), GROUP)
+    assert pending["pending"] == 0
+    stats = await harness.stats("double")
+    assert stats["items:ok"] == 20
+    assert stats["batches"] == len(worker.history)
+    assert stats["h:batch_size:count"] == len(worker.history)
+    assert stats["h:queue_wait_seconds:count"] == 20
+
+
+async def test_expired_entries_are_not_run(harness: Harness, redis: aioredis.Redis) -> None:
+    stage = number_stage(max_batch_size=8, batch_wait_ms=0)
+    model = Doubler()
+    stale = await harness.enqueue("double", [{"value": 1}, {"value": 2}], deadline_in=-1)
+    fresh = await harness.enqueue("double", [{"value": 3}])
+    await harness.worker(stage, model).run(burst=True)
+    got = await replies(redis, harness)
+    assert [got[r.id]["outcome"] for r in stale] == ["expired", "expired"]
+    assert got[fresh[0].id]["outcome"] == "ok"
+    assert model.batches == [[3]]
+    stats = await harness.stats("double")
+    assert (stats["items:expired"], stats["items:ok"]) == (2, 1)
+
+
+async def test_failing_item_fails_alone(harness: Harness, redis: aioredis.Redis) -> None:
+    stage = number_stage(max_batch_size=8, batch_wait_ms=0)
+    payloads = [{"value": i, "fail": i == 5} for i in range(8)]
+    sent = await harness.enqueue("double", payloads)
+    await harness.worker(stage, Doubler()).run(burst=True)
+    got = await replies(redis, harness)
+    outcomes = [got[r.id]["outcome"] for r in sent]
+    assert outcomes == ["ok"] * 5 + ["error"] + ["ok"] * 2
+    assert "poisoned item" in str(got[sent[5].id]["error"])
+    assert [got[r.id]["result"] for r in sent if r.payload["value"] != 5] == [
+        {"value": 2 * i} for i in range(8) if i != 5
+    ]
+    stats = await harness.stats("double")
+    assert (stats["items:ok"], stats["items:error"]) == (7, 1)
+
+
+async def test_batch_contract_is_enforced(harness: Harness, redis: aioredis.Redis) -> None:
+    stage = number_stage(max_batch_size=4, batch_wait_ms=0)
+    sent = await harness.enqueue("double", [{"value": i} for i in range(4)])
+    await harness.worker(stage, WrongCount()).run(burst=True)
+    got = await replies(redis, harness)
+    for r in sent:
+        assert got[r.id]["outcome"] == "error"
+        assert "one result per item" in str(got[r.id]["error"])
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {b"e": b"\x80\x04\x95\x00"},  # a pickle header: never unpickled, just refused
+        {b"e": b'{"v": 99}'},
+        {b"other": b"x"},
+    ],
+)
+async def test_malformed_entry_is_dropped_without_harming_others(
+    harness: Harness, redis: aioredis.Redis, raw: dict[bytes, bytes]
+) -> None:
+    stage = number_stage(max_batch_size=8, batch_wait_ms=0)
+    await redis.xadd(harness.keys.stage_stream("double"), raw)  # type: ignore[arg-type]
+    sent = await harness.enqueue("double", [{"value": 4}])
+    await harness.worker(stage, Doubler()).run(burst=True)
+    got = await replies(redis, harness)
+    assert got[sent[0].id]["result"] == {"value": 8}
+    pending = await redis.xpending(harness.keys.stage_stream("double"), GROUP)
+    assert pending["pending"] == 0
+    assert (await harness.stats("double"))["items:error"] == 1
+
+
+async def test_two_workers_share_a_stage_without_duplicates(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    stage = number_stage(max_batch_size=8, batch_wait_ms=0)
+    sent = await harness.enqueue("double", [{"value": i} for i in range(200)])
+    a = harness.worker(stage, Doubler(delay_s=0.005))
+    b = harness.worker(stage, Doubler(delay_s=0.005))
+    await asyncio.gather(a.start(), b.start())
+    await asyncio.gather(a.run(burst=True), b.run(burst=True))
+    ids_a = [i for rec in a.history for i in rec.request_ids]
+    ids_b = [i for rec in b.history for i in rec.request_ids]
+    assert ids_a
+    assert ids_b
+    assert sorted(ids_a + ids_b) == sorted(r.id for r in sent)  # each exactly once
+    assert len(await replies(redis, harness)) == 200
+    consumers = await redis.xinfo_consumers(harness.keys.stage_stream("double"), GROUP)
+    assert len(consumers) == 2

@@ -1,0 +1,1 @@
+"""conveyor's execution runtime: batch assembly, model runners, publishing."""

@@ -1,0 +1,332 @@
+"""Hugging Face runners that produce text: abstractive and extractive summaries, generation.
+
+Same contract as :mod:`workers.hf`: built once per worker process with ``model``,
+``device``, ``dtype``, ``cache_dir`` and the options below, then called with whole batches
+(one tokenizer call, one ``generate`` call). Results hold plain JSON types only.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from pipelines.model import Item, Result
+from workers.hf import MAX_LENGTH_CAP, Embedder, HFRunner, item_texts
+
+logger = logging.getLogger(__name__)
+
+
+class Summarizer(HFRunner):
+    """Abstractive summaries from a sequence-to-sequence model (BART, T5, Pegasus, ...).
+
+    Transformers 5 has no summarization pipeline, so this calls ``generate`` directly.
+    Result per item: ``{"summary": str}``.
+
+    Args:
+        model: hub id, local path or ``"tiny:summarize"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        cache_dir: where generated models are kept.
+        max_new_tokens: most tokens per summary.
+        num_beams: beam width; 1 is greedy decoding.
+        min_new_tokens: fewest tokens per summary (end-of-sequence is suppressed until then).
+        max_length: most input tokens per text; longer texts are truncated.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        cache_dir: str,
+        max_new_tokens: int = 60,
+        num_beams: int = 1,
+        min_new_tokens: int = 0,
+        max_length: int = MAX_LENGTH_CAP,
+    ) -> None:
+        if max_new_tokens < 1 or num_beams < 1:
+            raise ValueError(
+                f"max_new_tokens and num_beams must be at least 1, got {max_new_tokens}, {num_beams}"
+            )
+        if not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}"
+            )
+        super().__init__(
+            AutoModelForSeq2SeqLM,
+            model=model,
+            device=device,
+            dtype=dtype,
+            cache_dir=cache_dir,
+            max_length=max_length,
+        )
+        self.max_new_tokens = max_new_tokens
+        self.num_beams = num_beams
+        self.min_new_tokens = min_new_tokens
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Summarize each item's text.
+
+        Args:
+            items: ``{"text": str}`` dicts.
+
+        Returns:
+            ``{"summary": str}`` per item.
+        """
+        if not items:
+            return []
+        encoding = self.encode(item_texts(items))
+        with torch.inference_mode():
+            # Only ids and mask: BERT-style tokenizers also return token_type_ids, which
+            # seq2seq models reject.
+            output = self.model.generate(
+                input_ids=encoding["input_ids"],
+                attention_mask=encoding["attention_mask"],
+                max_new_tokens=self.max_new_tokens,
+                min_new_tokens=self.min_new_tokens,
+                num_beams=self.num_beams,
+                do_sample=False,
+            )
+        summaries = self.tokenizer.batch_decode(output, skip_special_tokens=True)
+        return [{"summary": summary.strip()} for summary in summaries]
+
+
+class Generator(HFRunner):
+    """Continuations from a decoder-only (causal) language model.
+
+    Prompts are left-padded so that every row's last prompt token sits at the end of the
+    batch and generation continues from it. An item may carry its own ``max_new_tokens``;
+    the batch generates once up to the largest and each row is cut to its own limit (and at
+    its first end-of-sequence). Result per item: ``{"generated_text": str}``, the new text
+    only, without the prompt.
+
+    Args:
+        model: hub id, local path or ``"tiny:generate"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        cache_dir: where generated models are kept.
+        max_new_tokens: default new tokens per item, when the item has no ``max_new_tokens``.
+        max_new_tokens_limit: the most an item may ask for; items above it are refused.
+        do_sample: sample instead of greedy decoding.
+        temperature: sampling temperature (only with ``do_sample``).
+        top_p: nucleus sampling mass (only with ``do_sample``).
+        max_length: most prompt tokens; longer prompts keep their end.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        cache_dir: str,
+        max_new_tokens: int = 32,
+        max_new_tokens_limit: int = 512,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_length: int = MAX_LENGTH_CAP,
+    ) -> None:
+        if not 1 <= max_new_tokens <= max_new_tokens_limit:
+            raise ValueError(
+                f"max_new_tokens must be in [1, max_new_tokens_limit={max_new_tokens_limit}], "
+                f"got {max_new_tokens}"
+            )
+        super().__init__(
+            AutoModelForCausalLM,
+            model=model,
+            device=device,
+            dtype=dtype,
+            cache_dir=cache_dir,
+            max_length=max_length,
+        )
+        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self.sampling: dict[str, float | bool] = {"do_sample": do_sample}
+        if do_sample:
+            self.sampling.update(temperature=temperature, top_p=top_p)
+        self.tokenizer.padding_side = "left"
+        # A prompt's end is what the continuation follows, so truncation drops its start.
+        self.tokenizer.truncation_side = "left"
+        if self.tokenizer.pad_token is None:
+            # Padding positions are masked out, so any id will do; EOS always exists.
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {i for i in [*eos_ids, self.tokenizer.eos_token_id] if i is not None}
+
+    def _limits(self, items: list[Item]) -> list[int]:
+        limits = []
+        for index, item in enumerate(items):
+            limit = item.get("max_new_tokens", self.max_new_tokens)
+            if isinstance(limit, bool) or not isinstance(limit, int):
+                raise ValueError(f"item {index}: max_new_tokens must be an integer, got {limit!r}")
+            if not 1 <= limit <= self.max_new_tokens_limit:
+                raise ValueError(
+                    f"item {index}: max_new_tokens must be in [1, {self.max_new_tokens_limit}], "
+                    f"got {limit}"
+                )
+            limits.append(limit)
+        return limits
+
+    def generate_ids(self, items: list[Item]) -> list[list[int]]:
+        """Generate the new token ids for each item.
+
+        Args:
+            items: ``{"text": str, "max_new_tokens": int (optional)}`` dicts.
+
+        Returns:
+            Per item, its new token ids: at most its ``max_new_tokens``, ending before the
+            first end-of-sequence token.
+
+        Raises:
+            ValueError: an item's ``max_new_tokens`` is not an integer in range, or the
+                model's position table cannot fit any prompt plus that many tokens.
+        """
+        if not items:
+            return []
+        limits = self._limits(items)
+        budget = max(limits)
+        prompt_length = self.max_length
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(positions, int):
+            # Absolute-position models cannot run past their table: leave room for the output.
+            prompt_length = min(prompt_length, positions - budget)
+            if prompt_length < 1:
+                raise ValueError(
+                    f"max_new_tokens={budget} leaves no room for a prompt in {positions} positions"
+                )
+        encoding = self.encode(item_texts(items), max_length=prompt_length)
+        with torch.inference_mode():
+            # generate() derives position ids from the attention mask, so left padding
+            # does not shift the positions of absolute-position models such as GPT-2.
+            output = self.model.generate(
+                input_ids=encoding["input_ids"],
+                attention_mask=encoding["attention_mask"],
+                max_new_tokens=budget,
+                pad_token_id=self.tokenizer.pad_token_id,
+                **self.sampling,
+            )
+        rows: list[list[int]] = output[:, encoding["input_ids"].shape[1] :].tolist()
+        results = []
+        for row, limit in zip(rows, limits, strict=True):
+            row = row[:limit]
+            end = next((i for i, token in enumerate(row) if token in self.eos_ids), len(row))
+            results.append(row[:end])
+        return results
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Continue each item's text.
+
+        Args:
+            items: ``{"text": str, "max_new_tokens": int (optional)}`` dicts.
+
+        Returns:
+            ``{"generated_text": str}`` per item (the continuation only).
+        """
+        return [
+            {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}
+            for ids in self.generate_ids(items)
+        ]
+
+
+# A sentence ends at . ! or ? (optionally followed by a closing quote or bracket) and
+# whitespace; a line break always ends one. Abbreviations ("e.g. this") split wrongly,
+# which costs little here: a fragment is simply a less central "sentence".
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'”’)\]])\s+|\s*\n\s*")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split text into sentences with a simple punctuation rule.
+
+    Args:
+        text: any text.
+
+    Returns:
+        The non-empty sentences, stripped, in order.
+    """
+    return [part.strip() for part in _SENTENCE_BREAK.split(text) if part.strip()]
+
+
+class ExtractiveSummarizer:
+    """Extractive summaries: the sentences closest in meaning to the whole document.
+
+    Each text is split into sentences; the sentences are embedded with a real sentence
+    encoder (all sentences of the batch together, in chunks of ``batch_size``), scored by
+    cosine similarity to the mean of the text's sentence embeddings, and the best
+    ``num_sentences`` are kept in their original order. A text with no more sentences than
+    that is returned as it is. Result per item: ``{"summary": str}``.
+
+    Args:
+        model: the sentence encoder: ``"minilm"`` (bundled), a hub id or a local path.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        cache_dir: where generated models are kept.
+        num_sentences: sentences per summary.
+        batch_size: most sentences per forward pass.
+        max_length: most tokens per sentence.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str = "minilm",
+        device: str = "auto",
+        dtype: str = "auto",
+        cache_dir: str,
+        num_sentences: int = 3,
+        batch_size: int = 64,
+        max_length: int = MAX_LENGTH_CAP,
+    ) -> None:
+        if num_sentences < 1:
+            raise ValueError(f"num_sentences must be at least 1, got {num_sentences}")
+        started = time.perf_counter()
+        self.embedder = Embedder(
+            model=model,
+            device=device,
+            dtype=dtype,
+            cache_dir=cache_dir,
+            normalize=True,
+            batch_size=batch_size,
+            max_length=max_length,
+        )
+        self.num_sentences = num_sentences
+        logger.info(
+            "ExtractiveSummarizer loaded %s on %s as %s in %.2fs (num_sentences=%d)",
+            self.embedder.model_path,
+            self.embedder.device,
+            self.embedder.dtype,
+            time.perf_counter() - started,
+            num_sentences,
+        )
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Summarize each item's text by picking its most central sentences.
+
+        Args:
+            items: ``{"text": str}`` dicts.
+
+        Returns:
+            ``{"summary": str}`` per item.
+        """
+        texts = item_texts(items)
+        documents = [split_sentences(text) for text in texts]
+        to_rank = [i for i, sentences in enumerate(documents) if len(sentences) > self.num_sentences]
+        embeddings = self.embedder.embed([s for i in to_rank for s in documents[i]])
+        results: list[Result] = [{"summary": text} for text in texts]
+        offset = 0
+        for i in to_rank:
+            sentences = documents[i]
+            vectors = embeddings[offset : offset + len(sentences)]
+            offset += len(sentences)
+            # Rows are unit vectors, so a dot product with the normalised centroid is the
+            # cosine similarity.
+            centroid = torch.nn.functional.normalize(vectors.mean(dim=0), dim=0)
+            best = (vectors @ centroid).topk(self.num_sentences).indices.tolist()
+            results[i] = {"summary": " ".join(sentences[j] for j in sorted(best))}
+        return results

@@ -1,0 +1,66 @@
+"""The worker process's settings, read from ``CONVEYOR_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from pipelines.settings import CommonSettings
+
+
+def _default_cache() -> str:
+    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "conveyor")
+
+
+class WorkerSettings(CommonSettings):
+    """Settings of one worker process (one stage, one model).
+
+    Attributes:
+        model_profile: ``offline`` loads models that need no network (MiniLM from its
+            PyPI package, tiny generated models); ``hub`` loads the real HF models.
+        models: per-stage model override, e.g. ``{"generate": "gpt2"}`` (JSON in env).
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
+        threads: torch intra-op threads for this process (unset: torch's default).
+        cache_dir: where generated models are kept.
+        max_batch_size: overrides the stage's bound when set.
+        batch_wait_ms: overrides the stage's window when set.
+        max_concurrent_batches: batches read ahead and in flight at once (the model
+            itself runs one batch at a time; the next is assembled meanwhile).
+        block_ms: how long one idle read blocks (also bounds how fast a stop is seen).
+        reply_maxlen: approximate cap on each reply stream's length.
+        reply_ttl_s: a reply stream nobody writes to expires after this long.
+    """
+
+    model_profile: Literal["offline", "hub"] = "offline"
+    models: dict[str, str] = Field(default_factory=dict)
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = Field(default=None, ge=1)
+    cache_dir: str = Field(default_factory=_default_cache)
+    max_batch_size: int | None = Field(default=None, ge=1, le=4096)
+    batch_wait_ms: float | None = Field(default=None, ge=0, le=60_000)
+    max_concurrent_batches: int = Field(default=2, ge=1, le=64)
+    block_ms: int = Field(default=1000, ge=1, le=30_000)
+    reply_maxlen: int = Field(default=100_000, ge=100)
+    reply_ttl_s: int = Field(default=3600, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device_ok(cls, value: str) -> str:
+        head, _, index = value.partition(":")
+        if head not in {"auto", "cpu", "cuda"} or (
+            index and (head != "cuda" or not index.isdigit())
+        ):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype_ok(cls, value: str) -> str:
+        if value not in {"auto", "float32", "float16", "bfloat16"}:
+            raise ValueError("must be auto, float32, float16 or bfloat16")
+        return value
