@@ -12,10 +12,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pipelines.stats import BUCKETS, Histogram, histogram_lines, labels
 
 
-class BodyTooLarge(Exception):
-    """Raised from ``receive`` once a streamed body passes the limit."""
-
-
 class RequestMetrics:
     """Request counts by route and status, and latency histograms by route."""
 
@@ -71,35 +67,41 @@ class EdgeMiddleware:
             return
         started = time.perf_counter()
         status = 500
-        sent_start = False
+        refused = False
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status, sent_start
+            nonlocal status
+            if refused:  # the 413 is already out; drop what the app says after it
+                return
             if message["type"] == "http.response.start":
                 status = message["status"]
-                sent_start = True
             await send(message)
 
         seen = 0
 
         async def receive_wrapper() -> Message:
-            nonlocal seen
+            nonlocal seen, refused, status
             message = await receive()
-            if message["type"] == "http.request":
+            if message["type"] == "http.request" and not refused:
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
-                    raise BodyTooLarge
+                    # Answer now: the app's body parser would turn an exception into 400.
+                    await self._too_large(send)
+                    status, refused = 413, True
+                    return {"type": "http.disconnect"}
             return message
 
         try:
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-                raise BodyTooLarge
-            await self.app(scope, receive_wrapper, send_wrapper)
-        except BodyTooLarge:
-            if sent_start:
-                raise
-            await self._too_large(send_wrapper)
+                await self._too_large(send)
+                status = 413
+                return
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except Exception:
+                if not refused:
+                    raise
         finally:
             path = scope["path"]
             self.metrics.observe(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -64,7 +65,7 @@ class ReplyDispatcher:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            for _stream, entries in response or ():
+            for _stream, entries in cast(list[Any], response or []):
                 for entry_id, fields in entries:
                     self._last_id = entry_id.decode()
                     self._dispatch(entry_id, fields)

@@ -110,7 +110,7 @@ class Gateway:
             payload=payload,
             deadline=self.clock.now() + timeout_s,
             reply_to=self.reply_stream,
-            **({"trace_id": trace_id} if trace_id else {}),
+            trace_id=trace_id or new_request_id(),
         )
         future = self.replies.expect(request.id)
         try:

@@ -21,7 +21,7 @@ from types import FrameType
 
 from pipelines.embedded import free_port, start_redis
 from pipelines.errors import ConveyorError
-from pipelines.redisio import connect
+from pipelines.redisio import connect, text
 from pipelines.settings import CommonSettings
 from pipelines.stages import BUILTIN, parse_stage_list
 from pipelines.stats import stage_status
@@ -99,7 +99,7 @@ async def _status_async() -> int:
     settings = CommonSettings()
     client = connect(settings)
     try:
-        known = {m.decode() for m in await client.smembers(settings.keys.stages_set())}
+        known = {text(m) for m in await client.smembers(settings.keys.stages_set())}
         names = sorted(known | set(os.environ.get("CONVEYOR_PIPELINES", "").split(",")) - {""})
         print(f"{'stage':<14}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}  idle")
         for name in names or sorted(BUILTIN):

@@ -10,10 +10,12 @@ and validate is rejected with :class:`~pipelines.errors.EnvelopeError`.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.typing import EncodableT, FieldT
 
 from pipelines.errors import EnvelopeError
 
@@ -41,7 +43,7 @@ class Request(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    v: Literal[1] = VERSION
+    v: Literal[1] = 1
     id: str = Field(min_length=1, max_length=128)
     pipeline: str
     stage: str
@@ -67,7 +69,7 @@ class Reply(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    v: Literal[1] = VERSION
+    v: Literal[1] = 1
     id: str
     stage: str
     outcome: Outcome
@@ -81,19 +83,20 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def encode(message: Request | Reply) -> dict[bytes, bytes]:
+def encode(message: Request | Reply) -> dict[FieldT, EncodableT]:
     """Stream-entry fields for ``message`` (what XADD takes)."""
     return {FIELD: orjson.dumps(message.model_dump(mode="json"))}
 
 
-def _field(fields: dict[bytes, bytes]) -> bytes:
+def _field(fields: Mapping[Any, Any]) -> bytes:
     try:
-        return fields[FIELD]
+        value: bytes = fields[FIELD]
+        return value
     except KeyError:
         raise EnvelopeError(f"entry has no {FIELD.decode()!r} field") from None
 
 
-def decode_request(fields: dict[bytes, bytes]) -> Request:
+def decode_request(fields: Mapping[Any, Any]) -> Request:
     """Parse and validate a stage-stream entry.
 
     Args:
@@ -108,7 +111,7 @@ def decode_request(fields: dict[bytes, bytes]) -> Request:
         raise EnvelopeError(f"invalid request envelope: {exc.error_count()} error(s)") from exc
 
 
-def decode_reply(fields: dict[bytes, bytes]) -> Reply:
+def decode_reply(fields: Mapping[Any, Any]) -> Reply:
     """Parse and validate a reply-stream entry.
 
     Args:

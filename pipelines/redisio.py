@@ -62,6 +62,11 @@ class RedisClock:
         return time.time() + self.offset
 
 
+def text(value: object) -> str:
+    """A Redis reply value as ``str`` (redis-py returns bytes unless told otherwise)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def entry_ms(entry_id: bytes | str) -> int:
     """The arrival time (server milliseconds) that a stream id carries."""
     raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id

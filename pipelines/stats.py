@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import GROUP, Keys
+from pipelines.redisio import text
 
 OUTCOMES = ("ok", "error", "expired")
 
@@ -117,8 +118,8 @@ def histogram_lines(
 
 async def read_stats(client: aioredis.Redis, keys: Keys, stage: str) -> dict[str, float]:
     """A stage's stats hash as floats (empty when the stage never ran)."""
-    raw: dict[bytes, bytes] = await client.hgetall(keys.stage_stats(stage))
-    return {k.decode(): float(v) for k, v in raw.items()}
+    raw = await client.hgetall(keys.stage_stats(stage))
+    return {text(k): float(v) for k, v in raw.items()}
 
 
 @dataclass
@@ -145,10 +146,6 @@ class StageStatus:
         return self.lag + self.pending
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 async def _group_counts(
     client: aioredis.Redis, stream: str, lag_cap: int
 ) -> tuple[int, int] | None:
@@ -157,14 +154,14 @@ async def _group_counts(
         groups = await client.xinfo_groups(stream)
     except ResponseError:  # no such stream yet
         return None
-    group = next((g for g in groups if _text(g["name"]) == GROUP), None)
+    group = next((g for g in groups if text(g["name"]) == GROUP), None)
     if group is None:
         return None
     lag = group.get("lag")
     if lag is None:
         # Redis < 7, or lag unknown after deletions: count what is past the cursor.
-        last = _text(group["last-delivered-id"])
-        lag = len(await client.xrange(stream, min=f"({last}", max="+", count=lag_cap))
+        last = text(group["last-delivered-id"])
+        lag = len(await client.xrange(stream, min=f"({last}", max="+", count=lag_cap) or [])
     return int(lag), int(group["pending"])
 
 
@@ -200,7 +197,7 @@ async def stage_status(
     status.lag, status.pending = counts
     for c in await client.xinfo_consumers(stream, GROUP):
         status.consumers.append(
-            {"name": _text(c["name"]), "pending": int(c["pending"]), "idle_ms": int(c["idle"])}
+            {"name": text(c["name"]), "pending": int(c["pending"]), "idle_ms": int(c["idle"])}
         )
     return status
 

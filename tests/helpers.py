@@ -17,6 +17,7 @@ from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Request, encode, new_request_id
 from pipelines.model import Item, Model, Result
+from pipelines.redisio import text
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from workers.loop import Worker
@@ -80,7 +81,8 @@ class Harness:
 
     def worker(self, stage: Stage, model: Model | None = None, **overrides: Any) -> Worker:
         """A worker for ``stage`` (not yet running)."""
-        w = Worker(stage, WorkerSettings(**overrides), model)
+        # Short blocking reads so a stopped worker notices at once.
+        w = Worker(stage, WorkerSettings(**{"block_ms": 100, **overrides}), model)
         self._workers.append(w)
         return w
 
@@ -92,7 +94,8 @@ class Harness:
 
     async def gateway(self, stages: list[Stage], **overrides: Any) -> httpx.AsyncClient:
         """An HTTP client on a started gateway app routing ``stages``."""
-        app: FastAPI = create_app(GatewaySettings(**overrides), stages)
+        settings = GatewaySettings(**{"reply_block_ms": 100, **overrides})
+        app: FastAPI = create_app(settings, stages)
         await self._stack.enter_async_context(app.router.lifespan_context(app))
         client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://gateway"
@@ -130,7 +133,7 @@ class Harness:
     async def stats(self, stage: str) -> dict[str, int]:
         """The stage's integer counters from its Redis stats hash."""
         raw = await self.redis.hgetall(self.keys.stage_stats(stage))
-        return {k.decode(): int(float(v)) for k, v in raw.items() if b":sum" not in k}
+        return {text(k): int(float(v)) for k, v in raw.items() if b":sum" not in k}
 
     async def close(self) -> None:
         """Stop every worker and gateway started through the harness."""

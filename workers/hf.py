@@ -67,7 +67,9 @@ def resolve_device(spec: str) -> torch.device:
     if match is None:
         raise ValueError(f"invalid device {spec!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
     if not torch.cuda.is_available():
-        raise ValueError(f"device {spec!r} requested but CUDA is not available; use 'cpu' or 'auto'")
+        raise ValueError(
+            f"device {spec!r} requested but CUDA is not available; use 'cpu' or 'auto'"
+        )
     if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
         raise ValueError(
             f"device {spec!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)"
@@ -414,7 +416,12 @@ def aggregate_entities(text: str, tags: Sequence[TokenTag]) -> list[Entity]:
             continue
         if tag.word_id == previous_word:
             if word_in_entity and current is not None:
-                current = (current[0], current[1], max(current[2], tag.end), [*current[3], tag.score])
+                current = (
+                    current[0],
+                    current[1],
+                    max(current[2], tag.end),
+                    [*current[3], tag.score],
+                )
             continue
         previous_word = tag.word_id
         parsed = _split_label(tag.label)

@@ -316,7 +316,9 @@ class ExtractiveSummarizer:
         """
         texts = item_texts(items)
         documents = [split_sentences(text) for text in texts]
-        to_rank = [i for i, sentences in enumerate(documents) if len(sentences) > self.num_sentences]
+        to_rank = [
+            i for i, sentences in enumerate(documents) if len(sentences) > self.num_sentences
+        ]
         embeddings = self.embedder.embed([s for i in to_rank for s in documents[i]])
         results: list[Result] = [{"summary": text} for text in texts]
         offset = 0

@@ -20,6 +20,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
@@ -234,7 +235,7 @@ class Worker:
         )
         if not reply:
             return []
-        entries: list[Entry] = reply[0][1]
+        entries: list[Entry] = cast(list[Any], reply)[0][1]
         return entries
 
     async def _assemble(self, burst: bool) -> list[Entry]:
@@ -250,7 +251,8 @@ class Worker:
         return entries
 
     async def _process(self, entries: list[Entry]) -> None:
-        assert self._client is not None and self.model is not None
+        assert self._client is not None
+        assert self.model is not None
         now = self.clock.now()
         record = BatchRecord(size=len(entries), oldest_ms=entry_ms(entries[0][0]), closed_at=now)
         replies: list[tuple[str, Reply]] = []

@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine:
+#   make up    — embedded Redis, the gateway on 127.0.0.1:8000 and a worker per built-in model
+#   make test  — ruff, mypy and pytest against a real redis-server
+# Both create or reuse the virtualenv at .venv and install what is missing.
+
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# torch is named in the same pip command as everything that depends on it, so pip
+# takes the CPU build given here instead of resolving a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: up test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[dev]"
+	rm -f $(VENV)/.installed-* && touch $@
+
+up: $(STAMP)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(VENV)/bin/conveyor up $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,146 @@
+"""The gateway over real HTTP semantics (ASGI) with real workers and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import redis.asyncio as aioredis
+
+from pipelines.embedded import free_port
+from pipelines.envelope import decode_request
+from tests.helpers import Doubler, Harness, number_stage
+
+
+async def serving(harness: Harness, **gateway: object) -> httpx.AsyncClient:
+    stage = number_stage(max_batch_size=8, batch_wait_ms=2)
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    harness.run(worker)
+    return await harness.gateway([stage], **gateway)
+
+
+async def test_post_round_trip(harness: Harness) -> None:
+    http = await serving(harness)
+    resp = await http.post("/v1/double", json={"value": 21})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"value": 42}
+    assert resp.headers["x-request-id"]
+
+
+async def test_concurrent_requests_each_get_their_own_answer(harness: Harness) -> None:
+    http = await serving(harness)
+    resps = await asyncio.gather(*(http.post("/v1/double", json={"value": i}) for i in range(50)))
+    assert [r.json()["value"] for r in resps] == [2 * i for i in range(50)]
+
+
+async def test_422_names_the_field(harness: Harness, redis: aioredis.Redis) -> None:
+    http = await serving(harness)
+    resp = await http.post("/v1/double", json={"value": "many"})
+    assert resp.status_code == 422
+    assert resp.json()["detail"][0]["loc"] == ["body", "value"]
+    resp = await http.post("/v1/double", json={"value": 1, "extra": 2})
+    assert resp.status_code == 422
+    assert resp.json()["detail"][0]["loc"] == ["body", "extra"]
+    resp = await http.post("/v1/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "-1"})
+    assert resp.status_code == 422
+    assert resp.json()["detail"][0]["loc"] == ["header", "X-Conveyor-Timeout"]
+    assert await redis.xlen(harness.keys.stage_stream("double")) == 0
+
+
+async def test_413_before_reading_and_nothing_enqueued(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    http = await serving(harness, max_body_bytes=1000)
+    resp = await http.post("/v1/double", content=b'{"value": 1, "pad": "' + b"x" * 5000 + b'"}')
+    assert resp.status_code == 413
+    assert "1000 bytes" in resp.json()["detail"]
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it streams
+        for _ in range(10):
+            yield b" " * 500
+
+    resp = await http.post(
+        "/v1/double", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 413
+    assert await redis.xlen(harness.keys.stage_stream("double")) == 0
+
+
+async def test_503_when_backlog_is_full(harness: Harness, redis: aioredis.Redis) -> None:
+    stage = number_stage()  # no worker: everything queues
+    http = await harness.gateway([stage], max_backlog=3, admission_refresh_ms=0)
+    await harness.enqueue("double", [{"value": i} for i in range(3)])
+    resp = await http.post("/v1/double", json={"value": 1})
+    assert resp.status_code == 503
+    assert resp.headers["retry-after"] == "1"
+    assert "capacity" in resp.json()["detail"]
+    assert await redis.xlen(harness.keys.stage_stream("double")) == 3
+
+
+async def test_503_when_redis_is_unreachable(harness: Harness) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    http = await harness.gateway([number_stage()], redis_url=dead, redis_timeout_s=0.5)
+    resp = await http.post("/v1/double", json={"value": 1})
+    assert resp.status_code == 503
+    assert resp.headers["retry-after"]
+    assert "unreachable" in resp.json()["detail"]
+    assert (await http.get("/readyz")).status_code == 503
+    assert (await http.get("/healthz")).status_code == 200
+
+
+async def test_504_when_the_deadline_passes(harness: Harness) -> None:
+    http = await harness.gateway([number_stage()])  # no worker
+    resp = await http.post("/v1/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "0.2"})
+    assert resp.status_code == 504
+    body = resp.json()
+    assert body["request_id"]
+    assert "0.2s" in body["detail"]
+
+
+async def test_504_when_the_worker_finds_it_expired(harness: Harness) -> None:
+    stage = number_stage(max_batch_size=8, batch_wait_ms=0)
+    http = await harness.gateway([stage])
+    call = asyncio.create_task(
+        http.post("/v1/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "0.5"})
+    )
+    stream = harness.keys.stage_stream("double")
+    read = await harness.redis.xread({stream: "0-0"}, count=1, block=10_000)  # enqueued
+    request = decode_request(read[0][1][0][1])
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    await asyncio.sleep(max(0.0, request.deadline - time.time()) + 0.01)  # past its deadline
+    await worker.run(burst=True)
+    resp = await call
+    assert resp.status_code == 504
+    assert (await harness.stats("double")).get("items:expired", 0) == 1
+
+
+async def test_model_error_is_500_without_internals(harness: Harness) -> None:
+    http = await serving(harness)
+    resp = await http.post("/v1/double", json={"value": 1, "fail": True})
+    assert resp.status_code == 500
+    body = resp.json()
+    assert "poisoned item" in body["detail"]
+    assert "Traceback" not in resp.text
+    assert body["request_id"]
+
+
+async def test_metrics_show_requests_and_stage_counters(harness: Harness) -> None:
+    http = await serving(harness)
+    for i in range(3):
+        assert (await http.post("/v1/double", json={"value": i})).status_code == 200
+    text = (await http.get("/metrics")).text
+    assert 'conveyor_stage_items_total{stage="double",outcome="ok"} 3' in text
+    assert 'conveyor_http_requests_total{route="/v1/double",status="200"} 3' in text
+    assert 'conveyor_stage_batch_size_count{stage="double"}' in text
+    assert 'conveyor_stage_consumers{stage="double"} 1' in text
+
+
+async def test_openapi_documents_each_stage(harness: Harness) -> None:
+    http = await serving(harness)
+    schema = (await http.get("/openapi.json")).json()
+    assert "/v1/double" in schema["paths"]
+    assert "NumberIn" in schema["components"]["schemas"]

@@ -1,0 +1,82 @@
+"""``conveyor up`` as a user runs it: a subprocess with an embedded Redis, real HTTP."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipelines.embedded import free_port
+
+CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    give_up = time.monotonic() + 90
+    while time.monotonic() < give_up:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)  # another process is starting; nothing to await here
+    pytest.fail(f"gateway not ready in 90 s:\n{log.read_text()}")
+
+
+def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [CONVEYOR, "up", "--port", str(port), "--pipelines", "embed,echo"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, proc, log)
+        resp = httpx.post(f"{base}/v1/embed", json={"text": "a cat sat"}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["embedding"]) == 384
+        resp = httpx.get(f"{base}/v1/embed", params={"text": "hello"}, timeout=60)
+        assert len(resp.json()["embedding"]) == 384
+        assert httpx.post(f"{base}/v1/echo", json={"a": [1]}, timeout=60).json() == {"a": [1]}
+
+        found = re.search(r"embedded redis on (127\.0\.0\.1:\d+)", log.read_text())
+        assert found, log.read_text()
+        status = subprocess.run(
+            [CONVEYOR, "status"],
+            env=env | {"CONVEYOR_REDIS_URL": f"redis://{found.group(1)}/0"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        row = next(line for line in status.splitlines() if line.startswith("embed "))
+        assert row.split()[1:5] == ["2", "0", "0", "1"]  # length, lag, pending, consumers
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    assert code == 0, log.read_text()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base}/healthz", timeout=1)
+
+
+def test_unknown_stage_is_a_clear_error() -> None:
+    result = subprocess.run(
+        [CONVEYOR, "up", "--pipelines", "nope"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "unknown stage 'nope'" in result.stderr
+    assert "Traceback" not in result.stderr
