@@ -69,6 +69,10 @@ class Gateway:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        try:  # nobody will read it again; without this it lingers until its TTL
+            await self.client.delete(self.reply_stream)
+        except REDIS_DOWN:
+            pass
         await self._reader.aclose()
         await self.client.aclose()
 

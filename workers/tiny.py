@@ -103,7 +103,7 @@ def _build_summarize() -> PreTrainedModel:
         forced_eos_token_id=None,
     )
     model = BartForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=CLS_ID,
         eos_token_id=SEP_ID,
         pad_token_id=PAD_ID,
@@ -125,7 +125,7 @@ def _build_generate() -> PreTrainedModel:
         pad_token_id=PAD_ID,
     )
     model = GPT2LMHeadModel(config)
-    model.generation_config = GenerationConfig(
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=CLS_ID, eos_token_id=SEP_ID, pad_token_id=PAD_ID
     )
     return model
@@ -153,7 +153,7 @@ def _causal_tokenizer() -> PreTrainedTokenizerBase:
         pair="[CLS] $A $B",
         special_tokens=[("[CLS]", CLS_ID)],
     )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=backend,
         bos_token="[CLS]",
         eos_token="[SEP]",
@@ -213,7 +213,6 @@ def ensure_tiny_model(kind: str, cache_dir: str) -> str:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = build_model()
-        model.eval()
         model.save_pretrained(staging)
         build_tokenizer().save_pretrained(staging)
         try:

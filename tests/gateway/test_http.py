@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import httpx
 import redis.asyncio as aioredis
@@ -108,7 +109,7 @@ async def test_504_when_the_worker_finds_it_expired(harness: Harness) -> None:
     )
     stream = harness.keys.stage_stream("double")
     read = await harness.redis.xread({stream: "0-0"}, count=1, block=10_000)  # enqueued
-    request = decode_request(read[0][1][0][1])
+    request = decode_request(cast(list[Any], read)[0][1][0][1])
     worker = harness.worker(stage, Doubler())
     await worker.start()
     await asyncio.sleep(max(0.0, request.deadline - time.time()) + 0.01)  # past its deadline

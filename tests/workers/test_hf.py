@@ -9,7 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from workers import tiny
 from workers.hf import (
     Embedder,
+    ExtractiveSummarizer,
+    Generator,
+    Summarizer,
     TextClassifier,
     TokenClassifier,
     TokenTag,
@@ -27,8 +29,8 @@ from workers.hf import (
     resolve_device,
     resolve_dtype,
     resolve_model_path,
+    split_sentences,
 )
-from workers.hf_text import ExtractiveSummarizer, Generator, Summarizer, split_sentences
 from workers.tiny import TINY_KINDS, ensure_tiny_model
 
 JSON_TYPES = (dict, list, str, int, float, bool, type(None))
@@ -48,7 +50,7 @@ def assert_plain_json(value: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("hf-cache"))
 
 
@@ -76,13 +78,13 @@ def test_resolve_dtype() -> None:
             resolve_dtype(bad, cpu)
 
 
-def test_resolve_model_path(cache_dir: str) -> None:
-    assert (Path(resolve_model_path("minilm", cache_dir)) / "config.json").is_file()
-    assert resolve_model_path("org/some-model", cache_dir) == "org/some-model"
-    assert resolve_model_path("/models/local", cache_dir) == "/models/local"
-    assert resolve_model_path("tiny:ner", cache_dir) == str(Path(cache_dir) / "tiny" / "ner")
+def test_resolve_model_path(hf_cache: str) -> None:
+    assert (Path(resolve_model_path("minilm", hf_cache)) / "config.json").is_file()
+    assert resolve_model_path("org/some-model", hf_cache) == "org/some-model"
+    assert resolve_model_path("/models/local", hf_cache) == "/models/local"
+    assert resolve_model_path("tiny:ner", hf_cache) == str(Path(hf_cache) / "tiny" / "ner")
     with pytest.raises(ValueError, match="nope"):
-        resolve_model_path("tiny:nope", cache_dir)
+        resolve_model_path("tiny:nope", hf_cache)
 
 
 # --- tiny models ----------------------------------------------------------------------
@@ -102,9 +104,9 @@ def test_ensure_tiny_model_is_idempotent_and_deterministic(
     assert other.read_bytes() == weights.read_bytes()
 
 
-def test_ensure_tiny_model_unknown_kind(cache_dir: str) -> None:
-    with pytest.raises(ValueError, match="unknown tiny model kind 'gpt5'.*sentiment, ner"):
-        ensure_tiny_model("gpt5", cache_dir)
+def test_ensure_tiny_model_unknown_kind(hf_cache: str) -> None:
+    with pytest.raises(ValueError, match=r"unknown tiny model kind 'gpt5'.*sentiment, ner"):
+        ensure_tiny_model("gpt5", hf_cache)
     assert set(TINY_KINDS) == {"sentiment", "ner", "summarize", "generate"}
 
 
@@ -118,7 +120,8 @@ def test_ensure_tiny_model_losing_a_race_keeps_the_winner(
         shutil.copytree(src, dst)  # the other process finishes first
         real_rename(src, dst)
 
-    monkeypatch.setattr(tiny.os, "rename", rename_after_another_process)
+    # workers.tiny calls os.rename through the os module, so patching it there is enough.
+    monkeypatch.setattr(os, "rename", rename_after_another_process)
     path = ensure_tiny_model("ner", str(cache))
     assert (Path(path) / "model.safetensors").is_file()
     assert sorted(p.name for p in (cache / "tiny").iterdir()) == ["ner"], "staging dir left"
@@ -136,8 +139,8 @@ def test_ensure_tiny_model_concurrent_callers(tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="module")
-def embedder(cache_dir: str) -> Embedder:
-    return Embedder(model="minilm", device="cpu", cache_dir=cache_dir, batch_size=2)
+def embedder(hf_cache: str) -> Embedder:
+    return Embedder(model="minilm", device="cpu", cache_dir=hf_cache, batch_size=2)
 
 
 def test_embedder_minilm(embedder: Embedder) -> None:
@@ -165,8 +168,8 @@ def test_embedder_chunks_keep_input_order(embedder: Embedder) -> None:
     assert embedder.predict([]) == []
 
 
-def test_embedder_without_normalization(cache_dir: str) -> None:
-    raw = Embedder(model="minilm", device="cpu", cache_dir=cache_dir, normalize=False)
+def test_embedder_without_normalization(hf_cache: str) -> None:
+    raw = Embedder(model="minilm", device="cpu", cache_dir=hf_cache, normalize=False)
     (result,) = raw.predict([{"text": "An unnormalised sentence embedding."}])
     assert torch.tensor(result["embedding"]).norm().item() != pytest.approx(1.0, abs=1e-3)
 
@@ -174,8 +177,8 @@ def test_embedder_without_normalization(cache_dir: str) -> None:
 # --- TextClassifier -------------------------------------------------------------------
 
 
-def test_text_classifier_tiny_sentiment(cache_dir: str) -> None:
-    classifier = TextClassifier(model="tiny:sentiment", device="cpu", cache_dir=cache_dir)
+def test_text_classifier_tiny_sentiment(hf_cache: str) -> None:
+    classifier = TextClassifier(model="tiny:sentiment", device="cpu", cache_dir=hf_cache)
     items = [{"text": "I loved this movie"}, {"text": "terrible awful thing"}, {"text": "ok"}]
     results = classifier.predict(items)
     assert_plain_json(results)
@@ -192,7 +195,11 @@ def test_text_classifier_tiny_sentiment(cache_dir: str) -> None:
 # --- TokenClassifier ------------------------------------------------------------------
 
 
-def tags(text: str, spec: list[tuple[str, str, float, int | None]]) -> list[TokenTag]:
+TagSpec = Sequence[tuple[str, str, float, int | None]]
+"""(piece, label, score, word_id) per token."""
+
+
+def tags(text: str, spec: TagSpec) -> list[TokenTag]:
     """Build tags from (piece, label, score, word_id); pieces are found left to right."""
     result, cursor = [], 0
     for piece, label, score, word_id in spec:
@@ -202,7 +209,7 @@ def tags(text: str, spec: list[tuple[str, str, float, int | None]]) -> list[Toke
     return result
 
 
-def entities(text: str, spec: list[tuple[str, str, float, int | None]]) -> list[tuple[str, str]]:
+def entities(text: str, spec: TagSpec) -> list[tuple[str, str]]:
     return [(e["entity_group"], e["word"]) for e in aggregate_entities(text, tags(text, spec))]
 
 
@@ -276,7 +283,7 @@ def test_aggregate_subword_b_label_does_not_split_word() -> None:
 def test_aggregate_special_tokens_and_empty() -> None:
     assert aggregate_entities("", []) == []
     text = "Anna Bell"
-    spec: list[tuple[str, str, float, int | None]] = [
+    spec: TagSpec = [
         ("Anna", "B-PER", 0.5, 0),
         ("", "O", 1.0, None),
         ("Bell", "I-PER", 0.5, 1),
@@ -284,8 +291,8 @@ def test_aggregate_special_tokens_and_empty() -> None:
     assert entities(text, spec) == [("PER", "Anna"), ("PER", "Bell")]
 
 
-def test_token_classifier_tiny_ner(cache_dir: str) -> None:
-    ner = TokenClassifier(model="tiny:ner", device="cpu", cache_dir=cache_dir)
+def test_token_classifier_tiny_ner(hf_cache: str) -> None:
+    ner = TokenClassifier(model="tiny:ner", device="cpu", cache_dir=hf_cache)
     texts = [
         "John Smithson lives in Berlin with Mary.",
         "Acme Corporation hired Dr. Okonkwo in Lagos last Tuesday.",
@@ -327,11 +334,11 @@ def _close(a: Any, b: Any) -> bool:
 # --- Summarizer -----------------------------------------------------------------------
 
 
-def test_summarizer_tiny(cache_dir: str) -> None:
+def test_summarizer_tiny(hf_cache: str) -> None:
     summarizer = Summarizer(
         model="tiny:summarize",
         device="cpu",
-        cache_dir=cache_dir,
+        cache_dir=hf_cache,
         max_new_tokens=8,
         min_new_tokens=2,
     )
@@ -347,15 +354,15 @@ def test_summarizer_tiny(cache_dir: str) -> None:
     # Right-padded encoder inputs: the batch must not change a summary.
     assert [summarizer.predict([item])[0] for item in items] == results
     with pytest.raises(ValueError, match="min_new_tokens"):
-        Summarizer(model="tiny:summarize", cache_dir=cache_dir, max_new_tokens=4, min_new_tokens=5)
+        Summarizer(model="tiny:summarize", cache_dir=hf_cache, max_new_tokens=4, min_new_tokens=5)
 
 
 # --- Generator ------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def generator(cache_dir: str) -> Generator:
-    return Generator(model="tiny:generate", device="cpu", cache_dir=cache_dir, max_new_tokens=5)
+def generator(hf_cache: str) -> Generator:
+    return Generator(model="tiny:generate", device="cpu", cache_dir=hf_cache, max_new_tokens=5)
 
 
 def test_generator_per_item_limits(generator: Generator) -> None:
@@ -393,13 +400,14 @@ def test_generator_rejects_bad_limits(generator: Generator) -> None:
     assert generator.predict([]) == []
 
 
-def test_generator_sampling(cache_dir: str) -> None:
+def test_generator_sampling(hf_cache: str) -> None:
     sampler = Generator(
-        model="tiny:generate", device="cpu", cache_dir=cache_dir, do_sample=True, temperature=0.8
+        model="tiny:generate", device="cpu", cache_dir=hf_cache, do_sample=True, temperature=0.8
     )
     torch.manual_seed(0)
     ids = sampler.generate_ids([{"text": "hello", "max_new_tokens": 4}, {"text": "hi there"}])
-    assert len(ids[0]) <= 4 and len(ids[1]) <= 32
+    assert len(ids[0]) <= 4
+    assert len(ids[1]) <= 32
 
 
 # --- ExtractiveSummarizer -------------------------------------------------------------
@@ -426,8 +434,8 @@ def test_split_sentences() -> None:
 
 
 @pytest.fixture(scope="module")
-def extractive(cache_dir: str) -> ExtractiveSummarizer:
-    return ExtractiveSummarizer(cache_dir=cache_dir, device="cpu", num_sentences=2, batch_size=3)
+def extractive(hf_cache: str) -> ExtractiveSummarizer:
+    return ExtractiveSummarizer(cache_dir=hf_cache, device="cpu", num_sentences=2, batch_size=3)
 
 
 def test_extractive_summarizer_picks_central_sentences(extractive: ExtractiveSummarizer) -> None:
@@ -459,5 +467,5 @@ def test_extractive_summarizer_short_texts_and_batches(extractive: ExtractiveSum
         lambda c: ExtractiveSummarizer(device="cpu", cache_dir=c),
     ],
 )
-def test_empty_batch(factory: Callable[[str], Any], cache_dir: str) -> None:
-    assert factory(cache_dir).predict([]) == []
+def test_empty_batch(factory: Callable[[str], Any], hf_cache: str) -> None:
+    assert factory(hf_cache).predict([]) == []

@@ -1,0 +1,1 @@
+"""Reproducible benchmarks; ``python -m bench`` (or ``make bench``) runs them."""
