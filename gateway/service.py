@@ -71,8 +71,8 @@ class Gateway:
             await asyncio.gather(self._task, return_exceptions=True)
         try:  # nobody will read it again; without this it lingers until its TTL
             await self.client.delete(self.reply_stream)
-        except REDIS_DOWN:
-            pass
+        except REDIS_DOWN as exc:
+            logger.warning("reply stream %s left to expire: %s", self.reply_stream, exc)
         await self._reader.aclose()
         await self.client.aclose()
 

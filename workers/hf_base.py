@@ -161,7 +161,9 @@ class HFRunner:
         self.model_path = resolve_model_path(model, cache_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
         loaded: PreTrainedModel = auto_cls.from_pretrained(self.model_path, dtype=self.dtype)
-        self.model = loaded.to(self.device).eval()
+        # PreTrainedModel.to is wrapped with functools.wraps, which mypy reads as an
+        # unbound function still expecting `self`; the call itself is ordinary.
+        self.model = loaded.to(self.device).eval()  # type: ignore[arg-type]
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_length = min(
             max_length,

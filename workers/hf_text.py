@@ -12,13 +12,24 @@ import re
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from pipelines.model import Item, Result
 from workers.hf_base import MAX_LENGTH_CAP, HFRunner, item_texts
 from workers.hf_encode import Embedder
 
 logger = logging.getLogger(__name__)
+
+
+def _drop_length_defaults(model: PreTrainedModel) -> None:
+    """Let the runner's ``*_new_tokens`` options alone bound the output length.
+
+    Hub checkpoints often ship ``max_length``/``min_length`` in their generation config
+    (distilbart: 142 and 56). ``generate`` gives ``max_new_tokens``/``min_new_tokens``
+    precedence anyway, but logs two warnings per batch when both are set.
+    """
+    model.generation_config.max_length = None
+    model.generation_config.min_length = None
 
 
 class Summarizer(HFRunner):
@@ -71,6 +82,7 @@ class Summarizer(HFRunner):
         self.max_new_tokens = max_new_tokens
         self.num_beams = num_beams
         self.min_new_tokens = min_new_tokens
+        _drop_length_defaults(self.model)
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Summarize each item's text.
@@ -150,6 +162,7 @@ class Generator(HFRunner):
         )
         self.max_new_tokens = max_new_tokens
         self.max_new_tokens_limit = max_new_tokens_limit
+        _drop_length_defaults(self.model)
         self.sampling: dict[str, float | bool] = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(temperature=temperature, top_p=top_p)

@@ -174,6 +174,15 @@ def test_embedder_without_normalization(hf_cache: str) -> None:
     assert torch.tensor(result["embedding"]).norm().item() != pytest.approx(1.0, abs=1e-3)
 
 
+def test_embedder_bfloat16_close_to_float32(embedder: Embedder, hf_cache: str) -> None:
+    half = Embedder(model="minilm", device="cpu", dtype="bfloat16", cache_dir=hf_cache)
+    assert half.model.dtype == torch.bfloat16
+    text = "Reduced precision should barely move a sentence embedding."
+    (result,) = half.predict([{"text": text}])
+    assert_plain_json(result)
+    assert torch.tensor(result["embedding"]) @ embedder.embed([text])[0] > 0.99
+
+
 # --- TextClassifier -------------------------------------------------------------------
 
 
