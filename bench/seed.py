@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import orjson
 
+from bench.loadgen import LoadResult, closed_loop
 from pipelines.embedded import free_port, start_redis
 
 WORDS = [
@@ -61,47 +64,9 @@ def texts(n: int) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(8 + i % 17)) for i in range(n)]
 
 
-@dataclass
-class LoadResult:
-    """Outcome of one closed-loop run."""
-
-    requests: int
-    errors: int
-    seconds: float
-    latencies: list[float]
-
-    @property
-    def throughput(self) -> float:
-        """Successful requests per second."""
-        return (self.requests - self.errors) / self.seconds
-
-    def pct(self, q: float) -> float:
-        """Latency quantile in milliseconds."""
-        ordered = sorted(self.latencies)
-        return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def closed_loop(base: str, concurrency: int, total: int, path: str) -> LoadResult:
-    """``concurrency`` clients, each sending its next request when the last returns."""
-    corpus = texts(total)
-    latencies: list[float] = []
-    errors = 0
-    queue = iter(range(total))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
-
-        async def one_client() -> None:
-            nonlocal errors
-            for i in queue:
-                t0 = time.perf_counter()
-                resp = await client.post(path, json={"text": corpus[i]})
-                latencies.append(time.perf_counter() - t0)
-                errors += resp.status_code != 200
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        seconds = time.perf_counter() - started
-    return LoadResult(total, errors, seconds, latencies)
+def bodies(n: int) -> list[bytes]:
+    """``n`` JSON request bodies for ``/v1/embed``."""
+    return [orjson.dumps({"text": t}) for t in texts(n)]
 
 
 def in_process(total: int, batch: int) -> float:
@@ -117,7 +82,16 @@ def in_process(total: int, batch: int) -> float:
     return total / (time.perf_counter() - started)
 
 
-def served(total: int, concurrency: int, batch: int) -> LoadResult:
+@dataclass
+class Served:
+    """A closed-loop run through the served stack, with what the stack reported."""
+
+    load: LoadResult
+    mean_batch: float
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+
+def served(total: int, concurrency: int, batch: int) -> Served:
     """Throughput through gateway + one worker, each its own process."""
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
     redis_port, http_port = free_port(), free_port()
@@ -140,8 +114,21 @@ def served(total: int, concurrency: int, batch: int) -> LoadResult:
     base = f"http://127.0.0.1:{http_port}"
     try:
         _wait_ready(base)
-        asyncio.run(closed_loop(base, concurrency, 2 * batch, "/v1/embed"))  # warm-up
-        return asyncio.run(closed_loop(base, concurrency, total, "/v1/embed"))
+        asyncio.run(
+            closed_loop("127.0.0.1", http_port, "/v1/embed", bodies(2 * batch), concurrency)
+        )
+        before = _batch_totals(base)
+        cpu0 = _cpu(procs, redis)
+        result = asyncio.run(
+            closed_loop("127.0.0.1", http_port, "/v1/embed", bodies(total), concurrency)
+        )
+        cpu1 = _cpu(procs, redis)
+        after = _batch_totals(base)
+        return Served(
+            result,
+            (after[0] - before[0]) / max(1.0, after[1] - before[1]),
+            {k: cpu1[k] - cpu0[k] for k in cpu0},
+        )
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -149,6 +136,33 @@ def served(total: int, concurrency: int, batch: int) -> LoadResult:
             p.wait(timeout=30)
         redis.terminate()
         redis.wait(timeout=10)
+
+
+def _cpu(procs: list[subprocess.Popen[bytes]], redis: subprocess.Popen[bytes]) -> dict[str, float]:
+    """CPU seconds used so far by each process of the run (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "gateway": of(procs[0].pid),
+        "worker": of(procs[1].pid),
+        "redis": of(redis.pid),
+        "load client": usage.ru_utime + usage.ru_stime,
+    }
+
+
+def _batch_totals(base: str) -> tuple[float, float]:
+    """(items, batches) the embed stage has run, from the gateway's /metrics."""
+    values = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        for name in ("conveyor_stage_batch_size_sum", "conveyor_stage_batch_size_count"):
+            if line.startswith(name + '{stage="embed"}'):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values["conveyor_stage_batch_size_sum"], values["conveyor_stage_batch_size_count"]
 
 
 def _wait_ready(base: str) -> None:
@@ -165,7 +179,8 @@ def _wait_ready(base: str) -> None:
 
 def main(total: int = 1024, concurrency: int = 64, batch: int = 32) -> str:
     """Run the seed benchmark and return its report (markdown)."""
-    load = served(total, concurrency, batch)
+    run = served(total, concurrency, batch)
+    load = run.load
     limit = in_process(total, batch)
     ratio = load.throughput / limit
     return "\n".join(
@@ -178,5 +193,8 @@ def main(total: int = 1024, concurrency: int = 64, batch: int = 32) -> str:
             f"| in-process MiniLM, batch {batch} | {limit:.1f} sentences/s |",
             f"| **ratio served / in-process** | **{ratio:.2f}** |",
             f"| mean latency (ms) | {1000 * statistics.fmean(load.latencies):.0f} |",
+            f"| mean batch size served | {run.mean_batch:.1f} |",
+            f"| wall time of the served run (s) | {load.seconds:.1f} |",
+            *(f"| CPU seconds in {k} | {v:.1f} |" for k, v in run.cpu_s.items()),
         ]
     )

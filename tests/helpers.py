@@ -39,11 +39,13 @@ class Doubler:
         self.delay_s = delay_s
         self.batches: list[list[int]] = []
         self.lock = threading.Lock()
+        self.started = threading.Event()
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Double each value (after ``delay_s``, standing in for model time)."""
         with self.lock:
             self.batches.append([i["value"] for i in items])
+        self.started.set()
         if self.delay_s:
             time.sleep(self.delay_s)  # the model's own cost, in its thread
         if any(i["fail"] for i in items):

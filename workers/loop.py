@@ -78,6 +78,13 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
         return run_isolating(model, items[:mid]) + run_isolating(model, items[mid:])
 
 
+def _timed_run(model: Model, items: list[Item]) -> tuple[list[Result | BaseException], float]:
+    # Timed in the model thread, so time spent queued behind another batch is excluded.
+    started = time.perf_counter()
+    results = run_isolating(model, items)
+    return results, time.perf_counter() - started
+
+
 @dataclass
 class BatchRecord:
     """What one batch did (kept in memory for tests and introspection).
@@ -125,6 +132,8 @@ class Worker:
         self._client: aioredis.Redis | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{stage.name}")
         self._fatal: BaseException | None = None
+        self._model_busy = 0  # batches handed to the model thread and not yet finished
+        self._last_run_s = 0.0
 
     def stop(self) -> None:
         """Ask the loop to finish its in-flight batches and return."""
@@ -246,7 +255,11 @@ class Worker:
         while len(entries) < self.max_batch and not self._stopping.is_set():
             remaining_ms = int((close_at - self.clock.now()) * 1000)
             if remaining_ms < 1:
-                break
+                if not self._model_busy:
+                    break
+                # An earlier batch holds the model, so this one could not start yet
+                # anyway: it keeps taking arrivals, in short reads, until the model frees.
+                remaining_ms = max(1, min(20, int(self._last_run_s * 250)))
             entries += await self._read(self.max_batch - len(entries), remaining_ms)
         return entries
 
@@ -293,11 +306,14 @@ class Worker:
 
         if live:
             loop = asyncio.get_running_loop()
-            t0 = time.perf_counter()
-            results = await loop.run_in_executor(
-                self._executor, run_isolating, self.model, [item for _, item in live]
-            )
-            record.run_s = time.perf_counter() - t0
+            self._model_busy += 1
+            try:
+                results, record.run_s = await loop.run_in_executor(
+                    self._executor, _timed_run, self.model, [item for _, item in live]
+                )
+            finally:
+                self._model_busy -= 1
+            self._last_run_s = record.run_s
             for (req, _), res in zip(live, results, strict=True):
                 replies.append(self._result_reply(req, res))
         for _, reply in replies:

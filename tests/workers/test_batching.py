@@ -77,6 +77,22 @@ async def test_window_does_not_restart_with_each_arrival(harness: Harness) -> No
     assert 1000 - 2 <= waited_ms < 1500
 
 
+async def test_batch_waiting_for_a_busy_model_keeps_filling(harness: Harness) -> None:
+    stage = number_stage(max_batch_size=16, batch_wait_ms=0)
+    model = Doubler(delay_s=1.0)
+    worker = harness.worker(stage, model, max_concurrent_batches=2)
+    await worker.start()
+    task = harness.run(worker, max_batches=2)
+    await harness.enqueue("double", [{"value": 0}])
+    await asyncio.to_thread(model.started.wait, 10)  # batch 1 holds the model now
+    for value in range(1, 11):
+        await harness.enqueue("double", [{"value": value}])
+    assert await task == 2
+    # With a 0 ms window batch 2 would close on its first item; since the model was busy
+    # it kept taking arrivals and ran them together.
+    assert model.batches == [[0], list(range(1, 11))]
+
+
 async def test_results_acked_and_counted_in_one_go(harness: Harness, redis: aioredis.Redis) -> None:
     stage = number_stage(max_batch_size=8, batch_wait_ms=0)
     sent = await harness.enqueue("double", [{"value": i} for i in range(20)])
