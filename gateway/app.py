@@ -1,5 +1,6 @@
 """The FastAPI application: stage routes, health, metrics, and error mapping."""
 
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,28 +14,21 @@ from pydantic import BaseModel, ValidationError
 from gateway.edge import EdgeMiddleware
 from gateway.service import REDIS_DOWN, Gateway
 from gateway.settings import GatewaySettings
+from pipelines.app import load_registry
+from pipelines.envelope import Reply
 from pipelines.errors import (
     ConveyorError,
     DeadlineExceeded,
     ItemFailed,
-    Overloaded,
     Unavailable,
 )
-from pipelines.stages import Stage, parse_stage_list
+from pipelines.graph import Pipeline, Registry
 from pipelines.stats import render_stage_metrics
 
 logger = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "X-Conveyor-Timeout"
 TRACE_HEADER = "X-Trace-Id"
-
-# One place maps errors to statuses.
-_STATUS: list[tuple[type[ConveyorError], int]] = [
-    (Overloaded, 503),
-    (Unavailable, 503),
-    (DeadlineExceeded, 504),
-    (ItemFailed, 500),
-]
 
 
 def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -43,7 +37,7 @@ def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None
 
 def error_response(exc: ConveyorError) -> Response:
     """The HTTP response for a conveyor error: status, message, request id, Retry-After."""
-    status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
+    status = exc.status
     headers: dict[str, str] = {}
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
@@ -56,17 +50,18 @@ def error_response(exc: ConveyorError) -> Response:
 
 
 def create_app(
-    settings: GatewaySettings | None = None, stages: list[Stage] | None = None
+    settings: GatewaySettings | None = None, registry: Registry | None = None
 ) -> FastAPI:
     """Build the gateway application.
 
     Args:
         settings: gateway settings (default: from the environment).
-        stages: stages to route (default: ``settings.pipelines`` or the built-ins).
+        registry: pipelines to route (default: ``settings.app`` / ``settings.pipelines``,
+            or the built-ins).
     """
     settings = settings or GatewaySettings()
-    chosen = stages if stages is not None else parse_stage_list(settings.pipelines)
-    gw = Gateway(settings, {s.name: s for s in chosen})
+    registry = registry or load_registry(settings.app, settings.pipelines)
+    gw = Gateway(settings, registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,72 +106,88 @@ def create_app(
         """Prometheus text: this gateway's requests and every routed stage's stats."""
         text = gw.metrics.render()
         try:
-            text += await render_stage_metrics(gw.client, gw.keys, gw.stages)
+            text += await render_stage_metrics(gw.client, gw.keys, gw.registry.stages)
         except REDIS_DOWN:
             text += "# stage metrics unavailable: redis unreachable\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    for stage in chosen:
-        _add_stage_routes(app, gw, stage)
+    for pipeline in registry.pipelines.values():
+        _add_pipeline_routes(app, gw, pipeline)
     app.add_middleware(
         EdgeMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=gw.metrics,
-        routes=[f"/v1/{s.name}" for s in chosen],
+        routes=[f"/v1/{name}" for name in registry.pipelines],
     )
     return app
 
 
-def _add_stage_routes(app: FastAPI, gw: Gateway, stage: Stage) -> None:
-    async def run(payload: dict[str, Any], asked: float | None, trace: str | None) -> Response:
-        request_id, reply = await gw.call(stage, payload, gw.timeout_for(asked), trace)
-        if reply.outcome == "ok":
-            return _json(reply.result, 200, {"X-Request-Id": request_id})
-        if reply.outcome == "expired":
-            raise DeadlineExceeded("deadline passed before the model ran", request_id=request_id)
-        raise ItemFailed(f"stage {stage.name!r} failed: {reply.error}", request_id=request_id)
+Timeout = Annotated[
+    float | None,
+    Header(alias=TIMEOUT_HEADER, gt=0, description="Deadline in seconds (capped)."),
+]
+Trace = Annotated[str | None, Header(alias=TRACE_HEADER, max_length=128)]
 
-    Timeout = Annotated[
-        float | None,
-        Header(alias=TIMEOUT_HEADER, gt=0, description="Deadline in seconds (capped)."),
-    ]
-    Trace = Annotated[str | None, Header(alias=TRACE_HEADER, max_length=128)]
+
+def reply_response(reply: Reply, request_id: str) -> Response:
+    """The HTTP response for a request's final reply (errors raise, mapped in one place)."""
+    if reply.outcome == "ok":
+        return _json(reply.result, 200, {"X-Request-Id": request_id})
+    if reply.outcome == "expired":
+        raise DeadlineExceeded("deadline passed before the request finished", request_id=request_id)
+    raise ItemFailed(
+        f"step {reply.stage!r} failed: {reply.error}",
+        status=reply.status,
+        request_id=request_id,
+        retry_after=reply.retry_after,
+    )
+
+
+def query_field(model: type[BaseModel]) -> str | None:
+    """The one required string field a GET query can fill, if the model has exactly one."""
+    required = [(n, f) for n, f in model.model_fields.items() if f.is_required()]
+    if len(required) == 1 and required[0][1].annotation is str:
+        return required[0][0]
+    return None
+
+
+def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
+    async def run(payload: BaseModel, asked: float | None, trace: str | None) -> Response:
+        data = payload.model_dump(mode="json")
+        request_id, reply = await gw.call(pipeline, data, gw.timeout_for(asked), trace)
+        return reply_response(reply, request_id)
 
     async def post(payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None) -> Response:
-        return await run(payload.model_dump(mode="json"), timeout_s, trace)
+        return await run(payload, timeout_s, trace)
 
-    # FastAPI reads the body model from the annotation; each stage has its own.
-    post.__annotations__["payload"] = Annotated[stage.input_model, Body()]
-    app.add_api_route(
-        f"/v1/{stage.name}",
-        post,
-        methods=["POST"],
-        summary=stage.summary or stage.name,
-        tags=["models"],
-        name=f"post_{stage.name}",
-    )
-    if not stage.single_text:
+    # FastAPI reads the body model from the annotation; each pipeline has its own.
+    post.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
+    path = f"/v1/{pipeline.name}"
+    summary = pipeline.summary or pipeline.name
+    app.add_api_route(path, post, methods=["POST"], summary=summary, tags=["pipelines"],
+                      name=f"post_{pipeline.name}")  # fmt: skip
+    field = query_field(pipeline.input_model)
+    if field is None:
         return
 
-    async def get(
-        text: Annotated[str, Query(min_length=1)],
-        timeout_s: Timeout = None,
-        trace: Trace = None,
-    ) -> Response:
+    async def get(**kwargs: Any) -> Response:
         try:
-            payload = stage.input_model(text=text)
+            payload = pipeline.input_model.model_validate({field: kwargs[field]})
         except ValidationError as exc:
             return _json({"detail": [_query_error(e) for e in exc.errors()]}, 422)
-        return await run(payload.model_dump(mode="json"), timeout_s, trace)
+        return await run(payload, kwargs["timeout_s"], kwargs["trace"])
 
-    app.add_api_route(
-        f"/v1/{stage.name}",
-        get,
-        methods=["GET"],
-        summary=f"{stage.summary or stage.name} (?text=)",
-        tags=["models"],
-        name=f"get_{stage.name}",
+    # The query parameter is named after the model's field (``text``, ``search_term``).
+    kw = inspect.Parameter.KEYWORD_ONLY
+    get.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter(field, kw, annotation=Annotated[str, Query(min_length=1)]),
+            inspect.Parameter("timeout_s", kw, default=None, annotation=Timeout),
+            inspect.Parameter("trace", kw, default=None, annotation=Trace),
+        ]
     )
+    app.add_api_route(path, get, methods=["GET"], summary=f"{summary} (?{field}=)",
+                      tags=["pipelines"], name=f"get_{pipeline.name}")  # fmt: skip
 
 
 def _query_error(error: Any) -> dict[str, Any]:

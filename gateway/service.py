@@ -19,8 +19,8 @@ from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, encode, new_request_id
 from pipelines.errors import DeadlineExceeded, Unavailable
+from pipelines.graph import Pipeline, Registry
 from pipelines.redisio import RedisClock, connect
-from pipelines.stages import Stage
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ class Gateway:
         stages: the stages it routes, by name.
     """
 
-    def __init__(self, settings: GatewaySettings, stages: dict[str, Stage]) -> None:
+    def __init__(self, settings: GatewaySettings, registry: Registry) -> None:
         self.settings = settings
-        self.stages = stages
+        self.registry = registry
         self.keys = settings.keys
         self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.reply_stream = self.keys.reply_stream(self.gateway_id)
@@ -62,7 +62,7 @@ class Gateway:
             logger.warning("redis unreachable at start (%s); serving 503 until it is back", exc)
         self._task = asyncio.create_task(self.replies.run(), name="reply-dispatcher")
         self._task.add_done_callback(_surface)
-        logger.info("gateway %s routing %s", self.gateway_id, ", ".join(self.stages))
+        logger.info("gateway %s routing %s", self.gateway_id, ", ".join(self.registry.pipelines))
 
     async def stop(self) -> None:
         """Stop the reply loop and close connections."""
@@ -89,39 +89,73 @@ class Gateway:
         except REDIS_DOWN:
             return False
 
+    async def enqueue(
+        self,
+        pipeline: Pipeline,
+        payload: dict[str, Any],
+        timeout_s: float,
+        trace_id: str | None,
+        *,
+        reply_to: str | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Admit a request and put it on its entry step's stream.
+
+        Args:
+            pipeline: the pipeline called.
+            payload: the validated request.
+            timeout_s: the request's time budget.
+            trace_id: the caller's trace id, if any.
+            reply_to: where the result goes (default: this gateway's reply stream).
+            request_id: the id to use (default: a fresh one).
+
+        Raises:
+            Overloaded: the entry stage's backlog is at its bound (nothing was enqueued).
+            Unavailable: Redis cannot be reached.
+        """
+        entry = pipeline.entry
+        bound = self.settings.max_backlog or entry.stage.max_backlog
+        try:
+            await self.admission.admit(entry.stage.name, bound)
+        except REDIS_DOWN as exc:
+            raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
+        ctx = {"input": payload}
+        request = Request(
+            id=request_id or new_request_id(),
+            pipeline=pipeline.name,
+            stage=entry.stage.name,
+            step=entry.name,
+            payload=pipeline.input_of(entry, ctx, None),
+            state=ctx,
+            deadline=self.clock.now() + timeout_s,
+            reply_to=reply_to or self.reply_stream,
+            trace_id=trace_id or new_request_id(),
+        )
+        try:
+            await self.client.xadd(self.keys.stage_stream(entry.stage.name), encode(request))
+        except REDIS_DOWN as exc:
+            raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
+        return request
+
     async def call(
-        self, stage: Stage, payload: dict[str, Any], timeout_s: float, trace_id: str | None
+        self, pipeline: Pipeline, payload: dict[str, Any], timeout_s: float, trace_id: str | None
     ) -> tuple[str, Reply]:
-        """Enqueue one request to ``stage`` and wait for its reply.
+        """Run one request through ``pipeline`` and wait for its reply.
 
         Returns:
             The request id and the reply.
 
         Raises:
-            Overloaded: the stage's backlog is at its bound (nothing was enqueued).
+            Overloaded: the entry stage's backlog is at its bound (nothing was enqueued).
             Unavailable: Redis cannot be reached.
             DeadlineExceeded: no reply within ``timeout_s``.
         """
-        bound = self.settings.max_backlog or stage.max_backlog
+        request_id = new_request_id()
+        future = self.replies.expect(request_id)
         try:
-            await self.admission.admit(stage.name, bound)
-        except REDIS_DOWN as exc:
-            raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
-        request = Request(
-            id=new_request_id(),
-            pipeline=stage.name,
-            stage=stage.name,
-            payload=payload,
-            deadline=self.clock.now() + timeout_s,
-            reply_to=self.reply_stream,
-            trace_id=trace_id or new_request_id(),
-        )
-        future = self.replies.expect(request.id)
-        try:
-            try:
-                await self.client.xadd(self.keys.stage_stream(stage.name), encode(request))
-            except REDIS_DOWN as exc:
-                raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
+            request = await self.enqueue(
+                pipeline, payload, timeout_s, trace_id, request_id=request_id
+            )
             try:
                 reply = await asyncio.wait_for(future, timeout_s)
             except TimeoutError:
@@ -129,7 +163,7 @@ class Gateway:
                     f"no result within {timeout_s:g}s", request_id=request.id
                 ) from None
         finally:
-            self.replies.forget(request.id)
+            self.replies.forget(request_id)
         return request.id, reply
 
 

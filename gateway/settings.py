@@ -13,7 +13,6 @@ class GatewaySettings(CommonSettings):
     Attributes:
         host: address to bind.
         port: port to bind.
-        pipelines: comma-separated stages to route (unset: the built-in defaults).
         max_body_bytes: larger request bodies get 413 before they are read.
         default_timeout_s: a request's deadline unless it asks for less.
         max_timeout_s: the most a client may ask for with ``X-Conveyor-Timeout``.
@@ -25,7 +24,6 @@ class GatewaySettings(CommonSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    pipelines: str | None = None
     max_body_bytes: int = Field(default=1_048_576, ge=1)
     default_timeout_s: float = Field(default=30.0, gt=0)
     max_timeout_s: float = Field(default=300.0, gt=0)

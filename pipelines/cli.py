@@ -19,11 +19,13 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from pipelines.app import load_registry
 from pipelines.embedded import free_port, start_redis
 from pipelines.errors import ConveyorError
+from pipelines.graph import Registry
 from pipelines.redisio import connect, text
 from pipelines.settings import CommonSettings
-from pipelines.stages import BUILTIN, parse_stage_list
+from pipelines.stages import Stage
 from pipelines.stats import stage_status
 
 
@@ -37,13 +39,34 @@ def _run_module(module: str, argv: list[str], env: dict[str, str]) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+def worker_groups(registry: Registry, replicas: int | None) -> list[tuple[str, int]]:
+    """The worker processes ``up`` starts: (comma-separated stages, copies).
+
+    Each model stage gets its own processes (its ``replicas``, or ``replicas`` when
+    given); the function stages, light by nature, share one group.
+    """
+    model_stages = [s for s in registry.stages.values() if not _is_function(s)]
+    groups = [(s.name, replicas or s.replicas) for s in model_stages]
+    functions = [s.name for s in registry.stages.values() if _is_function(s)]
+    if functions:
+        groups.append((",".join(functions), replicas or 1))
+    return groups
+
+
+def _is_function(stage: Stage) -> bool:
+    return stage.runner == "workers.runners:FunctionRunner"
+
+
 def _up(args: argparse.Namespace) -> int:
-    stages = parse_stage_list(args.pipelines)
     env = dict(os.environ)
     env["CONVEYOR_HOST"] = args.host
     env["CONVEYOR_PORT"] = str(args.port)
-    env["CONVEYOR_PIPELINES"] = ",".join(s.name for s in stages)
+    if args.app:
+        env["CONVEYOR_APP"] = args.app
+    if args.pipelines:
+        env["CONVEYOR_PIPELINES"] = args.pipelines
     env.setdefault("HF_HUB_OFFLINE", "1")
+    registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     redis_proc = None
     if not env.get("CONVEYOR_REDIS_URL"):
@@ -62,13 +85,14 @@ def _up(args: argparse.Namespace) -> int:
     try:
         py = sys.executable
         children.append(("gateway", subprocess.Popen([py, "-m", "gateway"], env=env)))
-        for stage in stages:
-            for i in range(args.replicas):
-                cmd = [py, "-m", "workers", stage.name]
-                children.append((f"worker {stage.name}#{i}", subprocess.Popen(cmd, env=env)))
+        for group, copies in worker_groups(registry, args.replicas):
+            for i in range(copies):
+                cmd = [py, "-m", "workers", group]
+                children.append((f"worker {group}#{i}", subprocess.Popen(cmd, env=env)))
         print(
             f"conveyor: gateway on http://{args.host}:{args.port} serving "
-            f"{', '.join(s.name for s in stages)} ({args.replicas} worker(s) each); Ctrl-C stops",
+            f"{', '.join(registry.pipelines)}; {len(children) - 1} worker process(es); "
+            "Ctrl-C stops",
             flush=True,
         )
         # Sleep until any child exits (WNOWAIT leaves reaping to Popen) or a signal.
@@ -99,14 +123,15 @@ async def _status_async() -> int:
     settings = CommonSettings()
     client = connect(settings)
     try:
+        # Stages that ever had a worker, and those the configured pipelines need.
         known = {text(m) for m in await client.smembers(settings.keys.stages_set())}
-        names = sorted(known | set(os.environ.get("CONVEYOR_PIPELINES", "").split(",")) - {""})
-        print(f"{'stage':<14}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}  idle")
-        for name in names or sorted(BUILTIN):
+        known |= set(load_registry(settings.app, settings.pipelines).stages)
+        print(f"{'stage':<24}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}  idle")
+        for name in sorted(known):
             st = await stage_status(client, settings.keys, name)
             idle = ", ".join(f"{c['name']}={c['idle_ms']}ms" for c in st.consumers) or "-"
             print(
-                f"{name:<14}{st.length:>8}{st.lag:>8}{st.pending:>9}{len(st.consumers):>11}  {idle}"
+                f"{name:<24}{st.length:>8}{st.lag:>8}{st.pending:>9}{len(st.consumers):>11}  {idle}"
             )
     finally:
         await client.aclose()
@@ -122,22 +147,24 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--port", type=int, default=int(os.environ.get("CONVEYOR_PORT", "8000")))
     up.add_argument(
         "--pipelines",
-        default=os.environ.get("CONVEYOR_PIPELINES"),
-        help="comma-separated stages (default: "
-        + ",".join(s.name for s in parse_stage_list(None))
-        + ")",
+        help="comma-separated pipelines to serve (default: every built-in but echo, "
+        "or every pipeline of --app)",
     )
-    up.add_argument("--replicas", type=int, default=1, help="workers per stage")
+    up.add_argument("--app", help="module:attribute of your Pipeline(s), like `serve run`")
+    up.add_argument("--replicas", type=int, help="worker processes per model stage")
+    graph = sub.add_parser("graph", help="print a pipeline's graph")
+    graph.add_argument("name")
+    graph.add_argument("--app", help="module:attribute of your Pipeline(s)")
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
     gw.add_argument("--port", type=int)
-    wk = sub.add_parser("worker", help="run one worker for STAGE")
+    wk = sub.add_parser("worker", help="run a worker for STAGE (or several: a,b)")
     wk.add_argument("stage")
     sub.add_parser("status", help="per stage: length, lag, pending, consumers, idle")
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            if args.replicas < 1:
+            if args.replicas is not None and args.replicas < 1:
                 parser.error("--replicas must be >= 1")
             sys.exit(_up(args))
         elif args.command == "gateway":
@@ -149,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
             _run_module("gateway", [], env)
         elif args.command == "worker":
             _run_module("workers", [args.stage], {})
+        elif args.command == "graph":
+            app = args.app or os.environ.get("CONVEYOR_APP")
+            print(load_registry(app, args.name).pipeline(args.name).describe())
         else:
             sys.exit(asyncio.run(_status_async()))
     except ConveyorError as exc:

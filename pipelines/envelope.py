@@ -1,7 +1,9 @@
 """The wire envelope: what one stream entry carries, and its encoding.
 
-Each entry in a stage stream or a reply stream has one field, ``e``, holding a JSON
-object. JSON (orjson) rather than msgpack: payloads are mostly text and float lists,
+Each entry in a stage stream or a reply stream has a field ``e`` holding a JSON object.
+An entry a join step receives also has one field ``b:<branch>`` per branch, holding that
+branch's output as JSON (written by the join script in Redis, merged into ``state`` on
+decoding). JSON (orjson) rather than msgpack: payloads are mostly text and float lists,
 orjson encodes both faster than msgpack-python here, and any client can read it. No
 pickle or other code-executing format is ever decoded; an entry that does not parse
 and validate is rejected with :class:`~pipelines.errors.EnvelopeError`.
@@ -21,7 +23,9 @@ from pipelines.errors import EnvelopeError
 
 VERSION = 1
 FIELD = b"e"
-"""The one stream-entry field that holds the encoded envelope."""
+"""The stream-entry field that holds the encoded envelope."""
+BRANCH = b"b:"
+"""Prefix of the fields carrying branch outputs into a join step."""
 
 Outcome = Literal["ok", "error", "expired"]
 
@@ -33,8 +37,10 @@ class Request(BaseModel):
         v: envelope version.
         id: request id, unique per client request.
         pipeline: the pipeline the request was made to.
-        stage: the stage this entry is for.
-        payload: the stage's input, as its input model validated it.
+        stage: the stage (stream) this entry is for.
+        step: the pipeline step this entry runs.
+        payload: the step's input (for a join step, built by the consumer from ``state``).
+        state: the request's context: ``input`` and each finished step's output.
         deadline: absolute deadline, seconds since the epoch on the Redis clock.
         reply_to: the reply stream of the gateway that waits for the result.
         attempt: how many times this request has been delivered before (0 first).
@@ -47,7 +53,9 @@ class Request(BaseModel):
     id: str = Field(min_length=1, max_length=128)
     pipeline: str
     stage: str
+    step: str
     payload: dict[str, Any]
+    state: dict[str, Any] = Field(default_factory=dict)
     deadline: float
     reply_to: str
     attempt: int = 0
@@ -62,8 +70,10 @@ class Reply(BaseModel):
         id: the request id.
         stage: the stage that produced it.
         outcome: ``ok``, ``error`` (the model failed on this item) or ``expired``.
-        result: the stage's output when ``outcome`` is ``ok``.
+        result: the response when ``outcome`` is ``ok``.
         error: a client-safe message otherwise.
+        status: the HTTP status an error maps to.
+        retry_after: seconds, for an error worth retrying later.
         trace_id: the request's trace id.
     """
 
@@ -75,6 +85,8 @@ class Reply(BaseModel):
     outcome: Outcome
     result: dict[str, Any] | None = None
     error: str | None = None
+    status: int = 200
+    retry_after: float | None = None
     trace_id: str = ""
 
 
@@ -85,7 +97,12 @@ def new_request_id() -> str:
 
 def encode(message: Request | Reply) -> dict[FieldT, EncodableT]:
     """Stream-entry fields for ``message`` (what XADD takes)."""
-    return {FIELD: orjson.dumps(message.model_dump(mode="json"))}
+    return {FIELD: dumps(message)}
+
+
+def dumps(message: Request | Reply) -> bytes:
+    """The JSON of ``message`` (the value of the ``e`` field)."""
+    return orjson.dumps(message.model_dump(mode="json"))
 
 
 def _field(fields: Mapping[Any, Any]) -> bytes:
@@ -106,9 +123,19 @@ def decode_request(fields: Mapping[Any, Any]) -> Request:
         EnvelopeError: the entry is not a valid version-1 request envelope.
     """
     try:
-        return Request.model_validate_json(_field(fields))
+        request = Request.model_validate_json(_field(fields))
     except ValidationError as exc:
         raise EnvelopeError(f"invalid request envelope: {exc.error_count()} error(s)") from exc
+    branches = {k: v for k, v in fields.items() if k.startswith(BRANCH)}
+    if not branches:
+        return request
+    state = dict(request.state)
+    for key, value in branches.items():
+        try:
+            state[key[len(BRANCH) :].decode()] = orjson.loads(value)
+        except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise EnvelopeError(f"invalid branch field {key!r}") from exc
+    return request.model_copy(update={"state": state})
 
 
 def decode_reply(fields: Mapping[Any, Any]) -> Reply:

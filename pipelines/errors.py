@@ -1,4 +1,8 @@
-"""The exceptions conveyor raises; the gateway maps them to HTTP statuses in one place."""
+"""The exceptions conveyor raises, each with the HTTP status it maps to.
+
+The status lives on the class (``status``), so the gateway maps a local error and a
+worker maps a failed item the same way: :func:`http_status`.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,16 @@ class ConveyorError(Exception):
         request_id: the request it concerns, when there is one.
     """
 
+    status = 500
+
     def __init__(self, message: str, *, request_id: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status an error maps to (500 for anything not a ConveyorError)."""
+    return exc.status if isinstance(exc, ConveyorError) else 500
 
 
 class ConfigError(ConveyorError):
@@ -21,7 +32,9 @@ class ConfigError(ConveyorError):
 
 
 class UnknownStage(ConfigError):
-    """No stage of that name is defined."""
+    """No stage, step or pipeline of that name is defined."""
+
+    status = 404
 
 
 class EnvelopeError(ConveyorError):
@@ -35,6 +48,8 @@ class BatchContractError(ConveyorError):
 class Overloaded(ConveyorError):
     """A stage's backlog is over its bound; retry after ``retry_after`` seconds."""
 
+    status = 503
+
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.retry_after = retry_after
@@ -42,6 +57,8 @@ class Overloaded(ConveyorError):
 
 class Unavailable(ConveyorError):
     """Redis cannot be reached; retry after ``retry_after`` seconds."""
+
+    status = 503
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
@@ -51,6 +68,51 @@ class Unavailable(ConveyorError):
 class DeadlineExceeded(ConveyorError):
     """The request's deadline passed before a result arrived."""
 
+    status = 504
+
 
 class ItemFailed(ConveyorError):
-    """The model failed on this item; the rest of its batch was unaffected."""
+    """A step failed on this item; the rest of its batch was unaffected.
+
+    Args:
+        message: what failed.
+        status: the HTTP status the worker mapped the failure to.
+        request_id: the request.
+        retry_after: seconds, when the failure is worth retrying later.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 500,
+        request_id: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class NotFound(ConveyorError):
+    """Nothing matches what was asked for (e.g. no Wikipedia article); retrying will not help."""
+
+    status = 404
+
+
+class UpstreamUnavailable(ConveyorError):
+    """A service conveyor calls (e.g. Wikipedia) is unreachable, slow or answering errors.
+
+    Args:
+        message: which service, and what went wrong (unreachable, timed out, HTTP status...).
+        retry_after: seconds to wait before retrying.
+        request_id: the request it concerns, when there is one.
+    """
+
+    status = 503
+
+    def __init__(
+        self, message: str, *, retry_after: float = 5.0, request_id: str | None = None
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        self.retry_after = retry_after

@@ -43,6 +43,10 @@ class Keys:
         """The stream one gateway process reads its replies from."""
         return f"{self.prefix}:reply:{gateway_id}"
 
+    def join(self, request_id: str, step: str) -> str:
+        """The hash where a join step's branch outputs meet for one request."""
+        return f"{self.prefix}:join:{request_id}:{step}"
+
     def stages_set(self) -> str:
         """The set of stage names that have ever had a worker (for status views)."""
         return f"{self.prefix}:stages"

@@ -7,6 +7,7 @@ returns a list of n results, in the same order. The worker enforces it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 Item = dict[str, Any]
@@ -26,13 +27,15 @@ class Model(Protocol):
     ``float16`` or ``bfloat16``) and ``cache_dir`` (where generated assets may live).
     """
 
-    def predict(self, items: list[Item]) -> list[Result]:
+    def predict(self, items: list[Item]) -> Sequence[Result | BaseException]:
         """Run the model on a whole batch.
 
         Args:
             items: the batch, oldest request first.
 
         Returns:
-            One JSON-safe result per item, in the same order.
+            One JSON-safe result per item, in the same order. An exception instance in
+            an item's place fails that item alone; raising fails the batch, which the
+            worker then retries split in halves to find the failing items.
         """
         ...

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipelines.keys import Keys
@@ -15,6 +15,14 @@ class CommonSettings(BaseSettings):
         redis_url: ``redis://`` or ``rediss://`` URL; user, password and db are honoured.
         namespace: key namespace, also the Redis Cluster hash tag.
         redis_timeout_s: connect and command timeout; Redis being down fails this fast.
+        app: ``module:attr`` naming a Pipeline, a list of them, or a function returning
+            either (``conveyor up --app``); unset: the built-in pipelines.
+        pipelines: comma-separated pipeline names to serve (unset: all of the app's, or
+            for the built-ins the default set).
+        wikipedia_api_url: MediaWiki API the ``wiki-summary`` fetch step calls
+            (unset: Wikipedia's own).
+        wikipedia_timeout_s: the fetch gives up after this long (the client has no timeout).
+        wikipedia_max_chars: longer articles are cut (at a sentence) to this length.
     """
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
@@ -22,6 +30,11 @@ class CommonSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "conveyor"
     redis_timeout_s: float = 2.0
+    app: str | None = None
+    pipelines: str | None = None
+    wikipedia_api_url: str | None = None
+    wikipedia_timeout_s: float = Field(default=10.0, gt=0)
+    wikipedia_max_chars: int = Field(default=100_000, ge=100)
 
     @field_validator("namespace")
     @classmethod

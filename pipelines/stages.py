@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipelines.errors import ConfigError, UnknownStage
+from pipelines.errors import ConfigError
 from pipelines.model import Model
 
-_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,100}$")
 
 Profile = Literal["offline", "hub"]
 
@@ -63,6 +63,7 @@ class Stage:
         batch_wait_ms: a batch waits at most this long after its oldest item arrived.
         max_backlog: the gateway refuses new requests (503) above this many waiting items.
         summary: one line for the API docs.
+        replicas: worker processes ``conveyor up`` starts for it.
     """
 
     name: str
@@ -76,16 +77,19 @@ class Stage:
     batch_wait_ms: float = 5.0
     max_backlog: int = 1024
     summary: str = ""
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
             raise ConfigError(
-                f"stage name {self.name!r} must be lower-case letters, digits, '-' or '_'"
+                f"stage name {self.name!r} must be lower-case letters, digits, '-', '_' or '.'"
             )
         if self.max_batch_size < 1:
             raise ConfigError(f"stage {self.name!r}: max_batch_size must be >= 1")
         if self.batch_wait_ms < 0:
             raise ConfigError(f"stage {self.name!r}: batch_wait_ms must be >= 0")
+        if self.replicas < 1:
+            raise ConfigError(f"stage {self.name!r}: replicas must be >= 1")
         if self.max_backlog < 1:
             raise ConfigError(f"stage {self.name!r}: max_backlog must be >= 1")
 
@@ -173,24 +177,3 @@ BUILTIN: dict[str, Stage] = {
         ),
     )
 }
-
-DEFAULT_STAGES = ("embed", "sentiment", "ner", "summarize", "generate")
-"""What ``conveyor up`` serves when no ``--pipelines`` are given."""
-
-
-def get_stage(name: str) -> Stage:
-    """The built-in stage called ``name``.
-
-    Raises:
-        UnknownStage: with the list of known names.
-    """
-    try:
-        return BUILTIN[name]
-    except KeyError:
-        raise UnknownStage(f"unknown stage {name!r}; known: {', '.join(sorted(BUILTIN))}") from None
-
-
-def parse_stage_list(spec: str | None) -> list[Stage]:
-    """Stages named in a comma-separated list (``None`` or empty: the defaults)."""
-    names = [n.strip() for n in (spec or "").split(",") if n.strip()] or list(DEFAULT_STAGES)
-    return [get_stage(n) for n in names]

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Request, encode, new_request_id
+from pipelines.graph import Registry, single
 from pipelines.model import Item, Model, Result
 from pipelines.redisio import text
 from pipelines.settings import CommonSettings
@@ -81,10 +82,16 @@ class Harness:
         self._workers: list[Worker] = []
         self._stack = contextlib.AsyncExitStack()
 
-    def worker(self, stage: Stage, model: Model | None = None, **overrides: Any) -> Worker:
+    def worker(
+        self,
+        stage: Stage,
+        model: Model | None = None,
+        registry: Registry | None = None,
+        **overrides: Any,
+    ) -> Worker:
         """A worker for ``stage`` (not yet running)."""
         # Short blocking reads so a stopped worker notices at once.
-        w = Worker(stage, WorkerSettings(**{"block_ms": 100, **overrides}), model)
+        w = Worker(stage, WorkerSettings(**{"block_ms": 100, **overrides}), model, registry)
         self._workers.append(w)
         return w
 
@@ -94,10 +101,12 @@ class Harness:
         self._tasks.append(task)
         return task
 
-    async def gateway(self, stages: list[Stage], **overrides: Any) -> httpx.AsyncClient:
-        """An HTTP client on a started gateway app routing ``stages``."""
+    async def gateway(self, routed: list[Stage] | Registry, **overrides: Any) -> httpx.AsyncClient:
+        """An HTTP client on a started gateway app routing ``routed`` (stages, each as its
+        one-step pipeline, or a registry)."""
         settings = GatewaySettings(**{"reply_block_ms": 100, **overrides})
-        app: FastAPI = create_app(settings, stages)
+        registry = routed if isinstance(routed, Registry) else Registry(map(single, routed))
+        app: FastAPI = create_app(settings, registry)
         await self._stack.enter_async_context(app.router.lifespan_context(app))
         client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://gateway"
@@ -120,7 +129,9 @@ class Harness:
                 id=new_request_id(),
                 pipeline=stage,
                 stage=stage,
+                step=stage,
                 payload=p,
+                state={"input": p},
                 deadline=now + deadline_in,
                 reply_to=reply_to or self.keys.reply_stream("test"),
             )

@@ -1,4 +1,8 @@
-"""``python -m workers STAGE``: serve one stage until SIGTERM or Ctrl-C."""
+"""``python -m workers STAGE[,STAGE...]``: serve stages until SIGTERM or Ctrl-C.
+
+One process usually serves one model stage; the light function stages of pipelines can
+share a process (each stage still has its own batch loop and model thread).
+"""
 
 from __future__ import annotations
 
@@ -7,31 +11,42 @@ import asyncio
 import logging
 import signal
 
-from pipelines.stages import get_stage
+from pipelines.app import load_registry
 from workers.loop import Worker
 from workers.settings import WorkerSettings
 
 
-async def _serve(stage_name: str) -> None:
-    worker = Worker(get_stage(stage_name), WorkerSettings())
+async def _serve(stage_names: list[str]) -> None:
+    settings = WorkerSettings()
+    registry = load_registry(settings.app, settings.pipelines)
+    workers = [Worker(registry.stage(name), settings, registry=registry) for name in stage_names]
     loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for w in workers:
+            w.stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
+        loop.add_signal_handler(sig, stop_all)
     try:
-        await worker.run()
+        await asyncio.gather(*(w.run() for w in workers))
+    except BaseException:
+        stop_all()  # one stage failing stops its siblings in this process too
+        raise
     finally:
-        await worker.close()
+        for w in workers:
+            await w.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one worker process."""
     parser = argparse.ArgumentParser(prog="conveyor worker", description=__doc__)
-    parser.add_argument("stage", help="the stage to serve, e.g. embed")
+    parser.add_argument("stages", help="comma-separated stages to serve, e.g. embed")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(_serve(args.stage))
+    asyncio.run(_serve([s.strip() for s in args.stages.split(",") if s.strip()]))
 
 
 if __name__ == "__main__":

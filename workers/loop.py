@@ -17,7 +17,6 @@ import secrets
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -29,12 +28,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipelines import stats
-from pipelines.envelope import Outcome, Reply, Request, decode_request, encode
+from pipelines.envelope import Request, decode_request
 from pipelines.errors import BatchContractError, EnvelopeError
+from pipelines.graph import Registry, single
 from pipelines.keys import GROUP
 from pipelines.model import Item, Model, Result
 from pipelines.redisio import RedisClock, connect, ensure_group, entry_ms
 from pipelines.stages import Stage
+from workers.publish import publish
+from workers.route import Outbox, Router, client_message
 from workers.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -48,12 +50,6 @@ def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def client_message(exc: BaseException) -> str:
-    """What a client is told about a failed item: the error's kind, not internals."""
-    first = str(exc).splitlines()[0][:200] if str(exc) else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
 def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseException]:
     """Run ``model`` on ``items``; if the batch fails, retry it split in halves.
 
@@ -64,8 +60,8 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
     """
     try:
         results = model.predict(items)
-        if not isinstance(results, list) or len(results) != len(items):
-            got = len(results) if isinstance(results, list) else type(results).__name__
+        if not isinstance(results, (list, tuple)) or len(results) != len(items):
+            got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
             raise BatchContractError(
                 f"predict() got {len(items)} items and returned {got}; "
                 "it must return one result per item, in order"
@@ -115,8 +111,15 @@ class Worker:
         model: an already-built model (tests, embedding); built from the stage if None.
     """
 
-    def __init__(self, stage: Stage, settings: WorkerSettings, model: Model | None = None) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        settings: WorkerSettings,
+        model: Model | None = None,
+        registry: Registry | None = None,
+    ) -> None:
         self.stage = stage
+        self.router = Router(registry or Registry([single(stage)]), settings.keys, stage.name)
         self.settings = settings
         self.keys = settings.keys
         self.stream = self.keys.stage_stream(stage.name)
@@ -268,9 +271,9 @@ class Worker:
         assert self.model is not None
         now = self.clock.now()
         record = BatchRecord(size=len(entries), oldest_ms=entry_ms(entries[0][0]), closed_at=now)
-        replies: list[tuple[str, Reply]] = []
-        live: list[tuple[Request, Item]] = []
         waits = [max(0.0, now - entry_ms(eid) / 1000.0) for eid, _ in entries]
+        out = Outbox()
+        live: list[tuple[Request, Item]] = []
         for eid, fields in entries:
             try:
                 req = decode_request(fields)
@@ -280,29 +283,9 @@ class Worker:
                 record.outcomes["error"] += 1
                 continue
             record.request_ids.append(req.id)
-            if req.deadline <= now:
-                replies.append(
-                    _reply(
-                        req,
-                        self.stage.name,
-                        "expired",
-                        error="deadline passed before the model ran",
-                    )
-                )
-                continue
-            try:
-                item = self.stage.input_model.model_validate(req.payload).model_dump(mode="json")
-            except ValidationError as exc:
-                replies.append(
-                    _reply(
-                        req,
-                        self.stage.name,
-                        "error",
-                        error=f"invalid payload: {exc.error_count()} error(s)",
-                    )
-                )
-                continue
-            live.append((req, item))
+            item = self._admit(out, req, now)
+            if item is not None:
+                live.append((req, item))
 
         if live:
             loop = asyncio.get_running_loop()
@@ -314,81 +297,71 @@ class Worker:
             finally:
                 self._model_busy -= 1
             self._last_run_s = record.run_s
+            done = self.clock.now()
             for (req, _), res in zip(live, results, strict=True):
-                replies.append(self._result_reply(req, res))
-        for _, reply in replies:
-            record.outcomes[reply.outcome] += 1
+                res = _checked(res)
+                if isinstance(res, BaseException):
+                    logger.warning(
+                        "stage %s: request %s (trace %s) failed: %s",
+                        self.stage.name, req.id, req.trace_id, client_message(res),
+                    )  # fmt: skip
+                    self.router.fail_with(out, req, res, done)
+                else:
+                    self.router.succeed(out, req, res, done)
+        for _, reply in out.replies:
+            if reply.outcome != "ok":
+                record.outcomes[reply.outcome] += 1
+        record.outcomes["ok"] = len(entries) - record.outcomes["error"] - record.outcomes["expired"]
 
-        await self._publish(entries, replies, record, waits)
+        await publish(
+            self._client,
+            out,
+            stream=self.stream,
+            entry_ids=[eid for eid, _ in entries],
+            stats_key=self.keys.stage_stats(self.stage.name),
+            stats=stats.batch_fields(record.outcomes, record.size, waits, record.run_s),
+            reply_maxlen=self.settings.reply_maxlen,
+            reply_ttl_s=self.settings.reply_ttl_s,
+        )
         self.history.append(record)
         self.items_done += len(entries)
         logger.info(
             "stage %s batch=%d ok=%d error=%d expired=%d wait_max=%.1fms run=%.1fms",
-            self.stage.name,
-            record.size,
-            record.outcomes["ok"],
-            record.outcomes["error"],
-            record.outcomes["expired"],
-            max(waits) * 1000,
-            record.run_s * 1000,
-        )
+            self.stage.name, record.size, record.outcomes["ok"], record.outcomes["error"],
+            record.outcomes["expired"], max(waits) * 1000, record.run_s * 1000,
+        )  # fmt: skip
 
-    def _result_reply(self, req: Request, res: Result | BaseException) -> tuple[str, Reply]:
-        name = self.stage.name
-        if isinstance(res, BaseException):
-            logger.warning(
-                "stage %s: request %s (trace %s) failed: %s",
-                name,
-                req.id,
-                req.trace_id,
-                client_message(res),
+    def _admit(self, out: Outbox, req: Request, now: float) -> Item | None:
+        """The item to run for ``req``, or None when it ends here (expired, invalid)."""
+        if req.deadline <= now:
+            self.router.fail(
+                out, req, "expired", "deadline passed before the step ran", status=504, now=now
             )
-            return _reply(req, name, "error", error=client_message(res))
-        if not isinstance(res, dict):
-            return _reply(
-                req, name, "error", error=f"result is {type(res).__name__}, not an object"
-            )
+            return None
         try:
-            # Checked per item here so one bad value cannot fail the whole publish.
-            orjson.dumps(res)
-        except TypeError as exc:
-            return _reply(req, name, "error", error=f"result is not JSON-serialisable: {exc}")
-        return _reply(req, name, "ok", result=res)
-
-    async def _publish(
-        self,
-        entries: Sequence[Entry],
-        replies: Sequence[tuple[str, Reply]],
-        record: BatchRecord,
-        waits: Sequence[float],
-    ) -> None:
-        assert self._client is not None
-        pipe = self._client.pipeline(transaction=True)
-        for reply_to, reply in replies:
-            pipe.xadd(reply_to, encode(reply), maxlen=self.settings.reply_maxlen, approximate=True)
-        for reply_to in {reply_to for reply_to, _ in replies}:
-            pipe.expire(reply_to, self.settings.reply_ttl_s)
-        pipe.xack(self.stream, GROUP, *[eid for eid, _ in entries])
-        stats_key = self.keys.stage_stats(self.stage.name)
-        for name, value in stats.batch_fields(
-            record.outcomes, record.size, waits, record.run_s
-        ).items():
-            if name.endswith(":sum"):
-                pipe.hincrbyfloat(stats_key, name, value)
-            else:
-                pipe.hincrby(stats_key, name, int(value))
-        await pipe.execute()
+            pipeline, step = self.router.locate(req)
+            payload = pipeline.input_of(step, req.state, None) if step.join else req.payload
+            item: Item = self.stage.input_model.model_validate(payload).model_dump(mode="json")
+        except ValidationError as exc:
+            where = f"step {req.step!r} of {req.pipeline!r}"
+            message = f"invalid input for {where}: {exc.error_count()} error(s)"
+            self.router.fail(out, req, "error", message, status=422, now=now)
+            return None
+        except Exception as exc:  # unknown pipeline/step, or a join's input function failed
+            self.router.fail_with(out, req, exc, now)
+            return None
+        return item
 
 
-def _reply(
-    req: Request,
-    stage: str,
-    outcome: Outcome,
-    *,
-    result: Result | None = None,
-    error: str | None = None,
-) -> tuple[str, Reply]:
-    reply = Reply(
-        id=req.id, stage=stage, outcome=outcome, result=result, error=error, trace_id=req.trace_id
-    )
-    return req.reply_to, reply
+def _checked(res: Result | BaseException) -> Result | BaseException:
+    """The result, or an error in its place when it is not a JSON object."""
+    if isinstance(res, BaseException):
+        return res
+    if not isinstance(res, dict):
+        return TypeError(f"result is {type(res).__name__}, not an object")
+    try:
+        # Checked per item here so one bad value cannot fail the whole publish.
+        orjson.dumps(res)
+    except TypeError as exc:
+        return TypeError(f"result is not JSON-serialisable: {exc}")
+    return res

@@ -1,0 +1,350 @@
+"""Pipelines: named graphs of steps over stage streams.
+
+A pipeline has a pydantic input model and steps. A step runs on a stage: a model stage
+(batched, served by its own worker pool, shared by every pipeline that names it) or a
+function stage (plain sync or async Python, private to its pipeline). Edges:
+
+- chain: ``then="b"``;
+- fan-out: ``then=("b", "c")``, into a join step that declares ``join=("b", "c")`` and
+  runs once, when every branch has finished (the meeting is atomic in Redis);
+- conditional: ``route=fn``, where ``fn(output, ctx)`` returns the next step's name, a
+  tuple of names (fan-out), or :class:`End` to finish the request with a response.
+  ``routes_to`` lists the names it may return, so the graph can be checked and drawn.
+
+A step's input is built from the request's context: ``ctx["input"]`` is the validated
+request and ``ctx[step]`` each finished step's output. By default a step takes the
+output of the step before it (the request for the first step; for a join step, the
+branch outputs by branch name). A step without a successor ends the request: its output
+is the response.
+
+The same definition drives the gateway (routes, OpenAPI schema, the first step) and the
+workers (what to run, where each output goes next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import BaseModel
+
+from pipelines.errors import ConfigError, UnknownStage
+from pipelines.stages import AnyIn, Stage
+
+Context = dict[str, Any]
+"""``{"input": request, <step>: output, ...}`` for one request."""
+
+InputFn = Callable[[Context], dict[str, Any]]
+RouteFn = Callable[[dict[str, Any], Context], "str | tuple[str, ...] | End"]
+
+
+@dataclass(frozen=True)
+class End:
+    """Finish the request now with ``response`` (later steps never see it).
+
+    Attributes:
+        response: the JSON object the client receives (HTTP 200).
+    """
+
+    response: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of a pipeline.
+
+    Attributes:
+        name: unique within the pipeline; the key of its output in the context.
+        stage: the stage that runs it.
+        input: builds the step's input from the context (default: see module doc).
+        then: the next step, or several (fan-out).
+        route: picks the next step(s) or ends the request, from this step's output.
+        routes_to: every name ``route`` may return.
+        join: for a join step, the branches it waits for.
+    """
+
+    name: str
+    stage: Stage
+    input: InputFn | None = None
+    then: tuple[str, ...] = ()
+    route: RouteFn | None = None
+    routes_to: tuple[str, ...] = ()
+    join: tuple[str, ...] = ()
+
+    @property
+    def successors(self) -> tuple[str, ...]:
+        """Every step this one may hand over to."""
+        return self.then + self.routes_to
+
+
+def _names(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def model(
+    name: str,
+    stage: Stage,
+    *,
+    input: InputFn | None = None,
+    then: str | Iterable[str] | None = None,
+    route: RouteFn | None = None,
+    routes_to: Iterable[str] = (),
+) -> Step:
+    """A step served by a (shared) model stage; see :class:`Step` for the arguments."""
+    return Step(name, stage, input, _names(then), route, tuple(routes_to))
+
+
+def function(
+    name: str,
+    fn: Callable[[dict[str, Any]], Any],
+    *,
+    input: InputFn | None = None,
+    then: str | Iterable[str] | None = None,
+    route: RouteFn | None = None,
+    routes_to: Iterable[str] = (),
+    join: Iterable[str] = (),
+    max_batch_size: int = 32,
+    batch_wait_ms: float = 0.0,
+    max_backlog: int = 1024,
+    concurrency: int = 16,
+) -> Step:
+    """A step running ``fn(input) -> dict`` (sync or async) on its own function stage.
+
+    Items of a batch run concurrently (``concurrency`` at a time); one that raises
+    fails alone. The stage is named ``<pipeline>.<name>`` when the pipeline is built.
+    Other arguments: see :class:`Step` and :class:`~pipelines.stages.Stage`.
+    """
+    stage = Stage(
+        name,
+        AnyIn,
+        runner="workers.runners:FunctionRunner",
+        options={"fn": fn, "concurrency": concurrency},
+        max_batch_size=max_batch_size,
+        batch_wait_ms=batch_wait_ms,
+        max_backlog=max_backlog,
+        summary=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else name,
+    )
+    return Step(name, stage, input, _names(then), route, tuple(routes_to), tuple(join))
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A named graph of steps; the first step is the entry.
+
+    Attributes:
+        name: route name (``/v1/{name}``).
+        input_model: pydantic model of a request.
+        steps: the steps, entry first.
+        summary: one line for the API docs.
+
+    Raises:
+        ConfigError: at construction, naming the step, for an unknown successor, a
+            cycle, a join whose branches do not all lead to it, or a step that cannot
+            be reached.
+    """
+
+    name: str
+    input_model: type[BaseModel]
+    steps: tuple[Step, ...]
+    summary: str = ""
+    by_name: Mapping[str, Step] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ConfigError(f"pipeline {self.name!r} has no steps")
+        Stage(self.name, AnyIn, runner="-")  # the same naming rule as stages
+        steps = []
+        for step in self.steps:
+            if step.stage.runner == "workers.runners:FunctionRunner":
+                # Function stages belong to their pipeline: one stream per pipeline step.
+                stage = replace(step.stage, name=f"{self.name}.{step.name}")
+                step = Step(step.name, stage, step.input, step.then, step.route,
+                            step.routes_to, step.join)  # fmt: skip
+            steps.append(step)
+        object.__setattr__(self, "steps", tuple(steps))
+        by_name: dict[str, Step] = {}
+        for step in steps:
+            if step.name in by_name or step.name == "input":
+                raise ConfigError(f"pipeline {self.name!r}: step name {step.name!r} is taken")
+            by_name[step.name] = step
+        object.__setattr__(self, "by_name", by_name)
+        self._validate()
+
+    @property
+    def entry(self) -> Step:
+        """The first step."""
+        return self.steps[0]
+
+    def step(self, name: str) -> Step:
+        """The step called ``name``."""
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise UnknownStage(f"pipeline {self.name!r} has no step {name!r}") from None
+
+    def _validate(self) -> None:
+        where = f"pipeline {self.name!r}"
+        for step in self.steps:
+            for succ in step.successors:
+                if succ not in self.by_name:
+                    raise ConfigError(f"{where}: step {step.name!r} leads to unknown {succ!r}")
+            if step.route is None and step.routes_to:
+                raise ConfigError(f"{where}: step {step.name!r} has routes_to but no route")
+            for branch in step.join:
+                if branch not in self.by_name:
+                    raise ConfigError(f"{where}: join {step.name!r} waits for unknown {branch!r}")
+                if self.by_name[branch].successors != (step.name,):
+                    raise ConfigError(
+                        f"{where}: join {step.name!r} waits for {branch!r}, "
+                        f"which must lead to {step.name!r} and nowhere else"
+                    )
+            feeders = {s.name for s in self.steps if step.name in s.successors}
+            if step.join and feeders != set(step.join):
+                raise ConfigError(
+                    f"{where}: join {step.name!r} is fed by {sorted(feeders)}, "
+                    f"but waits for {sorted(step.join)}"
+                )
+        self._check_acyclic_and_reachable(where)
+
+    def _check_acyclic_and_reachable(self, where: str) -> None:
+        state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+        def visit(name: str, path: list[str]) -> None:
+            if state.get(name) == 1:
+                cycle = " -> ".join([*path[path.index(name) :], name])
+                raise ConfigError(f"{where}: cycle {cycle}")
+            if state.get(name) == 2:
+                return
+            state[name] = 1
+            for succ in self.by_name[name].successors:
+                visit(succ, [*path, name])
+            state[name] = 2
+
+        visit(self.entry.name, [])
+        unreachable = [s.name for s in self.steps if s.name not in state]
+        if unreachable:
+            raise ConfigError(f"{where}: steps {unreachable} cannot be reached from the entry")
+
+    def stages(self) -> list[Stage]:
+        """The stages this pipeline's steps run on, each once."""
+        seen: dict[str, Stage] = {}
+        for step in self.steps:
+            seen.setdefault(step.stage.name, step.stage)
+        return list(seen.values())
+
+    def input_of(self, step: Step, ctx: Context, previous: str | None) -> dict[str, Any]:
+        """Build ``step``'s input from the context.
+
+        Args:
+            step: the step about to run.
+            ctx: the request's context.
+            previous: the step that handed over (None for the entry).
+        """
+        if step.input is not None:
+            return step.input(ctx)
+        if step.join:
+            return {branch: ctx[branch] for branch in step.join}
+        value: dict[str, Any] = ctx["input"] if previous is None else ctx[previous]
+        return value
+
+    def after(self, step: Step, output: dict[str, Any], ctx: Context) -> End | tuple[str, ...]:
+        """Where the request goes once ``step`` produced ``output``.
+
+        Returns:
+            :class:`End` with the response, or the names of the next steps (empty: the
+            output is the response).
+
+        Raises:
+            ConfigError: ``route`` returned a name outside ``routes_to``.
+        """
+        if step.route is None:
+            return step.then
+        choice = step.route(output, ctx)
+        if isinstance(choice, End):
+            return choice
+        names = _names(choice)
+        unknown = [n for n in names if n not in step.routes_to]
+        if unknown:
+            raise ConfigError(
+                f"pipeline {self.name!r}: route of {step.name!r} chose {unknown}, "
+                f"not among routes_to {list(step.routes_to)}"
+            )
+        return names
+
+    def describe(self) -> str:
+        """A text drawing of the graph, one line per step."""
+        lines = [f"pipeline {self.name} (input: {self.input_model.__name__})"]
+        for step in self.steps:
+            kind = "function" if step.stage.name.startswith(self.name + ".") else "model"
+            edges = []
+            if step.then:
+                edges.append(
+                    ("-> " if len(step.then) == 1 else "fan-out -> ") + ", ".join(step.then)
+                )
+            if step.route is not None:
+                edges.append("route -> " + " | ".join([*step.routes_to, "end"]))
+            if step.join:
+                edges.append("joins " + " + ".join(step.join))
+            if not step.successors:
+                edges.append("-> response")
+            lines.append(
+                f"  {step.name:<12} [{kind} stage {step.stage.name}, batch<="
+                f"{step.stage.max_batch_size}]  " + "; ".join(edges)
+            )
+        return "\n".join(lines)
+
+
+def single(stage: Stage) -> Pipeline:
+    """The one-step pipeline that serves ``stage`` under its own name."""
+    return Pipeline(stage.name, stage.input_model, (model(stage.name, stage),), stage.summary)
+
+
+class Registry:
+    """The pipelines a process serves, and the stages they run on.
+
+    Args:
+        pipelines: the pipelines; two of them may share a model stage (one stream, one
+            worker pool) but not a name.
+
+    Raises:
+        ConfigError: duplicate pipeline names, or one stage name bound to two different
+            stage definitions.
+    """
+
+    def __init__(self, pipelines: Iterable[Pipeline]) -> None:
+        self.pipelines: dict[str, Pipeline] = {}
+        self.stages: dict[str, Stage] = {}
+        for p in pipelines:
+            if p.name in self.pipelines:
+                raise ConfigError(f"two pipelines are called {p.name!r}")
+            self.pipelines[p.name] = p
+            for stage in p.stages():
+                known = self.stages.setdefault(stage.name, stage)
+                if known != stage:
+                    raise ConfigError(
+                        f"stage {stage.name!r} is defined twice with different settings "
+                        f"(pipeline {p.name!r}); share one Stage object"
+                    )
+
+    def pipeline(self, name: str) -> Pipeline:
+        """The pipeline called ``name``."""
+        try:
+            return self.pipelines[name]
+        except KeyError:
+            known = ", ".join(sorted(self.pipelines))
+            raise UnknownStage(f"unknown pipeline {name!r}; known: {known}") from None
+
+    def stage(self, name: str) -> Stage:
+        """The stage called ``name``."""
+        try:
+            return self.stages[name]
+        except KeyError:
+            known = ", ".join(sorted(self.stages))
+            raise UnknownStage(f"unknown stage {name!r}; known: {known}") from None
+
+    def select(self, names: Iterable[str]) -> Registry:
+        """A registry of just the named pipelines."""
+        return Registry(self.pipeline(n) for n in names)

@@ -1,0 +1,190 @@
+"""Where each finished item goes next: the reply stream, the next step's stream, a join.
+
+Pure decisions from the pipeline graph; :mod:`workers.publish` turns them into one
+MULTI/EXEC with the batch's ack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from pipelines.envelope import Outcome, Reply, Request, dumps
+from pipelines.errors import ConveyorError, http_status
+from pipelines.graph import End, Pipeline, Registry, Step
+from pipelines.keys import Keys
+
+JOIN_GRACE_S = 60
+"""Join state outlives the request's deadline by this much, then expires."""
+
+
+@dataclass
+class JoinArrival:
+    """A branch output arriving at a join (see :data:`workers.publish.JOIN_SCRIPT`)."""
+
+    key: str
+    stream: str
+    branch: str
+    output: bytes
+    expected: int
+    envelope: bytes
+    ttl_s: int
+
+
+@dataclass
+class Outbox:
+    """Everything one batch publishes, in one transaction with its ack."""
+
+    replies: list[tuple[str, Reply]] = field(default_factory=list)
+    forwards: list[tuple[str, Request]] = field(default_factory=list)
+    joins: list[JoinArrival] = field(default_factory=list)
+    failed_joins: list[tuple[str, int]] = field(default_factory=list)
+
+
+def client_message(exc: BaseException) -> str:
+    """What a client is told about a failure: the error's kind and first line, no internals."""
+    if isinstance(exc, ConveyorError):
+        return str(exc)
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+class Router:
+    """Turns each item's outcome into outbox entries.
+
+    Args:
+        registry: the pipelines this worker knows.
+        keys: key names.
+        stage: the stage this worker serves (named in replies).
+    """
+
+    def __init__(self, registry: Registry, keys: Keys, stage: str) -> None:
+        self.registry = registry
+        self.keys = keys
+        self.stage = stage
+
+    def locate(self, req: Request) -> tuple[Pipeline, Step]:
+        """The pipeline and step an entry is for.
+
+        Raises:
+            UnknownStage: this worker was not given that pipeline or step.
+        """
+        pipeline = self.registry.pipeline(req.pipeline)
+        return pipeline, pipeline.step(req.step)
+
+    def fail(
+        self,
+        out: Outbox,
+        req: Request,
+        outcome: Outcome,
+        message: str,
+        *,
+        status: int,
+        retry_after: float | None = None,
+        now: float,
+    ) -> None:
+        """End the request with an error; a branch also marks its join as failed."""
+        out.replies.append(
+            (
+                req.reply_to,
+                Reply(
+                    id=req.id,
+                    stage=self.stage,
+                    outcome=outcome,
+                    error=message,
+                    status=status,
+                    retry_after=retry_after,
+                    trace_id=req.trace_id,
+                ),
+            )
+        )
+        try:
+            pipeline, step = self.locate(req)
+        except ConveyorError:
+            return
+        for name in step.then:
+            if pipeline.step(name).join:
+                out.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
+
+    def fail_with(self, out: Outbox, req: Request, exc: BaseException, now: float) -> None:
+        """End the request with the error ``exc`` raised while running its step."""
+        self.fail(
+            out,
+            req,
+            "error",
+            client_message(exc),
+            status=http_status(exc),
+            retry_after=getattr(exc, "retry_after", None),
+            now=now,
+        )
+
+    def succeed(self, out: Outbox, req: Request, output: dict[str, Any], now: float) -> None:
+        """Hand ``output`` on: to the next steps, a join, or back to the client."""
+        pipeline, step = self.locate(req)
+        ctx = {**req.state, step.name: output}
+        try:
+            nxt = pipeline.after(step, output, ctx)
+            if isinstance(nxt, End):
+                self._reply(out, req, nxt.response)
+                return
+            if not nxt:
+                self._reply(out, req, output)
+                return
+            for name in nxt:
+                target = pipeline.step(name)
+                if target.join:
+                    self._arrive(out, req, pipeline, step, target, ctx, now)
+                else:
+                    payload = pipeline.input_of(target, ctx, step.name)
+                    out.forwards.append(
+                        (
+                            self.keys.stage_stream(target.stage.name),
+                            self._next(req, target, payload, ctx),
+                        )
+                    )
+        except Exception as exc:  # a route or input function failed: this request ends
+            out.forwards = [f for f in out.forwards if f[1].id != req.id]
+            out.joins = [j for j in out.joins if not j.key.startswith(self.keys.join(req.id, ""))]
+            self.fail_with(out, req, exc, now)
+
+    def _reply(self, out: Outbox, req: Request, result: dict[str, Any]) -> None:
+        reply = Reply(
+            id=req.id, stage=self.stage, outcome="ok", result=result, trace_id=req.trace_id
+        )
+        out.replies.append((req.reply_to, reply))
+
+    def _next(
+        self, req: Request, step: Step, payload: dict[str, Any], ctx: dict[str, Any]
+    ) -> Request:
+        return req.model_copy(
+            update={"stage": step.stage.name, "step": step.name, "payload": payload, "state": ctx}
+        )
+
+    def _arrive(
+        self,
+        out: Outbox,
+        req: Request,
+        pipeline: Pipeline,
+        branch: Step,
+        join: Step,
+        ctx: dict[str, Any],
+        now: float,
+    ) -> None:
+        envelope = self._next(req, join, {}, {k: v for k, v in ctx.items() if k not in join.join})
+        out.joins.append(
+            JoinArrival(
+                key=self.keys.join(req.id, join.name),
+                stream=self.keys.stage_stream(join.stage.name),
+                branch=branch.name,
+                output=orjson.dumps(ctx[branch.name]),
+                expected=len(join.join),
+                envelope=dumps(envelope),
+                ttl_s=self._ttl(req, now),
+            )
+        )
+
+    @staticmethod
+    def _ttl(req: Request, now: float) -> int:
+        return max(1, int(req.deadline - now)) + JOIN_GRACE_S
