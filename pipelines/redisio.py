@@ -20,12 +20,17 @@ def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
             above it so a blocking read is not cut short, yet a dead server is noticed.
     """
     timeout = settings.redis_timeout_s + block_ms / 1000.0
-    return aioredis.Redis.from_url(
+    # A blocking pool: past max_connections, a command waits (up to the timeout) for a
+    # free connection instead of failing at once as the default pool does.
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_timeout_s,
         socket_timeout=timeout,
         socket_connect_timeout=settings.redis_timeout_s,
         health_check_interval=30,
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 async def ensure_group(client: aioredis.Redis, stream: str) -> None:

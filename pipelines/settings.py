@@ -15,6 +15,7 @@ class CommonSettings(BaseSettings):
         redis_url: ``redis://`` or ``rediss://`` URL; user, password and db are honoured.
         namespace: key namespace, also the Redis Cluster hash tag.
         redis_timeout_s: connect and command timeout; Redis being down fails this fast.
+        redis_max_connections: connections per process; more concurrent commands wait.
         app: ``module:attr`` naming a Pipeline, a list of them, or a function returning
             either (``conveyor up --app``); unset: the built-in pipelines.
         pipelines: comma-separated pipeline names to serve (unset: all of the app's, or
@@ -30,6 +31,7 @@ class CommonSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "conveyor"
     redis_timeout_s: float = 2.0
+    redis_max_connections: int = Field(default=64, ge=2, le=10_000)
     app: str | None = None
     pipelines: str | None = None
     wikipedia_api_url: str | None = None

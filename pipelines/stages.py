@@ -137,9 +137,10 @@ BUILTIN: dict[str, Stage] = {
         Stage(
             "sentiment",
             TextIn,
-            "workers.hf:TextClassifier",
-            model="tiny:sentiment",
+            "workers.zeroshot:AnchorSentiment",
+            model="minilm",
             hub_model="distilbert-base-uncased-finetuned-sst-2-english",
+            hub_runner="workers.hf:TextClassifier",
             summary="Sentiment: POSITIVE or NEGATIVE with a score.",
         ),
         Stage(

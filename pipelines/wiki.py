@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import requests
-import wikipedia.wikipedia as wikiapi  # type: ignore[import-untyped]
+import wikipedia.wikipedia as wikiapi
 from bs4 import BeautifulSoup
 
 from pipelines.errors import ConfigError, NotFound, UpstreamUnavailable

@@ -10,7 +10,6 @@ that fits its limit (the tokenizers truncate further to the model's token limit)
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,14 +34,9 @@ class WikiIn(BaseModel):
     search_term: str = Field(min_length=1, max_length=300, examples=["Alan Turing"])
 
 
-@lru_cache(maxsize=1)
-def _settings() -> CommonSettings:
-    return CommonSettings()
-
-
 def fetch(payload: dict[str, Any]) -> dict[str, Any]:
     """Fetch the first Wikipedia article matching the search term."""
-    settings = _settings()
+    settings = CommonSettings()  # read per call (cheap next to a fetch), so tests can repoint it
     article = fetch_article(
         payload["search_term"],
         api_url=settings.wikipedia_api_url,

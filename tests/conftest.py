@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pipelines.embedded import free_port, start_redis
+from pipelines.redisio import connect
 from pipelines.settings import CommonSettings
 from tests.helpers import Harness
 
@@ -57,7 +58,7 @@ def env(redis_url: str, namespace: str, cache_dir: Path, monkeypatch: pytest.Mon
 @pytest.fixture
 async def redis(env: None) -> AsyncIterator[aioredis.Redis]:
     """A client on the test's Redis."""
-    client = aioredis.Redis.from_url(CommonSettings().redis_url)
+    client = connect(CommonSettings())
     try:
         yield client
     finally:

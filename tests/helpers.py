@@ -101,6 +101,18 @@ class Harness:
         self._tasks.append(task)
         return task
 
+    async def serve(self, registry: Registry, **gateway: Any) -> httpx.AsyncClient:
+        """Workers for every stage of ``registry`` (real runners) and a gateway routing it."""
+        workers = [
+            self.worker(stage, registry=registry, device="cpu", threads=1)
+            for stage in registry.stages.values()
+        ]
+        for w in workers:
+            await w.start()
+        for w in workers:
+            self.run(w)
+        return await self.gateway(registry, **gateway)
+
     async def gateway(self, routed: list[Stage] | Registry, **overrides: Any) -> httpx.AsyncClient:
         """An HTTP client on a started gateway app routing ``routed`` (stages, each as its
         one-step pipeline, or a registry)."""

@@ -78,5 +78,5 @@ def test_unknown_stage_is_a_clear_error() -> None:
         [CONVEYOR, "up", "--pipelines", "nope"], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 2
-    assert "unknown stage 'nope'" in result.stderr
+    assert "unknown pipeline 'nope'" in result.stderr
     assert "Traceback" not in result.stderr

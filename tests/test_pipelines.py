@@ -1,0 +1,230 @@
+"""Pipelines end to end: chain, fan-out/join, routing, and the graph's validation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from pipelines.builtin import ADDER, MULTIPLIER, ValueIn, builtin_pipelines
+from pipelines.envelope import Request, decode_request
+from pipelines.errors import ConfigError
+from pipelines.graph import End, Pipeline, Registry, function, model
+from pipelines.redisio import connect
+from pipelines.settings import CommonSettings
+from tests.helpers import Harness
+from workers.publish import publish
+from workers.route import Outbox, Router
+
+
+def builtins(*names: str) -> Registry:
+    return Registry(builtin_pipelines()).select(names)
+
+
+async def test_chain_adds_then_multiplies(harness: Harness) -> None:
+    http = await harness.serve(builtins("chain"))
+    resp = await http.post("/v1/chain", json={"value": 5})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"value": 12}
+
+
+async def test_broadcast_lists_both_outputs(harness: Harness) -> None:
+    http = await harness.serve(builtins("broadcast"))
+    resps = await asyncio.gather(
+        *(http.post("/v1/broadcast", json={"value": v}) for v in range(20))
+    )
+    assert [r.json() for r in resps] == [
+        {"results": [{"value": v + 1}, {"value": v * 2}]} for v in range(20)
+    ]
+
+
+async def test_shared_model_stage_is_one_stream(harness: Harness) -> None:
+    registry = builtins("chain", "broadcast")
+    assert registry.stages["adder"] is ADDER  # one stage, one stream, one worker pool
+    http = await harness.serve(registry)
+    assert (await http.post("/v1/chain", json={"value": 1})).json() == {"value": 4}
+    assert (await http.post("/v1/broadcast", json={"value": 1})).status_code == 200
+    assert (await harness.stats("adder"))["items:ok"] == 2
+
+
+@pytest.mark.parametrize(
+    ("language", "message"),
+    [("spanish", "Hola Ada"), ("French", "Bonjour Ada"), ("klingon", "Please try again.")],
+)
+async def test_hello_routes_by_language(harness: Harness, language: str, message: str) -> None:
+    http = await harness.serve(builtins("hello"))
+    resp = await http.post("/v1/hello", json={"language": language, "name": "Ada"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"message": message}
+
+
+async def test_a_request_ended_early_never_reaches_later_steps(harness: Harness) -> None:
+    http = await harness.serve(builtins("hello"))
+    for _ in range(3):
+        await http.post("/v1/hello", json={"language": "klingon", "name": "x"})
+    await http.post("/v1/hello", json={"language": "french", "name": "x"})
+    assert (await harness.stats("hello.detect"))["items:ok"] == 4
+    assert (await harness.stats("hello.french"))["items:ok"] == 1
+    assert await harness.stats("hello.spanish") == {}
+
+
+def _boom(payload: dict[str, Any]) -> dict[str, Any]:
+    raise RuntimeError("branch exploded")
+
+
+def _failing_fanout() -> Registry:
+    return Registry(
+        [
+            Pipeline(
+                "fragile",
+                ValueIn,
+                (
+                    function("start", lambda p: p, then=("good", "bad")),
+                    model("good", ADDER, then="join"),
+                    function("bad", _boom, then="join"),
+                    function("join", lambda p: p, join=("good", "bad")),
+                ),
+            )
+        ]
+    )
+
+
+async def test_branch_error_ends_the_request_and_join_never_fires(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    http = await harness.serve(_failing_fanout())
+    resp = await http.post("/v1/fragile", json={"value": 1})
+    assert resp.status_code == 500
+    assert "branch exploded" in resp.json()["detail"]
+    assert "Traceback" not in resp.text
+    # the good branch finished too, but the join was marked failed and never ran
+    assert (await harness.stats("adder"))["items:ok"] == 1
+    assert await redis.xlen(harness.keys.stage_stream("fragile.join")) == 0
+
+
+async def test_join_fires_exactly_once_under_concurrent_arrivals(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    registry = builtins("broadcast")
+    pipeline = registry.pipeline("broadcast")
+    settings = CommonSettings()
+    router = Router(registry, settings.keys, "adder")
+    requests = [
+        Request(
+            id=f"r{i}",
+            pipeline="broadcast",
+            stage="adder",
+            step=step,
+            payload={"value": i},
+            state={"input": {"value": i}, "start": {"value": i}},
+            deadline=9e9,
+            reply_to=settings.keys.reply_stream("t"),
+        )
+        for i in range(200)
+        for step in ("add", "multiply")
+    ]
+    clients = [connect(settings) for _ in range(2)]
+
+    async def arrive(req: Request, client: aioredis.Redis) -> None:
+        out = Outbox()
+        router.succeed(out, req, {"value": 0}, now=0.0)
+        assert len(out.joins) == 1
+        await publish(client, out, stream="unused", entry_ids=[], stats_key="unused-stats",
+                      stats={}, reply_maxlen=1000, reply_ttl_s=60)  # fmt: skip
+
+    # both branches of each request land at the same moment, over two connections
+    await asyncio.gather(*(arrive(r, clients[i % 2]) for i, r in enumerate(requests)))
+    stream = harness.keys.stage_stream(pipeline.step("collect").stage.name)
+    assert await redis.xlen(stream) == 200
+    # and a late duplicate arrival (a branch run twice) does not fire it again
+    await arrive(requests[0], clients[0])
+    assert await redis.xlen(stream) == 200
+    for c in clients:
+        await c.aclose()
+
+
+async def test_deadline_travels_through_every_stage(harness: Harness) -> None:
+    registry = builtins("chain")
+    add = harness.worker(ADDER, registry=registry)
+    await add.start()
+    harness.run(add)  # no multiplier worker: the request waits at step 2
+    http = await harness.gateway(registry)
+    resp = await http.post("/v1/chain", json={"value": 1}, headers={"X-Conveyor-Timeout": "1.5"})
+    assert resp.status_code == 504
+    entries = await harness.redis.xrange(harness.keys.stage_stream("multiplier"))
+    (entry,) = entries or []
+    forwarded = decode_request(entry[1] or {})
+    assert forwarded.step == "multiply"
+    assert forwarded.state["add"] == {"value": 2.0}
+    (first,) = await harness.redis.xrange(harness.keys.stage_stream("adder")) or []
+    assert forwarded.deadline == decode_request(first[1] or {}).deadline
+    # the worker of step 2 finds it expired and does not run it
+    mult = harness.worker(MULTIPLIER, registry=registry)
+    await mult.run(burst=True)
+    assert (await harness.stats("multiplier")).get("items:expired") == 1
+
+
+def _route_nowhere(output: dict[str, Any], ctx: dict[str, Any]) -> str | End:
+    return "nowhere"
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        ((function("a", lambda p: p, then="b"),), "leads to unknown 'b'"),
+        (
+            (function("a", lambda p: p, then="b"), function("b", lambda p: p, then="a")),
+            "cycle a -> b -> a",
+        ),
+        (
+            (
+                function("a", lambda p: p, then=("b", "c")),
+                function("b", lambda p: p, then="j"),
+                function("c", lambda p: p),
+                function("j", lambda p: p, join=("b", "c")),
+            ),
+            "join 'j' waits for 'c', which must lead to 'j'",
+        ),
+        (
+            (function("a", lambda p: p), function("b", lambda p: p)),
+            "steps ['b'] cannot be reached",
+        ),
+        ((function("a", lambda p: p, routes_to=("a",)),), "has routes_to but no route"),
+        ((function("input", lambda p: p),), "step name 'input' is taken"),
+    ],
+)
+def test_graph_is_validated_when_built(steps: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match="pipeline 'p'") as err:
+        Pipeline("p", ValueIn, steps)
+    assert message in str(err.value)
+
+
+async def test_route_outside_its_declared_targets_is_a_clear_error(harness: Harness) -> None:
+    registry = Registry(
+        [
+            Pipeline(
+                "lost",
+                ValueIn,
+                (
+                    function("a", lambda p: p, route=_route_nowhere, routes_to=("b",)),
+                    function("b", lambda p: p),
+                ),
+            )
+        ]
+    )
+    http = await harness.serve(registry)
+    resp = await http.post("/v1/lost", json={"value": 1})
+    assert resp.status_code == 500
+    assert "not among routes_to" in resp.json()["detail"]
+
+
+async def test_openapi_and_get_use_the_pipeline_input(harness: Harness) -> None:
+    http: httpx.AsyncClient = await harness.serve(builtins("chain", "hello"))
+    schema = (await http.get("/openapi.json")).json()
+    assert {"/v1/chain", "/v1/hello"} <= set(schema["paths"])
+    resp = await http.post("/v1/hello", json={"language": "french"})
+    assert resp.status_code == 422
+    assert resp.json()["detail"][0]["loc"] == ["body", "name"]
