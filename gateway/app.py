@@ -1,21 +1,23 @@
 """The FastAPI application: stage routes, health, metrics, and error mapping."""
 
+import asyncio
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import orjson
-from fastapi import Body, FastAPI, Header, Query, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi import Body, FastAPI, Header, Path, Query, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from gateway.edge import EdgeMiddleware
 from gateway.service import REDIS_DOWN, Gateway
 from gateway.settings import GatewaySettings
 from pipelines.app import load_registry
-from pipelines.envelope import Reply
+from pipelines.envelope import Reply, new_request_id
 from pipelines.errors import (
     ConveyorError,
     DeadlineExceeded,
@@ -101,6 +103,12 @@ def create_app(
             return _json({"status": "ready"})
         return _json({"status": "redis unreachable"}, 503, {"Retry-After": "1"})
 
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"])
+    async def job(job_id: Annotated[str, Path(max_length=128)]) -> Response:
+        """An async job: ``queued``, or ``done`` with the result the sync call returns, or
+        ``failed`` / ``expired`` with the error."""
+        return _json(await gw.job(job_id))
+
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         """Prometheus text: this gateway's requests and every routed stage's stats."""
@@ -166,6 +174,9 @@ def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
     summary = pipeline.summary or pipeline.name
     app.add_api_route(path, post, methods=["POST"], summary=summary, tags=["pipelines"],
                       name=f"post_{pipeline.name}")  # fmt: skip
+    _add_job_route(app, gw, pipeline)
+    if len(pipeline.steps) == 1 and pipeline.entry.stage.streaming:
+        _add_stream_route(app, gw, pipeline)
     field = query_field(pipeline.input_model)
     if field is None:
         return
@@ -188,6 +199,79 @@ def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
     )
     app.add_api_route(path, get, methods=["GET"], summary=f"{summary} (?{field}=)",
                       tags=["pipelines"], name=f"get_{pipeline.name}")  # fmt: skip
+
+
+def _add_job_route(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
+    async def submit(
+        payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+    ) -> Response:
+        data = payload.model_dump(mode="json")
+        budget = gw.timeout_for(timeout_s, job=True)
+        request = await gw.enqueue(pipeline, data, budget, trace, job=True)
+        location = f"/v1/jobs/{request.id}"
+        body = {"id": request.id, "status": "queued", "url": location}
+        return _json(body, 202, {"Location": location, "X-Request-Id": request.id})
+
+    submit.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
+    app.add_api_route(
+        f"/v1/jobs/{pipeline.name}", submit, methods=["POST"], status_code=202, tags=["jobs"],
+        summary=f"Submit an async {pipeline.name} job", name=f"job_{pipeline.name}",
+    )  # fmt: skip
+
+
+def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
+    async def stream(
+        payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+    ) -> Response:
+        budget = gw.timeout_for(timeout_s)
+        request_id = new_request_id()
+        queue = gw.replies.expect_stream(request_id)
+        try:
+            # Refusals (503) happen here, before the stream starts, as plain HTTP errors.
+            await gw.enqueue(pipeline, payload.model_dump(mode="json"), budget, trace,
+                             request_id=request_id, stream=True)  # fmt: skip
+        except BaseException:
+            gw.replies.forget(request_id)
+            raise
+        events = _sse_events(gw, queue, request_id, budget)
+        headers = {"X-Request-Id": request_id, "Cache-Control": "no-cache"}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    stream.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
+    app.add_api_route(
+        f"/v1/{pipeline.name}/stream", stream, methods=["POST"], tags=["pipelines"],
+        summary=f"{pipeline.summary or pipeline.name} (Server-Sent Events)",
+        name=f"stream_{pipeline.name}",
+    )  # fmt: skip
+
+
+def _sse(event: str, data: Any) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _sse_events(
+    gw: Gateway, queue: asyncio.Queue[Reply], request_id: str, budget: float
+) -> AsyncIterator[bytes]:
+    """``token`` events as text arrives, then ``done`` (the result) or ``error``."""
+    deadline = time.monotonic() + budget
+    try:
+        while True:
+            try:
+                reply = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+            except TimeoutError:
+                yield _sse("error", {"detail": f"no result within {budget:g}s", "status": 504})
+                return
+            if reply.outcome == "partial":
+                yield _sse("token", reply.result)
+            elif reply.outcome == "ok":
+                yield _sse("done", reply.result)
+                return
+            else:
+                status = 504 if reply.outcome == "expired" else reply.status
+                yield _sse("error", {"detail": reply.error, "status": status})
+                return
+    finally:
+        gw.replies.forget(request_id)
 
 
 def _query_error(error: Any) -> dict[str, Any]:

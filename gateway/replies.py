@@ -34,7 +34,9 @@ class ReplyDispatcher:
         self.stream = stream
         self.block_ms = block_ms
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._streams: dict[str, asyncio.Queue[Reply]] = {}
         self._last_id = "0-0"
+        self._stopping = False
 
     def expect(self, request_id: str) -> asyncio.Future[Reply]:
         """A future the reply for ``request_id`` will resolve; register before sending."""
@@ -42,19 +44,34 @@ class ReplyDispatcher:
         self._waiters[request_id] = future
         return future
 
+    def expect_stream(self, request_id: str) -> asyncio.Queue[Reply]:
+        """A queue that receives every reply for ``request_id``: partials, then the last."""
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self._streams[request_id] = queue
+        return queue
+
     def forget(self, request_id: str) -> None:
         """Stop waiting for ``request_id`` (answered, timed out or abandoned)."""
         self._waiters.pop(request_id, None)
+        self._streams.pop(request_id, None)
 
     @property
     def waiting(self) -> int:
         """Requests this process is waiting on."""
-        return len(self._waiters)
+        return len(self._waiters) + len(self._streams)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after its current read (at most ``block_ms``).
+
+        Cancelling a blocked XREAD instead can leave redis-py's connection handling
+        waiting forever, so the loop is asked, not cancelled.
+        """
+        self._stopping = True
 
     async def run(self) -> None:
-        """Read and dispatch until cancelled; Redis outages are waited out."""
+        """Read and dispatch until stopped; Redis outages are waited out."""
         backoff = 0.1
-        while True:
+        while not self._stopping:
             try:
                 response = await self.client.xread(
                     {self.stream: self._last_id}, count=1024, block=self.block_ms
@@ -76,6 +93,12 @@ class ReplyDispatcher:
         except EnvelopeError as exc:
             logger.warning("ignoring reply entry %r: %s", entry_id, exc)
             return
+        queue = self._streams.get(reply.id)
+        if queue is not None:
+            queue.put_nowait(reply)
+            return
+        if reply.outcome == "partial":
+            return  # streamed output for a request that is not streaming (or gone)
         future = self._waiters.pop(reply.id, None)
         if future is not None and not future.done():
             future.set_result(reply)

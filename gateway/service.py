@@ -9,18 +9,20 @@ import secrets
 import socket
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT, FieldT
 
 from gateway.admission import Admission
 from gateway.edge import RequestMetrics
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, encode, new_request_id
-from pipelines.errors import DeadlineExceeded, Unavailable
+from pipelines.errors import DeadlineExceeded, NotFound, Unavailable
 from pipelines.graph import Pipeline, Registry
-from pipelines.redisio import RedisClock, connect
+from pipelines.redisio import RedisClock, connect, text
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,12 @@ class Gateway:
     async def stop(self) -> None:
         """Stop the reply loop and close connections."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            self.replies.stop()
+            grace = self.settings.reply_block_ms / 1000 + self.settings.redis_timeout_s
+            done, _ = await asyncio.wait([self._task], timeout=grace)
+            if not done:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
         try:  # nobody will read it again; without this it lingers until its TTL
             await self.client.delete(self.reply_stream)
         except REDIS_DOWN as exc:
@@ -76,8 +82,10 @@ class Gateway:
         await self._reader.aclose()
         await self.client.aclose()
 
-    def timeout_for(self, asked: float | None) -> float:
+    def timeout_for(self, asked: float | None, *, job: bool = False) -> float:
         """The request's time budget: what it asked for, within the bounds."""
+        if job:
+            return min(asked or self.settings.job_timeout_s, self.settings.job_timeout_s)
         if asked is None:
             return self.settings.default_timeout_s
         return min(asked, self.settings.max_timeout_s)
@@ -96,8 +104,9 @@ class Gateway:
         timeout_s: float,
         trace_id: str | None,
         *,
-        reply_to: str | None = None,
         request_id: str | None = None,
+        stream: bool = False,
+        job: bool = False,
     ) -> Request:
         """Admit a request and put it on its entry step's stream.
 
@@ -106,8 +115,10 @@ class Gateway:
             payload: the validated request.
             timeout_s: the request's time budget.
             trace_id: the caller's trace id, if any.
-            reply_to: where the result goes (default: this gateway's reply stream).
             request_id: the id to use (default: a fresh one).
+            stream: ask the worker for partial output as it is produced.
+            job: an async job: its record is created with the request, and the result is
+                stored there instead of sent to this gateway.
 
         Raises:
             Overloaded: the entry stage's backlog is at its bound (nothing was enqueued).
@@ -120,19 +131,30 @@ class Gateway:
         except REDIS_DOWN as exc:
             raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
         ctx = {"input": payload}
+        request_id = request_id or new_request_id()
+        reply_to = self.keys.job(request_id) if job else self.reply_stream
         request = Request(
-            id=request_id or new_request_id(),
+            id=request_id,
             pipeline=pipeline.name,
             stage=entry.stage.name,
             step=entry.name,
             payload=pipeline.input_of(entry, ctx, None),
             state=ctx,
             deadline=self.clock.now() + timeout_s,
-            reply_to=reply_to or self.reply_stream,
+            reply_to=reply_to,
             trace_id=trace_id or new_request_id(),
+            stream=stream,
         )
+        pipe = self.client.pipeline(transaction=True)
+        if job:
+            # The record and the request appear together: a job id handed out always exists.
+            record: dict[FieldT, EncodableT] = {"status": "queued", "pipeline": pipeline.name,
+                      "deadline": repr(request.deadline)}  # fmt: skip
+            pipe.hset(reply_to, mapping=record)
+            pipe.expire(reply_to, self.settings.job_ttl_s)
+        pipe.xadd(self.keys.stage_stream(entry.stage.name), encode(request))
         try:
-            await self.client.xadd(self.keys.stage_stream(entry.stage.name), encode(request))
+            await pipe.execute()
         except REDIS_DOWN as exc:
             raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
         return request
@@ -165,6 +187,32 @@ class Gateway:
         finally:
             self.replies.forget(request_id)
         return request.id, reply
+
+    async def job(self, job_id: str) -> dict[str, Any]:
+        """An async job's status, and its result or error once finished.
+
+        Raises:
+            NotFound: no such job (never submitted, or expired after ``job_ttl_s``).
+        """
+        try:
+            raw = await self.client.hgetall(self.keys.job(job_id))
+        except REDIS_DOWN as exc:
+            raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
+        record = {text(k): text(v) for k, v in raw.items()}
+        if not record:
+            raise NotFound(f"no job {job_id!r} (never submitted, or expired)")
+        out: dict[str, Any] = {"id": job_id, "pipeline": record["pipeline"]}
+        status = record["status"]
+        if status == "queued" and float(record["deadline"]) < self.clock.now():
+            status = "expired"
+            record.update(error="deadline passed before the job finished", http_status="504")
+        out["status"] = status
+        if status == "done":
+            out["result"] = orjson.loads(record["result"])
+        elif status != "queued":
+            out["error"] = record.get("error", "")
+            out["http_status"] = int(record.get("http_status", "500"))
+        return out
 
 
 def _surface(task: asyncio.Task[None]) -> None:

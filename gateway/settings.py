@@ -16,6 +16,7 @@ class GatewaySettings(CommonSettings):
         max_body_bytes: larger request bodies get 413 before they are read.
         default_timeout_s: a request's deadline unless it asks for less.
         max_timeout_s: the most a client may ask for with ``X-Conveyor-Timeout``.
+        job_timeout_s: an async job's deadline (a client may ask for less).
         max_backlog: overrides every stage's backlog bound when set.
         retry_after_s: the Retry-After a 503 carries.
         admission_refresh_ms: how stale a stage's measured backlog may be.
@@ -27,6 +28,7 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1)
     default_timeout_s: float = Field(default=30.0, gt=0)
     max_timeout_s: float = Field(default=300.0, gt=0)
+    job_timeout_s: float = Field(default=3600.0, gt=0)
     max_backlog: int | None = Field(default=None, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
     admission_refresh_ms: float = Field(default=50.0, ge=0)

@@ -45,6 +45,7 @@ class Request(BaseModel):
         reply_to: the reply stream of the gateway that waits for the result.
         attempt: how many times this request has been delivered before (0 first).
         trace_id: carried unchanged through every stage and log line.
+        stream: the client wants partial output as it is produced (streaming models).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -60,6 +61,7 @@ class Request(BaseModel):
     reply_to: str
     attempt: int = 0
     trace_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    stream: bool = False
 
 
 class Reply(BaseModel):
@@ -69,8 +71,10 @@ class Reply(BaseModel):
         v: envelope version.
         id: the request id.
         stage: the stage that produced it.
-        outcome: ``ok``, ``error`` (the model failed on this item) or ``expired``.
-        result: the response when ``outcome`` is ``ok``.
+        outcome: ``ok``, ``error`` (a step failed on this item), ``expired``, or
+            ``partial`` (streamed output so far; more replies follow).
+        result: the response when ``outcome`` is ``ok``; ``{"text": new_text}`` when
+            ``partial``.
         error: a client-safe message otherwise.
         status: the HTTP status an error maps to.
         retry_after: seconds, for an error worth retrying later.
@@ -82,7 +86,7 @@ class Reply(BaseModel):
     v: Literal[1] = 1
     id: str
     stage: str
-    outcome: Outcome
+    outcome: Outcome | Literal["partial"]
     result: dict[str, Any] | None = None
     error: str | None = None
     status: int = 200

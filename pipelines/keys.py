@@ -47,6 +47,15 @@ class Keys:
         """The hash where a join step's branch outputs meet for one request."""
         return f"{self.prefix}:join:{request_id}:{step}"
 
+    def job(self, job_id: str) -> str:
+        """The hash holding an async job's status and, when done, its result."""
+        return f"{self.job_prefix}{job_id}"
+
+    @property
+    def job_prefix(self) -> str:
+        """What every job key starts with (a reply addressed there is stored, not streamed)."""
+        return f"{self.prefix}:job:"
+
     def stages_set(self) -> str:
         """The set of stage names that have ever had a worker (for status views)."""
         return f"{self.prefix}:stages"

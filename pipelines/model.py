@@ -7,7 +7,7 @@ returns a list of n results, in the same order. The worker enforces it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 Item = dict[str, Any]
@@ -37,5 +37,22 @@ class Model(Protocol):
             One JSON-safe result per item, in the same order. An exception instance in
             an item's place fails that item alone; raising fails the batch, which the
             worker then retries split in halves to find the failing items.
+        """
+        ...
+
+
+@runtime_checkable
+class StreamingModel(Model, Protocol):
+    """A model that can report each item's output as it grows (text generation)."""
+
+    def predict_stream(
+        self, items: list[Item], emit: Callable[[int, str], None]
+    ) -> Sequence[Result | BaseException]:
+        """:meth:`Model.predict`, also calling ``emit(index, text_so_far)`` from the model
+        thread whenever item ``index``'s output text grows.
+
+        Args:
+            items: the batch.
+            emit: progress callback; the worker forwards the new part to the client.
         """
         ...

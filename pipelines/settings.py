@@ -20,6 +20,7 @@ class CommonSettings(BaseSettings):
             either (``conveyor up --app``); unset: the built-in pipelines.
         pipelines: comma-separated pipeline names to serve (unset: all of the app's, or
             for the built-ins the default set).
+        job_ttl_s: an async job's record (and result) is kept this long.
         wikipedia_api_url: MediaWiki API the ``wiki-summary`` fetch step calls
             (unset: Wikipedia's own).
         wikipedia_timeout_s: the fetch gives up after this long (the client has no timeout).
@@ -34,6 +35,7 @@ class CommonSettings(BaseSettings):
     redis_max_connections: int = Field(default=64, ge=2, le=10_000)
     app: str | None = None
     pipelines: str | None = None
+    job_ttl_s: int = Field(default=86_400, ge=1)
     wikipedia_api_url: str | None = None
     wikipedia_timeout_s: float = Field(default=10.0, gt=0)
     wikipedia_max_chars: int = Field(default=100_000, ge=100)

@@ -64,6 +64,7 @@ class Stage:
         max_backlog: the gateway refuses new requests (503) above this many waiting items.
         summary: one line for the API docs.
         replicas: worker processes ``conveyor up`` starts for it.
+        streaming: its runner can stream output (``/v1/{name}/stream`` is offered).
     """
 
     name: str
@@ -78,6 +79,7 @@ class Stage:
     max_backlog: int = 1024
     summary: str = ""
     replicas: int = 1
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -168,6 +170,7 @@ BUILTIN: dict[str, Stage] = {
             model="tiny:generate",
             hub_model="gpt2",
             max_batch_size=8,
+            streaming=True,
             summary="Text continuation.",
         ),
         Stage(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
+import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
@@ -81,6 +83,7 @@ class Harness:
         self._tasks: list[asyncio.Task[int]] = []
         self._workers: list[Worker] = []
         self._stack = contextlib.AsyncExitStack()
+        self._servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
     def worker(
         self,
@@ -126,6 +129,22 @@ class Harness:
         await self._stack.enter_async_context(client)
         return client
 
+    async def http_server(self, routed: list[Stage] | Registry, **overrides: Any) -> str:
+        """A gateway served by uvicorn on a loopback port (real sockets, real streaming);
+        returns its base URL. Stopped with the harness."""
+        settings = GatewaySettings(**{"reply_block_ms": 100, **overrides})
+        registry = routed if isinstance(routed, Registry) else Registry(map(single, routed))
+        # A socket listening before uvicorn starts: connections queue in its backlog until
+        # the app is up, so nothing has to wait for "started".
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        config = uvicorn.Config(create_app(settings, registry), log_level="warning")
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        self._servers.append((server, task))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
     async def enqueue(
         self,
         stage: str,
@@ -160,6 +179,11 @@ class Harness:
         raw = await self.redis.hgetall(self.keys.stage_stats(stage))
         return {text(k): int(float(v)) for k, v in raw.items() if b":sum" not in k}
 
+    async def close_gateways(self) -> None:
+        """Stop every gateway app started so far (their lifespans end)."""
+        await self._stack.aclose()
+        self._stack = contextlib.AsyncExitStack()
+
     async def close(self) -> None:
         """Stop every worker and gateway started through the harness."""
         for w in self._workers:
@@ -170,6 +194,9 @@ class Harness:
             if not task.done():
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for server, serving in self._servers:
+            server.should_exit = True
+            await serving
         await self._stack.aclose()
         for w in self._workers:
             await w.close()

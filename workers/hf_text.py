@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
@@ -111,6 +112,38 @@ class Summarizer(HFRunner):
         return [{"summary": summary.strip()} for summary in summaries]
 
 
+class _RowStreamer:
+    """What ``generate(streamer=...)`` feeds: the prompt first, then each step's new token
+    per row. Keeps every row's new ids, cut at its limit and first end-of-sequence."""
+
+    def __init__(
+        self, limits: list[int], eos_ids: set[int], on_tokens: Callable[[int, list[int]], None]
+    ) -> None:
+        self.limits = limits
+        self.eos_ids = eos_ids
+        self.on_tokens = on_tokens
+        self.rows: list[list[int]] = [[] for _ in limits]
+        self.done = [False] * len(limits)
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # the first call carries the prompt
+            self.prompt_seen = True
+            return
+        for index, token in enumerate(value.reshape(-1).tolist()):
+            if self.done[index]:
+                continue
+            if token in self.eos_ids:
+                self.done[index] = True
+                continue
+            self.rows[index].append(token)
+            self.done[index] = len(self.rows[index]) >= self.limits[index]
+            self.on_tokens(index, self.rows[index])
+
+    def end(self) -> None:
+        """Generation finished (nothing left to flush: rows are reported as they grow)."""
+
+
 class Generator(HFRunner):
     """Continuations from a decoder-only (causal) language model.
 
@@ -190,11 +223,15 @@ class Generator(HFRunner):
             limits.append(limit)
         return limits
 
-    def generate_ids(self, items: list[Item]) -> list[list[int]]:
+    def generate_ids(
+        self, items: list[Item], on_tokens: Callable[[int, list[int]], None] | None = None
+    ) -> list[list[int]]:
         """Generate the new token ids for each item.
 
         Args:
             items: ``{"text": str, "max_new_tokens": int (optional)}`` dicts.
+            on_tokens: called from inside ``generate`` after each step with a row's
+                index and its new ids so far (cut like the result), for streaming.
 
         Returns:
             Per item, its new token ids: at most its ``max_new_tokens``, ending before the
@@ -221,11 +258,13 @@ class Generator(HFRunner):
         with torch.inference_mode():
             # generate() derives position ids from the attention mask, so left padding
             # does not shift the positions of absolute-position models such as GPT-2.
+            streamer = None if on_tokens is None else _RowStreamer(limits, self.eos_ids, on_tokens)
             output = self.model.generate(
                 input_ids=encoding["input_ids"],
                 attention_mask=encoding["attention_mask"],
                 max_new_tokens=budget,
                 pad_token_id=self.tokenizer.pad_token_id,
+                streamer=streamer,
                 **self.sampling,
             )
         rows: list[list[int]] = output[:, encoding["input_ids"].shape[1] :].tolist()
@@ -248,6 +287,21 @@ class Generator(HFRunner):
         return [
             {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}
             for ids in self.generate_ids(items)
+        ]
+
+    def predict_stream(self, items: list[Item], emit: Callable[[int, str], None]) -> list[Result]:
+        """:meth:`predict`, calling ``emit(row, text_so_far)`` as each row grows.
+
+        Each row of the batch streams on its own; the text is decoded whole each time, so
+        a token that only completes a character with the next one is never cut in half.
+        """
+
+        def on_tokens(index: int, ids: list[int]) -> None:
+            emit(index, str(self.tokenizer.decode(ids, skip_special_tokens=True)))
+
+        return [
+            {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}
+            for ids in self.generate_ids(items, on_tokens)
         ]
 
 

@@ -17,6 +17,7 @@ import secrets
 import socket
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -32,12 +33,13 @@ from pipelines.envelope import Request, decode_request
 from pipelines.errors import BatchContractError, EnvelopeError
 from pipelines.graph import Registry, single
 from pipelines.keys import GROUP
-from pipelines.model import Item, Model, Result
+from pipelines.model import Item, Model, Result, StreamingModel
 from pipelines.redisio import RedisClock, connect, ensure_group, entry_ms
 from pipelines.stages import Stage
 from workers.publish import publish
 from workers.route import Outbox, Router, client_message
 from workers.settings import WorkerSettings
+from workers.stream import Partials
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,16 @@ def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
+def _contract(items: list[Item], results: object) -> list[Result | BaseException]:
+    if not isinstance(results, (list, tuple)) or len(results) != len(items):
+        got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
+        raise BatchContractError(
+            f"predict() got {len(items)} items and returned {got}; "
+            "it must return one result per item, in order"
+        )
+    return list(results)
+
+
 def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseException]:
     """Run ``model`` on ``items``; if the batch fails, retry it split in halves.
 
@@ -59,14 +71,7 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
     Raises nothing: an item's failure is returned in its place.
     """
     try:
-        results = model.predict(items)
-        if not isinstance(results, (list, tuple)) or len(results) != len(items):
-            got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
-            raise BatchContractError(
-                f"predict() got {len(items)} items and returned {got}; "
-                "it must return one result per item, in order"
-            )
-        return list(results)
+        return _contract(items, model.predict(items))
     except Exception as exc:
         if len(items) == 1:
             return [exc]
@@ -74,10 +79,20 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
         return run_isolating(model, items[:mid]) + run_isolating(model, items[mid:])
 
 
-def _timed_run(model: Model, items: list[Item]) -> tuple[list[Result | BaseException], float]:
+def _timed_run(
+    model: Model, items: list[Item], emit: Callable[[int, str], None] | None
+) -> tuple[list[Result | BaseException], float]:
     # Timed in the model thread, so time spent queued behind another batch is excluded.
     started = time.perf_counter()
-    results = run_isolating(model, items)
+    results: list[Result | BaseException] | None = None
+    if emit is not None and isinstance(model, StreamingModel):
+        try:
+            results = _contract(items, model.predict_stream(items, emit))
+        except Exception:
+            # Find the failing items without streaming; what was streamed is not resent.
+            results = None
+    if results is None:
+        results = run_isolating(model, items)
     return results, time.perf_counter() - started
 
 
@@ -289,13 +304,19 @@ class Worker:
 
         if live:
             loop = asyncio.get_running_loop()
+            partials = Partials(self._client, [req for req, _ in live], self.settings, loop)
             self._model_busy += 1
             try:
                 results, record.run_s = await loop.run_in_executor(
-                    self._executor, _timed_run, self.model, [item for _, item in live]
+                    self._executor,
+                    _timed_run,
+                    self.model,
+                    [item for _, item in live],
+                    partials.emit if partials.wanted else None,
                 )
             finally:
                 self._model_busy -= 1
+                await partials.close()  # every partial is out before the final reply
             self._last_run_s = record.run_s
             done = self.clock.now()
             for (req, _), res in zip(live, results, strict=True):
@@ -322,6 +343,8 @@ class Worker:
             stats=stats.batch_fields(record.outcomes, record.size, waits, record.run_s),
             reply_maxlen=self.settings.reply_maxlen,
             reply_ttl_s=self.settings.reply_ttl_s,
+            job_prefix=self.keys.job_prefix,
+            job_ttl_s=self.settings.job_ttl_s,
         )
         self.history.append(record)
         self.items_done += len(entries)

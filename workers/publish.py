@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import orjson
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import FIELD, encode
+from pipelines.envelope import FIELD, Reply, encode
 from pipelines.keys import GROUP
 from workers.route import Outbox
 
@@ -51,6 +53,19 @@ return 0
 """
 
 
+def job_fields(reply: Reply) -> dict[FieldT, EncodableT]:
+    """A job hash's fields once its request has finished with ``reply``."""
+    if reply.outcome == "ok":
+        return {
+            "status": "done",
+            "result": orjson.dumps(reply.result).decode(),
+            "http_status": "200",
+        }
+    status = "expired" if reply.outcome == "expired" else "failed"
+    code = 504 if reply.outcome == "expired" else reply.status
+    return {"status": status, "error": reply.error or "", "http_status": str(code)}
+
+
 async def publish(
     client: aioredis.Redis,
     out: Outbox,
@@ -61,6 +76,8 @@ async def publish(
     stats: Mapping[str, float],
     reply_maxlen: int,
     reply_ttl_s: int,
+    job_prefix: str = "",
+    job_ttl_s: int = 86_400,
 ) -> None:
     """Publish a batch's outbox and ack its entries, atomically.
 
@@ -73,11 +90,20 @@ async def publish(
         stats: increments for it (``*:sum`` fields are floats).
         reply_maxlen: approximate cap on each reply stream.
         reply_ttl_s: reply streams expire this long after their last write.
+        job_prefix: replies addressed to keys with this prefix are async jobs' results:
+            stored in the job's hash (kept ``job_ttl_s``) instead of streamed.
+        job_ttl_s: how long a finished job's record is kept.
     """
     pipe = client.pipeline(transaction=True)
+    streams = set()
     for reply_to, reply in out.replies:
-        pipe.xadd(reply_to, encode(reply), maxlen=reply_maxlen, approximate=True)
-    for reply_to in {reply_to for reply_to, _ in out.replies}:
+        if job_prefix and reply_to.startswith(job_prefix):
+            pipe.hset(reply_to, mapping=job_fields(reply))
+            pipe.expire(reply_to, job_ttl_s)
+        else:
+            pipe.xadd(reply_to, encode(reply), maxlen=reply_maxlen, approximate=True)
+            streams.add(reply_to)
+    for reply_to in streams:
         pipe.expire(reply_to, reply_ttl_s)
     for target, request in out.forwards:
         pipe.xadd(target, encode(request))
