@@ -80,3 +80,33 @@ def test_unknown_stage_is_a_clear_error() -> None:
     assert result.returncode == 2
     assert "unknown pipeline 'nope'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(repo)}
+    graph = subprocess.run(
+        [CONVEYOR, "graph", "wordcount", "--app", "tests.userapp:pipelines"],
+        env=env, cwd=repo, capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert "split" in graph
+    assert "-> count" in graph
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [CONVEYOR, "up", "--port", str(port), "--app", "tests.userapp:pipelines"],
+            env=env, cwd=repo, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, proc, log)
+        resp = httpx.post(f"{base}/v1/wordcount", json={"text": "one two three"}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"count": 3}
+        assert httpx.get(f"{base}/v1/embed", params={"text": "x"}).status_code == 404
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    assert code == 0, log.read_text()

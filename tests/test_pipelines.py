@@ -228,3 +228,14 @@ async def test_openapi_and_get_use_the_pipeline_input(harness: Harness) -> None:
     resp = await http.post("/v1/hello", json={"language": "french"})
     assert resp.status_code == 422
     assert resp.json()["detail"][0]["loc"] == ["body", "name"]
+
+
+async def test_the_readme_example_pipeline(harness: Harness) -> None:
+    from tests.userapp import review
+
+    http = await harness.serve(Registry([review]))
+    resp = await http.post("/v1/review", json={"text": "A wonderful, joyful film. I loved it."})
+    assert resp.status_code == 200, resp.text
+    assert set(resp.json()) == {"summary", "entities"}
+    resp = await http.post("/v1/review", json={"text": "Awful. A painful, horrible disaster."})
+    assert resp.json() == {"skipped": True}

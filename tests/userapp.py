@@ -6,7 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pipelines.graph import Pipeline, function
+from pipelines.graph import End, Pipeline, function, model
+from pipelines.stages import BUILTIN
 
 
 class Words(BaseModel):
@@ -33,3 +34,30 @@ pipelines = [
         summary="Counts words.",
     )
 ]
+
+
+class Review(BaseModel):
+    """A review to read (the README's example pipeline)."""
+
+    text: str
+
+
+def verdict(output: dict[str, Any], ctx: dict[str, Any]) -> End | tuple[str, ...]:
+    """Skip negative reviews; summarize and tag the rest in parallel."""
+    return End({"skipped": True}) if output["label"] == "NEGATIVE" else ("summary", "people")
+
+
+review = Pipeline(
+    "review",
+    Review,
+    (
+        model("mood", BUILTIN["sentiment"], route=verdict, routes_to=("summary", "people")),
+        model("summary", BUILTIN["summarize"], input=lambda ctx: ctx["input"], then="report"),
+        model("people", BUILTIN["ner"], input=lambda ctx: ctx["input"], then="report"),
+        function(
+            "report",
+            lambda branches: {**branches["summary"], **branches["people"]},
+            join=("summary", "people"),
+        ),
+    ),
+)
