@@ -56,6 +56,14 @@ class Keys:
         """What every job key starts with (a reply addressed there is stored, not streamed)."""
         return f"{self.prefix}:job:"
 
+    def done(self, request_id: str, step: str) -> str:
+        """Marks that a request's step has published its effects (set once, expires)."""
+        return f"{self.prefix}:done:{request_id}:{step}"
+
+    def dead_letters(self, stage: str) -> str:
+        """The stream of a stage's dead letters: entries delivered too often."""
+        return f"{self.prefix}:dlq:{stage}"
+
     def stages_set(self) -> str:
         """The set of stage names that have ever had a worker (for status views)."""
         return f"{self.prefix}:stages"

@@ -73,6 +73,7 @@ NEEDS = {
     "worker": {
         "ping", "time", "xgroup|create", "xreadgroup", "multi", "exec", "xadd", "expire",
         "hset", "hexists", "hgetall", "eval", "xack", "hincrby", "hincrbyfloat", "sadd",
+        "watch", "unwatch", "mget", "set", "del",
     },
     "keda": {"info", "xinfo|groups", "xpending", "xlen"},
 }  # fmt: skip

@@ -131,7 +131,7 @@ async def test_join_fires_exactly_once_under_concurrent_arrivals(
     async def arrive(req: Request, client: aioredis.Redis) -> None:
         out = Outbox()
         router.succeed(out, req, {"value": 0}, now=0.0)
-        assert len(out.joins) == 1
+        assert [len(e.joins) for e in out.effects.values()] == [1]
         await publish(client, out, stream="unused", entry_ids=[], stats_key="unused-stats",
                       stats={}, reply_maxlen=1000, reply_ttl_s=60)  # fmt: skip
 

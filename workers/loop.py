@@ -16,27 +16,27 @@ import os
 import secrets
 import socket
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-import orjson
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT, FieldT
 
 from pipelines import stats
 from pipelines.envelope import Request, decode_request
-from pipelines.errors import BatchContractError, EnvelopeError
+from pipelines.errors import EnvelopeError
 from pipelines.graph import Registry, single
 from pipelines.keys import GROUP
-from pipelines.model import Item, Model, Result, StreamingModel
+from pipelines.model import Item, Model
 from pipelines.redisio import RedisClock, connect, ensure_group, entry_ms
 from pipelines.stages import Stage
+from workers.batch import BatchRecord, checked, timed_run
 from workers.publish import publish
+from workers.reclaim import Heartbeat, autoclaim, deliveries, trim
 from workers.route import Outbox, Router, client_message
 from workers.settings import WorkerSettings
 from workers.stream import Partials
@@ -50,71 +50,6 @@ _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 def consumer_name() -> str:
     """A consumer name unique to this process: host-pid-random."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def _contract(items: list[Item], results: object) -> list[Result | BaseException]:
-    if not isinstance(results, (list, tuple)) or len(results) != len(items):
-        got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
-        raise BatchContractError(
-            f"predict() got {len(items)} items and returned {got}; "
-            "it must return one result per item, in order"
-        )
-    return list(results)
-
-
-def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseException]:
-    """Run ``model`` on ``items``; if the batch fails, retry it split in halves.
-
-    A failing item thus fails alone, at the cost of about log2(n) extra model calls
-    for the batch it was in; the other items' results are the model's own.
-
-    Raises nothing: an item's failure is returned in its place.
-    """
-    try:
-        return _contract(items, model.predict(items))
-    except Exception as exc:
-        if len(items) == 1:
-            return [exc]
-        mid = len(items) // 2
-        return run_isolating(model, items[:mid]) + run_isolating(model, items[mid:])
-
-
-def _timed_run(
-    model: Model, items: list[Item], emit: Callable[[int, str], None] | None
-) -> tuple[list[Result | BaseException], float]:
-    # Timed in the model thread, so time spent queued behind another batch is excluded.
-    started = time.perf_counter()
-    results: list[Result | BaseException] | None = None
-    if emit is not None and isinstance(model, StreamingModel):
-        try:
-            results = _contract(items, model.predict_stream(items, emit))
-        except Exception:
-            # Find the failing items without streaming; what was streamed is not resent.
-            results = None
-    if results is None:
-        results = run_isolating(model, items)
-    return results, time.perf_counter() - started
-
-
-@dataclass
-class BatchRecord:
-    """What one batch did (kept in memory for tests and introspection).
-
-    Attributes:
-        size: entries in the batch.
-        oldest_ms: arrival time of its oldest entry (server ms).
-        closed_at: when assembly ended (server clock, seconds).
-        run_s: model time.
-        outcomes: items per outcome.
-        request_ids: ids of the requests, in batch order.
-    """
-
-    size: int
-    oldest_ms: int
-    closed_at: float
-    run_s: float = 0.0
-    outcomes: Counter[str] = field(default_factory=Counter)
-    request_ids: list[str] = field(default_factory=list)
 
 
 class Worker:
@@ -141,7 +76,7 @@ class Worker:
         self.max_batch = settings.max_batch_size or stage.max_batch_size
         wait_ms = stage.batch_wait_ms if settings.batch_wait_ms is None else settings.batch_wait_ms
         self.wait_s = wait_ms / 1000.0
-        self.consumer = consumer_name()
+        self.consumer = settings.consumer_name or consumer_name()
         self.model = model
         self.clock = RedisClock()
         self.history: deque[BatchRecord] = deque(maxlen=10_000)
@@ -152,6 +87,11 @@ class Worker:
         self._fatal: BaseException | None = None
         self._model_busy = 0  # batches handed to the model thread and not yet finished
         self._last_run_s = 0.0
+        self._suspects: list[Entry] = []  # reclaimed entries, run one at a time
+        self._next_reclaim = 0.0
+        self._next_trim = 0.0
+        self._started_reading = False
+        self.dead_lettered = 0
 
     def stop(self) -> None:
         """Ask the loop to finish its in-flight batches and return."""
@@ -204,7 +144,7 @@ class Worker:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):
                 await slots.acquire()
                 try:
-                    batch = await self._assemble(burst)
+                    batch = await self._next_batch(burst)
                     backoff = 0.1
                 except _REDIS_DOWN as exc:
                     slots.release()
@@ -233,7 +173,88 @@ class Worker:
                 await asyncio.gather(*tasks, return_exceptions=True)
         if self._fatal is not None:
             raise self._fatal
+        if self._stopping.is_set():
+            await self._leave_group()
         return batches
+
+    async def _next_batch(self, burst: bool) -> list[Entry]:
+        """Reclaimed suspects first (one at a time), then new entries."""
+        assert self._client is not None
+        now = time.monotonic()
+        if now >= self._next_trim:
+            self._next_trim = now + self.settings.trim_interval_s
+            await trim(self._client, self.stream)
+        if not self._suspects and now >= self._next_reclaim:
+            self._next_reclaim = now + self.settings.reclaim_interval_ms / 1000
+            if not self._started_reading:
+                # A worker restarted under a stable name first takes back its own pending.
+                self._started_reading = True
+                mine = await self._client.xreadgroup(
+                    GROUP, self.consumer, {self.stream: "0"}, count=10_000
+                )
+                own = [(e, f) for e, f in cast(list[Any], mine)[0][1] if f] if mine else []
+                await self._screen(own)
+            claimed = await autoclaim(self._client, self.stream, self.consumer,
+                                      self.settings.min_idle_ms, self.max_batch)  # fmt: skip
+            await self._screen(claimed)
+        if self._suspects:
+            # An entry delivered before may be what killed its last worker: it runs alone,
+            # so a crash costs no other request a delivery.
+            return [self._suspects.pop(0)]
+        return await self._assemble(burst)
+
+    async def _screen(self, entries: list[Entry]) -> None:
+        """Dead-letter entries past the delivery cap; queue the rest as suspects."""
+        if not entries:
+            return
+        assert self._client is not None
+        counts = await deliveries(self._client, self.stream, self.consumer, [e for e, _ in entries])
+        cap = self.settings.max_deliveries
+        over = [(eid, f) for eid, f in entries if counts.get(eid, 1) > cap]
+        self._suspects += [(eid, f) for eid, f in entries if counts.get(eid, 1) <= cap]
+        if over:
+            await self._dead_letter(over, counts)
+
+    async def _dead_letter(self, entries: list[Entry], counts: dict[bytes, int]) -> None:
+        assert self._client is not None
+        out = Outbox()
+        now = self.clock.now()
+        letters: list[tuple[str, dict[FieldT, EncodableT]]] = []
+        for eid, fields in entries:
+            message = (
+                f"dead-lettered after {counts.get(eid)} deliveries (it may crash the worker); "
+                f"inspect with `conveyor dlq list {self.stage.name}`"
+            )
+            letters.append((self.keys.dead_letters(self.stage.name), {
+                **{k: v for k, v in fields.items()}, b"dlq:entry": eid,
+                b"dlq:deliveries": counts.get(eid, 0), b"dlq:error": message,
+            }))  # fmt: skip
+            try:
+                req = decode_request(fields)
+            except EnvelopeError:
+                continue
+            self.router.fail(out, req, "error", message, status=500, now=now)
+            logger.error("stage %s: request %s dead-lettered: %s", self.stage.name, req.id, message)
+        await publish(
+            self._client, out, stream=self.stream, entry_ids=[eid for eid, _ in entries],
+            stats_key=self.keys.stage_stats(self.stage.name),
+            stats={"dead_letters": len(entries)}, reply_maxlen=self.settings.reply_maxlen,
+            reply_ttl_s=self.settings.reply_ttl_s, job_prefix=self.keys.job_prefix,
+            job_ttl_s=self.settings.job_ttl_s, dead_letters=letters,
+        )  # fmt: skip
+        self.dead_lettered += len(entries)
+
+    async def _leave_group(self) -> None:
+        """After a drain, remove this consumer from the group if it holds nothing."""
+        assert self._client is not None
+        try:
+            mine = await self._client.xpending_range(
+                self.stream, GROUP, min="-", max="+", count=1, consumername=self.consumer
+            )
+            if not mine:
+                await self._client.xgroup_delconsumer(self.stream, GROUP, self.consumer)
+        except _REDIS_DOWN as exc:
+            logger.warning("stage %s: could not leave the group: %s", self.stage.name, exc)
 
     def _finished(
         self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore
@@ -305,22 +326,26 @@ class Worker:
         if live:
             loop = asyncio.get_running_loop()
             partials = Partials(self._client, [req for req, _ in live], self.settings, loop)
+            ids = [eid for eid, _ in entries]
+            beat_s = self.settings.min_idle_ms / 3000
+            heartbeat = Heartbeat(self._client, self.stream, self.consumer, ids, beat_s)
             self._model_busy += 1
             try:
                 results, record.run_s = await loop.run_in_executor(
                     self._executor,
-                    _timed_run,
+                    timed_run,
                     self.model,
                     [item for _, item in live],
                     partials.emit if partials.wanted else None,
                 )
             finally:
                 self._model_busy -= 1
+                await heartbeat.stop()
                 await partials.close()  # every partial is out before the final reply
             self._last_run_s = record.run_s
             done = self.clock.now()
             for (req, _), res in zip(live, results, strict=True):
-                res = _checked(res)
+                res = checked(res)
                 if isinstance(res, BaseException):
                     logger.warning(
                         "stage %s: request %s (trace %s) failed: %s",
@@ -329,7 +354,7 @@ class Worker:
                     self.router.fail_with(out, req, res, done)
                 else:
                     self.router.succeed(out, req, res, done)
-        for _, reply in out.replies:
+        for reply in out.replies():
             if reply.outcome != "ok":
                 record.outcomes[reply.outcome] += 1
         record.outcomes["ok"] = len(entries) - record.outcomes["error"] - record.outcomes["expired"]
@@ -374,17 +399,3 @@ class Worker:
             self.router.fail_with(out, req, exc, now)
             return None
         return item
-
-
-def _checked(res: Result | BaseException) -> Result | BaseException:
-    """The result, or an error in its place when it is not a JSON object."""
-    if isinstance(res, BaseException):
-        return res
-    if not isinstance(res, dict):
-        return TypeError(f"result is {type(res).__name__}, not an object")
-    try:
-        # Checked per item here so one bad value cannot fail the whole publish.
-        orjson.dumps(res)
-    except TypeError as exc:
-        return TypeError(f"result is not JSON-serialisable: {exc}")
-    return res

@@ -10,11 +10,13 @@ from collections.abc import Mapping, Sequence
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import WatchError
 from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import FIELD, Reply, encode
+from pipelines.envelope import BRANCH, FIELD, Reply, encode
 from pipelines.keys import GROUP
-from workers.route import Outbox
+from workers.route import Effects, Outbox
 
 JOIN_SCRIPT = """
 -- KEYS[1]: the join hash, KEYS[2]: the join step's stream
@@ -78,8 +80,14 @@ async def publish(
     reply_ttl_s: int,
     job_prefix: str = "",
     job_ttl_s: int = 86_400,
-) -> None:
+    dead_letters: Sequence[tuple[str, dict[FieldT, EncodableT]]] = (),
+) -> int:
     """Publish a batch's outbox and ack its entries, atomically.
+
+    Each request's effects are guarded by its "done" marker: the markers are WATCHed and
+    read, and a request whose marker exists (its step already published, by this or
+    another worker) is skipped. If another worker sets a watched marker before EXEC, the
+    transaction aborts and is rebuilt.
 
     Args:
         client: Redis client.
@@ -93,32 +101,64 @@ async def publish(
         job_prefix: replies addressed to keys with this prefix are async jobs' results:
             stored in the job's hash (kept ``job_ttl_s``) instead of streamed.
         job_ttl_s: how long a finished job's record is kept.
+        dead_letters: (dead-letter stream, fields) to add.
+
+    Returns:
+        How many requests were skipped as already published.
     """
-    pipe = client.pipeline(transaction=True)
-    streams = set()
-    for reply_to, reply in out.replies:
+    markers = list(out.effects)
+    async with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                skipped: set[str] = set()
+                if markers:
+                    await pipe.watch(*markers)
+                    found = await pipe.mget(markers)
+                    skipped = {m for m, v in zip(markers, found, strict=True) if v is not None}
+                pipe.multi()  # type: ignore[no-untyped-call]
+                streams: set[str] = set()
+                for marker, effects in out.effects.items():
+                    if marker not in skipped:
+                        pipe.set(marker, b"1", ex=effects.marker_ttl_s)
+                        _queue_effects(pipe, effects, streams, reply_maxlen, job_prefix, job_ttl_s)
+                for reply_to in streams:
+                    pipe.expire(reply_to, reply_ttl_s)
+                for dlq, fields in dead_letters:
+                    pipe.xadd(dlq, fields)
+                if entry_ids:
+                    pipe.xack(stream, GROUP, *entry_ids)
+                for name, value in stats.items():
+                    if name.endswith(":sum"):
+                        pipe.hincrbyfloat(stats_key, name, value)
+                    else:
+                        pipe.hincrby(stats_key, name, int(value))
+                await pipe.execute()
+                return len(skipped)
+            except WatchError:
+                continue  # a duplicate finished meanwhile: re-read the markers
+
+
+def _queue_effects(
+    pipe: Pipeline,
+    effects: Effects,
+    streams: set[str],
+    reply_maxlen: int,
+    job_prefix: str,
+    job_ttl_s: int,
+) -> None:
+    for reply_to, reply in effects.replies:
         if job_prefix and reply_to.startswith(job_prefix):
             pipe.hset(reply_to, mapping=job_fields(reply))
             pipe.expire(reply_to, job_ttl_s)
         else:
             pipe.xadd(reply_to, encode(reply), maxlen=reply_maxlen, approximate=True)
             streams.add(reply_to)
-    for reply_to in streams:
-        pipe.expire(reply_to, reply_ttl_s)
-    for target, request in out.forwards:
+    for target, request in effects.forwards:
         pipe.xadd(target, encode(request))
-    for key, ttl in out.failed_joins:
+    for key, ttl in effects.failed_joins:
         pipe.eval(FAIL_JOIN_SCRIPT, 1, key, ttl)
-    for j in out.joins:
+    for j in effects.joins:
         pipe.eval(
             JOIN_SCRIPT, 2, j.key, j.stream,
-            j.branch, j.output, j.expected, j.envelope, j.ttl_s, FIELD, b"b:",
+            j.branch, j.output, j.expected, j.envelope, j.ttl_s, FIELD, BRANCH,
         )  # fmt: skip
-    if entry_ids:
-        pipe.xack(stream, GROUP, *entry_ids)
-    for name, value in stats.items():
-        if name.endswith(":sum"):
-            pipe.hincrbyfloat(stats_key, name, value)
-        else:
-            pipe.hincrby(stats_key, name, int(value))
-    await pipe.execute()

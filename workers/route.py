@@ -1,7 +1,9 @@
 """Where each finished item goes next: the reply stream, the next step's stream, a join.
 
 Pure decisions from the pipeline graph; :mod:`workers.publish` turns them into one
-MULTI/EXEC with the batch's ack.
+MULTI/EXEC with the batch's ack. Each request's effects are grouped under a "done" marker
+(request id + step): publishing skips a group whose marker exists, so a step that ran
+twice (a slow worker and the one that reclaimed its entry) has its effect once.
 """
 
 from __future__ import annotations
@@ -34,13 +36,33 @@ class JoinArrival:
 
 
 @dataclass
-class Outbox:
-    """Everything one batch publishes, in one transaction with its ack."""
+class Effects:
+    """What finishing one request's step publishes.
 
+    Attributes:
+        marker_ttl_s: how long the "done" marker guarding these effects lives.
+        replies: (reply stream or job key, reply).
+        forwards: (next stage stream, request).
+        joins: branch outputs arriving at joins.
+        failed_joins: (join key, ttl) of joins a failed branch cancels.
+    """
+
+    marker_ttl_s: int
     replies: list[tuple[str, Reply]] = field(default_factory=list)
     forwards: list[tuple[str, Request]] = field(default_factory=list)
     joins: list[JoinArrival] = field(default_factory=list)
     failed_joins: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class Outbox:
+    """Everything one batch publishes, by "done" marker key, in one transaction with its ack."""
+
+    effects: dict[str, Effects] = field(default_factory=dict)
+
+    def replies(self) -> list[Reply]:
+        """Every reply of the batch."""
+        return [reply for e in self.effects.values() for _, reply in e.replies]
 
 
 def client_message(exc: BaseException) -> str:
@@ -86,7 +108,8 @@ class Router:
         now: float,
     ) -> None:
         """End the request with an error; a branch also marks its join as failed."""
-        out.replies.append(
+        effects = self._effects(out, req, now)
+        effects.replies.append(
             (
                 req.reply_to,
                 Reply(
@@ -106,7 +129,7 @@ class Router:
             return
         for name in step.then:
             if pipeline.step(name).join:
-                out.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
+                effects.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
 
     def fail_with(self, out: Outbox, req: Request, exc: BaseException, now: float) -> None:
         """End the request with the error ``exc`` raised while running its step."""
@@ -124,32 +147,34 @@ class Router:
         """Hand ``output`` on: to the next steps, a join, or back to the client."""
         pipeline, step = self.locate(req)
         ctx = {**req.state, step.name: output}
+        effects = self._effects(out, req, now)
         try:
             nxt = pipeline.after(step, output, ctx)
             if isinstance(nxt, End):
-                self._reply(out, req, nxt.response)
+                self._reply(effects, req, nxt.response)
                 return
             if not nxt:
-                self._reply(out, req, output)
+                self._reply(effects, req, output)
                 return
             for name in nxt:
                 target = pipeline.step(name)
                 if target.join:
-                    self._arrive(out, req, pipeline, step, target, ctx, now)
+                    self._arrive(effects, req, pipeline, step, target, ctx, now)
                 else:
                     payload = pipeline.input_of(target, ctx, step.name)
-                    out.forwards.append(
-                        (
-                            self.keys.stage_stream(target.stage.name),
-                            self._next(req, target, payload, ctx),
-                        )
-                    )
+                    stream = self.keys.stage_stream(target.stage.name)
+                    effects.forwards.append((stream, self._next(req, target, payload, ctx)))
         except Exception as exc:  # a route or input function failed: this request ends
-            out.forwards = [f for f in out.forwards if f[1].id != req.id]
-            out.joins = [j for j in out.joins if not j.key.startswith(self.keys.join(req.id, ""))]
+            del out.effects[self.keys.done(req.id, req.step)]
             self.fail_with(out, req, exc, now)
 
-    def _reply(self, out: Outbox, req: Request, result: dict[str, Any]) -> None:
+    def _effects(self, out: Outbox, req: Request, now: float) -> Effects:
+        marker = self.keys.done(req.id, req.step)
+        if marker not in out.effects:
+            out.effects[marker] = Effects(marker_ttl_s=self._ttl(req, now))
+        return out.effects[marker]
+
+    def _reply(self, out: Effects, req: Request, result: dict[str, Any]) -> None:
         reply = Reply(
             id=req.id, stage=self.stage, outcome="ok", result=result, trace_id=req.trace_id
         )
@@ -164,7 +189,7 @@ class Router:
 
     def _arrive(
         self,
-        out: Outbox,
+        out: Effects,
         req: Request,
         pipeline: Pipeline,
         branch: Step,

@@ -33,6 +33,14 @@ class WorkerSettings(CommonSettings):
         block_ms: how long one idle read blocks (also bounds how fast a stop is seen).
         reply_maxlen: approximate cap on each reply stream's length.
         reply_ttl_s: a reply stream nobody writes to expires after this long.
+        consumer_name: a stable consumer name (e.g. a StatefulSet pod's); a worker
+            restarted under it first finishes its own pending entries. Unset: unique
+            host-pid-random.
+        min_idle_ms: an entry pending this long without its worker touching it is
+            reclaimed by another worker (a live worker touches its batch every third).
+        reclaim_interval_ms: how often a worker looks for idle entries to reclaim.
+        max_deliveries: an entry delivered more often goes to the dead-letter stream.
+        trim_interval_s: how often a worker trims its stage stream (done work only).
     """
 
     model_profile: Literal["offline", "hub"] = "offline"
@@ -47,6 +55,11 @@ class WorkerSettings(CommonSettings):
     block_ms: int = Field(default=1000, ge=1, le=30_000)
     reply_maxlen: int = Field(default=100_000, ge=100)
     reply_ttl_s: int = Field(default=3600, ge=1)
+    consumer_name: str | None = Field(default=None, min_length=1, max_length=200)
+    min_idle_ms: int = Field(default=10_000, ge=10)
+    reclaim_interval_ms: int = Field(default=2_000, ge=10)
+    max_deliveries: int = Field(default=3, ge=1)
+    trim_interval_s: float = Field(default=10.0, gt=0)
 
     @field_validator("device")
     @classmethod

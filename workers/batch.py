@@ -1,0 +1,92 @@
+"""The batch contract: n items in, n results out, and a failing item fails alone."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import orjson
+
+from pipelines.errors import BatchContractError
+from pipelines.model import Item, Model, Result, StreamingModel
+
+
+def contract(items: list[Item], results: object) -> list[Result | BaseException]:
+    if not isinstance(results, (list, tuple)) or len(results) != len(items):
+        got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
+        raise BatchContractError(
+            f"predict() got {len(items)} items and returned {got}; "
+            "it must return one result per item, in order"
+        )
+    return list(results)
+
+
+def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseException]:
+    """Run ``model`` on ``items``; if the batch fails, retry it split in halves.
+
+    A failing item thus fails alone, at the cost of about log2(n) extra model calls
+    for the batch it was in; the other items' results are the model's own.
+
+    Raises nothing: an item's failure is returned in its place.
+    """
+    try:
+        return contract(items, model.predict(items))
+    except Exception as exc:
+        if len(items) == 1:
+            return [exc]
+        mid = len(items) // 2
+        return run_isolating(model, items[:mid]) + run_isolating(model, items[mid:])
+
+
+def timed_run(
+    model: Model, items: list[Item], emit: Callable[[int, str], None] | None
+) -> tuple[list[Result | BaseException], float]:
+    # Timed in the model thread, so time spent queued behind another batch is excluded.
+    started = time.perf_counter()
+    results: list[Result | BaseException] | None = None
+    if emit is not None and isinstance(model, StreamingModel):
+        try:
+            results = contract(items, model.predict_stream(items, emit))
+        except Exception:
+            # Find the failing items without streaming; what was streamed is not resent.
+            results = None
+    if results is None:
+        results = run_isolating(model, items)
+    return results, time.perf_counter() - started
+
+
+@dataclass
+class BatchRecord:
+    """What one batch did (kept in memory for tests and introspection).
+
+    Attributes:
+        size: entries in the batch.
+        oldest_ms: arrival time of its oldest entry (server ms).
+        closed_at: when assembly ended (server clock, seconds).
+        run_s: model time.
+        outcomes: items per outcome.
+        request_ids: ids of the requests, in batch order.
+    """
+
+    size: int
+    oldest_ms: int
+    closed_at: float
+    run_s: float = 0.0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    request_ids: list[str] = field(default_factory=list)
+
+
+def checked(res: Result | BaseException) -> Result | BaseException:
+    """The result, or an error in its place when it is not a JSON object."""
+    if isinstance(res, BaseException):
+        return res
+    if not isinstance(res, dict):
+        return TypeError(f"result is {type(res).__name__}, not an object")
+    try:
+        # Checked per item here so one bad value cannot fail the whole publish.
+        orjson.dumps(res)
+    except TypeError as exc:
+        return TypeError(f"result is not JSON-serialisable: {exc}")
+    return res
