@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import Body, FastAPI, Header, Path, Query, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
@@ -121,11 +122,25 @@ def create_app(
 
     for pipeline in registry.pipelines.values():
         _add_pipeline_routes(app, gw, pipeline)
-    app.add_middleware(
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=[
+                "Authorization",
+                "Content-Type",
+                "X-API-Key",
+                TIMEOUT_HEADER,
+                TRACE_HEADER,
+            ],
+        )
+    app.add_middleware(  # added last: outermost, so refusals happen before anything else
         EdgeMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=gw.metrics,
         routes=[f"/v1/{name}" for name in registry.pipelines],
+        api_keys=settings.api_keys,
     )
     return app
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,26 +41,59 @@ class RequestMetrics:
         return "\n".join(out) + "\n"
 
 
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+"""Paths answered without an API key (probes)."""
+
+
+def key_matches(presented: bytes, keys: Sequence[bytes]) -> bool:
+    """Whether ``presented`` is one of ``keys``, compared in constant time (every key is
+    compared, whether or not an earlier one matched)."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(presented, key)
+    return found
+
+
 class EdgeMiddleware:
-    """Refuses bodies over ``max_body_bytes`` with 413 and records request metrics.
+    """API keys (401), the body limit (413) and request metrics, before the app runs.
 
     A declared Content-Length over the limit is refused before any body is read; a
-    chunked body is counted as it streams and refused when it passes the limit.
+    chunked body is counted as it streams and refused when it passes the limit. With
+    ``api_keys`` set, every path but the probes needs ``Authorization: Bearer <key>`` or
+    ``X-API-Key: <key>``.
 
     Args:
         app: the wrapped application.
         max_body_bytes: the limit.
         metrics: where finished requests are recorded.
         routes: paths recorded under their own label; others count as ``other``.
+        api_keys: accepted keys; empty: no authentication.
     """
 
     def __init__(
-        self, app: ASGIApp, max_body_bytes: int, metrics: RequestMetrics, routes: Iterable[str]
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        metrics: RequestMetrics,
+        routes: Iterable[str],
+        api_keys: Sequence[str] = (),
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.routes = frozenset(routes)
+        self.api_keys = [k.encode() for k in api_keys]
+
+    def _authorized(self, scope: Scope) -> bool:
+        # Browsers send CORS preflights (OPTIONS) without credentials; they carry no work.
+        if not self.api_keys or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return True
+        headers = dict(scope["headers"])
+        presented = headers.get(b"x-api-key", b"")
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            presented = token.strip()
+        return bool(presented) and key_matches(presented, self.api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,6 +126,11 @@ class EdgeMiddleware:
             return message
 
         try:
+            if not self._authorized(scope):
+                status = 401
+                await _send_json(send, 401, {"detail": "a valid API key is required"},
+                                 [(b"www-authenticate", b"Bearer")])  # fmt: skip
+                return
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
                 await self._too_large(send)
@@ -109,16 +148,23 @@ class EdgeMiddleware:
             )
 
     async def _too_large(self, send: Send) -> None:
-        body = orjson.dumps({"detail": f"request body is larger than {self.max_body_bytes} bytes"})
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        detail = f"request body is larger than {self.max_body_bytes} bytes"
+        await _send_json(send, 413, {"detail": detail}, [(b"connection", b"close")])
+
+
+async def _send_json(
+    send: Send, status: int, body: dict[str, str], headers: list[tuple[bytes, bytes]]
+) -> None:
+    raw = orjson.dumps(body)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(raw)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": raw})

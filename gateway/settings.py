@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pipelines.settings import CommonSettings
 
@@ -21,6 +21,9 @@ class GatewaySettings(CommonSettings):
         retry_after_s: the Retry-After a 503 carries.
         admission_refresh_ms: how stale a stage's measured backlog may be.
         reply_block_ms: how long one read of the reply stream blocks.
+        api_keys: comma-separated keys; when set, every route but /healthz and /readyz
+            needs one (``Authorization: Bearer <key>`` or ``X-API-Key``), else 401.
+        cors_origins: comma-separated origins allowed by CORS; empty: CORS off.
     """
 
     host: str = "127.0.0.1"
@@ -33,3 +36,13 @@ class GatewaySettings(CommonSettings):
     retry_after_s: int = Field(default=1, ge=1)
     admission_refresh_ms: float = Field(default=50.0, ge=0)
     reply_block_ms: int = Field(default=1000, ge=1, le=30_000)
+    api_keys: list[str] = Field(default_factory=list)
+    cors_origins: list[str] = Field(default_factory=list)
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        # Accept "a,b" as well as a JSON list from the environment.
+        if isinstance(value, str) and not value.lstrip().startswith("["):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value

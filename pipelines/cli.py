@@ -18,12 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any, cast
 
 from pipelines.app import load_registry
 from pipelines.embedded import free_port, start_redis
-from pipelines.errors import ConveyorError
+from pipelines.envelope import decode_request, encode
+from pipelines.errors import ConveyorError, EnvelopeError
 from pipelines.graph import Registry
-from pipelines.redisio import connect, text
+from pipelines.redisio import RedisClock, connect, text
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from pipelines.stats import stage_status
@@ -138,6 +140,50 @@ async def _status_async() -> int:
     return 0
 
 
+async def _dlq_async(action: str, stage: str, entry_id: str | None, timeout_s: float) -> int:
+    settings = CommonSettings()
+    keys = settings.keys
+    client = connect(settings)
+    dlq = keys.dead_letters(stage)
+    try:
+        raw = await client.xrange(dlq, min=entry_id or "-", max=entry_id or "+") or []
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = cast(list[Any], raw)
+        if action == "list":
+            for eid, fields in entries:
+                info = {text(k): text(v) for k, v in fields.items() if k.startswith(b"dlq:")}
+                try:
+                    req = decode_request(fields)
+                    what = f"request {req.id} pipeline {req.pipeline} step {req.step}"
+                except EnvelopeError as exc:
+                    what = f"undecodable entry ({exc})"
+                print(f"{text(eid)}  {what}  deliveries={info.get('dlq:deliveries')}  "
+                      f"{info.get('dlq:error', '')}")  # fmt: skip
+            print(f"{len(entries)} dead letter(s) in {dlq}")
+        elif action == "replay":
+            clock = RedisClock()
+            await clock.calibrate(client)
+            replayed = 0
+            for eid, fields in entries:
+                req = decode_request(fields)  # undecodable letters cannot be replayed
+                again = req.model_copy(
+                    update={"attempt": req.attempt + 1, "deadline": clock.now() + timeout_s}
+                )
+                pipe = client.pipeline(transaction=True)
+                pipe.xadd(keys.stage_stream(stage), encode(again))
+                pipe.xdel(dlq, eid)
+                # Dead-lettering published the request's error; a replay may publish again.
+                pipe.delete(keys.done(req.id, req.step))
+                await pipe.execute()
+                replayed += 1
+            print(f"replayed {replayed} dead letter(s) to {keys.stage_stream(stage)}")
+        else:
+            removed = await client.xdel(dlq, *[eid for eid, _ in entries]) if entries else 0
+            print(f"purged {removed} dead letter(s) from {dlq}")
+    finally:
+        await client.aclose()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``conveyor`` console script."""
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
@@ -161,6 +207,12 @@ def main(argv: list[str] | None = None) -> None:
     wk = sub.add_parser("worker", help="run a worker for STAGE (or several: a,b)")
     wk.add_argument("stage")
     sub.add_parser("status", help="per stage: length, lag, pending, consumers, idle")
+    dlq = sub.add_parser("dlq", help="dead letters of a stage: list, replay or purge")
+    dlq.add_argument("action", choices=["list", "replay", "purge"])
+    dlq.add_argument("stage")
+    dlq.add_argument("--id", help="only this dead-letter entry")
+    dlq.add_argument("--timeout", type=float, default=300.0,
+                     help="deadline of a replayed request, seconds from now")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
@@ -179,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "graph":
             app = args.app or os.environ.get("CONVEYOR_APP")
             print(load_registry(app, args.name).pipeline(args.name).describe())
+        elif args.command == "dlq":
+            sys.exit(asyncio.run(_dlq_async(args.action, args.stage, args.id, args.timeout)))
         else:
             sys.exit(asyncio.run(_status_async()))
     except ConveyorError as exc:

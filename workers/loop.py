@@ -36,7 +36,7 @@ from pipelines.redisio import RedisClock, connect, ensure_group, entry_ms
 from pipelines.stages import Stage
 from workers.batch import BatchRecord, checked, timed_run
 from workers.publish import publish
-from workers.reclaim import Heartbeat, autoclaim, deliveries, trim
+from workers.reclaim import Heartbeat, autoclaim, deliveries, leave_group, letter, trim
 from workers.route import Outbox, Router, client_message
 from workers.settings import WorkerSettings
 from workers.stream import Partials
@@ -91,6 +91,8 @@ class Worker:
         self._next_reclaim = 0.0
         self._next_trim = 0.0
         self._started_reading = False
+        self._suspect_running = False
+        self._suspect_done = asyncio.Event()
         self.dead_lettered = 0
 
     def stop(self) -> None:
@@ -144,7 +146,7 @@ class Worker:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):
                 await slots.acquire()
                 try:
-                    batch = await self._next_batch(burst)
+                    batch, suspect = await self._next_batch(burst)
                     backoff = 0.1
                 except _REDIS_DOWN as exc:
                     slots.release()
@@ -165,7 +167,7 @@ class Worker:
                         break
                     continue
                 batches += 1
-                task = asyncio.create_task(self._process(batch))
+                task = asyncio.create_task(self._process(batch, suspect))
                 tasks.add(task)
                 task.add_done_callback(lambda t: self._finished(t, tasks, slots))
         finally:
@@ -177,9 +179,14 @@ class Worker:
             await self._leave_group()
         return batches
 
-    async def _next_batch(self, burst: bool) -> list[Entry]:
-        """Reclaimed suspects first (one at a time), then new entries."""
+    async def _next_batch(self, burst: bool) -> tuple[list[Entry], bool]:
+        """Reclaimed suspects first, one at a time, then new entries; and whether the
+        batch is a suspect."""
         assert self._client is not None
+        if self._suspect_running:
+            # Nothing new is taken while a suspect runs: if it kills this process, it
+            # takes no other entry with it. Recovery is serial, but it is rare.
+            await self._suspect_done.wait()
         now = time.monotonic()
         if now >= self._next_trim:
             self._next_trim = now + self.settings.trim_interval_s
@@ -194,14 +201,22 @@ class Worker:
                 )
                 own = [(e, f) for e, f in cast(list[Any], mine)[0][1] if f] if mine else []
                 await self._screen(own)
-            claimed = await autoclaim(self._client, self.stream, self.consumer,
-                                      self.settings.min_idle_ms, self.max_batch)  # fmt: skip
+            # One at a time: a claim counts as a delivery, so claiming a crashed batch
+            # whole would charge every innocent entry for the poison's next crash.
+            claimed = await autoclaim(
+                self._client, self.stream, self.consumer, self.settings.min_idle_ms, 1
+            )
+            if claimed:
+                self._next_reclaim = now  # more may be waiting: look again next time
             await self._screen(claimed)
         if self._suspects:
             # An entry delivered before may be what killed its last worker: it runs alone,
-            # so a crash costs no other request a delivery.
-            return [self._suspects.pop(0)]
-        return await self._assemble(burst)
+            # and nothing else is claimed meanwhile, so a crash charges no other entry a
+            # delivery.
+            self._suspect_running = True
+            self._suspect_done.clear()
+            return [self._suspects.pop(0)], True
+        return await self._assemble(burst), False
 
     async def _screen(self, entries: list[Entry]) -> None:
         """Dead-letter entries past the delivery cap; queue the rest as suspects."""
@@ -225,10 +240,8 @@ class Worker:
                 f"dead-lettered after {counts.get(eid)} deliveries (it may crash the worker); "
                 f"inspect with `conveyor dlq list {self.stage.name}`"
             )
-            letters.append((self.keys.dead_letters(self.stage.name), {
-                **{k: v for k, v in fields.items()}, b"dlq:entry": eid,
-                b"dlq:deliveries": counts.get(eid, 0), b"dlq:error": message,
-            }))  # fmt: skip
+            letters.append((self.keys.dead_letters(self.stage.name),
+                            letter(eid, fields, counts.get(eid, 0), message)))  # fmt: skip
             try:
                 req = decode_request(fields)
             except EnvelopeError:
@@ -245,14 +258,9 @@ class Worker:
         self.dead_lettered += len(entries)
 
     async def _leave_group(self) -> None:
-        """After a drain, remove this consumer from the group if it holds nothing."""
         assert self._client is not None
         try:
-            mine = await self._client.xpending_range(
-                self.stream, GROUP, min="-", max="+", count=1, consumername=self.consumer
-            )
-            if not mine:
-                await self._client.xgroup_delconsumer(self.stream, GROUP, self.consumer)
+            await leave_group(self._client, self.stream, self.consumer)
         except _REDIS_DOWN as exc:
             logger.warning("stage %s: could not leave the group: %s", self.stage.name, exc)
 
@@ -302,7 +310,15 @@ class Worker:
             entries += await self._read(self.max_batch - len(entries), remaining_ms)
         return entries
 
-    async def _process(self, entries: list[Entry]) -> None:
+    async def _process(self, entries: list[Entry], suspect: bool = False) -> None:
+        try:
+            await self._run_batch(entries)
+        finally:
+            if suspect:
+                self._suspect_running = False
+                self._suspect_done.set()
+
+    async def _run_batch(self, entries: list[Entry]) -> None:
         assert self._client is not None
         assert self.model is not None
         now = self.clock.now()

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT, FieldT
 
 from pipelines.keys import GROUP
 from pipelines.redisio import text
@@ -158,3 +159,27 @@ class Heartbeat:
         """Stop touching and wait for the loop to end."""
         self._stop.set()
         await self._task
+
+
+async def leave_group(client: aioredis.Redis, stream: str, consumer: str) -> bool:
+    """After a drain, remove ``consumer`` from the group if it holds nothing pending.
+
+    Returns:
+        Whether it was removed.
+    """
+    mine = await client.xpending_range(stream, GROUP, min="-", max="+", count=1,
+                                       consumername=consumer)  # fmt: skip
+    if mine:
+        return False
+    await client.xgroup_delconsumer(stream, GROUP, consumer)
+    return True
+
+
+def letter(
+    entry_id: bytes, fields: dict[bytes, bytes], deliveries: int, error: str
+) -> dict[FieldT, EncodableT]:
+    """A dead-letter entry: the original fields (envelope untouched, so it can be
+    replayed) plus where it came from, how often it was delivered, and why it stopped."""
+    out: dict[FieldT, EncodableT] = {k: v for k, v in fields.items()}
+    out.update({b"dlq:entry": entry_id, b"dlq:deliveries": deliveries, b"dlq:error": error})
+    return out

@@ -145,3 +145,34 @@ async def test_openapi_documents_each_stage(harness: Harness) -> None:
     schema = (await http.get("/openapi.json")).json()
     assert "/v1/double" in schema["paths"]
     assert "NumberIn" in schema["components"]["schemas"]
+
+
+async def test_api_keys_guard_every_route_but_the_probes(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    http = await serving(harness, api_keys="k1,k2")
+    resp = await http.post("/v1/double", json={"value": 1})
+    assert resp.status_code == 401
+    assert resp.headers["www-authenticate"] == "Bearer"
+    assert (
+        await http.post("/v1/double", json={"value": 1}, headers={"X-API-Key": "k3"})
+    ).status_code == 401
+    assert (await http.get("/metrics")).status_code == 401
+    assert (await http.get("/healthz")).status_code == 200
+    assert (await http.get("/readyz")).status_code == 200
+    ok = await http.post("/v1/double", json={"value": 1}, headers={"Authorization": "Bearer k2"})
+    assert ok.json() == {"value": 2}
+    ok = await http.post("/v1/double", json={"value": 2}, headers={"X-API-Key": "k1"})
+    assert ok.json() == {"value": 4}
+    # refused requests were never enqueued
+    assert await redis.xlen(harness.keys.stage_stream("double")) == 2
+
+
+async def test_cors_is_off_unless_configured(harness: Harness) -> None:
+    http = await serving(harness)
+    headers = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    resp = await http.options("/v1/double", headers=headers)
+    assert "access-control-allow-origin" not in resp.headers
+    http = await harness.gateway([number_stage()], cors_origins="https://app.example")
+    resp = await http.options("/v1/double", headers=headers)
+    assert resp.headers["access-control-allow-origin"] == "https://app.example"

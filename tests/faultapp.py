@@ -1,0 +1,45 @@
+"""Stages for fault tests, served by real worker processes (``CONVEYOR_APP``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from pipelines.graph import Pipeline, single
+from pipelines.model import Item, Result
+from pipelines.stages import Stage
+from tests.helpers import NumberIn
+
+
+class Sleepy:
+    """Doubles values after sleeping ``CONVEYOR_TEST_DELAY_S`` per batch (model time)."""
+
+    def __init__(self, **options: Any) -> None:
+        self.delay_s = float(os.environ.get("CONVEYOR_TEST_DELAY_S", "0"))
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Sleep, then double."""
+        time.sleep(self.delay_s)
+        return [{"value": item["value"] * 2} for item in items]
+
+
+class Crashy:
+    """Doubles values; a negative value kills the whole worker process, as a segfault or
+    an out-of-memory kill would."""
+
+    def __init__(self, **options: Any) -> None:
+        del options
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Double, or die."""
+        if any(item["value"] < 0 for item in items):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return [{"value": item["value"] * 2} for item in items]
+
+
+SLOW = Stage("slow", NumberIn, "tests.faultapp:Sleepy", max_batch_size=32, batch_wait_ms=50)
+CRASHY = Stage("crashy", NumberIn, "tests.faultapp:Crashy", max_batch_size=16, batch_wait_ms=300)
+
+pipelines: list[Pipeline] = [single(SLOW), single(CRASHY)]
