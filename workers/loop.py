@@ -35,6 +35,7 @@ from pipelines.model import Item, Model
 from pipelines.redisio import RedisClock, connect, ensure_group, entry_ms
 from pipelines.stages import Stage
 from workers.batch import BatchRecord, checked, timed_run
+from workers.policy import BatchPolicy
 from workers.publish import publish
 from workers.reclaim import Heartbeat, autoclaim, deliveries, leave_group, letter, trim
 from workers.route import Outbox, Router, client_message
@@ -86,6 +87,7 @@ class Worker:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{stage.name}")
         self._fatal: BaseException | None = None
         self._model_busy = 0  # batches handed to the model thread and not yet finished
+        self.policy = BatchPolicy(self.max_batch) if settings.adaptive_batching else None
         self._last_run_s = 0.0
         self._suspects: list[Entry] = []  # reclaimed entries, run one at a time
         self._next_reclaim = 0.0
@@ -292,6 +294,9 @@ class Worker:
         if not reply:
             return []
         entries: list[Entry] = cast(list[Any], reply)[0][1]
+        if self.policy is not None:
+            for eid, _ in entries:
+                self.policy.arrivals.observe(entry_ms(eid) / 1000.0)
         return entries
 
     async def _assemble(self, burst: bool) -> list[Entry]:
@@ -300,7 +305,10 @@ class Worker:
             return []
         close_at = entry_ms(entries[0][0]) / 1000.0 + self.wait_s
         while len(entries) < self.max_batch and not self._stopping.is_set():
-            remaining_ms = int((close_at - self.clock.now()) * 1000)
+            now = self.clock.now()
+            if self.policy and not self._model_busy and self.policy.go_now(len(entries), now):
+                break  # waiting longer would not pay (see workers/policy.py)
+            remaining_ms = int((close_at - now) * 1000)
             if remaining_ms < 1:
                 if not self._model_busy:
                     break
@@ -359,6 +367,8 @@ class Worker:
                 await heartbeat.stop()
                 await partials.close()  # every partial is out before the final reply
             self._last_run_s = record.run_s
+            if self.policy is not None:
+                self.policy.cost.observe(len(live), record.run_s)
             done = self.clock.now()
             for (req, _), res in zip(live, results, strict=True):
                 res = checked(res)

@@ -30,6 +30,8 @@ class WorkerSettings(CommonSettings):
         batch_wait_ms: overrides the stage's window when set.
         max_concurrent_batches: batches read ahead and in flight at once (the model
             itself runs one batch at a time; the next is assembled meanwhile).
+        adaptive_batching: go before the window closes when waiting would not raise
+            throughput (workers/policy.py); off: always wait out the window.
         block_ms: how long one idle read blocks (also bounds how fast a stop is seen).
         reply_maxlen: approximate cap on each reply stream's length.
         reply_ttl_s: a reply stream nobody writes to expires after this long.
@@ -52,6 +54,7 @@ class WorkerSettings(CommonSettings):
     max_batch_size: int | None = Field(default=None, ge=1, le=4096)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=60_000)
     max_concurrent_batches: int = Field(default=2, ge=1, le=64)
+    adaptive_batching: bool = True
     block_ms: int = Field(default=1000, ge=1, le=30_000)
     reply_maxlen: int = Field(default=100_000, ge=100)
     reply_ttl_s: int = Field(default=3600, ge=1)

@@ -38,7 +38,7 @@ async def test_full_batch_goes_at_once(harness: Harness) -> None:
 
 async def test_partial_batch_closes_when_window_ends(harness: Harness) -> None:
     stage = number_stage(max_batch_size=16, batch_wait_ms=400)
-    worker = harness.worker(stage, Doubler())
+    worker = harness.worker(stage, Doubler(), adaptive_batching=False)
     await harness.enqueue("double", [{"value": i} for i in range(3)])
     assert await worker.run(max_batches=1) == 1
     (record,) = worker.history
@@ -49,7 +49,7 @@ async def test_partial_batch_closes_when_window_ends(harness: Harness) -> None:
 
 async def test_window_is_timed_from_oldest_arrival_not_from_read(harness: Harness) -> None:
     stage = number_stage(max_batch_size=16, batch_wait_ms=1000)
-    worker = harness.worker(stage, Doubler())
+    worker = harness.worker(stage, Doubler(), adaptive_batching=False)
     await worker.start()  # model and connection ready, so reading starts at once below
     await harness.enqueue("double", [{"value": 1}])
     await asyncio.sleep(0.8)  # the entry ages before any worker reads it
@@ -62,7 +62,7 @@ async def test_window_is_timed_from_oldest_arrival_not_from_read(harness: Harnes
 
 async def test_window_does_not_restart_with_each_arrival(harness: Harness) -> None:
     stage = number_stage(max_batch_size=100, batch_wait_ms=1000)
-    worker = harness.worker(stage, Doubler())
+    worker = harness.worker(stage, Doubler(), adaptive_batching=False)
     await worker.start()
     task = harness.run(worker, max_batches=1)
     await harness.enqueue("double", [{"value": 0}])
@@ -80,7 +80,7 @@ async def test_window_does_not_restart_with_each_arrival(harness: Harness) -> No
 async def test_batch_waiting_for_a_busy_model_keeps_filling(harness: Harness) -> None:
     stage = number_stage(max_batch_size=16, batch_wait_ms=0)
     model = Doubler(delay_s=1.0)
-    worker = harness.worker(stage, model, max_concurrent_batches=2)
+    worker = harness.worker(stage, model, max_concurrent_batches=2, adaptive_batching=False)
     await worker.start()
     task = harness.run(worker, max_batches=2)
     await harness.enqueue("double", [{"value": 0}])
@@ -190,3 +190,15 @@ async def test_two_workers_share_a_stage_without_duplicates(
     assert len(await replies(redis, harness)) == 200
     consumers = await redis.xinfo_consumers(harness.keys.stage_stream("double"), GROUP)
     assert len(consumers) == 2
+
+
+async def test_adaptive_batch_goes_at_once_when_waiting_cannot_help(harness: Harness) -> None:
+    stage = number_stage(max_batch_size=16, batch_wait_ms=2000)
+    worker = harness.worker(stage, Doubler())  # adaptive by default
+    await worker.start()
+    for value in range(3):  # one request at a time, as a client at concurrency 1 sends
+        await harness.enqueue("double", [{"value": value}])
+        assert await worker.run(max_batches=1) == 1
+    waits = [r.closed_at * 1000 - r.oldest_ms for r in worker.history]
+    # a fixed window would hold each lone request for 2000 ms
+    assert max(waits) < 500

@@ -1,0 +1,125 @@
+"""Adaptive batching: learn what a batch costs and decide when waiting pays.
+
+The model's cost is learned online as ``run_s ≈ a + b·n`` (an exponentially weighted
+least-squares fit over recent batches, so it follows drift). The arrival rate ``λ`` is
+measured from the stream ids of recent entries. A batch of ``k`` items on an idle model
+goes at once when a batch of ``k`` already keeps up with arrivals
+(``k / (a + b·k) ≥ λ``): waiting would only add latency. Otherwise it fills toward the
+smallest size that keeps up, ``n = λ·a / (1 - λ·b)`` with headroom, and never past
+``max_batch_size`` or the window (``batch_wait_ms`` after its oldest arrival), which stay
+hard bounds. (Deadlines are not consulted here: an expired item is never run, and the
+window bounds any wait far below a request's deadline.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+
+class CostModel:
+    """Exponentially weighted least squares of run time on batch size.
+
+    Args:
+        decay: weight kept by past batches at each new one (0.9: ~10 batches of memory).
+    """
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.w = self.sn = self.st = self.snn = self.snt = 0.0
+
+    def observe(self, n: int, run_s: float) -> None:
+        """Add one batch: ``n`` items took ``run_s`` seconds."""
+        d = self.decay
+        self.w = d * self.w + 1
+        self.sn = d * self.sn + n
+        self.st = d * self.st + run_s
+        self.snn = d * self.snn + n * n
+        self.snt = d * self.snt + n * run_s
+
+    @property
+    def known(self) -> bool:
+        """Whether any batch has been seen."""
+        return self.w > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)``: fixed seconds per batch and seconds per item (both ≥ 0).
+
+        With one batch size seen only, the split is unknowable; all cost is taken as
+        fixed (b = 0), which makes batching look as good as it can be, so the policy
+        leans towards trying larger batches and learning the slope.
+        """
+        if not self.known:
+            return 0.0, 0.0
+        denom = self.w * self.snn - self.sn * self.sn
+        mean_t = self.st / self.w
+        if denom <= 1e-9 * max(1.0, self.w * self.snn):
+            return mean_t, 0.0
+        b = (self.w * self.snt - self.sn * self.st) / denom
+        a = (self.st - b * self.sn) / self.w
+        if b < 0:
+            return mean_t, 0.0
+        if a < 0:
+            return 0.0, self.snt / self.snn
+        return a, b
+
+    def predict(self, n: int) -> float:
+        """Expected seconds to run a batch of ``n``."""
+        a, b = self.coefficients()
+        return a + b * n
+
+
+class ArrivalRate:
+    """Items per second over the last ``horizon_s``, from arrival timestamps.
+
+    Args:
+        horizon_s: how far back arrivals count.
+    """
+
+    def __init__(self, horizon_s: float = 2.0) -> None:
+        self.horizon_s = horizon_s
+        self._arrivals: deque[float] = deque()
+
+    def observe(self, arrival_s: float) -> None:
+        """One item arrived at ``arrival_s`` (server clock)."""
+        self._arrivals.append(arrival_s)
+
+    def rate(self, now: float) -> float:
+        """Arrivals per second seen in the last ``horizon_s`` before ``now``."""
+        while self._arrivals and self._arrivals[0] < now - self.horizon_s:
+            self._arrivals.popleft()
+        return len(self._arrivals) / self.horizon_s
+
+
+class BatchPolicy:
+    """Decides the batch size worth waiting for.
+
+    Args:
+        max_batch: the hard bound on items per batch.
+        headroom: target this much more than the size that just keeps up.
+    """
+
+    def __init__(self, max_batch: int, headroom: float = 1.25) -> None:
+        self.max_batch = max_batch
+        self.headroom = headroom
+        self.cost = CostModel()
+        self.arrivals = ArrivalRate()
+
+    def target(self, now: float) -> int:
+        """The batch size to fill to before going (1: go with what is there)."""
+        if not self.cost.known:
+            return 1
+        a, b = self.cost.coefficients()
+        lam = self.arrivals.rate(now)
+        if lam <= 0:
+            return 1
+        if lam * b >= 1:  # even full batches cannot keep up: fill them
+            return self.max_batch
+        keeps_up = lam * a / (1 - lam * b)
+        if keeps_up <= 1:
+            return 1  # single items keep up: any wait is pure latency
+        return min(self.max_batch, math.ceil(keeps_up * self.headroom))
+
+    def go_now(self, k: int, now: float) -> bool:
+        """Whether a batch of ``k`` on an idle model should run without waiting more."""
+        return k >= self.max_batch or k >= self.target(now)
