@@ -127,7 +127,9 @@ class Gateway:
         entry = pipeline.entry
         bound = self.settings.max_backlog or entry.stage.max_backlog
         try:
-            await self.admission.admit(entry.stage.name, bound)
+            await self.admission.admit(
+                entry.stage.name, bound, timeout_s, entry.stage.max_batch_size
+            )
         except REDIS_DOWN as exc:
             raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
         ctx = {"input": payload}

@@ -9,10 +9,9 @@ share (requests, retry decisions, error and event parsing) is in the helpers bel
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 from urllib.parse import quote
@@ -26,6 +25,7 @@ DEADLINE_SLACK_S = 5.0  # past a call's deadline, so that the gateway's 504 come
 
 Json = dict[str, Any]
 Payload = Mapping[str, Any]
+Event = tuple[str, Json]
 
 
 class ConveyorHTTPError(Exception):
@@ -39,32 +39,28 @@ class ConveyorHTTPError(Exception):
         retry_after: seconds from ``Retry-After`` (503), when given.
     """
 
-    def __init__(self, status: int, detail: str | list[Any], *, path: str = "",
-                 request_id: str | None = None, retry_after: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        detail: str | list[Any],
+        *,
+        path: str = "",
+        request_id: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         self.status, self.detail, self.path = status, detail, path
         self.request_id, self.retry_after = request_id, retry_after
-        fields = (f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in detail)
-        text = detail if isinstance(detail, str) else "; ".join(fields)  # 422: name the fields
-        message = f"{status} from {path or 'the gateway'}: {text}"
+        if not isinstance(detail, str):  # 422: "body.text: Field required; ..."
+            try:
+                detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in detail)
+            except (KeyError, TypeError):  # not pydantic's errors after all
+                detail = str(detail)
+        message = f"{status} from {path or 'the gateway'}: {detail}"
         super().__init__(message + (f" (request {request_id})" if request_id else ""))
 
 
-def _retry_in(failed: httpx.Response | httpx.TransportError, attempt: int, retries: int) -> float:
-    """Seconds to wait before retrying a failed attempt; raises its error to give up."""
-    if isinstance(failed, httpx.Response):
-        # Only a 503 says "nothing was done, try again"; 4xx, 500 and 504 would fail the
-        # same way again, or may already have run the model.
-        error: Exception = _error(failed)
-        retry, retry_after = failed.status_code == 503, _error(failed).retry_after
-    else:  # A connection never opened sent nothing; other errors: only a GET is harmless.
-        never_sent = isinstance(failed, httpx.ConnectError | httpx.ConnectTimeout)
-        error, retry, retry_after = failed, never_sent or failed.request.method == "GET", None
-    if not retry or attempt >= retries:
-        raise error
-    return min(BACKOFF_S * 2**attempt if retry_after is None else retry_after, MAX_RETRY_WAIT_S)
-
-
 def _error(resp: httpx.Response) -> ConveyorHTTPError:
+    """The error an HTTP error response stands for (its body read)."""
     detail: str | list[Any] = resp.text[:1000] or resp.reason_phrase
     request_id = resp.headers.get("X-Request-Id")
     try:
@@ -81,6 +77,21 @@ def _error(resp: httpx.Response) -> ConveyorHTTPError:
                              request_id=request_id, retry_after=retry_after)  # fmt: skip
 
 
+def _retry_in(failed: httpx.Response | httpx.TransportError, attempt: int, retries: int) -> float:
+    """Seconds to wait before retrying a failed attempt; raises its error to give up."""
+    error = _error(failed) if isinstance(failed, httpx.Response) else failed
+    if isinstance(error, ConveyorHTTPError):
+        # Only a 503 says "nothing was done, try again"; 4xx, 500 and 504 would fail the
+        # same way again, or may already have run the model.
+        retry, retry_after = error.status == 503, error.retry_after
+    else:  # A connection never opened sent nothing; other errors: only a GET is harmless.
+        never_sent = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
+        retry, retry_after = never_sent or error.request.method == "GET", None
+    if not retry or attempt >= retries:
+        raise error
+    return min(BACKOFF_S * 2**attempt if retry_after is None else retry_after, MAX_RETRY_WAIT_S)
+
+
 def _job_result(job: Json) -> Json | None:
     """A done job's result; raises for a failed or expired one; None while it is queued."""
     if job["status"] == "done":
@@ -88,108 +99,29 @@ def _job_result(job: Json) -> Json | None:
     if job["status"] not in ("failed", "expired"):
         return None
     status = int(job.get("http_status", 504 if job["status"] == "expired" else 500))
-    raise ConveyorHTTPError(status, str(job.get("error", job["status"])),
-                            path=f"/v1/jobs/{job['id']}", request_id=job["id"])  # fmt: skip
+    detail, path = str(job.get("error", job["status"])), f"/v1/jobs/{job['id']}"
+    raise ConveyorHTTPError(status, detail, path=path, request_id=job["id"])
 
 
-class _Stream:
-    """What a token stream knows, sync or async: its request id and, at its end, the result."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.request_id: str | None = None  # the gateway's X-Request-Id, once started
-        self.result: Json | None = None  # the ``done`` event's data, once exhausted
-        self._event, self._data = "message", list[str]()
-
-    def _token(self, line: str) -> str | None:
-        """Take one line of Server-Sent Events; the text of a ``token`` event it ends."""
-        if line:
-            field, _, value = line.partition(":")
-            if field == "event":
-                self._event = value.removeprefix(" ")
-            elif field == "data":
-                self._data.append(value.removeprefix(" "))
-            return None
-        kind, raw = self._event, "\n".join(self._data)
-        self._event, self._data = "message", []
-        data: Any = json.loads(raw) if raw else {}
-        if kind == "token":
-            return str(data["text"])
-        if kind == "done":
-            self.result = dict(data)
-        elif kind == "error":
-            raise ConveyorHTTPError(int(data.get("status", 500)), data.get("detail", ""),
-                                    path=self.path, request_id=self.request_id)  # fmt: skip
+def _event(line: str, pending: list[str], resp: httpx.Response) -> Event | None:
+    """Collect one line of Server-Sent Events into ``pending``; the blank line that ends an
+    event returns it as ``(event, data)``, or raises an ``error`` event."""
+    if line:
+        pending.append(line)
         return None
-
-    def _end(self) -> None:
-        if self.result is None:
-            raise ConveyorHTTPError(502, "the stream ended without a result", path=self.path,
-                                    request_id=self.request_id)  # fmt: skip
-
-
-class TokenStream(_Stream):
-    """A streamed generation (:meth:`Client.stream`): iterating yields each new piece of text;
-    once exhausted, ``result`` is the final result (``{"generated_text": ...}``). The first
-    ``next()`` sends the request; a refusal or an ``error`` event raises ConveyorHTTPError."""
-
-    def __init__(self, path: str, open_: Callable[[], httpx.Response]) -> None:
-        super().__init__(path)
-        self._tokens = self._run(open_)
-
-    def _run(self, open_: Callable[[], httpx.Response]) -> Generator[str]:
-        resp = open_()
-        try:
-            self.request_id = resp.headers.get("X-Request-Id")
-            for line in resp.iter_lines():
-                if (token := self._token(line)) is not None:
-                    yield token
-                elif self.result is not None:
-                    return
-        finally:
-            resp.close()
-        self._end()
-
-    def __iter__(self) -> Self:
-        return self
-
-    def __next__(self) -> str:
-        return next(self._tokens)
-
-    def close(self) -> None:
-        """Stop reading and close the connection."""
-        self._tokens.close()
+    fields = [entry.partition(":")[::2] for entry in pending]
+    pending.clear()
+    kind = next((value.strip() for name, value in fields if name == "event"), "message")
+    raw = "\n".join(value.removeprefix(" ") for name, value in fields if name == "data")
+    data = json.loads(raw) if raw else {}
+    if kind == "error":
+        raise _stream_error(resp, int(data.get("status", 500)), str(data.get("detail", "")))
+    return (kind, data) if raw else None
 
 
-class AsyncTokenStream(_Stream):
-    """:class:`TokenStream` for :meth:`AsyncClient.stream`: ``async for``; :meth:`aclose`."""
-
-    def __init__(self, path: str, open_: Callable[[], Awaitable[httpx.Response]]) -> None:
-        super().__init__(path)
-        self._tokens = self._run(open_)
-
-    async def _run(self, open_: Callable[[], Awaitable[httpx.Response]]) -> AsyncGenerator[str]:
-        resp = await open_()
-        try:
-            self.request_id = resp.headers.get("X-Request-Id")
-            async for line in resp.aiter_lines():
-                if (token := self._token(line)) is not None:
-                    yield token
-                elif self.result is not None:
-                    return
-        finally:
-            await resp.aclose()
-        self._end()
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> str:
-        return await anext(self._tokens)
-
-    async def aclose(self) -> None:
-        """Stop reading and close the connection."""
-        await self._tokens.aclose()
+def _stream_error(resp: httpx.Response, status: int, detail: str) -> ConveyorHTTPError:
+    request_id = resp.headers.get("X-Request-Id")
+    return ConveyorHTTPError(status, detail, path=resp.request.url.path, request_id=request_id)
 
 
 class _Base:
@@ -199,11 +131,8 @@ class _Base:
 
     def __init__(self, base_url: str, timeout: float, api_key: str | None, retries: int) -> None:
         self.timeout, self.retries = timeout, retries
-        headers = {"User-Agent": "conveyor-client"}
-        if api_key is not None:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._options: dict[str, Any] = {"base_url": base_url, "timeout": timeout}
-        self._options["headers"] = headers
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+        self._options: dict[str, Any] = dict(base_url=base_url, timeout=timeout, headers=headers)
 
     def _post(self, path: str, payload: Payload | None, fields: Payload, deadline: float | None,
               trace_id: str | None) -> httpx.Request:  # fmt: skip
@@ -211,8 +140,8 @@ class _Base:
         if trace_id is not None:
             headers["X-Trace-Id"] = trace_id
         wait_s = self.timeout if deadline is None else deadline + DEADLINE_SLACK_S
-        return self._http.build_request("POST", path, json={**(payload or {}), **fields},
-                                        headers=headers, timeout=wait_s)  # fmt: skip
+        body = {**(payload or {}), **fields}
+        return self._http.build_request("POST", path, json=body, headers=headers, timeout=wait_s)
 
     def _get_job(self, job_id: str) -> httpx.Request:
         return self._http.build_request("GET", f"/v1/jobs/{quote(job_id, safe='')}")
@@ -255,18 +184,19 @@ class Client(_Base):
         self.close()
 
     def _send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             try:
                 resp = self._http.send(request, stream=stream)
             except httpx.TransportError as exc:
                 time.sleep(_retry_in(exc, attempt, self.retries))
-                continue
-            if resp.is_success:
-                return resp
-            resp.read()  # a streamed error's body, before its connection is reused
-            resp.close()
-            time.sleep(_retry_in(resp, attempt, self.retries))
-        raise AssertionError("unreachable")
+            else:
+                if resp.is_success:
+                    return resp
+                resp.read()  # a streamed error's body, before its connection is reused
+                resp.close()
+                time.sleep(_retry_in(resp, attempt, self.retries))
+            attempt += 1
 
     def call(self, name: str, payload: Payload | None = None, /, *, timeout: float | None = None,
              trace_id: str | None = None, **fields: Any) -> Json:  # fmt: skip
@@ -296,11 +226,31 @@ class Client(_Base):
         return result
 
     def stream(self, name: str, payload: Payload | None = None, /, *, timeout: float | None = None,
-               trace_id: str | None = None, **fields: Any) -> TokenStream:  # fmt: skip
-        """Stream a generation (``POST /v1/{name}/stream``): iterate the :class:`TokenStream`
-        for the text as it grows, then read its ``result``."""
+               trace_id: str | None = None, **fields: Any) -> Iterator[str]:  # fmt: skip
+        """The text of a streamed generation (``POST /v1/{name}/stream``), piece by piece as
+        it grows; for the final result as well, iterate :meth:`stream_events`."""
+        for kind, data in self.stream_events(name, payload, timeout=timeout, trace_id=trace_id,
+                                             **fields):  # fmt: skip
+            if kind == "token":
+                yield str(data["text"])
+
+    def stream_events(self, name: str, payload: Payload | None = None, /, *,
+                      timeout: float | None = None, trace_id: str | None = None,
+                      **fields: Any) -> Iterator[Event]:  # fmt: skip
+        """A streamed generation's events: ``("token", {"text": new_text})`` as the text grows,
+        then ``("done", result)``. A refusal (422; 503 once retries are spent) or an ``error``
+        event raises :class:`ConveyorHTTPError`."""
         request = self._post(f"/v1/{name}/stream", payload, fields, timeout, trace_id)
-        return TokenStream(request.url.path, lambda: self._send(request, stream=True))
+        resp, pending = self._send(request, stream=True), list[str]()
+        try:
+            for line in resp.iter_lines():
+                if event := _event(line, pending, resp):
+                    yield event
+                    if event[0] == "done":
+                        return
+        finally:
+            resp.close()
+        raise _stream_error(resp, 502, "the stream ended without a result")
 
     def map(self, name: str, inputs: Iterable[Payload], *, concurrency: int = 16,
             progress: bool = True, return_exceptions: bool = False,
@@ -321,20 +271,18 @@ class Client(_Base):
                 if not return_exceptions:
                     raise
                 return exc
-            finally:
-                bar.update()
 
         items = list(inputs)
-        with (
-            tqdm(total=len(items), desc=name, unit="call", disable=not progress) as bar,
-            ThreadPoolExecutor(concurrency, thread_name_prefix="conveyor-map") as pool,
-        ):
-            return list(pool.map(one, items))  # an error cancels the calls not yet started
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="conveyor-map") as pool:
+            # As tqdm's thread_map: progress in input order; an error cancels calls not started.
+            return list(
+                tqdm(pool.map(one, items), total=len(items), desc=name, disable=not progress)
+            )
 
 
 class AsyncClient(_Base):
     """An asyncio client: :class:`Client`'s arguments (``transport``: an async one) and
-    methods, awaited (``stream`` is not: ``async for`` its :class:`AsyncTokenStream`)."""
+    methods, awaited (``stream`` and ``stream_events`` are async iterators)."""
 
     _http: httpx.AsyncClient
 
@@ -355,27 +303,30 @@ class AsyncClient(_Base):
         await self.aclose()
 
     async def _send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             try:
                 resp = await self._http.send(request, stream=stream)
             except httpx.TransportError as exc:
                 await asyncio.sleep(_retry_in(exc, attempt, self.retries))
-                continue
-            if resp.is_success:
-                return resp
-            await resp.aread()
-            await resp.aclose()
-            await asyncio.sleep(_retry_in(resp, attempt, self.retries))
-        raise AssertionError("unreachable")
+            else:
+                if resp.is_success:
+                    return resp
+                await resp.aread()
+                await resp.aclose()
+                await asyncio.sleep(_retry_in(resp, attempt, self.retries))
+            attempt += 1
 
     async def call(self, name: str, payload: Payload | None = None, /, *,
-                   timeout: float | None = None, trace_id: str | None = None, **fields: Any) -> Json:  # fmt: skip
+                   timeout: float | None = None, trace_id: str | None = None,
+                   **fields: Any) -> Json:  # fmt: skip
         """:meth:`Client.call`."""
         request = self._post(f"/v1/{name}", payload, fields, timeout, trace_id)
         return dict((await self._send(request)).json())
 
     async def submit(self, name: str, payload: Payload | None = None, /, *,
-                     timeout: float | None = None, trace_id: str | None = None, **fields: Any) -> str:  # fmt: skip
+                     timeout: float | None = None, trace_id: str | None = None,
+                     **fields: Any) -> str:  # fmt: skip
         """:meth:`Client.submit`."""
         request = self._post(f"/v1/jobs/{name}", payload, fields, timeout, trace_id)
         return str((await self._send(request)).json()["id"])
@@ -394,11 +345,30 @@ class AsyncClient(_Base):
             await asyncio.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
         return result
 
-    def stream(self, name: str, payload: Payload | None = None, /, *, timeout: float | None = None,
-               trace_id: str | None = None, **fields: Any) -> AsyncTokenStream:  # fmt: skip
-        """:meth:`Client.stream`, not awaited: ``async for`` the returned stream."""
+    async def stream(self, name: str, payload: Payload | None = None, /, *,
+                     timeout: float | None = None, trace_id: str | None = None,
+                     **fields: Any) -> AsyncIterator[str]:  # fmt: skip
+        """:meth:`Client.stream`: ``async for`` it."""
+        async for kind, data in self.stream_events(name, payload, timeout=timeout,
+                                                   trace_id=trace_id, **fields):  # fmt: skip
+            if kind == "token":
+                yield str(data["text"])
+
+    async def stream_events(self, name: str, payload: Payload | None = None, /, *,
+                            timeout: float | None = None, trace_id: str | None = None,
+                            **fields: Any) -> AsyncIterator[Event]:  # fmt: skip
+        """:meth:`Client.stream_events`: ``async for`` it."""
         request = self._post(f"/v1/{name}/stream", payload, fields, timeout, trace_id)
-        return AsyncTokenStream(request.url.path, lambda: self._send(request, stream=True))
+        resp, pending = await self._send(request, stream=True), list[str]()
+        try:
+            async for line in resp.aiter_lines():
+                if event := _event(line, pending, resp):
+                    yield event
+                    if event[0] == "done":
+                        return
+        finally:
+            await resp.aclose()
+        raise _stream_error(resp, 502, "the stream ended without a result")
 
     async def map(self, name: str, inputs: Iterable[Payload], *, concurrency: int = 16,
                   progress: bool = True, return_exceptions: bool = False,
@@ -418,7 +388,7 @@ class AsyncClient(_Base):
                     bar.update()
 
         items = list(inputs)
-        with tqdm(total=len(items), desc=name, unit="call", disable=not progress) as bar:
+        with tqdm(total=len(items), desc=name, disable=not progress) as bar:
             try:
                 async with asyncio.TaskGroup() as group:  # an error cancels the rest
                     tasks = [group.create_task(one(item)) for item in items]

@@ -20,6 +20,11 @@ from pipelines.redisio import text
 
 OUTCOMES = ("ok", "error", "expired")
 
+COST_A = "cost:a"
+"""Stats-hash field: a stage's learned fixed seconds per batch (set by its workers)."""
+COST_B = "cost:b"
+"""Stats-hash field: a stage's learned seconds per item."""
+
 BUCKETS: dict[str, tuple[float, ...]] = {
     "batch_size": (1, 2, 4, 8, 16, 32, 64, 128, 256),
     "queue_wait_seconds": (

@@ -73,7 +73,7 @@ async def test_first_token_reaches_the_client_before_generation_ends(harness: Ha
 
 async def test_batched_generation_streams_each_request_its_own_tokens(harness: Harness) -> None:
     stage = BUILTIN["generate"]
-    worker = harness.worker(stage, device="cpu", batch_wait_ms=200)
+    worker = harness.worker(stage, device="cpu", batch_wait_ms=200, adaptive_batching=False)
     await worker.start()
     harness.run(worker)
     base = await harness.http_server([stage])

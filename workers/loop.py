@@ -34,6 +34,7 @@ from pipelines.keys import GROUP
 from pipelines.model import Item, Model
 from pipelines.redisio import RedisClock, connect, ensure_group, entry_ms
 from pipelines.stages import Stage
+from pipelines.stats import COST_A, COST_B
 from workers.batch import BatchRecord, checked, timed_run
 from workers.policy import BatchPolicy
 from workers.publish import publish
@@ -259,6 +260,13 @@ class Worker:
         )  # fmt: skip
         self.dead_lettered += len(entries)
 
+    def _gauges(self) -> dict[str, float] | None:
+        """The learned cost model, for the gateway's admission (see gateway/admission.py)."""
+        if self.policy is None or not self.policy.cost.known:
+            return None
+        a, b = self.policy.cost.coefficients()
+        return {COST_A: a, COST_B: b}
+
     async def _leave_group(self) -> None:
         assert self._client is not None
         try:
@@ -396,6 +404,7 @@ class Worker:
             reply_ttl_s=self.settings.reply_ttl_s,
             job_prefix=self.keys.job_prefix,
             job_ttl_s=self.settings.job_ttl_s,
+            gauges=self._gauges(),
         )
         self.history.append(record)
         self.items_done += len(entries)

@@ -81,6 +81,7 @@ async def publish(
     job_prefix: str = "",
     job_ttl_s: int = 86_400,
     dead_letters: Sequence[tuple[str, dict[FieldT, EncodableT]]] = (),
+    gauges: Mapping[str, float] | None = None,
 ) -> int:
     """Publish a batch's outbox and ack its entries, atomically.
 
@@ -102,6 +103,7 @@ async def publish(
             stored in the job's hash (kept ``job_ttl_s``) instead of streamed.
         job_ttl_s: how long a finished job's record is kept.
         dead_letters: (dead-letter stream, fields) to add.
+        gauges: values to set (not add) in the stats hash, e.g. the learned cost model.
 
     Returns:
         How many requests were skipped as already published.
@@ -127,6 +129,9 @@ async def publish(
                     pipe.xadd(dlq, fields)
                 if entry_ids:
                     pipe.xack(stream, GROUP, *entry_ids)
+                if gauges:
+                    values: dict[FieldT, EncodableT] = {k: v for k, v in gauges.items()}
+                    pipe.hset(stats_key, mapping=values)
                 for name, value in stats.items():
                     if name.endswith(":sum"):
                         pipe.hincrbyfloat(stats_key, name, value)

@@ -176,3 +176,26 @@ async def test_cors_is_off_unless_configured(harness: Harness) -> None:
     http = await harness.gateway([number_stage()], cors_origins="https://app.example")
     resp = await http.options("/v1/double", headers=headers)
     assert resp.headers["access-control-allow-origin"] == "https://app.example"
+
+
+async def test_request_that_would_miss_its_deadline_is_refused_at_once(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    stage = number_stage(max_batch_size=8)
+    http = await harness.gateway([stage], admission_refresh_ms=0)
+    await harness.enqueue("double", [{"value": i} for i in range(20)])
+    stream = harness.keys.stage_stream("double")
+    await redis.xgroup_create(stream, "workers", id="0")
+    await redis.xreadgroup("workers", "busy-worker", {stream: ">"}, count=1)  # one live worker
+    # what the workers learned: 0.5 s per batch + 0.1 s per item -> ~3.9 s for this backlog
+    await redis.hset(harness.keys.stage_stats("double"), mapping={"cost:a": 0.5, "cost:b": 0.1})
+    started = time.perf_counter()
+    resp = await http.post("/v1/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "1"})
+    assert resp.status_code == 503
+    assert "past its 1s deadline" in resp.json()["detail"]
+    assert int(resp.headers["retry-after"]) >= 2
+    assert time.perf_counter() - started < 1.0  # refused, not timed out
+    resp = await http.post("/v1/jobs/double", json={"value": 1},
+                           headers={"X-Conveyor-Timeout": "30"})  # fmt: skip
+    assert resp.status_code == 202  # a request with time to spare is taken
+    assert await redis.xlen(stream) == 21
