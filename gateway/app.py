@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from gateway.edge import EdgeMiddleware
 from gateway.service import REDIS_DOWN, Gateway
 from gateway.settings import GatewaySettings
+from gateway.status import status_router
 from pipelines.app import load_registry
 from pipelines.envelope import Reply, new_request_id
 from pipelines.errors import (
@@ -120,6 +121,7 @@ def create_app(
             text += "# stage metrics unavailable: redis unreachable\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    app.include_router(status_router(gw))
     for pipeline in registry.pipelines.values():
         _add_pipeline_routes(app, gw, pipeline)
     if settings.cors_origins:

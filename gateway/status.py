@@ -1,0 +1,176 @@
+"""``GET /status``: a live page of every routed stage; ``GET /status.json``: what it polls.
+
+The page shows per stage the backlog, pending entries, the workers in the consumer group
+and how long each has been silent, the batch-size distribution, item outcomes, dead
+letters, and a throughput chart the browser computes from the cumulative item counters
+of successive snapshots. Everything it shows is already in ``/metrics`` or ``conveyor
+status``: queue depths, counters and consumer names, never settings or credentials.
+
+The page is one self-contained HTML file (``status.html``, shipped as package data): no
+external scripts, styles or fonts, so it works on a machine with no network.
+"""
+
+from __future__ import annotations
+
+import html
+from importlib.resources import files
+from typing import TypedDict
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, Response
+from fastapi.routing import APIRoute
+
+from gateway.service import REDIS_DOWN, Gateway
+from pipelines.graph import Pipeline
+from pipelines.stats import BUCKETS, OUTCOMES, read_stats, stage_status
+
+STALE_AFTER_MS = 30_000
+"""A consumer silent longer than this is shown as stale. A live worker polls its stream
+every ``block_ms`` (a fraction of a second), so its idle time stays far below this; a
+worker that died stays in the group, its idle time growing, until someone deletes it."""
+
+PIPELINES_MARK = "<!--pipelines-->"
+
+
+class ConsumerView(TypedDict):
+    """One worker in a stage's consumer group."""
+
+    name: str
+    pending: int
+    idle_ms: int
+    alive: bool
+
+
+class BatchSizes(TypedDict):
+    """Batch-size histogram: ``[le, count]`` per bucket, counts not cumulative."""
+
+    buckets: list[tuple[str, int]]
+
+
+class StageView(TypedDict):
+    """One stage's row of ``/status.json``."""
+
+    stage: str
+    lag: int
+    pending: int
+    consumers: list[ConsumerView]
+    items: dict[str, int]
+    dead_letters: int
+    batch_size: BatchSizes
+    batches: int
+
+
+def _le(bound: float) -> str:
+    # The stats hash names buckets as the Prometheus exposition does: "%g", then "+Inf".
+    return "+Inf" if bound == float("inf") else f"{bound:g}"
+
+
+async def stage_view(gw: Gateway, stage: str) -> StageView:
+    """A stage's queue state and counters, read from Redis.
+
+    Args:
+        gw: the gateway (its Redis client and key names).
+        stage: the stage's name.
+
+    Raises:
+        redis.exceptions.ConnectionError: Redis cannot be reached (or any of ``REDIS_DOWN``).
+    """
+    status = await stage_status(gw.client, gw.keys, stage)
+    stats = await read_stats(gw.client, gw.keys, stage)
+    dead_letters = int(await gw.client.xlen(gw.keys.dead_letters(stage)))
+    consumers: list[ConsumerView] = [
+        {
+            "name": c["name"],
+            "pending": c["pending"],
+            "idle_ms": c["idle_ms"],
+            "alive": c["idle_ms"] <= STALE_AFTER_MS,
+        }
+        for c in status.consumers
+    ]
+    bounds = (*BUCKETS["batch_size"], float("inf"))
+    buckets = [(_le(b), int(stats.get(f"h:batch_size:{_le(b)}", 0))) for b in bounds]
+    return {
+        "stage": stage,
+        "lag": status.lag,
+        "pending": status.pending,
+        "consumers": consumers,
+        "items": {outcome: int(stats.get(f"items:{outcome}", 0)) for outcome in OUTCOMES},
+        "dead_letters": dead_letters,
+        "batch_size": {"buckets": buckets},
+        "batches": int(stats.get("batches", 0)),
+    }
+
+
+def pipelines_html(pipelines: list[Pipeline], docs_url: str | None, ops: dict[str, str]) -> str:
+    """The page's list of pipelines, each linked to its operation in the API docs.
+
+    Args:
+        pipelines: the routed pipelines.
+        docs_url: where the API docs are served (None: docs disabled, no links).
+        ops: pipeline name -> operation id of its ``POST`` route in the docs.
+    """
+    rows = []
+    for p in pipelines:
+        name = html.escape(p.name)
+        op = ops.get(p.name)
+        href = f"{docs_url}#/pipelines/{op}" if docs_url and op else None
+        title = f'<a href="{html.escape(href)}">{name}</a>' if href else name
+        steps = " \u2192 ".join(html.escape(s.name) for s in p.steps)
+        summary = f" \u2014 {html.escape(p.summary)}" if p.summary else ""
+        rows.append(
+            f"<li>{title} <code>POST /v1/{name}</code>{summary}"
+            f' <span class="muted">(steps: {steps})</span></li>'
+        )
+    if not rows:
+        rows.append('<li class="muted">none</li>')
+    if docs_url:
+        rows.append(f'<li><a href="{html.escape(docs_url)}">all endpoints: API docs</a></li>')
+    return "\n".join(rows)
+
+
+def _no_store(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    headers = {"Cache-Control": "no-store", **(headers or {})}
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
+def status_router(gw: Gateway) -> APIRouter:
+    """Routes ``GET /status`` (the page) and ``GET /status.json`` (the snapshot).
+
+    Args:
+        gw: the gateway whose registry's stages are shown.
+    """
+    page = files("gateway").joinpath("status.html").read_text(encoding="utf-8")
+    if PIPELINES_MARK not in page:
+        raise RuntimeError(f"gateway/status.html lacks the {PIPELINES_MARK} placeholder")
+    router = APIRouter(tags=["ops"])
+
+    @router.get("/status.json")
+    async def status_json() -> Response:
+        """Every routed stage: lag, pending, consumers, item outcomes, dead letters,
+        batch sizes; ``time`` is the server's clock in seconds (for rates). 503 when
+        Redis cannot be reached."""
+        try:
+            stages = [await stage_view(gw, name) for name in gw.registry.stages]
+        except REDIS_DOWN:
+            down = {"detail": "redis unreachable", "time": gw.clock.now()}
+            return _no_store(down, 503, {"Retry-After": "1"})
+        # The Redis clock, not this host's: rates stay right when successive polls are
+        # answered by different gateways behind a load balancer.
+        return _no_store(
+            {"time": gw.clock.now(), "stale_after_ms": STALE_AFTER_MS, "stages": stages}
+        )
+
+    @router.get("/status", response_class=HTMLResponse)
+    async def status_page(request: Request) -> HTMLResponse:
+        """A live page of every routed stage (polls ``/status.json``)."""
+        ops = {
+            route.name.removeprefix("post_"): route.unique_id
+            for route in request.app.routes
+            if isinstance(route, APIRoute) and route.name.startswith("post_")
+        }
+        docs_url = request.app.docs_url
+        listed = pipelines_html(list(gw.registry.pipelines.values()), docs_url, ops)
+        return HTMLResponse(page.replace(PIPELINES_MARK, listed))
+
+    return router
