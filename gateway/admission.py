@@ -26,10 +26,7 @@ import redis.asyncio as aioredis
 from pipelines.errors import Overloaded
 from pipelines.keys import GROUP, Keys
 from pipelines.redisio import text
-from pipelines.stats import COST_A, COST_B, stage_backlog
-
-ALIVE_IDLE_MS = 30_000
-"""A consumer idle longer than this (no read, no touch) is not counted as capacity."""
+from pipelines.stats import ALIVE_IDLE_MS, COST_A, COST_B, stage_backlog
 
 
 @dataclass

@@ -23,12 +23,9 @@ from fastapi.routing import APIRoute
 
 from gateway.service import REDIS_DOWN, Gateway
 from pipelines.graph import Pipeline
-from pipelines.stats import BUCKETS, OUTCOMES, read_stats, stage_status
+from pipelines.stats import ALIVE_IDLE_MS, BUCKETS, OUTCOMES, read_stats, stage_status
 
-STALE_AFTER_MS = 30_000
-"""A consumer silent longer than this is shown as stale. A live worker polls its stream
-every ``block_ms`` (a fraction of a second), so its idle time stays far below this; a
-worker that died stays in the group, its idle time growing, until someone deletes it."""
+STALE_AFTER_MS = ALIVE_IDLE_MS
 
 PIPELINES_MARK = "<!--pipelines-->"
 

@@ -20,6 +20,10 @@ from pipelines.redisio import text
 
 OUTCOMES = ("ok", "error", "expired")
 
+ALIVE_IDLE_MS = 30_000
+"""A consumer idle longer than this (no read, no touch) counts as gone: a crashed worker
+stays in its group until someone removes it."""
+
 COST_A = "cost:a"
 """Stats-hash field: a stage's learned fixed seconds per batch (set by its workers)."""
 COST_B = "cost:b"
@@ -215,6 +219,7 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         "# TYPE conveyor_stage_backlog gauge",
         "# TYPE conveyor_stage_pending gauge",
         "# TYPE conveyor_stage_consumers gauge",
+        "# TYPE conveyor_stage_dead_letters_total counter",
     ]
     out += [f"# TYPE conveyor_stage_{name} histogram" for name in BUCKETS]
     for stage in stages:
@@ -225,6 +230,8 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
                 f"conveyor_stage_items_total{labels(stage=stage, outcome=outcome)} {value:g}"
             )
         out.append(f"conveyor_stage_batches_total{labels(stage=stage)} {stats.get('batches', 0):g}")
+        dead = stats.get("dead_letters", 0)
+        out.append(f"conveyor_stage_dead_letters_total{labels(stage=stage)} {dead:g}")
         for name, bounds in BUCKETS.items():
             per = [stats.get(f"h:{name}:{_le(b)}", 0.0) for b in (*bounds, float("inf"))]
             out += histogram_lines(
@@ -233,5 +240,6 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         st = await stage_status(client, keys, stage)
         out.append(f"conveyor_stage_backlog{labels(stage=stage)} {st.lag}")
         out.append(f"conveyor_stage_pending{labels(stage=stage)} {st.pending}")
-        out.append(f"conveyor_stage_consumers{labels(stage=stage)} {len(st.consumers)}")
+        alive = sum(1 for c in st.consumers if c["idle_ms"] < ALIVE_IDLE_MS)
+        out.append(f"conveyor_stage_consumers{labels(stage=stage)} {alive}")
     return "\n".join(out) + "\n"

@@ -68,6 +68,7 @@ class BatchRecord:
         run_s: model time.
         outcomes: items per outcome.
         request_ids: ids of the requests, in batch order.
+        trace_ids: their trace ids (logged with the batch).
     """
 
     size: int
@@ -76,6 +77,7 @@ class BatchRecord:
     run_s: float = 0.0
     outcomes: Counter[str] = field(default_factory=Counter)
     request_ids: list[str] = field(default_factory=list)
+    trace_ids: list[str] = field(default_factory=list)
 
 
 def checked(res: Result | BaseException) -> Result | BaseException:

@@ -351,6 +351,7 @@ class Worker:
                 record.outcomes["error"] += 1
                 continue
             record.request_ids.append(req.id)
+            record.trace_ids.append(req.trace_id)
             item = self._admit(out, req, now)
             if item is not None:
                 live.append((req, item))
@@ -409,9 +410,10 @@ class Worker:
         self.history.append(record)
         self.items_done += len(entries)
         logger.info(
-            "stage %s batch=%d ok=%d error=%d expired=%d wait_max=%.1fms run=%.1fms",
+            "stage %s batch=%d ok=%d error=%d expired=%d wait_max=%.1fms run=%.1fms traces=%s",
             self.stage.name, record.size, record.outcomes["ok"], record.outcomes["error"],
             record.outcomes["expired"], max(waits) * 1000, record.run_s * 1000,
+            ",".join(record.trace_ids),
         )  # fmt: skip
 
     def _admit(self, out: Outbox, req: Request, now: float) -> Item | None:
