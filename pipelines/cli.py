@@ -60,6 +60,9 @@ def _is_function(stage: Stage) -> bool:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from pipelines import autoscale
+    from pipelines.errors import ConfigError
+
     env = dict(os.environ)
     env["CONVEYOR_HOST"] = args.host
     env["CONVEYOR_PORT"] = str(args.port)
@@ -70,6 +73,21 @@ def _up(args: argparse.Namespace) -> int:
     env.setdefault("HF_HUB_OFFLINE", "1")
     registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    autoscaler: autoscale.Autoscaler | None = None
+    flags = (args.min_workers, args.max_workers, args.target_backlog)
+    if not args.autoscale and any(f is not None for f in flags):
+        raise ConfigError("--min-workers, --max-workers and --target-backlog need --autoscale")
+    if args.autoscale:
+        import logging
+
+        scaling = autoscale.AutoscaleSettings.from_flags(
+            min_workers=args.min_workers,
+            max_workers=args.max_workers,
+            target_backlog=args.target_backlog,
+        )
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     redis_proc = None
     if not env.get("CONVEYOR_REDIS_URL"):
         port = free_port()
@@ -87,24 +105,53 @@ def _up(args: argparse.Namespace) -> int:
     try:
         py = sys.executable
         children.append(("gateway", subprocess.Popen([py, "-m", "gateway"], env=env)))
+        scaled = [s for s in registry.stages.values() if args.autoscale and not _is_function(s)]
         for group, copies in worker_groups(registry, args.replicas):
+            if group in {s.name for s in scaled}:
+                continue  # the autoscaler starts these
             for i in range(copies):
                 cmd = [py, "-m", "workers", group]
                 children.append((f"worker {group}#{i}", subprocess.Popen(cmd, env=env)))
+        if scaled:
+            autoscaler = autoscale.Autoscaler(
+                {s.name: scaling.scaler(s) for s in scaled},
+                lambda stage: subprocess.Popen([py, "-m", "workers", stage], env=env),
+                scaling.drain_timeout_s,
+            )
+        autoscaled = (
+            f"; autoscaling {', '.join(s.name for s in scaled)} "
+            f"({scaling.min_workers} to {scaling.max_workers} workers each)"
+            if scaled
+            else ""
+        )
         print(
             f"conveyor: gateway on http://{args.host}:{args.port} serving "
-            f"{', '.join(registry.pipelines)}; {len(children) - 1} worker process(es); "
-            "Ctrl-C stops",
+            f"{', '.join(registry.pipelines)}; {len(children) - 1} worker process(es)"
+            f"{autoscaled}; Ctrl-C stops",
             flush=True,
         )
-        # Sleep until any child exits (WNOWAIT leaves reaping to Popen) or a signal.
-        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
-        name = next((n for n, p in children if info and p.pid == info.si_pid), "redis-server")
-        print(f"conveyor: {name} exited ({info.si_status if info else '?'}); stopping", flush=True)
-        code = 1
+        if autoscaler is None:
+            # Sleep until any child exits (WNOWAIT leaves reaping to Popen) or a signal.
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+            name = next((n for n, p in children if info and p.pid == info.si_pid), "redis-server")
+            why: str | None = f"{name} exited ({info.si_status if info else '?'})"
+        else:
+            watched = children + ([("redis-server", redis_proc)] if redis_proc else [])
+            why = asyncio.run(
+                autoscaler.run(
+                    CommonSettings(redis_url=env["CONVEYOR_REDIS_URL"]),
+                    interval_s=scaling.interval_s,
+                    watch=lambda: next((n for n, p in watched if p.poll() is not None), None),
+                )
+            )
+        if why is not None:  # None: the autoscaler was stopped by Ctrl-C or SIGTERM
+            print(f"conveyor: {why}; stopping", flush=True)
+            code = 1
     except _Stop:
         pass
     finally:
+        if autoscaler is not None:
+            children += autoscaler.processes()  # the draining ones too
         for _, proc in children:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -197,7 +244,24 @@ def main(argv: list[str] | None = None) -> None:
         "or every pipeline of --app)",
     )
     up.add_argument("--app", help="module:attribute of your Pipeline(s), like `serve run`")
-    up.add_argument("--replicas", type=int, help="worker processes per model stage")
+    up.add_argument(
+        "--replicas",
+        type=int,
+        help="worker processes per model stage (with --autoscale: of the function stages)",
+    )
+    up.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="grow and shrink each model stage's workers with its backlog "
+        "(further settings: CONVEYOR_AUTOSCALE_*, see pipelines/autoscale.py)",
+    )
+    up.add_argument("--min-workers", type=int, help="autoscale: fewest per model stage (1)")
+    up.add_argument("--max-workers", type=int, help="autoscale: most per model stage (4)")
+    up.add_argument(
+        "--target-backlog",
+        type=int,
+        help="autoscale: undelivered + in-flight items per worker (the stage's max batch size)",
+    )
     graph = sub.add_parser("graph", help="print a pipeline's graph")
     graph.add_argument("name")
     graph.add_argument("--app", help="module:attribute of your Pipeline(s)")
