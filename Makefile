@@ -34,6 +34,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
+	$(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[dev,bench]"
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench $(ARGS)
 
 clean:

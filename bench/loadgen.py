@@ -19,11 +19,14 @@ class LoadResult:
     """Outcome of one closed-loop run.
 
     Attributes:
-        requests: requests sent.
+        requests: requests sent (fewer than the bodies when the duration ran out).
         errors: responses other than 200 (and connection failures).
         seconds: wall time of the run.
         latencies: per request, seconds.
         statuses: count per status code.
+        steady_ok: successful responses while every client was still busy.
+        steady_seconds: how long every client was busy: from the start until the first
+            client found no more work (bodies used up, or the duration over).
     """
 
     requests: int
@@ -31,14 +34,24 @@ class LoadResult:
     seconds: float
     latencies: list[float]
     statuses: dict[int, int] = field(default_factory=dict)
+    steady_ok: int = 0
+    steady_seconds: float = 0.0
 
     @property
     def throughput(self) -> float:
-        """Successful requests per second."""
-        return (self.requests - self.errors) / self.seconds
+        """Successful requests per second, over the steady part of the run when known.
+
+        As a closed loop winds down, fewer and fewer clients are in flight; counting that
+        tail would understate a slow system by up to one latency over the run.
+        """
+        if self.steady_seconds > 0 and self.steady_ok > 0:
+            return self.steady_ok / self.steady_seconds
+        return (self.requests - self.errors) / self.seconds if self.seconds > 0 else 0.0
 
     def pct(self, q: float) -> float:
-        """Latency quantile ``q`` (0..1) in milliseconds."""
+        """Latency quantile ``q`` (0..1) in milliseconds (NaN when nothing returned)."""
+        if not self.latencies:
+            return float("nan")
         ordered = sorted(self.latencies)
         return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -97,40 +110,90 @@ async def closed_loop(
     bodies: Sequence[bytes],
     concurrency: int,
     on_response: Callable[[int, bytes], None] | None = None,
+    duration: float | None = None,
+    warmup: float = 0.0,
+    on_measure: Callable[[], object] | None = None,
+    request_timeout: float = 60.0,
 ) -> LoadResult:
     """``concurrency`` clients, each sending its next body as soon as its last returns.
+
+    With ``warmup``, the clients first load the server for that long without counting,
+    then the measurement starts with every client already busy, as wrk does: the
+    throughput counts what completes between the end of the warm-up and the moment the
+    first client runs out of work, so neither the ramp-up nor the wind-down (fewer and
+    fewer clients in flight) bends it.
 
     Args:
         host: server address.
         port: server port.
         path: request path.
-        bodies: one request body per request; their count bounds the run.
+        bodies: one request body per measured request; their count bounds the run.
         concurrency: clients in flight.
-        on_response: called with each response's status and body.
+        on_response: called with each measured response's status and body.
+        duration: also stop sending new requests this many seconds after the measurement
+            starts (requests in flight then still complete and count).
+        warmup: seconds of load before the measurement (bodies reused, nothing counted).
+        on_measure: called in a thread as the measurement starts (e.g. to read counters).
+        request_timeout: a request unanswered this long fails (status 0), so a lost reply
+            cannot stall the run.
     """
     latencies: list[float] = []
     statuses: dict[int, int] = {}
+    ok_at: list[float] = []  # completion times of successful requests, warm-up included
+    first_idle = [float("inf")]  # when the first client ran out of work
     next_index = iter(range(len(bodies)))
+    warm_index = iter(range(1 << 62))
+    started = time.perf_counter()
+    measuring = started + warmup
+    deadline = measuring + (float("inf") if duration is None else duration)
+
+    async def post(conn: Connection, body: bytes) -> tuple[int, bytes]:
+        try:
+            async with asyncio.timeout(request_timeout):
+                return await conn.post(path, body)
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError, TimeoutError):
+            await conn.close()  # its state is unknown: the next request reconnects
+            return 0, b""
 
     async def client() -> None:
         conn = Connection(host, port)
         try:
+            while bodies and time.perf_counter() < measuring:
+                status, _ = await post(conn, bodies[next(warm_index) % len(bodies)])
+                if status == 200:
+                    ok_at.append(time.perf_counter())  # counts if it lands in the window
             for i in next_index:
-                started = time.perf_counter()
-                try:
-                    status, payload = await conn.post(path, bodies[i])
-                except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
-                    status, payload = 0, b""
-                    await conn.close()
-                latencies.append(time.perf_counter() - started)
+                if time.perf_counter() >= deadline:
+                    break
+                sent = time.perf_counter()
+                status, payload = await post(conn, bodies[i])
+                done = time.perf_counter()
+                latencies.append(done - sent)
                 statuses[status] = statuses.get(status, 0) + 1
+                if status == 200:
+                    ok_at.append(done)
                 if on_response is not None:
                     on_response(status, payload)
+            first_idle[0] = min(first_idle[0], time.perf_counter())
         finally:
             await conn.close()
 
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    seconds = time.perf_counter() - started
+    async def start_measuring() -> None:
+        await asyncio.sleep(max(0.0, measuring - time.perf_counter()))
+        if on_measure is not None:
+            await asyncio.to_thread(on_measure)
+
+    await asyncio.gather(start_measuring(), *(client() for _ in range(concurrency)))
+    ended = time.perf_counter()
     errors = sum(n for status, n in statuses.items() if status != 200)
-    return LoadResult(len(bodies), errors, seconds, latencies, statuses)
+    window_end = min(first_idle[0], ended)
+    steady_ok = sum(1 for t in ok_at if measuring <= t <= window_end)
+    return LoadResult(
+        len(latencies),
+        errors,
+        ended - measuring,
+        latencies,
+        statuses,
+        steady_ok,
+        max(0.0, window_end - measuring),
+    )

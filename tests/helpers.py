@@ -7,9 +7,11 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
@@ -25,6 +27,15 @@ from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from workers.loop import Worker
 from workers.settings import WorkerSettings
+
+
+async def until(check: Callable[[], Awaitable[bool]], limit_s: float = 60) -> None:
+    """Wait for ``check`` to hold, looking every 20 ms, for at most ``limit_s`` seconds."""
+    give_up = time.monotonic() + limit_s
+    while not await check():
+        if time.monotonic() > give_up:
+            pytest.fail(f"condition not met within {limit_s} s")
+        await asyncio.sleep(0.02)
 
 
 class NumberIn(BaseModel):

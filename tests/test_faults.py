@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,20 +27,11 @@ from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.stats import stage_status
 from tests.faultapp import CRASHY, SLOW
-from tests.helpers import Doubler, Harness, number_stage
+from tests.helpers import Doubler, Harness, number_stage, until
 from workers.reclaim import trim
 from workers.runners import Adder
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-async def until(check: Callable[[], Awaitable[bool]], limit_s: float = 60) -> None:
-    """Wait for ``check`` to hold, looking every 20 ms, for at most ``limit_s`` seconds."""
-    give_up = time.monotonic() + limit_s
-    while not await check():
-        if time.monotonic() > give_up:
-            pytest.fail(f"condition not met within {limit_s} s")
-        await asyncio.sleep(0.02)
 
 
 def spawn_worker(stage: str, **env: str) -> subprocess.Popen[bytes]:

@@ -1,0 +1,306 @@
+"""Turn a run's results into ``RESULTS.md`` (targets, tables, machine) and ``results.png``."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from bench.run import Results, Row
+from pipelines.embedded import find_redis_server
+
+LABELS = {
+    "conveyor": "conveyor (gateway + worker)",
+    "celery": "FastAPI + Celery",
+    "hf-batching": "FastAPI + asyncio batching",
+    "in-process": "in-process model",
+}
+
+
+@dataclass
+class Target:
+    """One of the issue's targets, as measured.
+
+    Attributes:
+        name: what is compared.
+        measured: the figure, with what it was computed from.
+        goal: the bar.
+        passed: whether the figure clears the bar.
+    """
+
+    name: str
+    measured: str
+    goal: str
+    passed: bool
+
+
+def targets(res: Results) -> list[Target]:
+    """Every target whose measurements this run took."""
+    out: list[Target] = []
+    top = max(res.plan.concurrencies)
+    served = res.row("conveyor", "embed", top)
+    limit = res.limits.get("embed")
+    if served and limit:
+        ratio = served.load.throughput / limit.throughput
+        out.append(
+            Target(
+                f"embed: conveyor c={top} vs in-process batch {limit.batch}",
+                f"{ratio:.2f} ({served.load.throughput:.0f} / {limit.throughput:.0f} per s)",
+                ">= 0.90",
+                ratio >= 0.9,
+            )
+        )
+    for workload, factor in (("synthetic", 5.0), ("embed", 2.0)):
+        ours, theirs = res.row("conveyor", workload, top), res.row("celery", workload, top)
+        if not (ours and theirs):
+            continue
+        ratio = ours.load.throughput / max(theirs.load.throughput, 1e-9)
+        out.append(
+            Target(
+                f"{workload}: conveyor vs Celery throughput, c={top}",
+                f"{ratio:.1f}x ({ours.load.throughput:.0f} / {theirs.load.throughput:.0f} per s)",
+                f">= {factor:g}x",
+                ratio >= factor,
+            )
+        )
+        p99, theirs_p99 = ours.load.pct(0.99), theirs.load.pct(0.99)
+        out.append(
+            Target(
+                f"{workload}: conveyor vs Celery p99, c={top}",
+                f"{p99:.0f} ms vs {theirs_p99:.0f} ms",
+                "no worse",
+                p99 <= theirs_p99,
+            )
+        )
+    for workload, lim in res.limits.items():
+        one = res.row("conveyor", workload, 1)
+        if one is None:
+            continue
+        p50 = one.load.pct(0.5)
+        out.append(
+            Target(
+                f"{workload}: conveyor p50 at c=1 vs one in-process call",
+                f"{p50:.1f} ms vs {lim.single_p50_ms:.1f} ms (+{p50 - lim.single_p50_ms:.1f})",
+                "<= model + 2 ms",
+                p50 <= lim.single_p50_ms + 2.0,
+            )
+        )
+    base = next((r for r in res.scaling if r.workers == 1), None)
+    for row in res.scaling:
+        if base is None or row.workers == 1:
+            continue
+        ideal = row.workers * base.load.throughput
+        share = row.load.throughput / ideal
+        out.append(
+            Target(
+                f"synthetic: {row.workers} workers vs {row.workers} x one",
+                f"{share:.2f} ({row.load.throughput:.0f} / {ideal:.0f} per s)",
+                ">= 0.90",
+                share >= 0.9,
+            )
+        )
+    return out
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def machine() -> list[str]:
+    """Lines describing the machine and the software measured."""
+    cpu = platform.processor() or platform.machine()
+    mem_gib = 0.0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = int(line.split()[1]) / 2**20
+    except OSError:
+        pass  # not Linux: fewer details
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    redis = subprocess.run(
+        [find_redis_server(), "--version"], capture_output=True, text=True, check=False
+    ).stdout.split()
+    redis_v = next((w.split("=", 1)[1] for w in redis if w.startswith("v=")), "?")
+    versions = ", ".join(
+        f"{p} {_version(p)}" for p in ("torch", "transformers", "fastapi", "uvicorn", "celery")
+    )
+    return [
+        f"- CPU: {cpu}, {os.cpu_count()} logical cores ({len(os.sched_getaffinity(0))} usable);"
+        f" memory {mem_gib:.0f} GiB; GPU: {gpu}; torch threads per process: "
+        f"{torch.get_num_threads()}",
+        f"- OS: {platform.platform()}; Python {platform.python_version()}; redis-server "
+        f"{redis_v}; {versions}",
+    ]
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1f}"
+
+
+def _rate(value: float) -> str:
+    return f"{value:.1f}" if value < 1e5 else f"{value:.2g}"
+
+
+def _row(row: Row) -> str:
+    load = row.load
+    return (
+        f"| {LABELS[row.system]} | {row.concurrency} | {load.throughput:.1f} | "
+        f"{_ms(load.pct(0.5))} | {_ms(load.pct(0.99))} | {load.errors}/{load.requests} | "
+        f"{row.mean_batch:.1f} | {row.cpu_ms:.2f} |"
+    )
+
+
+def markdown(res: Results, command: str, systems_doc: str, *, smoke: bool = False) -> str:
+    """The whole ``RESULTS.md``.
+
+    Args:
+        res: the run's results.
+        command: the command line that produced them.
+        systems_doc: what each system is (markdown).
+        smoke: a ``--quick`` run, whose figures are too short to mean anything.
+    """
+    plan = res.plan
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Written by `{command}` on {res.started} in {res.wall_s:.0f} s; rerun it to "
+        "refresh this file and `results.png`. Load average (1 min) "
+        f"{res.load_avg[0]:.2f} at the start, {res.load_avg[1]:.2f} at the end: "
+        "well above 0 means other work shared the CPU and the figures are noisy.",
+        "",
+        *(
+            [
+                "**Smoke run (`--quick`)**: every measurement is a fraction of a second; it "
+                "shows that everything starts, answers and stops, not how fast it is.",
+                "",
+            ]
+            if smoke
+            else []
+        ),
+        "## Machine",
+        "",
+        *machine(),
+        "",
+        "## Targets",
+        "",
+        "| target | measured | goal | result |",
+        "|---|---|---|---|",
+        *(
+            f"| {t.name} | {t.measured} | {t.goal} | {'PASS' if t.passed else '**MISS**'} |"
+            for t in targets(res)
+        ),
+        "",
+        "## Throughput and latency",
+        "",
+        f"Closed loop: each measurement sends at most {plan.requests} requests for at most "
+        f"{plan.seconds:g} s after {plan.warmup_s:g} s of warm-up. Throughput is successful "
+        "requests per second; latency is per request as the client saw it; mean batch is "
+        "items per model call; CPU is what the system's own processes (Redis included) "
+        "spent per request, from /proc.",
+    ]
+    for workload in plan.workloads:
+        lines += [
+            "",
+            f"### {workload}",
+            "",
+            "| system | clients | req/s | p50 ms | p99 ms | errors | mean batch | CPU ms/req |",
+            "|---|---|---|---|---|---|---|---|",
+            *(_row(r) for r in res.rows if r.workload == workload),
+        ]
+        lim = res.limits.get(workload)
+        if lim:
+            lines.append(
+                f"| {LABELS['in-process']}, batch {lim.batch} / batch 1 | - | "
+                f"{_rate(lim.throughput)} | {lim.single_p50_ms:.3g} | {lim.single_p99_ms:.3g} | "
+                f"- | {lim.batch} / 1 | - |"
+            )
+    if res.scaling:
+        base = res.scaling[0].load.throughput / res.scaling[0].workers
+        lines += [
+            "",
+            "## Scaling: synthetic on conveyor with N worker processes",
+            "",
+            f"{plan.scale_clients_per_worker} clients per worker, one gateway.",
+            "",
+            "| workers | clients | req/s | of N x one | p50 ms | p99 ms | mean batch | "
+            "CPU ms/req |",
+            "|---|---|---|---|---|---|---|---|",
+            *(
+                f"| {r.workers} | {r.concurrency} | {r.load.throughput:.1f} | "
+                f"{r.load.throughput / (base * r.workers):.2f} | {_ms(r.load.pct(0.5))} | "
+                f"{_ms(r.load.pct(0.99))} | {r.mean_batch:.1f} | {r.cpu_ms:.2f} |"
+                for r in res.scaling
+            ),
+        ]
+    lines += ["", "## What runs", "", systems_doc.strip(), ""]
+    return "\n".join(lines)
+
+
+def plot(res: Results, path: Path) -> None:
+    """Throughput and p99 against clients, per workload and system; and the scaling sweep."""
+    # The bench extra installs matplotlib; without it this module still type-checks.
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+    from matplotlib.ticker import ScalarFormatter  # type: ignore[import-not-found, unused-ignore]
+
+    columns = len(res.plan.workloads) + (1 if res.scaling else 0)
+    fig, axes = plt.subplots(2, columns, figsize=(4.2 * columns, 7.5), squeeze=False)
+    for col, workload in enumerate(res.plan.workloads):
+        top, bottom = axes[0][col], axes[1][col]
+        for system in ("conveyor", "celery", "hf-batching"):
+            rows = [r for r in res.rows if r.system == system and r.workload == workload]
+            if not rows:
+                continue
+            xs = [r.concurrency for r in rows]
+            top.plot(xs, [r.load.throughput for r in rows], "o-", label=LABELS[system])
+            bottom.plot(xs, [r.load.pct(0.99) for r in rows], "o-", label=LABELS[system])
+        lim = res.limits.get(workload)
+        if lim and workload != "echo":  # echo's limit is millions per second: off the chart
+            top.axhline(lim.throughput, ls="--", c="grey", label=f"in-process, batch {lim.batch}")
+        top.set_title(workload)
+        top.set_ylabel("requests / s")
+        bottom.set_ylabel("p99 latency, ms")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(res.plan.concurrencies)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.set_xlabel("concurrent clients")
+            ax.grid(True, alpha=0.3)
+        top.set_ylim(bottom=0)
+        bottom.set_yscale("log")
+        top.legend(fontsize=7)
+    if res.scaling:
+        top, bottom = axes[0][-1], axes[1][-1]
+        ns = [r.workers for r in res.scaling]
+        per_worker = res.scaling[0].load.throughput / res.scaling[0].workers
+        top.plot(ns, [r.load.throughput for r in res.scaling], "o-", label="conveyor")
+        top.plot(ns, [per_worker * n for n in ns], "--", c="grey", label="N x one worker")
+        bottom.plot(ns, [r.load.pct(0.99) for r in res.scaling], "o-")
+        top.set_title("synthetic: scaling out")
+        top.set_ylabel("requests / s")
+        bottom.set_ylabel("p99 latency, ms")
+        for ax in (top, bottom):
+            ax.set_xlabel("worker processes")
+            ax.set_xticks(ns)
+            ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
+        top.legend(fontsize=7)
+    fig.suptitle(f"conveyor benchmark, {res.started}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,199 @@
+"""Drive every system with closed-loop load and collect one row per measurement."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from bench.loadgen import LoadResult, closed_loop
+from bench.systems import HOST, STARTERS, Options, Server, conveyor
+from bench.workloads import InProcess, bodies, in_process
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = ("conveyor", "in-process", "celery", "hf-batching")
+
+
+@dataclass
+class Plan:
+    """What one run measures.
+
+    Attributes:
+        systems: which of :data:`SYSTEMS`.
+        workloads: which of :data:`bench.workloads.WORKLOADS`.
+        concurrencies: closed-loop clients, one measurement each.
+        requests: at most this many requests per measurement.
+        seconds: a measurement stops sending after about this long.
+        warmup_s: each measurement is preceded by this much load, not counted.
+        scale_workers: conveyor worker counts for the synthetic scaling sweep.
+        scale_clients_per_worker: clients per worker in that sweep (two full batches
+            keep a worker busy: one running, one forming).
+        scale_cost_ms: synthetic's (a, b) in the sweep: heavy enough that N workers'
+            ideal throughput stays well under what the serving path's CPU can carry.
+        options: how the systems are configured.
+    """
+
+    systems: list[str]
+    workloads: list[str]
+    concurrencies: list[int]
+    requests: int
+    seconds: float
+    warmup_s: float
+    scale_workers: list[int]
+    scale_clients_per_worker: int
+    scale_cost_ms: tuple[float, float] = (250.0, 10.0)
+    options: Options = field(default_factory=Options)
+
+
+@dataclass
+class Row:
+    """One closed-loop measurement of one system.
+
+    Attributes:
+        system: which system.
+        workload: which workload.
+        concurrency: clients in flight.
+        workers: worker processes serving the workload (conveyor's scaling sweep).
+        load: what the clients saw.
+        mean_batch: items per model call over the measurement.
+        cpu_ms: CPU milliseconds the system's processes spent per successful request.
+    """
+
+    system: str
+    workload: str
+    concurrency: int
+    workers: int
+    load: LoadResult
+    mean_batch: float
+    cpu_ms: float
+
+
+@dataclass
+class Results:
+    """Everything one run measured.
+
+    Attributes:
+        plan: what was asked for.
+        rows: closed-loop measurements of the served systems.
+        scaling: conveyor's synthetic scaling sweep.
+        limits: the in-process model, per workload.
+        started: when the run began (local time).
+        wall_s: how long it took.
+        load_avg: the 1-minute load average at the start and at the end (noise check).
+    """
+
+    plan: Plan
+    rows: list[Row] = field(default_factory=list)
+    scaling: list[Row] = field(default_factory=list)
+    limits: dict[str, InProcess] = field(default_factory=dict)
+    started: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M %Z"))
+    wall_s: float = 0.0
+    load_avg: tuple[float, float] = (0.0, 0.0)
+
+    def row(self, system: str, workload: str, concurrency: int) -> Row | None:
+        """The measurement of (system, workload, concurrency), if taken."""
+        for r in self.rows:
+            if (r.system, r.workload, r.concurrency) == (system, workload, concurrency):
+                return r
+        return None
+
+
+def measure(server: Server, workload: str, concurrency: int, plan: Plan, workers: int = 1) -> Row:
+    """Warm up, then one bounded closed-loop measurement of ``workload`` on ``server``."""
+    before: list[tuple[float, float] | None] = []
+    cpu_before: list[float] = []
+
+    def snapshot() -> None:  # as the measurement starts, after the warm-up
+        cpu_before.append(server.cpu_seconds())  # first: /proc answers at once, HTTP may wait
+        before.append(server.batch_totals(workload))
+
+    load = asyncio.run(
+        closed_loop(
+            HOST,
+            server.port,
+            server.path(workload),
+            bodies(plan.requests),
+            concurrency,
+            duration=plan.seconds,
+            warmup=plan.warmup_s,
+            on_measure=snapshot,
+        )
+    )
+    cpu = server.cpu_seconds() - cpu_before[0]
+    for role, proc in server.procs.items():
+        if proc.poll() is not None:  # the figures below are then not the system's own
+            logger.warning("%s: %s exited with %s", server.name, role, proc.returncode)
+    after = server.batch_totals(workload)
+    mean_batch = 1.0
+    if before[0] is not None and after is not None:
+        mean_batch = (after[0] - before[0][0]) / max(1.0, after[1] - before[0][1])
+    ok = max(1, load.requests - load.errors)
+    row = Row(server.name, workload, concurrency, workers, load, mean_batch, 1000 * cpu / ok)
+    logger.info(
+        "%-11s %-9s c=%-3d N=%d  %7.1f req/s  p50 %6.1f ms  p99 %6.1f ms  errors %d  "
+        "batch %.1f  cpu %.2f ms/req",
+        row.system, workload, concurrency, workers, load.throughput, load.pct(0.5),
+        load.pct(0.99), load.errors, mean_batch, row.cpu_ms,
+    )  # fmt: skip
+    return row
+
+
+def run(plan: Plan) -> Results:
+    """Measure every selected system on every selected workload, one system at a time.
+
+    The in-process limit is taken first, while nothing else runs; each served system is
+    then started, driven at every concurrency, and stopped before the next one starts.
+    """
+    results = Results(plan)
+    began = time.monotonic()
+    load_start = os.getloadavg()[0]
+    if "in-process" in plan.systems:
+        for workload in plan.workloads:
+            limit = in_process(
+                workload,
+                batch=plan.options.max_batch,
+                total=max(plan.requests, 4 * plan.options.max_batch),
+                singles=plan.requests,
+                seconds=min(plan.seconds, 10.0),
+                device=plan.options.device,
+            )
+            results.limits[workload] = limit
+            logger.info(
+                "in-process  %-9s batch %d: %.1f items/s; batch 1: p50 %.2f ms, p99 %.2f ms",
+                workload, limit.batch, limit.throughput, limit.single_p50_ms,
+                limit.single_p99_ms,
+            )  # fmt: skip
+    workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
+    logger.info("process logs under %s", workdir)
+    for system in (s for s in STARTERS if s in plan.systems):
+        logger.info("starting %s", system)
+        with STARTERS[system](plan.workloads, plan.options, workdir) as server:
+            for workload in plan.workloads:
+                for concurrency in plan.concurrencies:
+                    results.rows.append(measure(server, workload, concurrency, plan))
+        logger.info("stopped %s", system)
+    if "conveyor" in plan.systems and "synthetic" in plan.workloads and plan.scale_workers:
+        results.scaling = _scaling(plan, workdir)
+    results.wall_s = time.monotonic() - began
+    results.load_avg = (load_start, os.getloadavg()[0])
+    return results
+
+
+def _scaling(plan: Plan, workdir: Path) -> list[Row]:
+    """synthetic on conveyor with more and more workers, clients growing in proportion."""
+    a_ms, b_ms = plan.scale_cost_ms
+    env = {"BENCH_SYNTHETIC_A_MS": f"{a_ms:g}", "BENCH_SYNTHETIC_B_MS": f"{b_ms:g}"}
+    options = replace(plan.options, env={**plan.options.env, **env})
+    logger.info("starting conveyor for the scaling sweep (synthetic %g + %g ms/item)", a_ms, b_ms)
+    rows = []
+    with conveyor(["synthetic"], options, workdir, log_name="conveyor-scaling") as server:
+        for count in sorted(plan.scale_workers):
+            server.scale("synthetic", count)
+            clients = plan.scale_clients_per_worker * count
+            rows.append(measure(server, "synthetic", clients, plan, workers=count))
+    return rows

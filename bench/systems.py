@@ -1,0 +1,328 @@
+"""Start and stop the systems under test, each as real processes on 127.0.0.1.
+
+- ``conveyor``: redis-server, the gateway (``python -m gateway``) and one worker per
+  workload (``python -m workers STAGE``), as ``conveyor up`` runs them.
+- ``celery``: redis-server (broker and result backend), a Celery worker and the FastAPI
+  app of :mod:`bench.celery_app` under uvicorn.
+- ``hf-batching``: the single FastAPI process of :mod:`bench.hf_batching` under uvicorn.
+
+Each is a context manager that yields a :class:`Server` once every workload answers, and
+stops every process it started on the way out, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from pipelines.embedded import free_port, start_redis
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Options:
+    """How the systems are configured (the same for every workload).
+
+    Attributes:
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` for every model.
+        max_batch: the batch bound of conveyor's stages and of the asyncio batcher.
+        batch_wait_ms: the batch window of the asyncio batcher (conveyor's stages keep
+            their own, 5 ms for all three workloads).
+        celery_pool: the Celery worker's ``--pool``.
+        celery_concurrency: the Celery worker's ``--concurrency``.
+        env: extra environment for every process (e.g. the synthetic cost).
+    """
+
+    device: str = "auto"
+    max_batch: int = 32
+    batch_wait_ms: float = 5.0
+    celery_pool: str = "solo"
+    celery_concurrency: int = 1
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Server:
+    """A running system: where to send requests and what its processes cost.
+
+    Attributes:
+        name: the system's name.
+        port: the HTTP port on 127.0.0.1.
+        procs: every process it started, by role.
+    """
+
+    name: str
+    port: int
+    procs: dict[str, subprocess.Popen[bytes]]
+
+    def path(self, workload: str) -> str:
+        """The request path of ``workload``."""
+        return f"/v1/{workload}"
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds its processes have used so far (Linux /proc)."""
+        return cpu_seconds([p.pid for p in self.procs.values() if p.poll() is None])
+
+    def batch_totals(self, workload: str) -> tuple[float, float] | None:
+        """(items, batches) run so far for ``workload``; None where every batch is one."""
+        del workload
+        return None
+
+
+class ConveyorServer(Server):
+    """conveyor, with its batch counters read from the gateway's ``/metrics``."""
+
+    def __init__(
+        self, port: int, procs: dict[str, subprocess.Popen[bytes]], env: dict[str, str], log: Path
+    ) -> None:
+        super().__init__("conveyor", port, procs)
+        self._env = env
+        self._log = log
+
+    def _metrics(self) -> dict[str, float]:
+        text = httpx.get(f"http://{HOST}:{self.port}/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("conveyor_stage_"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def batch_totals(self, workload: str) -> tuple[float, float] | None:
+        """(items, batches) the stage has run, from ``conveyor_stage_batch_size_*``."""
+        m = self._metrics()
+        label = f'{{stage="{workload}"}}'
+        return (
+            m.get(f"conveyor_stage_batch_size_sum{label}", 0.0),
+            m.get(f"conveyor_stage_batch_size_count{label}", 0.0),
+        )
+
+    def workers(self, stage: str) -> int:
+        """Worker processes this server runs for ``stage``."""
+        return sum(1 for role in self.procs if role.startswith(f"worker {stage} "))
+
+    def scale(self, stage: str, count: int) -> None:
+        """Start workers until ``count`` serve ``stage``; return once all have joined."""
+        while self.workers(stage) < count:
+            role = f"worker {stage} {self.workers(stage) + 1}"
+            self.procs[role] = _spawn(
+                [sys.executable, "-m", "workers", stage], self._env, self._log
+            )
+        give_up = time.monotonic() + READY_TIMEOUT_S
+        label = f'conveyor_stage_consumers{{stage="{stage}"}}'
+        while True:
+            try:
+                if self._metrics().get(label, 0.0) >= count:
+                    return
+            except httpx.TransportError:
+                pass  # the gateway is still starting
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"{count} {stage} workers did not join; see {self._log}")
+            _check_alive(self.procs, self._log)
+            time.sleep(0.2)  # other processes are starting
+
+
+class BatcherServer(Server):
+    """The asyncio batcher, with its batch counters read from its ``/stats``."""
+
+    def batch_totals(self, workload: str) -> tuple[float, float] | None:
+        """(items, batches) its loop for ``workload`` has run."""
+        stats = httpx.get(f"http://{HOST}:{self.port}/stats", timeout=10).json()[workload]
+        return float(stats["items"]), float(stats["batches"])
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` and all their live descendants
+    (Celery's prefork children, say), from Linux's /proc; gone processes count 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+    tree = set(pids)
+    grew = True
+    while grew:  # add children of the tree until nothing new joins
+        joined = {pid for pid, ppid in parent.items() if ppid in tree} - tree
+        tree |= joined
+        grew = bool(joined)
+    return sum(cpu.get(pid, 0.0) for pid in tree)
+
+
+def _spawn(args: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:  # the child keeps its own handle
+        return subprocess.Popen(args, env=dict(env), cwd=ROOT, stdout=out, stderr=out)
+
+
+def _stop(procs: Mapping[str, subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process, then SIGKILL whatever has not exited in 15 s."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    give_up = time.monotonic() + 15
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=max(0.1, give_up - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _stop_all_but_redis(procs: Mapping[str, subprocess.Popen[bytes]]) -> None:
+    """Stop the clients of Redis before Redis (its own context stops it)."""
+    _stop({role: proc for role, proc in procs.items() if role != "redis"})
+
+
+def _check_alive(procs: Mapping[str, subprocess.Popen[bytes]], log: Path) -> None:
+    for role, proc in procs.items():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{role} exited with {proc.returncode}; see {log}")
+
+
+def _wait_answers(server: Server, workloads: list[str], log: Path) -> None:
+    """Post one request per workload until each gets a 200 (models load meanwhile)."""
+    give_up = time.monotonic() + READY_TIMEOUT_S
+    for workload in workloads:
+        url = f"http://{HOST}:{server.port}{server.path(workload)}"
+        while True:
+            _check_alive(server.procs, log)
+            try:
+                reply = httpx.post(url, json={"text": "warm up"}, timeout=60)
+                if reply.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"{server.name} did not answer {url} in time; see {log}")
+            time.sleep(0.2)  # another process is starting
+
+
+def _base_env(options: Options) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(options.env)
+    return env
+
+
+@contextmanager
+def _redis(workdir: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    proc = start_redis(port, workdir)
+    try:
+        yield f"redis://{HOST}:{port}/0", proc
+    finally:
+        _stop({"redis": proc})
+
+
+@contextmanager
+def conveyor(
+    workloads: list[str], options: Options, workdir: Path, *, log_name: str = "conveyor"
+) -> Iterator[ConveyorServer]:
+    """redis-server, the gateway and one worker per workload, as separate processes.
+
+    Args:
+        workloads: the stages to serve, one worker each to begin with.
+        options: how to configure them.
+        workdir: where Redis and the process log (``{log_name}.log``) live.
+        log_name: names the log file, so two runs in one workdir keep theirs apart.
+    """
+    log = workdir / f"{log_name}.log"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with ExitStack() as stack:
+        url, redis = stack.enter_context(_redis(workdir / f"redis-{log_name}"))
+        stack.callback(_stop_all_but_redis, procs)
+        port = free_port()
+        env = _base_env(options)
+        env.update(
+            CONVEYOR_REDIS_URL=url,
+            CONVEYOR_HOST=HOST,
+            CONVEYOR_PORT=str(port),
+            CONVEYOR_APP="bench.workloads:conveyor_pipelines",
+            CONVEYOR_PIPELINES=",".join(workloads),
+            CONVEYOR_DEVICE=options.device,
+            CONVEYOR_MAX_BATCH_SIZE=str(options.max_batch),
+        )
+        procs["redis"] = redis
+        procs["gateway"] = _spawn([sys.executable, "-m", "gateway"], env, log)
+        server = ConveyorServer(port, procs, env, log)
+        for workload in workloads:
+            server.scale(workload, 1)
+        _wait_answers(server, workloads, log)
+        yield server
+
+
+@contextmanager
+def celery(workloads: list[str], options: Options, workdir: Path) -> Iterator[Server]:
+    """redis-server, a Celery worker and the FastAPI app that sends it one task a request."""
+    log = workdir / "celery.log"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with ExitStack() as stack:
+        url, redis = stack.enter_context(_redis(workdir / "redis-celery"))
+        stack.callback(_stop_all_but_redis, procs)
+        port = free_port()
+        env = _base_env(options)
+        env.update(BENCH_REDIS_URL=url, BENCH_DEVICE=options.device)
+        procs["redis"] = redis
+        worker = [
+            *(sys.executable, "-m", "celery", "-A", "bench.celery_app:celery", "worker"),
+            f"--pool={options.celery_pool}",
+            f"--concurrency={options.celery_concurrency}",
+            *("--queues=bench", "--loglevel=WARNING", "--without-gossip", "--without-mingle"),
+        ]
+        procs["celery worker"] = _spawn(worker, env, log)
+        procs["api"] = _spawn(_uvicorn("bench.celery_app:api", port), env, log)
+        server = Server("celery", port, procs)
+        _wait_answers(server, workloads, log)
+        yield server
+
+
+@contextmanager
+def hf_batching(workloads: list[str], options: Options, workdir: Path) -> Iterator[Server]:
+    """One uvicorn process: FastAPI, an asyncio queue and a batching loop per model."""
+    log = workdir / "hf-batching.log"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with ExitStack() as stack:
+        stack.callback(_stop, procs)
+        port = free_port()
+        env = _base_env(options)
+        env.update(
+            BENCH_WORKLOADS=",".join(workloads),
+            BENCH_DEVICE=options.device,
+            BENCH_MAX_BATCH=str(options.max_batch),
+            BENCH_BATCH_WAIT_MS=str(options.batch_wait_ms),
+        )
+        procs["server"] = _spawn(_uvicorn("bench.hf_batching:app", port), env, log)
+        server = BatcherServer("hf-batching", port, procs)
+        _wait_answers(server, workloads, log)
+        yield server
+
+
+def _uvicorn(app: str, port: int) -> list[str]:
+    return [
+        *(sys.executable, "-m", "uvicorn", app, "--host", HOST, "--port", str(port)),
+        *("--no-access-log", "--log-level", "warning"),
+    ]
+
+
+STARTERS = {"conveyor": conveyor, "celery": celery, "hf-batching": hf_batching}
+"""The served systems, by name, in the order a run starts them."""

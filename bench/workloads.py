@@ -1,0 +1,141 @@
+"""The benchmark's workloads, their request bodies and their models, and the in-process limit.
+
+- ``echo``: no model (:class:`workers.runners.Echo`): what serving alone costs.
+- ``embed``: the real all-MiniLM-L6-v2 (:class:`workers.hf.Embedder`, model ``minilm``).
+- ``synthetic``: a GPU-like cost model that sleeps ``a + b·n`` per batch
+  (:class:`bench.synthetic.Synthetic`).
+
+Every system under test builds its model with :func:`load_model`, so all of them run the
+same code on the same inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import orjson
+
+from pipelines.builtin import builtin_pipelines
+from pipelines.graph import Pipeline
+from pipelines.model import Item, Model
+
+WORKLOADS = ("echo", "embed", "synthetic")
+
+# fmt: off
+_WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "queues",
+    "hold", "requests", "and", "workers", "batch", "them", "for", "the", "model", "which",
+    "embeds", "every", "sentence", "into", "a", "vector", "of", "floats",
+]
+# fmt: on
+
+
+def texts(n: int) -> list[str]:
+    """``n`` different sentences of 8 to 24 words (deterministic)."""
+    return [
+        " ".join(_WORDS[(i * 7 + j) % len(_WORDS)] for j in range(8 + i % 17)) for i in range(n)
+    ]
+
+
+def items(n: int) -> list[Item]:
+    """``n`` request payloads, ``{"text": ...}``."""
+    return [{"text": t} for t in texts(n)]
+
+
+def bodies(n: int) -> list[bytes]:
+    """``n`` JSON request bodies (the same shape for every workload and system)."""
+    return [orjson.dumps(item) for item in items(n)]
+
+
+def load_model(workload: str, device: str = "auto") -> Model:
+    """Build ``workload``'s model exactly as a conveyor worker would.
+
+    Args:
+        workload: one of :data:`WORKLOADS`.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (only ``embed`` uses it).
+
+    Raises:
+        ValueError: an unknown workload.
+    """
+    if workload == "echo":
+        from workers.runners import Echo
+
+        return Echo()
+    if workload == "embed":
+        from workers.hf import Embedder
+
+        cache = os.path.join(tempfile.gettempdir(), "conveyor-bench-cache")
+        return Embedder(model="minilm", device=device, dtype="auto", cache_dir=cache)
+    if workload == "synthetic":
+        from bench.synthetic import Synthetic
+
+        return Synthetic()
+    raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
+
+
+def conveyor_pipelines() -> list[Pipeline]:
+    """What the bench's conveyor gateway serves: built-in ``echo`` and ``embed`` plus
+    ``synthetic`` (``CONVEYOR_APP=bench.workloads:conveyor_pipelines``)."""
+    from bench.synthetic import pipelines as synthetic
+
+    chosen = [p for p in builtin_pipelines() if p.name in ("echo", "embed")]
+    return [*chosen, *synthetic]
+
+
+@dataclass
+class InProcess:
+    """The model called directly, with no serving in between.
+
+    Attributes:
+        workload: which model.
+        batch: the batch size of the throughput measurement.
+        throughput: items per second at ``batch``.
+        single_p50_ms: median time of one ``predict`` call on one item.
+        single_p99_ms: 99th percentile of the same.
+    """
+
+    workload: str
+    batch: int
+    throughput: float
+    single_p50_ms: float
+    single_p99_ms: float
+
+
+def in_process(
+    workload: str, *, batch: int, total: int, singles: int, seconds: float, device: str
+) -> InProcess:
+    """Time ``workload``'s model in this process: throughput at ``batch``, latency at 1.
+
+    Args:
+        workload: one of :data:`WORKLOADS`.
+        batch: items per ``predict`` call for the throughput figure.
+        total: at most this many items for the throughput figure.
+        singles: at most this many single-item calls for the latency figure.
+        seconds: each of the two measurements stops early after about this long.
+        device: see :func:`load_model`.
+    """
+    model = load_model(workload, device)
+    corpus = items(max(total, batch))
+    batches = [corpus[i : i + batch] for i in range(0, len(corpus) - batch + 1, batch)]
+    for chunk in batches[:2]:  # warm-up: first calls allocate
+        model.predict(chunk)
+        model.predict(chunk[:1])
+    done = 0
+    started = time.perf_counter()
+    while done < total and time.perf_counter() - started < seconds:
+        model.predict(batches[(done // batch) % len(batches)])
+        done += batch
+    throughput = done / (time.perf_counter() - started)
+    latencies: list[float] = []
+    started = time.perf_counter()
+    while len(latencies) < singles and time.perf_counter() - started < seconds:
+        t0 = time.perf_counter()
+        model.predict([corpus[len(latencies) % len(corpus)]])
+        latencies.append(time.perf_counter() - t0)
+    ordered = sorted(latencies)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return InProcess(workload, batch, throughput, 1000 * statistics.median(ordered), 1000 * p99)
