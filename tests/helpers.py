@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -36,6 +37,27 @@ async def until(check: Callable[[], Awaitable[bool]], limit_s: float = 60) -> No
         if time.monotonic() > give_up:
             pytest.fail(f"condition not met within {limit_s} s")
         await asyncio.sleep(0.02)
+
+
+def wait_ready(
+    base: str,
+    procs: Mapping[str, subprocess.Popen[bytes]],
+    log_of: Callable[[str], str],
+    limit_s: float = 90,
+) -> None:
+    """Block until the gateway at ``base`` answers /readyz; fail at once, with the
+    process's log, if one of ``procs`` exits first."""
+    give_up = time.monotonic() + limit_s
+    while time.monotonic() < give_up:
+        for name, proc in procs.items():
+            assert proc.poll() is None, f"{name} exited:\n{log_of(name)}"
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)  # other processes are starting; nothing to await here
+    pytest.fail(f"gateway not ready within {limit_s:g} s")
 
 
 class NumberIn(BaseModel):

@@ -7,28 +7,15 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from pipelines.embedded import free_port
+from tests.helpers import wait_ready
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
-
-
-def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    give_up = time.monotonic() + 90
-    while time.monotonic() < give_up:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)  # another process is starting; nothing to await here
-    pytest.fail(f"gateway not ready in 90 s:\n{log.read_text()}")
 
 
 def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Path) -> None:
@@ -45,7 +32,7 @@ def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Pat
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base, proc, log)
+        wait_ready(base, {"conveyor up": proc}, lambda _: log.read_text())
         resp = httpx.post(f"{base}/v1/embed", json={"text": "a cat sat"}, timeout=60)
         assert resp.status_code == 200, resp.text
         assert len(resp.json()["embedding"]) == 384
@@ -101,7 +88,7 @@ def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Pa
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base, proc, log)
+        wait_ready(base, {"conveyor up": proc}, lambda _: log.read_text())
         resp = httpx.post(f"{base}/v1/wordcount", json={"text": "one two three"}, timeout=60)
         assert resp.status_code == 200, resp.text
         assert resp.json() == {"count": 3}

@@ -42,6 +42,7 @@ from pipelines.app import load_registry
 from pipelines.embedded import find_redis_server, free_port
 from pipelines.keys import GROUP, Keys
 from pipelines.settings import CommonSettings
+from tests.helpers import wait_ready
 from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -900,20 +901,6 @@ def test_kustomization_applies_every_manifest() -> None:
 # --- the compose services, run natively ----------------------------------------------------
 
 
-def _wait_ready(base: str, procs: Mapping[str, subprocess.Popen[bytes]], logs: Path) -> None:
-    give_up = time.monotonic() + 90
-    while time.monotonic() < give_up:
-        for name, proc in procs.items():
-            assert proc.poll() is None, f"{name} exited:\n{(logs / name).read_text()}"
-        try:
-            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)  # other processes are starting; nothing to await here
-    pytest.fail("gateway not ready within 90 s")
-
-
 def _denials(admin: redis.Redis) -> list[str]:
     """What the ACL refused since the log was reset, but CLIENT SETINFO: the client
     library's optional name tag, refused by design on Redis >= 7.2 and ignored by redis-py."""
@@ -976,7 +963,7 @@ def _run_compose_services(
                     native(service["command"]), env=env, stdout=log, stderr=log
                 )
         base = f"http://127.0.0.1:{port}"
-        _wait_ready(base, procs, logs)
+        wait_ready(base, procs, lambda name: (logs / name).read_text())
         deadline = {"X-Conveyor-Timeout": "20"}
         resp = httpx.post(
             f"{base}/v1/embed", json={"text": "a cat sat"}, headers=deadline, timeout=30
