@@ -20,6 +20,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from pipelines.app import load_registry
 from pipelines.embedded import free_port, start_redis
 from pipelines.envelope import decode_request, encode
@@ -301,4 +304,12 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(asyncio.run(_status_async()))
     except ConveyorError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        url = os.environ.get("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0 (the default)")
+        print(
+            f"conveyor: cannot reach Redis at {url}: {exc}. Set CONVEYOR_REDIS_URL "
+            "(`conveyor up` prints the URL of its embedded Redis).",
+            file=sys.stderr,
+        )
         sys.exit(2)
