@@ -70,14 +70,20 @@ class Connection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """Send a JSON POST and return (status, body)."""
+    async def post(self, path: str, body: bytes, headers: str = "") -> tuple[int, bytes]:
+        """Send a JSON POST and return (status, body).
+
+        Args:
+            path: request path.
+            body: JSON body.
+            headers: extra header lines, each ending in CRLF.
+        """
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         assert self._reader is not None
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{headers}\r\n"
         )
         self._writer.write(head.encode() + body)
         status = int((await self._reader.readline()).split(b" ", 2)[1])
@@ -197,3 +203,44 @@ async def closed_loop(
         steady_ok,
         max(0.0, window_end - measuring),
     )
+
+
+async def open_loop(
+    host: str, port: int, path: str, bodies: Sequence[bytes], rate: float, headers: str = ""
+) -> list[tuple[int, float]]:
+    """Send ``bodies`` at a fixed ``rate`` per second, whatever the answers (open loop), on
+    a pool of keep-alive connections; returns (status, latency in seconds) per request.
+
+    Args:
+        host: server address.
+        port: server port.
+        path: request path.
+        bodies: one body per request; their count bounds the run.
+        rate: requests started per second.
+        headers: extra header lines for every request, each ending in CRLF.
+    """
+    idle: list[Connection] = []
+    out: list[tuple[int, float]] = []
+
+    async def one(body: bytes) -> None:
+        conn = idle.pop() if idle else Connection(host, port)
+        started = time.perf_counter()
+        try:
+            status, _ = await conn.post(path, body, headers)
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+            status = 0
+            await conn.close()
+        out.append((status, time.perf_counter() - started))
+        idle.append(conn)
+
+    began = time.perf_counter()
+    tasks = []
+    for i, body in enumerate(bodies):
+        delay = began + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the schedule is the point of an open loop
+        tasks.append(asyncio.create_task(one(body)))
+    await asyncio.gather(*tasks)
+    for conn in idle:
+        await conn.close()
+    return out

@@ -103,7 +103,41 @@ def targets(res: Results) -> list[Target]:
                 share >= 0.9,
             )
         )
+    over = res.overload
+    if over is not None and over.admitted:
+        p99 = _p99(over.admitted)
+        out.append(
+            Target(
+                "synthetic at 2x overload: admitted requests' p99 vs their deadline",
+                f"{p99 * 1000:.0f} ms vs {over.deadline_s * 1000:.0f} ms "
+                f"({len(over.admitted)} admitted, {over.late} late)",
+                "<= deadline",
+                p99 <= over.deadline_s and over.late == 0,
+            )
+        )
+    if over is not None and over.refused:
+        p99 = _p99(over.refused)
+        out.append(
+            Target(
+                "synthetic at 2x overload: the surplus refused (503), p99",
+                f"{p99 * 1000:.1f} ms ({len(over.refused)} refused)",
+                "< 10 ms",
+                p99 < 0.010,
+            )
+        )
     return out
+
+
+def _pct_ms(values: list[float], q: float) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]:.1f} ms"
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def _version(package: str) -> str:
@@ -244,6 +278,25 @@ def markdown(res: Results, command: str, systems_doc: str, *, smoke: bool = Fals
                 f"{_ms(r.load.pct(0.99))} | {r.mean_batch:.1f} | {r.cpu_ms:.2f} |"
                 for r in res.scaling
             ),
+        ]
+    if res.overload is not None:
+        o = res.overload
+        lines += [
+            "",
+            "## Overload: synthetic on one conveyor worker, open loop at 2x capacity",
+            "",
+            f"Capacity (closed loop, {res.plan.scale_clients_per_worker} clients) "
+            f"{o.capacity:.1f}/s; offered {o.offered:.1f}/s for about "
+            f"{res.plan.seconds:g} s, every request with a {o.deadline_s:g} s deadline.",
+            "",
+            "| outcome | requests | p50 | p99 |",
+            "|---|---|---|---|",
+            f"| 200 admitted | {len(o.admitted)} | {_pct_ms(o.admitted, 0.5)} | "
+            f"{_pct_ms(o.admitted, 0.99)} |",
+            f"| 503 refused | {len(o.refused)} | {_pct_ms(o.refused, 0.5)} | "
+            f"{_pct_ms(o.refused, 0.99)} |",
+            f"| 504 late | {o.late} | | |",
+            f"| other | {o.other} | | |",
         ]
     lines += ["", "## What runs", "", systems_doc.strip(), ""]
     return "\n".join(lines)

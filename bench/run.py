@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.loadgen import LoadResult, closed_loop
+from bench.loadgen import LoadResult, closed_loop, open_loop
 from bench.systems import HOST, STARTERS, Options, Server, conveyor
 from bench.workloads import InProcess, bodies, in_process
 
@@ -74,6 +74,29 @@ class Row:
 
 
 @dataclass
+class Overload:
+    """synthetic on one conveyor worker, offered twice what it can serve (open loop).
+
+    Attributes:
+        capacity: requests per second the worker served in a closed loop just before.
+        offered: requests per second sent (2 x capacity).
+        deadline_s: every request's deadline (``X-Conveyor-Timeout``).
+        admitted: latencies (s) of the requests answered 200.
+        refused: latencies (s) of the requests refused with 503.
+        late: requests answered 504 (admitted, then the deadline passed).
+        other: any other outcome.
+    """
+
+    capacity: float
+    offered: float
+    deadline_s: float
+    admitted: list[float]
+    refused: list[float]
+    late: int
+    other: int
+
+
+@dataclass
 class Results:
     """Everything one run measured.
 
@@ -81,6 +104,7 @@ class Results:
         plan: what was asked for.
         rows: closed-loop measurements of the served systems.
         scaling: conveyor's synthetic scaling sweep.
+        overload: conveyor under twice the load it can serve.
         limits: the in-process model, per workload.
         started: when the run began (local time).
         wall_s: how long it took.
@@ -90,6 +114,7 @@ class Results:
     plan: Plan
     rows: list[Row] = field(default_factory=list)
     scaling: list[Row] = field(default_factory=list)
+    overload: Overload | None = None
     limits: dict[str, InProcess] = field(default_factory=dict)
     started: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M %Z"))
     wall_s: float = 0.0
@@ -179,6 +204,7 @@ def run(plan: Plan) -> Results:
         logger.info("stopped %s", system)
     if "conveyor" in plan.systems and "synthetic" in plan.workloads and plan.scale_workers:
         results.scaling = _scaling(plan, workdir)
+        results.overload = _overload(plan, workdir)
     results.wall_s = time.monotonic() - began
     results.load_avg = (load_start, os.getloadavg()[0])
     return results
@@ -197,3 +223,31 @@ def _scaling(plan: Plan, workdir: Path) -> list[Row]:
             clients = plan.scale_clients_per_worker * count
             rows.append(measure(server, "synthetic", clients, plan, workers=count))
     return rows
+
+
+def _overload(plan: Plan, workdir: Path, deadline_s: float = 2.0) -> Overload:
+    """Measure one synthetic worker's capacity, then offer it twice that, open loop, with
+    a deadline on every request: admission should refuse the surplus at once (503) and
+    keep what it admits inside the deadline."""
+    a_ms, b_ms = plan.scale_cost_ms
+    env = {"BENCH_SYNTHETIC_A_MS": f"{a_ms:g}", "BENCH_SYNTHETIC_B_MS": f"{b_ms:g}"}
+    options = replace(plan.options, env={**plan.options.env, **env})
+    with conveyor(["synthetic"], options, workdir, log_name="conveyor-overload") as server:
+        capacity = measure(server, "synthetic", plan.scale_clients_per_worker, plan)
+        rate = 2 * capacity.load.throughput
+        count = max(20, int(rate * plan.seconds))
+        logger.info("overload: capacity %.1f/s, offering %.1f/s for %d requests",
+                    capacity.load.throughput, rate, count)  # fmt: skip
+        header = f"X-Conveyor-Timeout: {deadline_s:g}\r\n"
+        got = asyncio.run(
+            open_loop(HOST, server.port, server.path("synthetic"), bodies(count), rate, header)
+        )
+    return Overload(
+        capacity=capacity.load.throughput,
+        offered=rate,
+        deadline_s=deadline_s,
+        admitted=[t for s, t in got if s == 200],
+        refused=[t for s, t in got if s == 503],
+        late=sum(1 for s, _ in got if s == 504),
+        other=sum(1 for s, _ in got if s not in (200, 503, 504)),
+    )

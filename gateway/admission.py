@@ -79,10 +79,17 @@ class Admission:
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def view(self, stage: str) -> StageView:
-        """The stage's view, refreshed when stale (one refresh at a time per stage)."""
+        """The stage's view, refreshed when stale (one refresh at a time per stage).
+
+        While one request refreshes it, the others decide on the stale view rather than
+        queue behind the refresh: a refusal should cost no Redis round trip.
+        """
         view = self._views.get(stage)
+        lock = self._locks.setdefault(stage, asyncio.Lock())
+        if view is not None and lock.locked():
+            return view
         if view is None or time.monotonic() - view.at > self.refresh_s:
-            async with self._locks.setdefault(stage, asyncio.Lock()):
+            async with lock:
                 view = self._views.get(stage)
                 if view is None or time.monotonic() - view.at > self.refresh_s:
                     view = await self._measure(stage)
