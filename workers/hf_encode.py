@@ -36,6 +36,8 @@ class Embedder(HFRunner):
         max_length: most tokens per text.
     """
 
+    auto_cls = AutoModel
+
     def __init__(
         self,
         *,
@@ -50,7 +52,6 @@ class Embedder(HFRunner):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         super().__init__(
-            AutoModel,
             model=model,
             device=device,
             dtype=dtype,
@@ -113,23 +114,7 @@ class TextClassifier(HFRunner):
         max_length: most tokens per text.
     """
 
-    def __init__(
-        self,
-        *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
-        super().__init__(
-            AutoModelForSequenceClassification,
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            max_length=max_length,
-        )
+    auto_cls = AutoModelForSequenceClassification
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Classify each item's text.
@@ -267,6 +252,8 @@ class TokenClassifier(HFRunner):
         max_length: most tokens per text; entities past it are not found.
     """
 
+    auto_cls = AutoModelForTokenClassification
+
     def __init__(
         self,
         *,
@@ -277,7 +264,6 @@ class TokenClassifier(HFRunner):
         max_length: int = MAX_LENGTH_CAP,
     ) -> None:
         super().__init__(
-            AutoModelForTokenClassification,
             model=model,
             device=device,
             dtype=dtype,

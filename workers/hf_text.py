@@ -50,6 +50,8 @@ class Summarizer(HFRunner):
         max_length: most input tokens per text; longer texts are truncated.
     """
 
+    auto_cls = AutoModelForSeq2SeqLM
+
     def __init__(
         self,
         *,
@@ -73,7 +75,6 @@ class Summarizer(HFRunner):
                 f"got {min_new_tokens}"
             )
         super().__init__(
-            AutoModelForSeq2SeqLM,
             model=model,
             device=device,
             dtype=dtype,
@@ -166,6 +167,8 @@ class Generator(HFRunner):
         max_length: most prompt tokens; longer prompts keep their end.
     """
 
+    auto_cls = AutoModelForCausalLM
+
     def __init__(
         self,
         *,
@@ -186,7 +189,6 @@ class Generator(HFRunner):
                 f"got {max_new_tokens}"
             )
         super().__init__(
-            AutoModelForCausalLM,
             model=model,
             device=device,
             dtype=dtype,
