@@ -147,16 +147,19 @@ class Gateway:
             trace_id=trace_id or new_request_id(),
             stream=stream,
         )
-        pipe = self.client.pipeline(transaction=True)
-        if job:
-            # The record and the request appear together: a job id handed out always exists.
-            record: dict[FieldT, EncodableT] = {"status": "queued", "pipeline": pipeline.name,
-                      "deadline": repr(request.deadline)}  # fmt: skip
-            pipe.hset(reply_to, mapping=record)
-            pipe.expire(reply_to, self.settings.job_ttl_s)
-        pipe.xadd(self.keys.stage_stream(entry.stage.name), encode(request))
+        stage_stream = self.keys.stage_stream(entry.stage.name)
         try:
-            await pipe.execute()
+            if job:
+                # The record and the request appear together: a job id handed out exists.
+                record: dict[FieldT, EncodableT] = {"status": "queued",
+                    "pipeline": pipeline.name, "deadline": repr(request.deadline)}  # fmt: skip
+                pipe = self.client.pipeline(transaction=True)
+                pipe.hset(reply_to, mapping=record)
+                pipe.expire(reply_to, self.settings.job_ttl_s)
+                pipe.xadd(stage_stream, encode(request))
+                await pipe.execute()
+            else:
+                await self.client.xadd(stage_stream, encode(request))
         except REDIS_DOWN as exc:
             raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
         return request

@@ -2,7 +2,7 @@
 
 All names live under one namespace, written as a Redis Cluster hash tag
 (``{conveyor}:...``), so every key of a deployment maps to one cluster slot and the
-MULTI/EXEC that publishes results and acks a batch never crosses slots. A deployment
+script that publishes results and acks a batch never crosses slots. A deployment
 that outgrows one shard runs several namespaces.
 """
 

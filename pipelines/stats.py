@@ -1,6 +1,6 @@
 """Per-stage counters and histograms kept in Redis, and their Prometheus rendering.
 
-Workers add to a stage's stats hash inside the same MULTI/EXEC that publishes a batch's
+Workers add to a stage's stats hash inside the same atomic script call that publishes a batch's
 results and acks it, so the counts can never disagree with what was acknowledged. Any
 process (gateway ``/metrics``, ``conveyor status``) renders them.
 """

@@ -63,7 +63,7 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "redis": CommonSettings,
 }
 
-# Commands the code sends (read from gateway/, workers/, pipelines/, the join scripts in
+# Commands the code sends (read from gateway/, workers/, pipelines/, the script in
 # workers/publish.py included); the live test below proves the rules suffice by running the
 # real processes, a join pipeline included.
 NEEDS = {
@@ -73,8 +73,8 @@ NEEDS = {
     },
     "worker": {
         "ping", "time", "xgroup|create", "xreadgroup", "multi", "exec", "xadd", "expire",
-        "hset", "hexists", "hgetall", "eval", "xack", "hincrby", "hincrbyfloat", "sadd",
-        "watch", "unwatch", "mget", "set", "del",
+        "hset", "hexists", "hgetall", "eval", "evalsha", "exists", "xack", "hincrby",
+        "hincrbyfloat", "sadd", "set", "del",
     },
     "keda": {"info", "xinfo|groups", "xpending", "xlen"},
 }  # fmt: skip

@@ -5,7 +5,7 @@ so starting another worker is all scaling out takes. A batch closes when it is f
 when ``batch_wait_ms`` has passed since its *oldest* entry arrived (the stream id
 carries the arrival time); later arrivals never extend it. The model runs in a
 thread, one batch at a time, while the loop assembles the next. Each batch's replies,
-its XACK and its stats increments go in one MULTI/EXEC.
+its XACK and its stats increments go in one atomic script call.
 """
 
 from __future__ import annotations

@@ -1,58 +1,133 @@
-"""One MULTI/EXEC per batch: replies, hand-overs, join arrivals, the XACK and the stats.
+"""One round trip per batch: replies, hand-overs, join arrivals, the XACK and the stats.
 
-Either all of a batch's effects happen with its ack or none do: a worker that dies
-before EXEC leaves the whole batch pending, to be delivered again.
+A batch's effects are one Lua script call (EVALSHA), which Redis runs atomically: either
+all of them happen with the ack or none do, and a worker that dies before the call leaves
+the whole batch pending, to be delivered again. The script is generic: Python compiles the
+outbox into a small plan of Redis commands (:class:`Plan`) and the script runs it, so what
+a batch does is decided in one place (:mod:`workers.route`) and written here once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from hashlib import sha1
 
 import orjson
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
-from redis.exceptions import WatchError
+from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import BRANCH, FIELD, Reply, encode
+from pipelines.envelope import BRANCH, FIELD, Reply, dumps
 from pipelines.keys import GROUP
 from workers.route import Effects, Outbox
 
-JOIN_SCRIPT = """
--- KEYS[1]: the join hash, KEYS[2]: the join step's stream
--- ARGV: branch, branch output (JSON), branches expected, join envelope (JSON), ttl seconds
--- Returns 1 when this arrival completed the join and enqueued the join step, 0 while
--- branches are missing, -1 when the join already failed or already fired.
-if redis.call('HEXISTS', KEYS[1], '!failed') == 1 then
-  return -1
+PUBLISH_SCRIPT = """
+-- KEYS: every key the batch touches. ARGV[1]: the plan (JSON); ARGV[2..]: the values.
+-- The plan is {"g": groups, "a": commands}. A group is [marker, ttl, command...]: its
+-- commands run only if its "done" marker is absent, and then the marker is set (ttl
+-- seconds), so a step that ran twice publishes once. "a" always runs (ack, stats).
+-- In a command, a string is itself, a number n >= 1 is ARGV[n + 1] and -n is KEYS[n].
+-- JOIN and FAILJOIN are the join operations below; any other name is a Redis command.
+-- Returns how many groups were skipped as already published.
+local function value(t)
+  if type(t) == 'number' then
+    if t < 0 then return KEYS[-t] end
+    return ARGV[t + 1]
+  end
+  return t
 end
-if redis.call('HEXISTS', KEYS[1], '!done') == 1 then
-  return -1
-end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-local all = redis.call('HGETALL', KEYS[1])
-local fields = {ARGV[6], ARGV[4]}
-for i = 1, #all, 2 do
-  fields[#fields + 1] = ARGV[7] .. all[i]
-  fields[#fields + 1] = all[i + 1]
-end
-if (#fields - 2) / 2 < tonumber(ARGV[3]) then
-  return 0
-end
-redis.call('XADD', KEYS[2], '*', unpack(fields))
-redis.call('HSET', KEYS[1], '!done', '1')
-return 1
-"""
 
-FAIL_JOIN_SCRIPT = """
--- KEYS[1]: the join hash; ARGV[1]: ttl seconds. A failed branch stops the join firing.
-if redis.call('HEXISTS', KEYS[1], '!done') == 0 then
-  redis.call('HSET', KEYS[1], '!failed', '1')
-  redis.call('EXPIRE', KEYS[1], ARGV[1])
+-- A branch output arrives at a join hash; the last one enqueues the join step with every
+-- branch's output as a field (prefix .. branch). A join that failed or fired stays so.
+local function join(key, stream, branch, output, expected, envelope, ttl, field, prefix)
+  if redis.call('HEXISTS', key, '!failed') == 1 or redis.call('HEXISTS', key, '!done') == 1 then
+    return
+  end
+  redis.call('HSET', key, branch, output)
+  redis.call('EXPIRE', key, ttl)
+  local all = redis.call('HGETALL', key)
+  if #all / 2 < tonumber(expected) then
+    return
+  end
+  local fields = {field, envelope}
+  for i = 1, #all, 2 do
+    fields[#fields + 1] = prefix .. all[i]
+    fields[#fields + 1] = all[i + 1]
+  end
+  redis.call('XADD', stream, '*', unpack(fields))
+  redis.call('HSET', key, '!done', '1')
 end
-return 0
+
+-- A failed branch stops its join from ever firing.
+local function failjoin(key, ttl)
+  if redis.call('HEXISTS', key, '!done') == 0 then
+    redis.call('HSET', key, '!failed', '1')
+    redis.call('EXPIRE', key, ttl)
+  end
+end
+
+local function run(command)
+  local args = {}
+  for i = 1, #command do args[i] = value(command[i]) end
+  if args[1] == 'JOIN' then
+    join(unpack(args, 2))
+  elseif args[1] == 'FAILJOIN' then
+    failjoin(args[2], args[3])
+  else
+    redis.call(unpack(args))
+  end
+end
+
+local plan = cjson.decode(ARGV[1])
+local skipped = 0
+for _, group in ipairs(plan.g) do
+  local marker = value(group[1])
+  if redis.call('EXISTS', marker) == 1 then
+    skipped = skipped + 1
+  else
+    redis.call('SET', marker, '1', 'EX', group[2])
+    for i = 3, #group do run(group[i]) end
+  end
+end
+for _, command in ipairs(plan.a) do run(command) end
+return skipped
 """
+PUBLISH_SHA = sha1(PUBLISH_SCRIPT.encode()).hexdigest()
+
+Token = str | int
+"""A plan token: a literal string, a value's number (>= 1) or a key's number (<= -1)."""
+
+
+class Plan:
+    """The commands of one batch, with every key and value passed out of band.
+
+    Keys go in KEYS (so a cluster proxy can see them, all in one hash tag's slot) and
+    values in ARGV, so results of any size or encoding never pass through JSON.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.values: list[EncodableT] = []
+        self.groups: list[list[object]] = []
+        self.always: list[list[Token]] = []
+        self._key_numbers: dict[str, int] = {}
+
+    def key(self, name: str) -> int:
+        """The token of key ``name`` (each key is passed once)."""
+        number = self._key_numbers.get(name)
+        if number is None:
+            self.keys.append(name)
+            number = self._key_numbers[name] = len(self.keys)
+        return -number
+
+    def value(self, value: EncodableT) -> int:
+        """The token of ``value``."""
+        self.values.append(value)
+        return len(self.values)
+
+    def script_args(self) -> list[EncodableT]:
+        """ARGV: the plan, then the values."""
+        return [orjson.dumps({"g": self.groups, "a": self.always}), *self.values]
 
 
 def job_fields(reply: Reply) -> dict[FieldT, EncodableT]:
@@ -83,12 +158,10 @@ async def publish(
     dead_letters: Sequence[tuple[str, dict[FieldT, EncodableT]]] = (),
     gauges: Mapping[str, float] | None = None,
 ) -> int:
-    """Publish a batch's outbox and ack its entries, atomically.
+    """Publish a batch's outbox and ack its entries, atomically, in one round trip.
 
-    Each request's effects are guarded by its "done" marker: the markers are WATCHed and
-    read, and a request whose marker exists (its step already published, by this or
-    another worker) is skipped. If another worker sets a watched marker before EXEC, the
-    transaction aborts and is rebuilt.
+    Each request's effects are guarded by its "done" marker: a request whose marker
+    exists (its step already published, by this or another worker) is skipped.
 
     Args:
         client: Redis client.
@@ -108,62 +181,72 @@ async def publish(
     Returns:
         How many requests were skipped as already published.
     """
-    markers = list(out.effects)
-    async with client.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                skipped: set[str] = set()
-                if markers:
-                    await pipe.watch(*markers)
-                    found = await pipe.mget(markers)
-                    skipped = {m for m, v in zip(markers, found, strict=True) if v is not None}
-                pipe.multi()  # type: ignore[no-untyped-call]
-                streams: set[str] = set()
-                for marker, effects in out.effects.items():
-                    if marker not in skipped:
-                        pipe.set(marker, b"1", ex=effects.marker_ttl_s)
-                        _queue_effects(pipe, effects, streams, reply_maxlen, job_prefix, job_ttl_s)
-                for reply_to in streams:
-                    pipe.expire(reply_to, reply_ttl_s)
-                for dlq, fields in dead_letters:
-                    pipe.xadd(dlq, fields)
-                if entry_ids:
-                    pipe.xack(stream, GROUP, *entry_ids)
-                if gauges:
-                    values: dict[FieldT, EncodableT] = {k: v for k, v in gauges.items()}
-                    pipe.hset(stats_key, mapping=values)
-                for name, value in stats.items():
-                    if name.endswith(":sum"):
-                        pipe.hincrbyfloat(stats_key, name, value)
-                    else:
-                        pipe.hincrby(stats_key, name, int(value))
-                await pipe.execute()
-                return len(skipped)
-            except WatchError:
-                continue  # a duplicate finished meanwhile: re-read the markers
+    plan = Plan()
+    streams: set[str] = set()
+    for marker, effects in out.effects.items():
+        group: list[object] = [plan.key(marker), str(effects.marker_ttl_s)]
+        group += _commands(plan, effects, streams, reply_maxlen, job_prefix, job_ttl_s)
+        plan.groups.append(group)
+    for reply_to in sorted(streams):
+        plan.always.append(["EXPIRE", plan.key(reply_to), str(reply_ttl_s)])
+    for dlq, fields in dead_letters:
+        plan.always.append(["XADD", plan.key(dlq), "*", *_pairs(plan, fields)])
+    for i in range(0, len(entry_ids), 1000):  # Lua's unpack() takes a few thousand at most
+        ids = entry_ids[i : i + 1000]
+        plan.always.append(["XACK", plan.key(stream), GROUP, *map(plan.value, ids)])
+    if gauges:
+        plan.always.append(
+            ["HSET", plan.key(stats_key), *_pairs(plan, {k: v for k, v in gauges.items()})]
+        )
+    for name, amount in stats.items():
+        if name.endswith(":sum"):
+            plan.always.append(["HINCRBYFLOAT", plan.key(stats_key), name, repr(float(amount))])
+        else:
+            plan.always.append(["HINCRBY", plan.key(stats_key), name, str(int(amount))])
+    if not plan.groups and not plan.always:
+        return 0
+    args = plan.script_args()
+    try:
+        skipped = await client.evalsha(PUBLISH_SHA, len(plan.keys), *plan.keys, *args)
+    except NoScriptError:  # first use on this server (or after a restart): EVAL caches it
+        skipped = await client.eval(PUBLISH_SCRIPT, len(plan.keys), *plan.keys, *args)
+    return int(skipped)
 
 
-def _queue_effects(
-    pipe: Pipeline,
+def _pairs(
+    plan: Plan, fields: Mapping[str, EncodableT] | Mapping[FieldT, EncodableT]
+) -> list[Token]:
+    tokens: list[Token] = []
+    for name, value in fields.items():
+        tokens += [plan.value(name), plan.value(value)]
+    return tokens
+
+
+def _commands(
+    plan: Plan,
     effects: Effects,
     streams: set[str],
     reply_maxlen: int,
     job_prefix: str,
     job_ttl_s: int,
-) -> None:
+) -> list[list[Token]]:
+    commands: list[list[Token]] = []
     for reply_to, reply in effects.replies:
         if job_prefix and reply_to.startswith(job_prefix):
-            pipe.hset(reply_to, mapping=job_fields(reply))
-            pipe.expire(reply_to, job_ttl_s)
+            job = plan.key(reply_to)
+            commands.append(["HSET", job, *_pairs(plan, job_fields(reply))])
+            commands.append(["EXPIRE", job, str(job_ttl_s)])
         else:
-            pipe.xadd(reply_to, encode(reply), maxlen=reply_maxlen, approximate=True)
+            commands.append(["XADD", plan.key(reply_to), "MAXLEN", "~", str(reply_maxlen), "*",
+                             plan.value(FIELD), plan.value(dumps(reply))])  # fmt: skip
             streams.add(reply_to)
     for target, request in effects.forwards:
-        pipe.xadd(target, encode(request))
-    for key, ttl in effects.failed_joins:
-        pipe.eval(FAIL_JOIN_SCRIPT, 1, key, ttl)
+        commands.append(["XADD", plan.key(target), "*", plan.value(FIELD),
+                         plan.value(dumps(request))])  # fmt: skip
+    for join_key, ttl in effects.failed_joins:
+        commands.append(["FAILJOIN", plan.key(join_key), str(ttl)])
     for j in effects.joins:
-        pipe.eval(
-            JOIN_SCRIPT, 2, j.key, j.stream,
-            j.branch, j.output, j.expected, j.envelope, j.ttl_s, FIELD, BRANCH,
-        )  # fmt: skip
+        commands.append(["JOIN", plan.key(j.key), plan.key(j.stream), plan.value(j.branch),
+                         plan.value(j.output), str(j.expected), plan.value(j.envelope),
+                         str(j.ttl_s), plan.value(FIELD), plan.value(BRANCH)])  # fmt: skip
+    return commands

@@ -120,7 +120,8 @@ async def trim(client: aioredis.Redis, stream: str) -> int:
 class Heartbeat:
     """Touches a batch's entries every ``interval_s`` while it runs (see :func:`touch`).
 
-    Stopped by an event, never cancelled mid-command.
+    Nothing runs until the first interval has passed (most batches end well before), and
+    the touching loop is stopped by an event, never cancelled mid-command.
 
     Args:
         client: Redis client.
@@ -141,24 +142,30 @@ class Heartbeat:
         self.args = (client, stream, consumer, ids)
         self.interval_s = interval_s
         self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(interval_s, self._begin)
+
+    def _begin(self) -> None:
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
             try:
+                await touch(*self.args)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                logger.warning("could not refresh in-flight entries: %s", exc)
+            try:
                 await asyncio.wait_for(self._stop.wait(), self.interval_s)
                 return
             except TimeoutError:
                 pass
-            try:
-                await touch(*self.args)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                logger.warning("could not refresh in-flight entries: %s", exc)
 
     async def stop(self) -> None:
         """Stop touching and wait for the loop to end."""
+        self._timer.cancel()
         self._stop.set()
-        await self._task
+        if self._task is not None:
+            await self._task
 
 
 async def leave_group(client: aioredis.Redis, stream: str, consumer: str) -> bool:

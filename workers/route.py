@@ -1,7 +1,7 @@
 """Where each finished item goes next: the reply stream, the next step's stream, a join.
 
 Pure decisions from the pipeline graph; :mod:`workers.publish` turns them into one
-MULTI/EXEC with the batch's ack. Each request's effects are grouped under a "done" marker
+atomic script call with the batch's ack. Each request's effects are grouped under a "done" marker
 (request id + step): publishing skips a group whose marker exists, so a step that ran
 twice (a slow worker and the one that reclaimed its entry) has its effect once.
 """
