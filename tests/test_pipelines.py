@@ -13,7 +13,7 @@ from pipelines.builtin import ADDER, MULTIPLIER, ValueIn, builtin_pipelines
 from pipelines.envelope import Request, decode_request
 from pipelines.errors import ConfigError
 from pipelines.graph import End, Pipeline, Registry, function, model
-from pipelines.redisio import connect
+from pipelines.redisio import RedisClock, connect
 from pipelines.settings import CommonSettings
 from tests.helpers import Harness, until
 from workers.publish import publish
@@ -243,3 +243,14 @@ async def test_the_readme_example_pipeline(harness: Harness) -> None:
     assert set(resp.json()) == {"summary", "entities"}
     resp = await http.post("/v1/review", json={"text": "Awful. A painful, horrible disaster."})
     assert resp.json() == {"skipped": True}
+
+
+async def test_clock_calibration_is_not_skewed_by_connecting(env: None) -> None:
+    # Same host, same clock: the offset must be zero to within the measured error. The
+    # first command on a new client also connects; timing that one would skew it.
+    client = connect(CommonSettings())
+    clock = RedisClock()
+    await clock.calibrate(client)
+    await client.aclose()
+    assert clock.error < 0.5
+    assert abs(clock.offset) <= clock.error + 1e-4

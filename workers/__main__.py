@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from pipelines.app import load_registry
@@ -18,6 +19,8 @@ from workers.settings import WorkerSettings
 
 async def _serve(stage_names: list[str]) -> None:
     settings = WorkerSettings()
+    # Read once, when torch loads its OpenMP runtime: before any model or app import.
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if settings.spin_wait else "PASSIVE")
     registry = load_registry(settings.app, settings.pipelines)
     workers = [Worker(registry.stage(name), settings, registry=registry) for name in stage_names]
     loop = asyncio.get_running_loop()

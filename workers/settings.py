@@ -25,6 +25,11 @@ class WorkerSettings(CommonSettings):
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
         threads: torch intra-op threads for this process (unset: torch's default).
+        spin_wait: let torch's idle OpenMP threads spin between parallel regions
+            (``OMP_WAIT_POLICY=ACTIVE``). Off by default: they sleep at once
+            (``PASSIVE``), leaving the cores to the event loop, Redis and the gateway,
+            which on a small CPU host serves ~5% more (bench/README.md). An
+            ``OMP_WAIT_POLICY`` already in the environment wins.
         cache_dir: where generated models are kept.
         max_batch_size: overrides the stage's bound when set.
         batch_wait_ms: overrides the stage's window when set.
@@ -50,6 +55,7 @@ class WorkerSettings(CommonSettings):
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = Field(default=None, ge=1)
+    spin_wait: bool = False
     cache_dir: str = Field(default_factory=_default_cache)
     max_batch_size: int | None = Field(default=None, ge=1, le=4096)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=60_000)
