@@ -143,6 +143,13 @@ def parser() -> argparse.ArgumentParser:
         "450 req/s stays under half of what 2 cores can serve; 60,2 with --quick)",
     )
     add(
+        "--embed-threads",
+        type=lambda v: _ints(v) if v else [],
+        default=[1],
+        help="also measure embed with torch held to these thread counts, in-process and "
+        "on conveyor at the top concurrency (default 1, as the issue's figures; '' skips)",
+    )
+    add(
         "--out",
         type=Path,
         default=None,
@@ -170,6 +177,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
         scale_workers=quick_scale if args.scale_workers is None else args.scale_workers,
         scale_clients_per_worker=args.clients_per_worker,
         scale_cost_ms=args.scale_cost_ms or ((60.0, 2.0) if args.quick else (250.0, 10.0)),
+        embed_threads=args.embed_threads,
         options=Options(
             device=args.device,
             max_batch=args.batch,
@@ -201,8 +209,9 @@ this process; every server binds 127.0.0.1.
 - **conveyor**: redis-server, `python -m gateway` and one `python -m workers STAGE`
   process per workload (`CONVEYOR_APP=bench.workloads:conveyor_pipelines`: built-in
   `echo` and `embed`, and `bench.synthetic:pipelines`); max batch {o.max_batch}, 5 ms
-  window, adaptive batching on, 2 batches in flight per worker (the defaults).
-  Mean batch from the gateway's `/metrics` (`conveyor_stage_batch_size_sum/_count`).
+  window, adaptive batching on, 2 batches in flight per worker, torch's idle OpenMP
+  threads sleeping instead of spinning (the defaults). Mean batch from the gateway's
+  `/metrics` (`conveyor_stage_batch_size_sum/_count`).
 - **in-process model**: `predict` called directly in this process, at batch
   {o.max_batch} for throughput and at batch 1 for single-item latency: the ceiling.
 - **FastAPI + Celery**: redis-server as broker and result backend; `celery worker

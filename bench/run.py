@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -13,6 +15,7 @@ from pathlib import Path
 from bench.loadgen import LoadResult, closed_loop, open_loop
 from bench.systems import HOST, STARTERS, Options, Server, conveyor
 from bench.workloads import InProcess, bodies, in_process
+from pipelines.embedded import free_port, start_redis
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ class Plan:
             keep a worker busy: one running, one forming).
         scale_cost_ms: synthetic's (a, b) in the sweep: heavy enough that N workers'
             ideal throughput stays well under what the serving path's CPU can carry.
+        embed_threads: also measure embed with torch held to each of these thread
+            counts, in-process and on conveyor (at the top concurrency).
         options: how the systems are configured.
     """
 
@@ -47,6 +52,7 @@ class Plan:
     scale_workers: list[int]
     scale_clients_per_worker: int
     scale_cost_ms: tuple[float, float] = (250.0, 10.0)
+    embed_threads: list[int] = field(default_factory=list)
     options: Options = field(default_factory=Options)
 
 
@@ -97,6 +103,54 @@ class Overload:
 
 
 @dataclass
+class Wake:
+    """What a loopback round trip costs on this machine, busy and after idling.
+
+    Attributes:
+        busy_us: median round trip of a raw PING to redis-server, back to back.
+        idle_us: the same, each after the client slept ``gap_s``.
+        gap_s: the idle time before each ping of ``idle_us``.
+    """
+
+    busy_us: float
+    idle_us: float
+    gap_s: float
+
+
+def wake_latency(workdir: Path, gap_s: float = 0.02, count: int = 200) -> Wake:
+    """Time raw PING round trips to a fresh redis-server, back to back and after idling.
+
+    A served request crosses processes several times (client, gateway, Redis, worker);
+    one that arrives after a quiet spell finds them asleep, and on a virtual machine
+    waking an idle CPU costs more than the message itself. This measures that cost here,
+    without any client library, so the c=1 figures can be read against it.
+    """
+    port = free_port()
+    proc = start_redis(port, workdir / "redis-wake")
+    try:
+        with socket.create_connection((HOST, port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def ping() -> float:
+                started = time.perf_counter()
+                sock.sendall(b"PING\r\n")
+                sock.recv(64)
+                return time.perf_counter() - started
+
+            for _ in range(50):
+                ping()
+            busy = statistics.median(ping() for _ in range(count * 5))
+            idle = []
+            for _ in range(count):
+                time.sleep(gap_s)
+                idle.append(ping())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return Wake(busy * 1e6, statistics.median(idle) * 1e6, gap_s)
+
+
+@dataclass
 class Results:
     """Everything one run measured.
 
@@ -109,6 +163,8 @@ class Results:
         started: when the run began (local time).
         wall_s: how long it took.
         load_avg: the 1-minute load average at the start and at the end (noise check).
+        wake: loopback round trips, busy and after idling.
+        threads: embed with torch held to N threads: (N, in-process, conveyor).
     """
 
     plan: Plan
@@ -119,6 +175,8 @@ class Results:
     started: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M %Z"))
     wall_s: float = 0.0
     load_avg: tuple[float, float] = (0.0, 0.0)
+    wake: Wake | None = None
+    threads: list[tuple[int, InProcess, Row]] = field(default_factory=list)
 
     def row(self, system: str, workload: str, concurrency: int) -> Row | None:
         """The measurement of (system, workload, concurrency), if taken."""
@@ -195,6 +253,9 @@ def run(plan: Plan) -> Results:
             )  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
     logger.info("process logs under %s", workdir)
+    results.wake = wake_latency(workdir)
+    logger.info("loopback PING: %.0f us back to back, %.0f us after %.0f ms idle",
+                results.wake.busy_us, results.wake.idle_us, results.wake.gap_s * 1000)  # fmt: skip
     for system in (s for s in STARTERS if s in plan.systems):
         logger.info("starting %s", system)
         with STARTERS[system](plan.workloads, plan.options, workdir) as server:
@@ -205,6 +266,8 @@ def run(plan: Plan) -> Results:
     if "conveyor" in plan.systems and "synthetic" in plan.workloads and plan.scale_workers:
         results.scaling = _scaling(plan, workdir)
         results.overload = _overload(plan, workdir)
+    if {"conveyor", "in-process"} <= set(plan.systems) and "embed" in plan.workloads:
+        results.threads = [_embed_at(n, plan, workdir) for n in plan.embed_threads]
     results.wall_s = time.monotonic() - began
     results.load_avg = (load_start, os.getloadavg()[0])
     return results
@@ -223,6 +286,22 @@ def _scaling(plan: Plan, workdir: Path) -> list[Row]:
             clients = plan.scale_clients_per_worker * count
             rows.append(measure(server, "synthetic", clients, plan, workers=count))
     return rows
+
+
+def _embed_at(threads: int, plan: Plan, workdir: Path) -> tuple[int, InProcess, Row]:
+    """embed with torch held to ``threads``, in this process and on conveyor's worker."""
+    batch = plan.options.max_batch
+    limit = in_process("embed", batch=batch, total=max(plan.requests, 4 * batch),
+                       singles=plan.requests, seconds=min(plan.seconds, 10.0),
+                       device=plan.options.device, threads=threads)  # fmt: skip
+    logger.info("in-process  embed     batch %d at %d thread(s): %.1f items/s",
+                batch, threads, limit.throughput)  # fmt: skip
+    env = {**plan.options.env, "CONVEYOR_THREADS": str(threads)}
+    options = replace(plan.options, env=env)
+    top = max(plan.concurrencies)
+    with conveyor(["embed"], options, workdir, log_name=f"conveyor-threads-{threads}") as server:
+        row = measure(server, "embed", top, plan)
+    return threads, limit, row
 
 
 def _overload(plan: Plan, workdir: Path, deadline_s: float = 2.0) -> Overload:

@@ -106,7 +106,14 @@ class InProcess:
 
 
 def in_process(
-    workload: str, *, batch: int, total: int, singles: int, seconds: float, device: str
+    workload: str,
+    *,
+    batch: int,
+    total: int,
+    singles: int,
+    seconds: float,
+    device: str,
+    threads: int | None = None,
 ) -> InProcess:
     """Time ``workload``'s model in this process: throughput at ``batch``, latency at 1.
 
@@ -117,7 +124,22 @@ def in_process(
         singles: at most this many single-item calls for the latency figure.
         seconds: each of the two measurements stops early after about this long.
         device: see :func:`load_model`.
+        threads: torch intra-op threads during the measurement (None: as they are).
     """
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _time_model(workload, batch, total, singles, seconds, device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _time_model(
+    workload: str, batch: int, total: int, singles: int, seconds: float, device: str
+) -> InProcess:
     model = load_model(workload, device)
     corpus = items(max(total, batch))
     batches = [corpus[i : i + batch] for i in range(0, len(corpus) - batch + 1, batch)]

@@ -65,12 +65,20 @@ class Admission:
         keys: key names.
         refresh_s: how stale a stage's view may be.
         retry_after_s: the least Retry-After given with a refusal.
+        headroom: admit only what is predicted to finish within this fraction of its
+            deadline: the prediction is a mean, and batches' run times jitter.
     """
 
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, refresh_s: float, retry_after_s: int
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        refresh_s: float,
+        retry_after_s: int,
+        headroom: float = 1.0,
     ) -> None:
         self.client = client
+        self.headroom = headroom
         self.keys = keys
         self.refresh_s = refresh_s
         self.retry_after_s = retry_after_s
@@ -136,11 +144,12 @@ class Admission:
                 retry_after=self.retry_after_s,
             )
         predicted = view.predicted_s(extra, max_batch)
-        if predicted is not None and predicted > timeout_s:
+        if predicted is not None and predicted > timeout_s * self.headroom:
             retry = max(self.retry_after_s, math.ceil(predicted - timeout_s))
+            where = "past" if predicted > timeout_s else f"within {1 - self.headroom:.0%} of"
             raise Overloaded(
                 f"stage {stage!r} would finish this request in about {predicted:.1f}s, "
-                f"past its {timeout_s:g}s deadline; retry after {retry}s",
+                f"{where} its {timeout_s:g}s deadline; retry after {retry}s",
                 retry_after=retry,
             )
         self._since[stage] = extra + 1

@@ -53,6 +53,7 @@ class Gateway:
             self.keys,
             settings.admission_refresh_ms / 1000.0,
             settings.retry_after_s,
+            settings.admission_headroom,
         )
         self._task: asyncio.Task[None] | None = None
 

@@ -20,6 +20,8 @@ class GatewaySettings(CommonSettings):
         max_backlog: overrides every stage's backlog bound when set.
         retry_after_s: the Retry-After a 503 carries.
         admission_refresh_ms: how stale a stage's measured backlog may be.
+        admission_headroom: admit a request only if its predicted finish falls within
+            this fraction of its deadline (the rest absorbs run-time jitter; 1: none).
         reply_block_ms: how long one read of the reply stream blocks.
         api_keys: comma-separated keys; when set, every route but /healthz and /readyz
             needs one (``Authorization: Bearer <key>`` or ``X-API-Key``), else 401.
@@ -35,6 +37,7 @@ class GatewaySettings(CommonSettings):
     max_backlog: int | None = Field(default=None, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
     admission_refresh_ms: float = Field(default=50.0, ge=0)
+    admission_headroom: float = Field(default=0.9, gt=0, le=1)
     reply_block_ms: int = Field(default=1000, ge=1, le=30_000)
     api_keys: list[str] = Field(default_factory=list)
     cors_origins: list[str] = Field(default_factory=list)

@@ -13,7 +13,8 @@ from pipelines.builtin import ADDER, MULTIPLIER, ValueIn, builtin_pipelines
 from pipelines.envelope import Request, decode_request
 from pipelines.errors import ConfigError
 from pipelines.graph import End, Pipeline, Registry, function, model
-from pipelines.redisio import RedisClock, connect
+from pipelines.keys import GROUP
+from pipelines.redisio import RedisClock, connect, ensure_group
 from pipelines.settings import CommonSettings
 from tests.helpers import Harness, until
 from workers.publish import publish
@@ -254,3 +255,25 @@ async def test_clock_calibration_is_not_skewed_by_connecting(env: None) -> None:
     await client.aclose()
     assert clock.error < 0.5
     assert abs(clock.offset) <= clock.error + 1e-4
+
+
+async def test_publish_acks_more_entries_than_one_script_command_can_take(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # The batch's XACK goes through Lua's unpack(), which takes a few thousand values at
+    # most: a huge batch (CONVEYOR_MAX_BATCH_SIZE up to 4096) must still be acked whole.
+    stream = harness.keys.stage_stream("big")
+    await ensure_group(redis, stream)
+    pipe = redis.pipeline(transaction=False)
+    for i in range(4096):
+        pipe.xadd(stream, {"e": str(i)})
+    ids = await pipe.execute()
+    read: Any = await redis.xreadgroup(GROUP, "c1", {stream: ">"}, count=5000)
+    assert len(read[0][1]) == 4096
+    stats = harness.keys.stage_stats("big")
+    await publish(redis, Outbox(), stream=stream, entry_ids=ids, stats_key=stats,
+                  stats={"batches": 1, "run_seconds:sum": 0.25}, reply_maxlen=1000,
+                  reply_ttl_s=60)  # fmt: skip
+    assert (await redis.xpending(stream, GROUP))["pending"] == 0
+    assert await redis.hget(stats, "batches") == b"1"
+    assert await redis.hget(stats, "run_seconds:sum") == b"0.25"

@@ -195,6 +195,11 @@ async def test_request_that_would_miss_its_deadline_is_refused_at_once(
     assert "past its 1s deadline" in resp.json()["detail"]
     assert int(resp.headers["retry-after"]) >= 2
     assert time.perf_counter() - started < 1.0  # refused, not timed out
+    # one predicted to finish just inside its deadline is refused too: the prediction is
+    # a mean, and a batch's run time jitters (CONVEYOR_ADMISSION_HEADROOM, 0.9)
+    resp = await http.post("/v1/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "4.2"})
+    assert resp.status_code == 503
+    assert "within 10% of its 4.2s deadline" in resp.json()["detail"]
     resp = await http.post("/v1/jobs/double", json={"value": 1},
                            headers={"X-Conveyor-Timeout": "30"})  # fmt: skip
     assert resp.status_code == 202  # a request with time to spare is taken
