@@ -10,13 +10,17 @@ Two tests, on a view of each stage refreshed at most every ``refresh_s``:
   of timing out later (504). With no live worker or no learned cost yet, only the bound
   applies: the queue holds the work until workers come.
 
-Between refreshes this process counts what it enqueued itself, so a burst cannot
-overshoot by more than other gateways' share.
+Between refreshes this process counts what it admitted itself, so a burst cannot
+overshoot by more than other gateways' share. A stale view is re-measured in the
+background while requests go on deciding on it, so no admitted request waits for the
+measurement; a request the stale view would refuse waits for the fresh one, so nothing
+is refused on old news.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -24,9 +28,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from pipelines.errors import Overloaded
-from pipelines.keys import GROUP, Keys
-from pipelines.redisio import text
-from pipelines.stats import ALIVE_IDLE_MS, COST_A, COST_B, stage_backlog
+from pipelines.keys import Keys
+from pipelines.stats import stage_load
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +44,8 @@ class StageView:
         workers: consumers seen active recently.
         a: learned fixed seconds per batch (0 if unknown).
         b: learned seconds per item (0 if unknown).
+        counted: how many requests this process had admitted when the measurement
+            began; those admitted since are added to ``backlog``.
     """
 
     at: float
@@ -46,6 +53,7 @@ class StageView:
     workers: int
     a: float
     b: float
+    counted: int = 0
 
     def predicted_s(self, extra: int, max_batch: int) -> float | None:
         """Seconds until a new request, ``extra`` places behind the backlog, is done;
@@ -83,43 +91,45 @@ class Admission:
         self.refresh_s = refresh_s
         self.retry_after_s = retry_after_s
         self._views: dict[str, StageView] = {}
-        self._since: dict[str, int] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._admitted: dict[str, int] = {}
+        self._refreshing: dict[str, asyncio.Task[StageView]] = {}
 
     async def view(self, stage: str) -> StageView:
-        """The stage's view, refreshed when stale (one refresh at a time per stage).
-
-        While one request refreshes it, the others decide on the stale view rather than
-        queue behind the refresh: a refusal should cost no Redis round trip.
-        """
+        """The stage's view; the first one is measured now, a stale one is re-measured in
+        the background (one refresh at a time per stage) and returned meanwhile."""
         view = self._views.get(stage)
-        lock = self._locks.setdefault(stage, asyncio.Lock())
-        if view is not None and lock.locked():
-            return view
-        if view is None or time.monotonic() - view.at > self.refresh_s:
-            async with lock:
-                view = self._views.get(stage)
-                if view is None or time.monotonic() - view.at > self.refresh_s:
-                    view = await self._measure(stage)
-                    self._views[stage] = view
-                    self._since[stage] = 0
+        if view is None:
+            return await self.refresh(stage)
+        if time.monotonic() - view.at > self.refresh_s and stage not in self._refreshing:
+            task = asyncio.get_running_loop().create_task(self.refresh(stage))
+            self._refreshing[stage] = task
+            task.add_done_callback(lambda t: self._refreshed(stage, t))
         return view
 
-    async def _measure(self, stage: str) -> StageView:
-        stream = self.keys.stage_stream(stage)
-        backlog = await stage_backlog(self.client, self.keys, stage)
-        workers = 0
-        if backlog:
-            try:
-                consumers = await self.client.xinfo_consumers(stream, GROUP)
-            except aioredis.ResponseError:  # no group yet: no worker ever came
-                consumers = []
-            workers = sum(1 for c in consumers if int(c["idle"]) < ALIVE_IDLE_MS)
-        a, b = await self.client.hmget(self.keys.stage_stats(stage), [COST_A, COST_B])
-        return StageView(
-            time.monotonic(), backlog, workers,
-            float(text(a)) if a else 0.0, float(text(b)) if b else 0.0,
-        )  # fmt: skip
+    async def refresh(self, stage: str) -> StageView:
+        """Measure ``stage`` now (joining a refresh already under way) and keep the view."""
+        running = self._refreshing.get(stage)
+        if running is not None and asyncio.current_task() is not running:
+            return await asyncio.shield(running)
+        count = self._admitted.get(stage, 0)
+        view = await self._measure(stage, count)
+        latest = self._views.get(stage)
+        if latest is None or latest.counted <= view.counted:
+            self._views[stage] = view
+        return view
+
+    def _refreshed(self, stage: str, task: asyncio.Task[StageView]) -> None:
+        self._refreshing.pop(stage, None)
+        if not task.cancelled() and task.exception() is not None:
+            # Redis is unreachable: the enqueue that follows says so (503); the next
+            # request tries again.
+            logger.debug("stage %s: admission could not refresh: %s", stage, task.exception())
+
+    async def _measure(self, stage: str, counted: int) -> StageView:
+        load = await stage_load(self.client, self.keys, stage)
+        # An empty stage predicts nothing: whatever its cost, the next request goes first.
+        workers = load.workers if load.backlog else 0
+        return StageView(time.monotonic(), load.backlog, workers, load.a, load.b, counted)
 
     async def admit(self, stage: str, bound: int, timeout_s: float, max_batch: int) -> None:
         """Count one request against ``stage``, or refuse it.
@@ -135,10 +145,23 @@ class Admission:
                 deadline; ``retry_after`` says when the backlog should have drained.
         """
         view = await self.view(stage)
-        extra = self._since.get(stage, 0)
+        refusal = self._refusal(view, stage, bound, timeout_s, max_batch)
+        if refusal is not None and time.monotonic() - view.at > self.refresh_s:
+            # Admitting on a stale view is cheap to get wrong, refusing is not: a refusal
+            # is decided on a fresh one (a round trip, shared with any refresh under way).
+            view = await self.refresh(stage)
+            refusal = self._refusal(view, stage, bound, timeout_s, max_batch)
+        if refusal is not None:
+            raise refusal
+        self._admitted[stage] = self._admitted.get(stage, 0) + 1
+
+    def _refusal(
+        self, view: StageView, stage: str, bound: int, timeout_s: float, max_batch: int
+    ) -> Overloaded | None:
+        extra = self._admitted.get(stage, 0) - view.counted
         current = view.backlog + extra
         if current >= bound:
-            raise Overloaded(
+            return Overloaded(
                 f"stage {stage!r} is at capacity ({current} waiting, bound {bound}); "
                 f"retry after {self.retry_after_s}s",
                 retry_after=self.retry_after_s,
@@ -147,9 +170,9 @@ class Admission:
         if predicted is not None and predicted > timeout_s * self.headroom:
             retry = max(self.retry_after_s, math.ceil(predicted - timeout_s))
             where = "past" if predicted > timeout_s else f"within {1 - self.headroom:.0%} of"
-            raise Overloaded(
+            return Overloaded(
                 f"stage {stage!r} would finish this request in about {predicted:.1f}s, "
                 f"{where} its {timeout_s:g}s deadline; retry after {retry}s",
                 retry_after=retry,
             )
-        self._since[stage] = extra + 1
+        return None

@@ -86,6 +86,10 @@ class ReplyDispatcher:
                 for entry_id, fields in entries:
                     self._last_id = entry_id.decode()
                     self._dispatch(entry_id, fields)
+            if response:
+                # Let the woken handlers answer their clients before the next read is
+                # sent: the read can wait, a client is waiting.
+                await asyncio.sleep(0)
 
     def _dispatch(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:

@@ -185,7 +185,10 @@ class Gateway:
                 pipeline, payload, timeout_s, trace_id, request_id=request_id
             )
             try:
-                reply = await asyncio.wait_for(future, timeout_s)
+                # Awaited directly (not through wait_for's extra task hop): the reply wakes
+                # this handler in the loop iteration after it is dispatched.
+                async with asyncio.timeout(timeout_s):
+                    reply = await future
             except TimeoutError:
                 raise DeadlineExceeded(
                     f"no result within {timeout_s:g}s", request_id=request.id

@@ -156,13 +156,17 @@ class StageStatus:
 
 
 async def _group_counts(
-    client: aioredis.Redis, stream: str, lag_cap: int
+    client: aioredis.Redis, stream: str, lag_cap: int, groups: list[Any] | None = None
 ) -> tuple[int, int] | None:
-    """(lag, pending) of the workers' group; None when the stream or group is absent."""
-    try:
-        groups = await client.xinfo_groups(stream)
-    except ResponseError:  # no such stream yet
-        return None
+    """(lag, pending) of the workers' group; None when the stream or group is absent.
+
+    ``groups`` is XINFO GROUPS's answer when the caller already has it.
+    """
+    if groups is None:
+        try:
+            groups = await client.xinfo_groups(stream)
+        except ResponseError:  # no such stream yet
+            return None
     group = next((g for g in groups if text(g["name"]) == GROUP), None)
     if group is None:
         return None
@@ -174,15 +178,48 @@ async def _group_counts(
     return int(lag), int(group["pending"])
 
 
-async def stage_backlog(
+@dataclass
+class Load:
+    """What admission needs of a stage (see :func:`stage_load`).
+
+    Attributes:
+        backlog: items admitted and not finished (undelivered + in flight).
+        workers: consumers active within ``ALIVE_IDLE_MS``.
+        a: the workers' learned fixed seconds per batch (0: not learned yet).
+        b: their learned seconds per item.
+    """
+
+    backlog: int
+    workers: int
+    a: float
+    b: float
+
+
+async def stage_load(
     client: aioredis.Redis, keys: Keys, stage: str, *, lag_cap: int = 100_000
-) -> int:
-    """Items admitted to a stage and not yet finished (undelivered + pending)."""
+) -> Load:
+    """A stage's backlog, live workers and learned cost, in one round trip (two on
+    Redis < 7, where the lag is counted)."""
     stream = keys.stage_stream(stage)
-    counts = await _group_counts(client, stream, lag_cap)
-    if counts is None:
-        return int(await client.xlen(stream))
-    return sum(counts)
+    pipe = client.pipeline(transaction=False)
+    pipe.xlen(stream)
+    pipe.xinfo_groups(stream)
+    pipe.xinfo_consumers(stream, GROUP)
+    pipe.hmget(keys.stage_stats(stage), [COST_A, COST_B])
+    length, groups, consumers, (a, b) = await pipe.execute(raise_on_error=False)
+    if isinstance(length, Exception):
+        raise length
+    counts = None
+    if not isinstance(groups, ResponseError):  # no stream yet: nothing delivered
+        counts = await _group_counts(client, stream, lag_cap, groups)
+    if isinstance(consumers, ResponseError):  # no group yet: no worker ever came
+        consumers = []
+    return Load(
+        backlog=int(length) if counts is None else sum(counts),
+        workers=sum(1 for c in consumers if int(c["idle"]) < ALIVE_IDLE_MS),
+        a=float(text(a)) if a else 0.0,
+        b=float(text(b)) if b else 0.0,
+    )
 
 
 async def stage_status(
