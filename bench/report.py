@@ -38,6 +38,31 @@ class Target:
     passed: bool
 
 
+DRIFT_WARN = 0.10
+"""A limit that moved more than this between its two measurements flags the run."""
+
+
+def drift(res: Results) -> list[str]:
+    """The Machine section's line on how the in-process limits moved during the run."""
+    pairs = [(w, b, res.limits_after[w]) for w, b in res.limits_before.items()
+             if w in res.limits_after and w != "echo"]  # fmt: skip
+    if not pairs:
+        return []
+    moves = [(w, b.throughput, a.throughput, a.throughput / b.throughput - 1) for w, b, a in pairs]
+    text = "; ".join(f"{w} {b:.0f}/s before, {a:.0f}/s after ({m:+.0%})" for w, b, a, m in moves)
+    line = (
+        f"- Speed drift: the in-process model, measured before the served systems and again "
+        f"after them: {text}. The targets hold conveyor to the faster throughput and the "
+        "lower single-item latency of the two."
+    )
+    if any(abs(m) > DRIFT_WARN for *_, m in moves):
+        line += (
+            f" **The machine's speed moved more than {DRIFT_WARN:.0%} during this run: "
+            "rerun before reading much into the ratios.**"
+        )
+    return [line]
+
+
 def targets(res: Results) -> list[Target]:
     """Every target whose measurements this run took."""
     out: list[Target] = []
@@ -250,6 +275,7 @@ def markdown(res: Results, command: str, systems_doc: str, *, smoke: bool = Fals
             if res.wake
             else []
         ),
+        *drift(res),
         "",
         "## Targets",
         "",

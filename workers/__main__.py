@@ -11,16 +11,25 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import MutableMapping
 
 from pipelines.app import load_registry
 from workers.loop import Worker
 from workers.settings import WorkerSettings
 
 
+def configure_openmp(settings: WorkerSettings, environ: MutableMapping[str, str]) -> None:
+    """Set how torch's idle OpenMP threads wait (see ``spin_wait`` and
+    ``openmp_spin_count`` in :class:`WorkerSettings`); what ``environ`` sets already wins."""
+    environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if settings.spin_wait else "PASSIVE")
+    if not settings.spin_wait:
+        environ.setdefault("GOMP_SPINCOUNT", str(settings.openmp_spin_count))
+
+
 async def _serve(stage_names: list[str]) -> None:
     settings = WorkerSettings()
     # Read once, when torch loads its OpenMP runtime: before any model or app import.
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if settings.spin_wait else "PASSIVE")
+    configure_openmp(settings, os.environ)
     registry = load_registry(settings.app, settings.pipelines)
     workers = [Worker(registry.stage(name), settings, registry=registry) for name in stage_names]
     loop = asyncio.get_running_loop()

@@ -26,10 +26,17 @@ class WorkerSettings(CommonSettings):
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
         threads: torch intra-op threads for this process (unset: torch's default).
         spin_wait: let torch's idle OpenMP threads spin between parallel regions
-            (``OMP_WAIT_POLICY=ACTIVE``). Off by default: they sleep at once
+            (``OMP_WAIT_POLICY=ACTIVE``). Off by default: they sleep when idle
             (``PASSIVE``), leaving the cores to the event loop, Redis and the gateway,
             which on a small CPU host serves ~5% more (bench/README.md). An
             ``OMP_WAIT_POLICY`` already in the environment wins.
+        openmp_spin_count: with ``spin_wait`` off, how many times an idle OpenMP thread
+            looks for work before it sleeps (libgomp's ``GOMP_SPINCOUNT``, the runtime
+            of PyPI's torch for Linux; about 0.1 ms at 10,000). Long enough to bridge
+            the gaps between one forward pass's operators, where a sleeping thread
+            would be woken at every one (``python -m bench.idle``: +6 ms per MiniLM
+            call after 20 ms idle with none), short enough to free the cores between
+            batches. 0: sleep at once. A ``GOMP_SPINCOUNT`` in the environment wins.
         cache_dir: where generated models are kept.
         max_batch_size: overrides the stage's bound when set.
         batch_wait_ms: overrides the stage's window when set.
@@ -56,6 +63,7 @@ class WorkerSettings(CommonSettings):
     dtype: str = "auto"
     threads: int | None = Field(default=None, ge=1)
     spin_wait: bool = False
+    openmp_spin_count: int = Field(default=10_000, ge=0)
     cache_dir: str = Field(default_factory=_default_cache)
     max_batch_size: int | None = Field(default=None, ge=1, le=4096)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=60_000)
