@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from gateway.edge import EdgeMiddleware
-from gateway.service import REDIS_DOWN, Gateway
+from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.status import status_router
 from pipelines.app import load_registry
@@ -27,6 +27,7 @@ from pipelines.errors import (
     Unavailable,
 )
 from pipelines.graph import Pipeline, Registry
+from pipelines.redisio import REDIS_DOWN
 from pipelines.stats import render_stage_metrics
 
 logger = logging.getLogger(__name__)

@@ -11,11 +11,10 @@ import logging
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipelines.envelope import Reply, decode_reply
 from pipelines.errors import EnvelopeError
+from pipelines.redisio import REDIS_DOWN
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class ReplyDispatcher:
                     {self.stream: self._last_id}, count=1024, block=self.block_ms
                 )
                 backoff = 0.1
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except REDIS_DOWN as exc:
                 logger.warning("reply stream unreachable (%s); retry in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

@@ -11,8 +11,6 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT, FieldT
 
 from gateway.admission import Admission
@@ -22,11 +20,9 @@ from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, encode, new_request_id
 from pipelines.errors import DeadlineExceeded, NotFound, Unavailable
 from pipelines.graph import Pipeline, Registry
-from pipelines.redisio import RedisClock, connect, text
+from pipelines.redisio import REDIS_DOWN, RedisClock, connect, text
 
 logger = logging.getLogger(__name__)
-
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class Gateway:

@@ -21,8 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.routing import APIRoute
 
-from gateway.service import REDIS_DOWN, Gateway
+from gateway.service import Gateway
 from pipelines.graph import Pipeline
+from pipelines.redisio import REDIS_DOWN
 from pipelines.stats import ALIVE_IDLE_MS, BUCKETS, OUTCOMES, read_stats, stage_status
 
 STALE_AFTER_MS = ALIVE_IDLE_MS

@@ -6,10 +6,15 @@ import math
 import time
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipelines.keys import GROUP
 from pipelines.settings import CommonSettings
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+"""What a client raises when Redis cannot be reached (as opposed to an error it answers)."""
 
 
 def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:

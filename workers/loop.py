@@ -22,8 +22,6 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT, FieldT
 
 from pipelines import stats
@@ -32,7 +30,7 @@ from pipelines.errors import EnvelopeError
 from pipelines.graph import Registry, single
 from pipelines.keys import GROUP
 from pipelines.model import Item, Model
-from pipelines.redisio import RedisClock, connect, ensure_group, entry_ms
+from pipelines.redisio import REDIS_DOWN, RedisClock, connect, ensure_group, entry_ms
 from pipelines.stages import Stage
 from pipelines.stats import COST_A, COST_B
 from workers.batch import BatchRecord, checked, timed_run
@@ -46,7 +44,6 @@ from workers.stream import Partials
 logger = logging.getLogger(__name__)
 
 Entry = tuple[bytes, dict[bytes, bytes]]
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def consumer_name() -> str:
@@ -151,7 +148,7 @@ class Worker:
                 try:
                     batch, suspect = await self._next_batch(burst)
                     backoff = 0.1
-                except _REDIS_DOWN as exc:
+                except REDIS_DOWN as exc:
                     slots.release()
                     logger.warning(
                         "stage %s: redis unreachable (%s); retry in %.1fs",
@@ -271,7 +268,7 @@ class Worker:
         assert self._client is not None
         try:
             await leave_group(self._client, self.stream, self.consumer)
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             logger.warning("stage %s: could not leave the group: %s", self.stage.name, exc)
 
     def _finished(
@@ -284,7 +281,7 @@ class Worker:
         exc = task.exception()
         if exc is None:
             return
-        if isinstance(exc, _REDIS_DOWN):
+        if isinstance(exc, REDIS_DOWN):
             # Entries stay pending in the group; they are redelivered, not lost.
             logger.warning(
                 "stage %s: could not publish a batch, redis unreachable: %s", self.stage.name, exc

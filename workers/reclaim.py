@@ -18,13 +18,11 @@ import logging
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT, FieldT
 
 from pipelines.keys import GROUP
-from pipelines.redisio import text
+from pipelines.redisio import REDIS_DOWN, text
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +150,7 @@ class Heartbeat:
         while True:
             try:
                 await touch(*self.args)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except REDIS_DOWN as exc:
                 logger.warning("could not refresh in-flight entries: %s", exc)
             try:
                 await asyncio.wait_for(self._stop.wait(), self.interval_s)

@@ -6,10 +6,9 @@ import asyncio
 import logging
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipelines.envelope import Reply, Request, encode
+from pipelines.redisio import REDIS_DOWN
 from workers.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -80,5 +79,5 @@ class Partials:
                           approximate=True)  # fmt: skip
             try:
                 await pipe.execute()
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except REDIS_DOWN as exc:
                 logger.warning("could not stream partial output: %s", exc)
