@@ -1,9 +1,10 @@
 """What idling costs the model itself: one item back to back, and after a pause.
 
 ``python -m bench.idle`` times ``embed``'s single-item ``predict`` in a fresh process per
-OpenMP wait policy (``PASSIVE``: idle threads sleep at once, conveyor's default;
-``ACTIVE``: they spin, ``CONVEYOR_SPIN_WAIT=true``; unset: libgomp's own default, a short
-spin, which is what the benchmark's in-process loop runs under) and torch thread count,
+OpenMP wait policy (``PASSIVE`` alone: idle threads sleep at once; ``PASSIVE`` with
+``GOMP_SPINCOUNT``: they look for work a little first, conveyor's default; ``ACTIVE``: they
+spin, ``CONVEYOR_SPIN_WAIT=true``; unset: libgomp's own default, a longer spin, which is
+what the benchmark's in-process loop runs under) and torch thread count,
 called back to back and after ``--gap-ms`` of sleep, the way a served request at
 concurrency 1 finds the worker. It prints a Markdown table: the c=1 gap in RESULTS.md is
 partly this, a cost a back-to-back in-process loop never pays.
@@ -19,7 +20,15 @@ import subprocess
 import sys
 import time
 
-POLICIES = ("PASSIVE", "ACTIVE", "")
+from workers.settings import WorkerSettings
+
+POLICIES: tuple[tuple[str, str], ...] = (
+    ("PASSIVE", ""),
+    ("PASSIVE", str(WorkerSettings.model_fields["openmp_spin_count"].default)),
+    ("ACTIVE", ""),
+    ("", ""),
+)
+"""(OMP_WAIT_POLICY, GOMP_SPINCOUNT); "" leaves the variable unset."""
 
 
 def measure(workload: str, threads: int, gap_s: float, calls: int) -> dict[str, float]:
@@ -38,7 +47,7 @@ def measure(workload: str, threads: int, gap_s: float, calls: int) -> dict[str, 
         times = []
         for i in range(calls):
             if pause:
-                time.sleep(pause)
+                time.sleep(pause)  # the idle gap is what is measured, not a wait for an event
             started = time.perf_counter()
             model.predict([corpus[i % len(corpus)]])
             times.append(time.perf_counter() - started)
@@ -61,21 +70,24 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"{args.workload}: median ms of one single-item call, back to back and after "
           f"{args.gap_ms:g} ms idle, per OpenMP wait policy and torch thread count\n")  # fmt: skip
-    print("| OMP_WAIT_POLICY | torch threads | back to back | after idle | idle costs |")
-    print("|---|---|---|---|---|")
+    print("| OMP_WAIT_POLICY | GOMP_SPINCOUNT | torch threads | back to back | after idle | "
+          "idle costs |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
-        for policy in POLICIES:
+        for policy, spin_count in POLICIES:
             env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
-            env.pop("OMP_WAIT_POLICY", None)
-            if policy:
-                env["OMP_WAIT_POLICY"] = policy
+            for name, value in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spin_count)):
+                env.pop(name, None)
+                if value:
+                    env[name] = value
             command = [sys.executable, "-m", "bench.idle", "--child", str(threads),
                        "--workload", args.workload, "--gap-ms", str(args.gap_ms),
                        "--calls", str(args.calls)]  # fmt: skip
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             r = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"| {policy or 'unset (libgomp default)'} | {threads} | {r['busy']:.2f} | "
-                  f"{r['idle']:.2f} | {r['idle'] - r['busy']:+.2f} |", flush=True)  # fmt: skip
+            print(f"| {policy or 'unset (libgomp default)'} | {spin_count or 'unset'} | "
+                  f"{threads} | {r['busy']:.2f} | {r['idle']:.2f} | "
+                  f"{r['idle'] - r['busy']:+.2f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

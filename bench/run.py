@@ -159,8 +159,6 @@ class Results:
         rows: closed-loop measurements of the served systems.
         scaling: conveyor's synthetic scaling sweep.
         overload: conveyor under twice the load it can serve.
-        limits: the in-process model, per workload: the stricter of the measurements
-            before and after the served systems (see ``limits_before``/``limits_after``).
         limits_before: the in-process model, measured before the served systems.
         limits_after: the same, measured again after them (the machine's drift).
         started: when the run began (local time).
@@ -174,7 +172,6 @@ class Results:
     rows: list[Row] = field(default_factory=list)
     scaling: list[Row] = field(default_factory=list)
     overload: Overload | None = None
-    limits: dict[str, InProcess] = field(default_factory=dict)
     limits_before: dict[str, InProcess] = field(default_factory=dict)
     limits_after: dict[str, InProcess] = field(default_factory=dict)
     started: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M %Z"))
@@ -182,6 +179,13 @@ class Results:
     load_avg: tuple[float, float] = (0.0, 0.0)
     wake: Wake | None = None
     threads: list[tuple[int, InProcess, Row]] = field(default_factory=list)
+
+    @property
+    def limits(self) -> dict[str, InProcess]:
+        """The in-process model, per workload: the stricter of its measurements before
+        and after the served systems."""
+        return {w: _stricter(lim, self.limits_after.get(w))
+                for w, lim in self.limits_before.items()}  # fmt: skip
 
     def row(self, system: str, workload: str, concurrency: int) -> Row | None:
         """The measurement of (system, workload, concurrency), if taken."""
@@ -254,12 +258,10 @@ def run(plan: Plan) -> Results:
                 for concurrency in plan.concurrencies:
                     results.rows.append(measure(server, workload, concurrency, plan))
         logger.info("stopped %s", system)
-    if results.limits_before:
+    if results.limits_before and results.rows:
         # Measured again once the served systems are done: a VM's speed drifts, and a
         # ratio against a limit taken at another speed would say more of the host.
         results.limits_after = _limits(plan, "after the served systems")
-        results.limits = {w: _stricter(lim, results.limits_after.get(w))
-                          for w, lim in results.limits_before.items()}  # fmt: skip
     if "conveyor" in plan.systems and "synthetic" in plan.workloads and plan.scale_workers:
         results.scaling = _scaling(plan, workdir)
         results.overload = _overload(plan, workdir)

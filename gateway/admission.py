@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 
 from pipelines.errors import Overloaded
 from pipelines.keys import Keys
+from pipelines.redisio import REDIS_DOWN
 from pipelines.stats import stage_load
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class Admission:
         view = self._views.get(stage)
         if view is None:
             return await self.refresh(stage)
-        if time.monotonic() - view.at > self.refresh_s and stage not in self._refreshing:
+        if self._stale(view) and stage not in self._refreshing:
             task = asyncio.get_running_loop().create_task(self.refresh(stage))
             self._refreshing[stage] = task
             task.add_done_callback(lambda t: self._refreshed(stage, t))
@@ -118,12 +119,17 @@ class Admission:
             self._views[stage] = view
         return view
 
+    def _stale(self, view: StageView) -> bool:
+        return time.monotonic() - view.at > self.refresh_s
+
     def _refreshed(self, stage: str, task: asyncio.Task[StageView]) -> None:
         self._refreshing.pop(stage, None)
-        if not task.cancelled() and task.exception() is not None:
-            # Redis is unreachable: the enqueue that follows says so (503); the next
-            # request tries again.
-            logger.debug("stage %s: admission could not refresh: %s", stage, task.exception())
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, REDIS_DOWN):
+            # The enqueue that follows says so (503); the next request tries again.
+            logger.debug("stage %s: admission could not refresh: %s", stage, exc)
+        elif exc is not None:
+            logger.warning("stage %s: admission could not refresh", stage, exc_info=exc)
 
     async def _measure(self, stage: str, counted: int) -> StageView:
         load = await stage_load(self.client, self.keys, stage)
@@ -146,7 +152,7 @@ class Admission:
         """
         view = await self.view(stage)
         refusal = self._refusal(view, stage, bound, timeout_s, max_batch)
-        if refusal is not None and time.monotonic() - view.at > self.refresh_s:
+        if refusal is not None and self._stale(view):
             # Admitting on a stale view is cheap to get wrong, refusing is not: a refusal
             # is decided on a fresh one (a round trip, shared with any refresh under way).
             view = await self.refresh(stage)

@@ -206,9 +206,11 @@ async def stage_load(
     pipe.xinfo_groups(stream)
     pipe.xinfo_consumers(stream, GROUP)
     pipe.hmget(keys.stage_stats(stage), [COST_A, COST_B])
-    length, groups, consumers, (a, b) = await pipe.execute(raise_on_error=False)
-    if isinstance(length, Exception):
-        raise length
+    length, groups, consumers, costs = await pipe.execute(raise_on_error=False)
+    for answer in (length, costs):  # XINFO's errors mean "not created yet"; these, failure
+        if isinstance(answer, Exception):
+            raise answer
+    a, b = costs
     counts = None
     if not isinstance(groups, ResponseError):  # no stream yet: nothing delivered
         counts = await _group_counts(client, stream, lag_cap, groups)
