@@ -14,6 +14,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from gateway.body import WireRoute
 from gateway.edge import EdgeMiddleware
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
@@ -23,6 +24,7 @@ from pipelines.envelope import Reply, new_request_id
 from pipelines.errors import (
     ConveyorError,
     DeadlineExceeded,
+    InvalidInput,
     ItemFailed,
     Unavailable,
 )
@@ -48,6 +50,8 @@ def error_response(exc: ConveyorError) -> Response:
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, round(retry_after)))
     body: dict[str, Any] = {"detail": str(exc)}
+    if isinstance(exc, InvalidInput) and exc.problems:
+        body["detail"] = exc.problems  # the shape of FastAPI's own 422s
     if exc.request_id:
         body["request_id"] = exc.request_id
         headers["X-Request-Id"] = exc.request_id
@@ -82,6 +86,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.gateway = gw
+    app.router.route_class = WireRoute  # bodies parsed as the envelope will carry them
 
     @app.exception_handler(ConveyorError)
     async def _conveyor_error(request: Request, exc: ConveyorError) -> Response:

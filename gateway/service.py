@@ -14,11 +14,12 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from gateway.admission import Admission
+from gateway.body import problem_detail
 from gateway.edge import RequestMetrics
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
-from pipelines.envelope import Reply, Request, encode, new_request_id
-from pipelines.errors import DeadlineExceeded, NotFound, Unavailable
+from pipelines.envelope import Reply, Request, encode, new_request_id, wire_problem
+from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
 from pipelines.graph import Pipeline, Registry
 from pipelines.redisio import REDIS_DOWN, RedisClock, connect, text
 
@@ -118,9 +119,16 @@ class Gateway:
                 stored there instead of sent to this gateway.
 
         Raises:
+            InvalidInput: the payload holds what an envelope cannot carry (see
+                :func:`~pipelines.envelope.wire_problem`); nothing was enqueued.
             Overloaded: the entry stage's backlog is at its bound (nothing was enqueued).
             Unavailable: Redis cannot be reached.
         """
+        problem = wire_problem(payload)
+        if problem is not None:
+            # What the body parser let through can still be changed by validation (a
+            # float field reads the string "inf"): the payload as it would be sent decides.
+            raise InvalidInput(f"invalid request: {problem.msg}", [problem_detail(problem)])
         entry = pipeline.entry
         bound = self.settings.max_backlog or entry.stage.max_backlog
         try:

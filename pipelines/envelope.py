@@ -11,9 +11,10 @@ and validate is rejected with :class:`~pipelines.errors.EnvelopeError`.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -21,13 +22,94 @@ from redis.typing import EncodableT, FieldT
 
 from pipelines.errors import EnvelopeError
 
-VERSION = 1
 FIELD = b"e"
 """The stream-entry field that holds the encoded envelope."""
 BRANCH = b"b:"
 """Prefix of the fields carrying branch outputs into a join step."""
 
 Outcome = Literal["ok", "error", "expired"]
+
+MAX_DEPTH = 64
+"""The most nested arrays and objects a payload or a step's output may have. The envelope
+wraps a payload in three more levels, and the decoder (pydantic-core) refuses about 200:
+anything within this bound decodes at every hop of a pipeline."""
+INT_RANGE = (-(2**63), 2**64 - 1)
+"""The integers the encoder (orjson) writes exactly; anything outside it cannot be sent."""
+
+
+class WireProblem(NamedTuple):
+    """Why a value cannot travel in an envelope, in the shape of a validation error.
+
+    Attributes:
+        loc: where, from the root (keys and list indexes).
+        msg: what is wrong.
+        type: a short machine-readable kind (``too_deep``, ``non_finite``, ...).
+    """
+
+    loc: tuple[str | int, ...]
+    msg: str
+    type: str
+
+
+def wire_problem(value: object, loc: tuple[str | int, ...] = ()) -> WireProblem | None:
+    """The first thing in ``value`` an envelope cannot carry faithfully, or None.
+
+    This is the one definition of what a request may contain: the gateway refuses a
+    payload with a problem before anything is enqueued (422), and a worker fails an item
+    whose output has one (422) instead of publishing a value the next hop would refuse or
+    the encoder would silently change (a NaN written as ``null``).
+
+    Carried: ``None``, ``bool``, ``str`` without lone surrogates, ``int`` in
+    :data:`INT_RANGE`, finite ``float``, and lists, tuples and ``str``-keyed dicts of
+    them nested at most :data:`MAX_DEPTH` deep.
+    """
+    stack: list[tuple[object, tuple[str | int, ...], int]] = [(value, loc, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, (list, tuple, dict)):
+            if depth >= MAX_DEPTH:
+                return WireProblem(where, f"nested deeper than {MAX_DEPTH} levels", "too_deep")
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    if not isinstance(key, str):
+                        return WireProblem(where, "object keys must be strings", "key_type")
+                    if not _utf8(key):
+                        return WireProblem(where, "key is not valid Unicode", "lone_surrogate")
+                    stack.append((child, (*where, key), depth + 1))
+            elif not _finite_floats(item):
+                stack.extend((child, (*where, i), depth + 1) for i, child in enumerate(item))
+        elif isinstance(item, str):
+            if not _utf8(item):
+                return WireProblem(where, "string is not valid Unicode (lone surrogate)",
+                                   "lone_surrogate")  # fmt: skip
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, int):
+            if not INT_RANGE[0] <= item <= INT_RANGE[1]:
+                return WireProblem(where, f"integer outside [{INT_RANGE[0]}, {INT_RANGE[1]}]",
+                                   "int_range")  # fmt: skip
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return WireProblem(where, "number is not finite (NaN or infinity)", "non_finite")
+        else:
+            return WireProblem(where, f"{type(item).__name__} is not a JSON value", "json_type")
+    return None
+
+
+def _utf8(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _finite_floats(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether ``items`` is all finite floats, decided in C for the common case (an
+    embedding); False sends the caller through the items one by one."""
+    return set(map(type, items)) == {float} and math.isfinite(sum(items))
 
 
 class Request(BaseModel):

@@ -41,6 +41,29 @@ class EnvelopeError(ConveyorError):
     """A stream entry is not a valid conveyor envelope (bad JSON, version or fields)."""
 
 
+class InvalidInput(ConveyorError):
+    """A request, or a step's output, holds something conveyor cannot carry or run.
+
+    Args:
+        message: what is wrong, naming where.
+        problems: each problem as a validation error (``loc``, ``msg``, ``type``); the
+            gateway answers them as FastAPI answers its own 422s.
+        request_id: the request it concerns, when there is one.
+    """
+
+    status = 422
+
+    def __init__(
+        self,
+        message: str,
+        problems: list[dict[str, object]] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        self.problems = problems or []
+
+
 class BatchContractError(ConveyorError):
     """A model returned a number of results different from the number of items."""
 

@@ -7,9 +7,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import orjson
-
-from pipelines.errors import BatchContractError
+from pipelines.envelope import wire_problem
+from pipelines.errors import BatchContractError, InvalidInput
 from pipelines.model import Item, Model, Result, StreamingModel
 
 
@@ -81,14 +80,18 @@ class BatchRecord:
 
 
 def checked(res: Result | BaseException) -> Result | BaseException:
-    """The result, or an error in its place when it is not a JSON object."""
+    """The result, or an error in its place when it is not a JSON object an envelope can
+    carry (checked per item, so one bad value cannot fail the whole publish)."""
     if isinstance(res, BaseException):
         return res
     if not isinstance(res, dict):
         return TypeError(f"result is {type(res).__name__}, not an object")
-    try:
-        # Checked per item here so one bad value cannot fail the whole publish.
-        orjson.dumps(res)
-    except TypeError as exc:
-        return TypeError(f"result is not JSON-serialisable: {exc}")
-    return res
+    problem = wire_problem(res)
+    if problem is None:
+        return res
+    where = ".".join(map(str, problem.loc)) or "the result"
+    # Usually the input's doing (1e308 doubled is infinite), so the client hears 422.
+    return InvalidInput(
+        f"the result cannot be sent: {where}: {problem.msg}",
+        [{"loc": ["result", *problem.loc], "msg": problem.msg, "type": problem.type}],
+    )

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
+from pipelines.errors import InvalidInput
 from pipelines.model import Item, Result
 from workers.hf_base import MAX_LENGTH_CAP, HFRunner, item_texts
 from workers.hf_encode import Embedder
@@ -218,7 +219,7 @@ class Generator(HFRunner):
             if isinstance(limit, bool) or not isinstance(limit, int):
                 raise ValueError(f"item {index}: max_new_tokens must be an integer, got {limit!r}")
             if not 1 <= limit <= self.max_new_tokens_limit:
-                raise ValueError(
+                raise InvalidInput(
                     f"item {index}: max_new_tokens must be in [1, {self.max_new_tokens_limit}], "
                     f"got {limit}"
                 )
@@ -237,11 +238,13 @@ class Generator(HFRunner):
 
         Returns:
             Per item, its new token ids: at most its ``max_new_tokens``, ending before the
-            first end-of-sequence token.
+            first end-of-sequence token. A model with a position table (GPT-2) gives the
+            output room by cutting the prompt's start down to no less than half the table,
+            and stops generating at the table's end.
 
         Raises:
-            ValueError: an item's ``max_new_tokens`` is not an integer in range, or the
-                model's position table cannot fit any prompt plus that many tokens.
+            ValueError: an item's ``max_new_tokens`` is not an integer.
+            InvalidInput: an item's ``max_new_tokens`` is above ``max_new_tokens_limit``.
         """
         if not items:
             return []
@@ -250,13 +253,14 @@ class Generator(HFRunner):
         prompt_length = self.max_length
         positions = getattr(self.model.config, "max_position_embeddings", None)
         if isinstance(positions, int):
-            # Absolute-position models cannot run past their table: leave room for the output.
-            prompt_length = min(prompt_length, positions - budget)
-            if prompt_length < 1:
-                raise ValueError(
-                    f"max_new_tokens={budget} leaves no room for a prompt in {positions} positions"
-                )
+            # Absolute-position models cannot run past their table. The output gets room by
+            # cutting the prompt's start, but the prompt keeps at least half the table;
+            # past that, generation stops at the table's end ("at most" max_new_tokens).
+            prompt_length = min(prompt_length, max(positions - budget, positions // 2))
         encoding = self.encode(item_texts(items), max_length=prompt_length)
+        if isinstance(positions, int):
+            budget = min(budget, positions - encoding["input_ids"].shape[1])
+            limits = [min(limit, budget) for limit in limits]
         with torch.inference_mode():
             # generate() derives position ids from the attention mask, so left padding
             # does not shift the positions of absolute-position models such as GPT-2.

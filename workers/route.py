@@ -13,8 +13,8 @@ from typing import Any
 
 import orjson
 
-from pipelines.envelope import Outcome, Reply, Request, dumps
-from pipelines.errors import ConveyorError, http_status
+from pipelines.envelope import Outcome, Reply, Request, dumps, wire_problem
+from pipelines.errors import ConveyorError, InvalidInput, http_status
 from pipelines.graph import End, Pipeline, Registry, Step
 from pipelines.keys import Keys
 
@@ -151,6 +151,9 @@ class Router:
         try:
             nxt = pipeline.after(step, output, ctx)
             if isinstance(nxt, End):
+                problem = wire_problem(nxt.response)
+                if problem is not None:
+                    raise InvalidInput(f"the route's response cannot be sent: {problem.msg}")
                 self._reply(effects, req, nxt.response)
                 return
             if not nxt:

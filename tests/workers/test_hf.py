@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from pipelines.errors import InvalidInput
+from pipelines.stages import GenerateIn
 from workers.hf import (
     Embedder,
     ExtractiveSummarizer,
@@ -403,10 +405,27 @@ def test_generator_batch_matches_single(generator: Generator) -> None:
 
 
 def test_generator_rejects_bad_limits(generator: Generator) -> None:
-    for bad in (0, -1, "5", 2.5, True, 10_000):
+    for bad in ("5", 2.5, True):
         with pytest.raises(ValueError, match="max_new_tokens"):
             generator.predict([{"text": "x", "max_new_tokens": bad}])
+    for bad in (0, -1, 10_000):  # out of range is the client's doing: 422
+        with pytest.raises(InvalidInput, match="max_new_tokens"):
+            generator.predict([{"text": "x", "max_new_tokens": bad}])
     assert generator.predict([]) == []
+
+
+def test_generator_runs_every_limit_the_schema_admits(generator: Generator) -> None:
+    # GenerateIn admits up to 512 new tokens, the tiny GPT-2 has 512 positions: once the
+    # model refused this (no room for a prompt) and the client got a 500.
+    top = GenerateIn.model_fields["max_new_tokens"].metadata
+    most = next(m.le for m in top if hasattr(m, "le"))
+    positions = generator.model.config.max_position_embeddings
+    assert most >= positions  # the case worth testing
+    long_prompt = " ".join(["word"] * 2 * positions)
+    items = [{"text": long_prompt, "max_new_tokens": most}, {"text": "hi", "max_new_tokens": 2}]
+    rows = generator.generate_ids(items)
+    assert len(rows[0]) <= positions - positions // 2  # stopped at the table's end
+    assert len(rows[1]) <= 2
 
 
 def test_generator_sampling(hf_cache: str) -> None:

@@ -1,0 +1,119 @@
+"""Property tests: whatever the gateway admits, every worker can decode.
+
+The gateway decides with :func:`~pipelines.envelope.wire_problem` (and the body parser
+that feeds it); the workers decode with :func:`~pipelines.envelope.decode_request`. Any
+value the first admits must survive the second unchanged, at any hop of a pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.body import parse_body
+from pipelines.envelope import (
+    FIELD,
+    INT_RANGE,
+    MAX_DEPTH,
+    Reply,
+    Request,
+    decode_reply,
+    decode_request,
+    dumps,
+    wire_problem,
+)
+
+# Anything JSON-shaped, hostile leaves included: NaN, infinities, ints of any size,
+# strings with lone surrogates, and deep nesting.
+leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=2**63 - 2, max_value=2**64 + 2)
+    | st.floats()
+    | st.text()
+    | st.text(alphabet=st.characters(min_codepoint=0xD7FF, max_codepoint=0xE000))
+)
+values = st.recursive(
+    leaves,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=40,
+)
+
+
+def deep(depth: int, leaf: Any) -> Any:
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+def envelope(payload: dict[str, Any]) -> Request:
+    return Request(id="r", pipeline="p", stage="s", step="s", payload=payload,
+                   state={"input": payload, "previous": payload}, deadline=1.0,
+                   reply_to="reply")  # fmt: skip
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as JSON values (a tuple reads back as a list; -0.0 equals 0.0)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(values)
+def test_what_is_admitted_round_trips_through_every_hop(value: Any) -> None:
+    payload = {"x": value}
+    if wire_problem(payload) is not None:
+        return
+    request = decode_request({FIELD: dumps(envelope(payload))})
+    assert same(request.payload, payload)
+    assert same(request.state["previous"], payload)
+    # ... and as a step's output on its way back to the gateway.
+    reply = decode_reply({FIELD: dumps(Reply(id="r", stage="s", outcome="ok", result=payload))})
+    assert same(reply.result, payload)
+
+
+@settings(max_examples=300)
+@given(values)
+def test_what_is_refused_could_not_have_travelled(value: Any) -> None:
+    problem = wire_problem({"x": value})
+    if problem is None:
+        return
+    # The refusal names a real place in the value, holding what it says.
+    here: Any = {"x": value}
+    for key in problem.loc:
+        here = here[key]
+    if problem.type == "non_finite":
+        assert not math.isfinite(here)
+    elif problem.type == "int_range":
+        assert not INT_RANGE[0] <= here <= INT_RANGE[1]
+    elif problem.type == "lone_surrogate":
+        assert any(0xD800 <= ord(c) <= 0xDFFF for c in here) or isinstance(here, dict)
+
+
+@settings(max_examples=300)
+@given(values)
+def test_a_body_the_gateway_parses_is_one_a_worker_decodes(value: Any) -> None:
+    try:
+        raw = json.dumps({"x": value}).encode()  # NaN as NaN, surrogates as \\ud800
+    except (ValueError, RecursionError):
+        return
+    try:
+        parsed = parse_body(raw)
+    except Exception:
+        return  # refused with a 422: nothing enqueued
+    decode_request({FIELD: dumps(envelope(parsed))})
+
+
+@given(st.integers(min_value=MAX_DEPTH - 2, max_value=MAX_DEPTH + 2))
+def test_depth_bound_is_exact_and_within_the_decoder(depth: int) -> None:
+    payload = {"x": deep(depth - 1, 1)}  # the object itself is one level
+    admitted = wire_problem(payload) is None
+    assert admitted == (depth <= MAX_DEPTH)
+    if admitted:
+        decode_request({FIELD: dumps(envelope(payload))})
