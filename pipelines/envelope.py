@@ -224,6 +224,31 @@ def decode_request(fields: Mapping[Any, Any]) -> Request:
     return request.model_copy(update={"state": state})
 
 
+class Sender(NamedTuple):
+    """Who an entry that does not decode came from, as far as its JSON still says."""
+
+    id: str
+    step: str
+    reply_to: str
+    trace_id: str
+
+
+def sender(fields: Mapping[Any, Any]) -> Sender | None:
+    """The request id, step and reply address of an entry :func:`decode_request`
+    refused, read leniently, so its caller can still be told; None when unreadable."""
+    try:
+        raw = orjson.loads(fields[FIELD])
+    except (KeyError, TypeError, orjson.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    found = [raw.get(name) for name in ("id", "step", "reply_to", "trace_id")]
+    if not all(isinstance(value, str) and value for value in found[:3]):
+        return None
+    rid, step, reply_to, trace = (v if isinstance(v, str) else "" for v in found)
+    return Sender(rid, step, reply_to, trace)
+
+
 def decode_reply(fields: Mapping[Any, Any]) -> Reply:
     """Parse and validate a reply-stream entry.
 

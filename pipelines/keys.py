@@ -68,9 +68,7 @@ class Keys:
         """The set of stage names that have ever had a worker (for status views)."""
         return f"{self.prefix}:stages"
 
-    def stage_from_stream(self, stream: str) -> str:
-        """Inverse of :meth:`stage_stream`."""
-        head = f"{self.prefix}:stage:"
-        if not stream.startswith(head):
-            raise ValueError(f"{stream!r} is not a stage stream of {self.prefix}")
-        return stream[len(head) :]
+    def is_reply_target(self, key: str) -> bool:
+        """Whether ``key`` is a reply stream or a job record of this namespace (what a
+        worker may answer to when all it has is an entry's word for it)."""
+        return key.startswith((f"{self.prefix}:reply:", self.job_prefix))

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from redis.typing import EncodableT, FieldT
 
 from pipelines import stats
-from pipelines.envelope import Request, decode_request
+from pipelines.envelope import Request, decode_request, sender
 from pipelines.errors import EnvelopeError
 from pipelines.graph import Registry, single
 from pipelines.keys import GROUP
@@ -339,12 +339,15 @@ class Worker:
         waits = [max(0.0, now - entry_ms(eid) / 1000.0) for eid, _ in entries]
         out = Outbox()
         live: list[tuple[Request, Item]] = []
+        letters: list[tuple[str, dict[FieldT, EncodableT]]] = []
         for eid, fields in entries:
             try:
                 req = decode_request(fields)
             except EnvelopeError as exc:
-                # Nobody to answer: acknowledged below so it cannot poison the stage.
-                logger.warning("stage %s: dropping entry %r: %s", self.stage.name, eid, exc)
+                # The gateway sends nothing a worker cannot decode (envelope.wire_problem):
+                # this entry is foreign, corrupted or from another version. Acknowledged so
+                # it cannot poison the stage, kept as a dead letter, and its caller told.
+                letters.append(self._unreadable(out, eid, fields, exc))
                 record.outcomes["error"] += 1
                 continue
             record.request_ids.append(req.id)
@@ -397,11 +400,13 @@ class Worker:
             stream=self.stream,
             entry_ids=[eid for eid, _ in entries],
             stats_key=self.keys.stage_stats(self.stage.name),
-            stats=stats.batch_fields(record.outcomes, record.size, waits, record.run_s),
+            stats=stats.batch_fields(record.outcomes, record.size, waits, record.run_s)
+            | ({"dead_letters": len(letters)} if letters else {}),
             reply_maxlen=self.settings.reply_maxlen,
             reply_ttl_s=self.settings.reply_ttl_s,
             job_prefix=self.keys.job_prefix,
             job_ttl_s=self.settings.job_ttl_s,
+            dead_letters=letters,
             gauges=self._gauges(),
         )
         self.history.append(record)
@@ -412,6 +417,19 @@ class Worker:
             record.outcomes["expired"], max(waits) * 1000, record.run_s * 1000,
             ",".join(record.trace_ids),
         )  # fmt: skip
+
+    def _unreadable(
+        self, out: Outbox, eid: bytes, fields: dict[bytes, bytes], exc: EnvelopeError
+    ) -> tuple[str, dict[FieldT, EncodableT]]:
+        """Answer an entry that does not decode, if it says who sent it; its dead letter."""
+        who = sender(fields)
+        message = (f"stage {self.stage.name!r} could not decode this request ({exc}); it was "
+                   f"dead-lettered: `conveyor dlq list {self.stage.name}`")  # fmt: skip
+        logger.error("stage %s: entry %r dead-lettered, request %s: %s", self.stage.name,
+                     eid, who.id if who else "unknown", exc)  # fmt: skip
+        if who is not None:
+            self.router.fail_unreadable(out, who, message)
+        return self.keys.dead_letters(self.stage.name), letter(eid, fields, 1, message)
 
     def _admit(self, out: Outbox, req: Request, now: float) -> Item | None:
         """The item to run for ``req``, or None when it ends here (expired, invalid)."""

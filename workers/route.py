@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from pipelines.envelope import Outcome, Reply, Request, dumps, wire_problem
+from pipelines.envelope import Outcome, Reply, Request, Sender, dumps, wire_problem
 from pipelines.errors import ConveyorError, InvalidInput, http_status
 from pipelines.graph import End, Pipeline, Registry, Step
 from pipelines.keys import Keys
@@ -130,6 +130,17 @@ class Router:
         for name in step.then:
             if pipeline.step(name).join:
                 effects.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
+
+    def fail_unreadable(self, out: Outbox, who: Sender, message: str) -> None:
+        """Tell the caller of an entry that did not decode (version skew, corruption)
+        that it failed, when the entry names a reply address of this namespace."""
+        if not self.keys.is_reply_target(who.reply_to):
+            return
+        marker = self.keys.done(who.id, who.step)
+        effects = out.effects.setdefault(marker, Effects(marker_ttl_s=JOIN_GRACE_S))
+        reply = Reply(id=who.id, stage=self.stage, outcome="error", error=message, status=500,
+                      trace_id=who.trace_id)  # fmt: skip
+        effects.replies.append((who.reply_to, reply))
 
     def fail_with(self, out: Outbox, req: Request, exc: BaseException, now: float) -> None:
         """End the request with the error ``exc`` raised while running its step."""
