@@ -51,6 +51,13 @@ async def ensure_group(client: aioredis.Redis, stream: str) -> None:
             raise
 
 
+def group_missing(exc: ResponseError) -> bool:
+    """Whether Redis refused a group command because the stream or its group is gone
+    (deleted, evicted, or lost in a restart without persistence): re-create and go on."""
+    message = str(exc)
+    return message.startswith("NOGROUP") or "no longer exists" in message
+
+
 class RedisClock:
     """Wall time on the Redis server's clock.
 

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
 from pipelines import stats
@@ -30,7 +31,14 @@ from pipelines.errors import EnvelopeError
 from pipelines.graph import Registry, single
 from pipelines.keys import GROUP
 from pipelines.model import Item, Model
-from pipelines.redisio import REDIS_DOWN, RedisClock, connect, ensure_group, entry_ms
+from pipelines.redisio import (
+    REDIS_DOWN,
+    RedisClock,
+    connect,
+    ensure_group,
+    entry_ms,
+    group_missing,
+)
 from pipelines.stages import Stage
 from pipelines.stats import COST_A, COST_B
 from workers.batch import BatchRecord, checked, timed_run
@@ -104,8 +112,7 @@ class Worker:
         if self._client is None:
             self._client = connect(self.settings, block_ms=self.settings.block_ms)
             await self.clock.calibrate(self._client)
-            await ensure_group(self._client, self.stream)
-            await self._client.sadd(self.keys.stages_set(), self.stage.name)
+            await self._ensure_stream()
         if self.model is None:
             from workers.runners import build_model
 
@@ -113,6 +120,11 @@ class Worker:
             self.model = await loop.run_in_executor(
                 self._executor, build_model, self.stage, self.settings
             )
+
+    async def _ensure_stream(self) -> None:
+        assert self._client is not None
+        await ensure_group(self._client, self.stream)
+        await self._client.sadd(self.keys.stages_set(), self.stage.name)
 
     async def close(self) -> None:
         """Release the connection and the model thread."""
@@ -158,6 +170,15 @@ class Worker:
                     )
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
+                    continue
+                except ResponseError as exc:
+                    slots.release()
+                    if not group_missing(exc):
+                        raise
+                    # What the group held is gone with it; what comes next must not be.
+                    logger.warning("stage %s: %s; re-creating the stream's group",
+                                   self.stage.name, exc)  # fmt: skip
+                    await self._ensure_stream()
                     continue
                 if self._fatal is not None:
                     raise self._fatal
@@ -270,6 +291,9 @@ class Worker:
             await leave_group(self._client, self.stream, self.consumer)
         except REDIS_DOWN as exc:
             logger.warning("stage %s: could not leave the group: %s", self.stage.name, exc)
+        except ResponseError as exc:
+            if not group_missing(exc):  # no group: nothing to leave
+                raise
 
     def _finished(
         self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import time
+from pathlib import Path
+
 import orjson
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import FIELD, decode_reply, dumps
-from pipelines.redisio import text
-from tests.helpers import Doubler, Harness, number_stage
+from pipelines.embedded import free_port, start_redis
+from pipelines.envelope import FIELD, Request, decode_reply, dumps, encode
+from pipelines.keys import Keys
+from pipelines.redisio import connect, text
+from pipelines.settings import CommonSettings
+from tests.helpers import Doubler, Harness, number_stage, until
+from workers.loop import Worker
+from workers.settings import WorkerSettings
 
 
 async def test_an_entry_from_another_version_is_answered_and_dead_lettered(
@@ -49,3 +59,49 @@ async def test_an_entry_from_another_version_is_answered_and_dead_lettered(
     assert len(letters) == 3
     assert (await harness.stats("double"))["dead_letters"] == 3
     assert (await redis.xpending(stream, "workers"))["pending"] == 0
+
+
+async def test_worker_outlives_a_redis_restart_that_lost_its_group(
+    tmp_path: Path, namespace: str
+) -> None:
+    # A restart without persistence (or a FLUSHALL, or a failover to a replica that never
+    # had the group): the worker's read is refused with NOGROUP. It once died of it.
+    port = free_port()
+    server = start_redis(port, tmp_path)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = connect(CommonSettings(redis_url=url))
+    keys = Keys(namespace)
+    settings = WorkerSettings(redis_url=url, namespace=namespace, block_ms=100)
+    worker = Worker(number_stage(), settings, Doubler())
+    running = asyncio.create_task(worker.run())
+    reply_stream = keys.reply_stream("test")
+
+    async def send(value: int) -> None:
+        request = Request(id=f"r{value}", pipeline="double", stage="double", step="double",
+                          payload={"value": value}, state={"input": {"value": value}},
+                          deadline=time.time() + 60, reply_to=reply_stream)  # fmt: skip
+        await client.xadd(keys.stage_stream("double"), encode(request))
+
+    async def answered(n: int) -> bool:
+        return bool(await client.xlen(reply_stream) >= n)
+
+    try:
+        await send(1)
+        await until(lambda: answered(1), 30)
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=10)
+        server = start_redis(port, tmp_path)  # empty: no group, no stream
+        await client.aclose()  # the test's own pooled connection died with the server
+        client = connect(CommonSettings(redis_url=url))
+        await send(2)
+        await until(lambda: answered(1), 30)
+        got = [decode_reply(f or {}) for _, f in await client.xrange(reply_stream) or []]
+        assert [(r.id, r.result) for r in got] == [("r2", {"value": 4})]
+        assert not running.done()
+    finally:
+        worker.stop()
+        await asyncio.wait_for(running, 30)
+        await worker.close()
+        await client.aclose()
+        server.terminate()
+        server.wait(timeout=10)
