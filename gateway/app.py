@@ -14,7 +14,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway.edge import EdgeMiddleware
+from gateway.edge import EdgeMiddleware, principal
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.status import status_router
@@ -107,10 +107,11 @@ def create_app(
         return _json({"status": "redis unreachable"}, 503, {"Retry-After": "1"})
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"])
-    async def job(job_id: Annotated[str, Path(max_length=128)]) -> Response:
+    async def job(request: Request, job_id: Annotated[str, Path(max_length=128)]) -> Response:
         """An async job: ``queued``, or ``done`` with the result the sync call returns, or
-        ``failed`` / ``expired`` with the error."""
-        return _json(await gw.job(job_id))
+        ``failed`` / ``expired`` with the error. Only the API key that submitted it (or,
+        with keys off, no key) can read it; to any other it is 404, like an unknown id."""
+        return _json(await gw.job(job_id, principal(request.scope)))
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
@@ -221,11 +222,12 @@ def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
 
 def _add_job_route(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
     async def submit(
-        payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+        http: Request, payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
     ) -> Response:
         data = payload.model_dump(mode="json")
         budget = gw.timeout_for(timeout_s, job=True)
-        request = await gw.enqueue(pipeline, data, budget, trace, job=True)
+        owner = principal(http.scope)
+        request = await gw.enqueue(pipeline, data, budget, trace, job=True, owner=owner)
         location = f"/v1/jobs/{request.id}"
         body = {"id": request.id, "status": "queued", "url": location}
         return _json(body, 202, {"Location": location, "X-Request-Id": request.id})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from collections import Counter
@@ -45,6 +46,20 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 """Paths answered without an API key (probes)."""
 
 
+ANONYMOUS = "anonymous"
+"""The identity of a request made without an API key (keys off); no key's digest equals it."""
+
+
+def identity(key: bytes) -> str:
+    """A non-reversible identity of an API key (what a job record stores, never the key)."""
+    return hashlib.sha256(b"conveyor-api-key\0" + key).hexdigest()
+
+
+def principal(scope: Scope) -> str:
+    """The identity :class:`EdgeMiddleware` authenticated the request as."""
+    return str(scope.get("state", {}).get("principal", ANONYMOUS))
+
+
 def key_matches(presented: bytes, keys: Sequence[bytes]) -> bool:
     """Whether ``presented`` is one of ``keys``, compared in constant time (every key is
     compared, whether or not an earlier one matched)."""
@@ -60,7 +75,8 @@ class EdgeMiddleware:
     A declared Content-Length over the limit is refused before any body is read; a
     chunked body is counted as it streams and refused when it passes the limit. With
     ``api_keys`` set, every path but the probes needs ``Authorization: Bearer <key>`` or
-    ``X-API-Key: <key>``.
+    ``X-API-Key: <key>``; the request's identity (:func:`identity` of its key, or
+    :data:`ANONYMOUS` with keys off) is put in the scope's state as ``principal``.
 
     Args:
         app: the wrapped application.
@@ -84,16 +100,21 @@ class EdgeMiddleware:
         self.routes = frozenset(routes)
         self.api_keys = [k.encode() for k in api_keys]
 
-    def _authorized(self, scope: Scope) -> bool:
-        # Browsers send CORS preflights (OPTIONS) without credentials; they carry no work.
-        if not self.api_keys or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
-            return True
+    def _authenticate(self, scope: Scope) -> str | None:
+        """The request's identity, or None when it needs a key and has no valid one."""
+        if not self.api_keys:
+            return ANONYMOUS
         headers = dict(scope["headers"])
         presented = headers.get(b"x-api-key", b"")
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer":
             presented = token.strip()
-        return bool(presented) and key_matches(presented, self.api_keys)
+        if presented and key_matches(presented, self.api_keys):
+            return identity(presented)
+        # Browsers send CORS preflights (OPTIONS) without credentials; they carry no work.
+        if scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return ANONYMOUS
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,11 +147,13 @@ class EdgeMiddleware:
             return message
 
         try:
-            if not self._authorized(scope):
+            who = self._authenticate(scope)
+            if who is None:
                 status = 401
                 await _send_json(send, 401, {"detail": "a valid API key is required"},
                                  [(b"www-authenticate", b"Bearer")])  # fmt: skip
                 return
+            scope["state"] = {**scope.get("state", {}), "principal": who}
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
                 await self._too_large(send)
