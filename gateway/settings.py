@@ -29,6 +29,10 @@ class GatewaySettings(CommonSettings):
         api_keys: comma-separated keys; when set, every route but /healthz and /readyz
             needs one (``Authorization: Bearer <key>`` or ``X-API-Key``), else 401.
         cors_origins: comma-separated origins allowed by CORS; empty: CORS off.
+        client_timeout_s: a client must send a request's headers within this long of
+            opening the connection (or of starting the request), and its body within this
+            long of the headers; else 408 and the connection is closed (a connection that
+            sent nothing is closed silently). Bounds what slow clients can hold open.
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +48,7 @@ class GatewaySettings(CommonSettings):
     reply_block_ms: int = Field(default=1000, ge=1, le=30_000)
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    client_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
