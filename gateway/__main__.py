@@ -7,6 +7,7 @@ import logging
 import uvicorn
 
 from gateway.app import create_app
+from gateway.edge import header_deadline_protocol
 from gateway.settings import GatewaySettings
 
 
@@ -23,6 +24,7 @@ def main() -> None:
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=10,
+        http=header_deadline_protocol(settings.client_timeout_s),
     )
 
 

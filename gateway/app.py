@@ -10,12 +10,21 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import Body, FastAPI, Header, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, WithJsonSchema
 
 from gateway.body import WireRoute
-from gateway.edge import EdgeMiddleware
+from gateway.edge import OPEN_PATHS, EdgeMiddleware, principal
+from gateway.responses import (
+    JobAccepted,
+    JobView,
+    Readiness,
+    declared,
+    openapi_document,
+    validation_issues,
+)
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.status import status_router
@@ -50,8 +59,10 @@ def error_response(exc: ConveyorError) -> Response:
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, round(retry_after)))
     body: dict[str, Any] = {"detail": str(exc)}
-    if isinstance(exc, InvalidInput) and exc.problems:
-        body["detail"] = exc.problems  # the shape of FastAPI's own 422s
+    if status == 422:  # one 422 shape, whoever refuses: a list of {loc, msg, type}
+        issues = exc.problems if isinstance(exc, InvalidInput) else None
+        body["detail"] = validation_issues(issues) if issues else [
+            {"loc": ["body"], "msg": str(exc), "type": "value_error"}]  # fmt: skip
     if exc.request_id:
         body["request_id"] = exc.request_id
         headers["X-Request-Id"] = exc.request_id
@@ -87,6 +98,12 @@ def create_app(
     )
     app.state.gateway = gw
     app.router.route_class = WireRoute  # bodies parsed as the envelope will carry them
+    edge = [413, 401] if settings.api_keys else [413]  # the edge answers these first
+    app.openapi = lambda: openapi_document(app, bool(settings.api_keys), OPEN_PATHS)  # type: ignore[method-assign]
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return _json({"detail": validation_issues(exc.errors())}, 422)
 
     @app.exception_handler(ConveyorError)
     async def _conveyor_error(request: Request, exc: ConveyorError) -> Response:
@@ -99,25 +116,33 @@ def create_app(
         logger.error("unhandled error on %s", request.url.path, exc_info=exc)
         return _json({"detail": "internal error"}, 500)
 
-    @app.get("/healthz", tags=["ops"])
+    @app.get("/healthz", tags=["ops"], responses=declared([413]))
     async def healthz() -> dict[str, str]:
         """The process is up."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["ops"])
+    not_ready: dict[int | str, dict[str, Any]] = {
+        503: {"model": Readiness, "description": "Redis does not answer."}
+    }
+
+    @app.get("/readyz", tags=["ops"], response_model=Readiness,
+             responses={**declared([413]), **not_ready})  # fmt: skip
     async def readyz() -> Response:
         """Ready to accept work: Redis answers."""
         if await gw.ready():
             return _json({"status": "ready"})
         return _json({"status": "redis unreachable"}, 503, {"Retry-After": "1"})
 
-    @app.get("/v1/jobs/{job_id}", tags=["jobs"])
-    async def job(job_id: Annotated[str, Path(max_length=128)]) -> Response:
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], response_model=JobView,
+             responses=declared([*edge, 404, 422, 503]))  # fmt: skip
+    async def job(request: Request, job_id: Annotated[str, Path(max_length=128)]) -> Response:
         """An async job: ``queued``, or ``done`` with the result the sync call returns, or
-        ``failed`` / ``expired`` with the error."""
-        return _json(await gw.job(job_id))
+        ``failed`` / ``expired`` with the error. Only the API key that submitted it (or,
+        with keys off, no key) can read it; to any other it is 404, like an unknown id."""
+        return _json(await gw.job(job_id, principal(request.scope)))
 
-    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse,
+             responses=declared(edge))  # fmt: skip
     async def metrics() -> PlainTextResponse:
         """Prometheus text: this gateway's requests and every routed stage's stats."""
         text = gw.metrics.render()
@@ -127,9 +152,9 @@ def create_app(
             text += "# stage metrics unavailable: redis unreachable\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    app.include_router(status_router(gw))
+    app.include_router(status_router(gw), responses=declared([*edge, 503]))
     for pipeline in registry.pipelines.values():
-        _add_pipeline_routes(app, gw, pipeline)
+        _add_pipeline_routes(app, gw, pipeline, edge)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -149,15 +174,25 @@ def create_app(
         metrics=gw.metrics,
         routes=[f"/v1/{name}" for name in registry.pipelines],
         api_keys=settings.api_keys,
+        client_timeout_s=settings.client_timeout_s,
     )
     return app
 
 
+# Absent, or a finite number > 0: the schema says exactly that (a header is never null).
 Timeout = Annotated[
     float | None,
-    Header(alias=TIMEOUT_HEADER, gt=0, description="Deadline in seconds (capped)."),
+    Header(alias=TIMEOUT_HEADER, gt=0, allow_inf_nan=False,
+           description="Deadline in seconds (capped at CONVEYOR_MAX_TIMEOUT_S)."),
+    WithJsonSchema({"type": "number", "exclusiveMinimum": 0}),
+]  # fmt: skip
+Trace = Annotated[
+    str | None,
+    Header(alias=TRACE_HEADER, max_length=128),
+    WithJsonSchema({"type": "string", "maxLength": 128}),
 ]
-Trace = Annotated[str | None, Header(alias=TRACE_HEADER, max_length=128)]
+BODY_ERRORS = (400, 408, 422)  # undecodable, too slow, invalid
+RESULT_ERRORS = (404, 500, 503, 504)  # what a step or the queue can answer instead
 
 
 def reply_response(reply: Reply, request_id: str) -> Response:
@@ -182,7 +217,7 @@ def query_field(model: type[BaseModel]) -> str | None:
     return None
 
 
-def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
+def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def run(payload: BaseModel, asked: float | None, trace: str | None) -> Response:
         data = payload.model_dump(mode="json")
         request_id, reply = await gw.call(pipeline, data, gw.timeout_for(asked), trace)
@@ -196,10 +231,11 @@ def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
     path = f"/v1/{pipeline.name}"
     summary = pipeline.summary or pipeline.name
     app.add_api_route(path, post, methods=["POST"], summary=summary, tags=["pipelines"],
-                      name=f"post_{pipeline.name}")  # fmt: skip
-    _add_job_route(app, gw, pipeline)
+                      name=f"post_{pipeline.name}",
+                      responses=declared([*edge, *BODY_ERRORS, *RESULT_ERRORS]))  # fmt: skip
+    _add_job_route(app, gw, pipeline, edge)
     if len(pipeline.steps) == 1 and pipeline.entry.stage.streaming:
-        _add_stream_route(app, gw, pipeline)
+        _add_stream_route(app, gw, pipeline, edge)
     field = query_field(pipeline.input_model)
     if field is None:
         return
@@ -208,7 +244,8 @@ def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
         try:
             payload = pipeline.input_model.model_validate({field: kwargs[field]})
         except ValidationError as exc:
-            return _json({"detail": [_query_error(e) for e in exc.errors()]}, 422)
+            issues = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]
+            return _json({"detail": validation_issues(issues)}, 422)
         return await run(payload, kwargs["timeout_s"], kwargs["trace"])
 
     # The query parameter is named after the model's field (``text``, ``search_term``).
@@ -221,16 +258,18 @@ def _add_pipeline_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
         ]
     )
     app.add_api_route(path, get, methods=["GET"], summary=f"{summary} (?{field}=)",
-                      tags=["pipelines"], name=f"get_{pipeline.name}")  # fmt: skip
+                      tags=["pipelines"], name=f"get_{pipeline.name}",
+                      responses=declared([*edge, 422, *RESULT_ERRORS]))  # fmt: skip
 
 
-def _add_job_route(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
+def _add_job_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def submit(
-        payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+        http: Request, payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
     ) -> Response:
         data = payload.model_dump(mode="json")
         budget = gw.timeout_for(timeout_s, job=True)
-        request = await gw.enqueue(pipeline, data, budget, trace, job=True)
+        owner = principal(http.scope)
+        request = await gw.enqueue(pipeline, data, budget, trace, job=True, owner=owner)
         location = f"/v1/jobs/{request.id}"
         body = {"id": request.id, "status": "queued", "url": location}
         return _json(body, 202, {"Location": location, "X-Request-Id": request.id})
@@ -239,10 +278,17 @@ def _add_job_route(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
     app.add_api_route(
         f"/v1/jobs/{pipeline.name}", submit, methods=["POST"], status_code=202, tags=["jobs"],
         summary=f"Submit an async {pipeline.name} job", name=f"job_{pipeline.name}",
+        response_model=JobAccepted, responses=declared([*edge, *BODY_ERRORS, 503]),
     )  # fmt: skip
 
 
-def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
+class EventStream(StreamingResponse):
+    """Server-Sent Events (declares ``text/event-stream`` in the OpenAPI document)."""
+
+    media_type = "text/event-stream"
+
+
+def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def stream(
         payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
     ) -> Response:
@@ -258,13 +304,14 @@ def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline) -> None:
             raise
         events = _sse_events(gw, queue, request_id, budget)
         headers = {"X-Request-Id": request_id, "Cache-Control": "no-cache"}
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return EventStream(events, headers=headers)
 
     stream.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
     app.add_api_route(
         f"/v1/{pipeline.name}/stream", stream, methods=["POST"], tags=["pipelines"],
         summary=f"{pipeline.summary or pipeline.name} (Server-Sent Events)",
-        name=f"stream_{pipeline.name}",
+        name=f"stream_{pipeline.name}", response_class=EventStream,
+        responses=declared([*edge, *BODY_ERRORS, 503]),  # later errors are `error` events
     )  # fmt: skip
 
 
@@ -295,7 +342,3 @@ async def _sse_events(
                 return
     finally:
         gw.replies.forget(request_id)
-
-
-def _query_error(error: Any) -> dict[str, Any]:
-    return {"loc": ["query", *error["loc"]], "msg": error["msg"], "type": error["type"]}

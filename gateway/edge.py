@@ -1,7 +1,10 @@
-"""ASGI middleware at the edge: the body-size limit and per-route request metrics."""
+"""The edge: API keys, the body-size limit, client deadlines and per-route request metrics
+(ASGI middleware), and the deadline on a request's headers (a uvicorn protocol)."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 import time
 from collections import Counter
@@ -9,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pipelines.stats import BUCKETS, Histogram, histogram_lines, labels
 
@@ -45,6 +49,20 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 """Paths answered without an API key (probes)."""
 
 
+ANONYMOUS = "anonymous"
+"""The identity of a request made without an API key (keys off); no key's digest equals it."""
+
+
+def identity(key: bytes) -> str:
+    """A non-reversible identity of an API key (what a job record stores, never the key)."""
+    return hashlib.sha256(b"conveyor-api-key\0" + key).hexdigest()
+
+
+def principal(scope: Scope) -> str:
+    """The identity :class:`EdgeMiddleware` authenticated the request as."""
+    return str(scope.get("state", {}).get("principal", ANONYMOUS))
+
+
 def key_matches(presented: bytes, keys: Sequence[bytes]) -> bool:
     """Whether ``presented`` is one of ``keys``, compared in constant time (every key is
     compared, whether or not an earlier one matched)."""
@@ -55,12 +73,17 @@ def key_matches(presented: bytes, keys: Sequence[bytes]) -> bool:
 
 
 class EdgeMiddleware:
-    """API keys (401), the body limit (413) and request metrics, before the app runs.
+    """API keys (401), the body limit (413), the body deadline (408) and request metrics,
+    before the app runs.
 
-    A declared Content-Length over the limit is refused before any body is read; a
-    chunked body is counted as it streams and refused when it passes the limit. With
+    The key is checked first: a request without a valid one learns nothing else, not
+    even the body limit. A declared Content-Length over the limit is refused before any
+    body is read; a chunked body is counted as it streams and refused when it passes the
+    limit. A body still incomplete ``client_timeout_s`` after the request started gets
+    408 (and the connection is closed). With
     ``api_keys`` set, every path but the probes needs ``Authorization: Bearer <key>`` or
-    ``X-API-Key: <key>``.
+    ``X-API-Key: <key>``; the request's identity (:func:`identity` of its key, or
+    :data:`ANONYMOUS` with keys off) is put in the scope's state as ``principal``.
 
     Args:
         app: the wrapped application.
@@ -68,6 +91,7 @@ class EdgeMiddleware:
         metrics: where finished requests are recorded.
         routes: paths recorded under their own label; others count as ``other``.
         api_keys: accepted keys; empty: no authentication.
+        client_timeout_s: how long a request's body may take to arrive (None: no limit).
     """
 
     def __init__(
@@ -77,23 +101,30 @@ class EdgeMiddleware:
         metrics: RequestMetrics,
         routes: Iterable[str],
         api_keys: Sequence[str] = (),
+        client_timeout_s: float | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.routes = frozenset(routes)
         self.api_keys = [k.encode() for k in api_keys]
+        self.client_timeout_s = client_timeout_s
 
-    def _authorized(self, scope: Scope) -> bool:
-        # Browsers send CORS preflights (OPTIONS) without credentials; they carry no work.
-        if not self.api_keys or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
-            return True
+    def _authenticate(self, scope: Scope) -> str | None:
+        """The request's identity, or None when it needs a key and has no valid one."""
+        if not self.api_keys:
+            return ANONYMOUS
         headers = dict(scope["headers"])
         presented = headers.get(b"x-api-key", b"")
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() == b"bearer":
             presented = token.strip()
-        return bool(presented) and key_matches(presented, self.api_keys)
+        if presented and key_matches(presented, self.api_keys):
+            return identity(presented)
+        # Browsers send CORS preflights (OPTIONS) without credentials; they carry no work.
+        if scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            return ANONYMOUS
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,22 +132,37 @@ class EdgeMiddleware:
             return
         started = time.perf_counter()
         status = 500
-        refused = False
+        refused = responding = body_done = False
+        loop = asyncio.get_running_loop()
+        timeout = self.client_timeout_s
+        body_deadline = None if timeout is None else loop.time() + timeout
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if refused:  # the 413 is already out; drop what the app says after it
+            nonlocal status, responding
+            if refused:  # the 413 or 408 is already out; drop what the app says after it
                 return
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, responding = message["status"], True
             await send(message)
 
         seen = 0
 
         async def receive_wrapper() -> Message:
-            nonlocal seen, refused, status
-            message = await receive()
+            nonlocal seen, refused, status, body_done
+            if body_done or refused or body_deadline is None:
+                message = await receive()  # e.g. waiting for a disconnect: no deadline
+            else:
+                try:
+                    async with asyncio.timeout_at(body_deadline):
+                        message = await receive()
+                except TimeoutError:
+                    if not responding:
+                        detail = f"the request body did not arrive within {timeout:g} s"
+                        await _send_json(send, 408, {"detail": detail}, [CLOSE])
+                    status, refused = 408, True
+                    return {"type": "http.disconnect"}
             if message["type"] == "http.request" and not refused:
+                body_done = not message.get("more_body", False)
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
                     # Answer now: the app's body parser would turn an exception into 400.
@@ -126,11 +172,13 @@ class EdgeMiddleware:
             return message
 
         try:
-            if not self._authorized(scope):
+            who = self._authenticate(scope)
+            if who is None:
                 status = 401
                 await _send_json(send, 401, {"detail": "a valid API key is required"},
                                  [(b"www-authenticate", b"Bearer")])  # fmt: skip
                 return
+            scope["state"] = {**scope.get("state", {}), "principal": who}
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
                 await self._too_large(send)
@@ -149,7 +197,10 @@ class EdgeMiddleware:
 
     async def _too_large(self, send: Send) -> None:
         detail = f"request body is larger than {self.max_body_bytes} bytes"
-        await _send_json(send, 413, {"detail": detail}, [(b"connection", b"close")])
+        await _send_json(send, 413, {"detail": detail}, [CLOSE])
+
+
+CLOSE = (b"connection", b"close")
 
 
 async def _send_json(
@@ -168,3 +219,66 @@ async def _send_json(
         }
     )
     await send({"type": "http.response.body", "body": raw})
+
+
+def header_deadline_protocol(timeout_s: float) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a deadline on each request's headers.
+
+    uvicorn bounds only the idle time between requests (``timeout_keep_alive``): a client
+    that opens a connection and sends nothing, or sends its headers a byte at a time, holds
+    it forever. With this protocol a request's headers must be complete ``timeout_s`` after
+    the connection opened or the request's first byte arrived; else the client gets 408
+    and the connection is closed (a connection that sent nothing is closed silently).
+
+    Args:
+        timeout_s: the deadline (``CONVEYOR_CLIENT_TIMEOUT_S``).
+    """
+    late = orjson.dumps({"detail": f"the request headers did not arrive within {timeout_s:g} s"})
+    response = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(late)).encode() + b"\r\nconnection: close\r\n\r\n" + late
+    )
+
+    class HeaderDeadlineProtocol(HttpToolsProtocol):
+        _timer: asyncio.TimerHandle | None = None
+        _begun = False  # bytes of the next request have arrived
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._begun = True
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._begun = False
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _headers_late(self) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._arm()  # a pipelined request waits for the one before it to finish
+                return
+            if self._begun:
+                self.transport.write(response)
+            self.transport.close()
+
+    return HeaderDeadlineProtocol

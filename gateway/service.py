@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import secrets
@@ -15,7 +16,7 @@ from redis.typing import EncodableT, FieldT
 
 from gateway.admission import Admission
 from gateway.body import problem_detail
-from gateway.edge import RequestMetrics
+from gateway.edge import ANONYMOUS, RequestMetrics
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, encode, new_request_id, wire_problem
@@ -105,6 +106,7 @@ class Gateway:
         request_id: str | None = None,
         stream: bool = False,
         job: bool = False,
+        owner: str = ANONYMOUS,
     ) -> Request:
         """Admit a request and put it on its entry step's stream.
 
@@ -117,6 +119,7 @@ class Gateway:
             stream: ask the worker for partial output as it is produced.
             job: an async job: its record is created with the request, and the result is
                 stored there instead of sent to this gateway.
+            owner: who submits it (the API key's identity): only they can read the job.
 
         Raises:
             InvalidInput: the payload holds what an envelope cannot carry (see
@@ -156,7 +159,7 @@ class Gateway:
         try:
             if job:
                 # The record and the request appear together: a job id handed out exists.
-                record: dict[FieldT, EncodableT] = {"status": "queued",
+                record: dict[FieldT, EncodableT] = {"status": "queued", "owner": owner,
                     "pipeline": pipeline.name, "deadline": repr(request.deadline)}  # fmt: skip
                 pipe = self.client.pipeline(transaction=True)
                 pipe.hset(reply_to, mapping=record)
@@ -201,18 +204,23 @@ class Gateway:
             self.replies.forget(request_id)
         return request.id, reply
 
-    async def job(self, job_id: str) -> dict[str, Any]:
+    async def job(self, job_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
         """An async job's status, and its result or error once finished.
 
+        Args:
+            job_id: the job.
+            owner: who asks (the API key's identity); another's job is not found.
+
         Raises:
-            NotFound: no such job (never submitted, or expired after ``job_ttl_s``).
+            NotFound: no such job (never submitted, expired after ``job_ttl_s``, or
+                submitted under another key: existence does not leak).
         """
         try:
             raw = await self.client.hgetall(self.keys.job(job_id))
         except REDIS_DOWN as exc:
             raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
         record = {text(k): text(v) for k, v in raw.items()}
-        if not record:
+        if not hmac.compare_digest(record.get("owner", "").encode(), owner.encode()):
             raise NotFound(f"no job {job_id!r} (never submitted, or expired)")
         out: dict[str, Any] = {"id": job_id, "pipeline": record["pipeline"]}
         status = record["status"]

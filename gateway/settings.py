@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Annotated
 
-from pipelines.settings import CommonSettings
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
+
+from pipelines.settings import CommonSettings, comma_list
 
 
 class GatewaySettings(CommonSettings):
@@ -26,6 +29,10 @@ class GatewaySettings(CommonSettings):
         api_keys: comma-separated keys; when set, every route but /healthz and /readyz
             needs one (``Authorization: Bearer <key>`` or ``X-API-Key``), else 401.
         cors_origins: comma-separated origins allowed by CORS; empty: CORS off.
+        client_timeout_s: a client must send a request's headers within this long of
+            opening the connection (or of starting the request), and its body within this
+            long of the headers; else 408 and the connection is closed (a connection that
+            sent nothing is closed silently). Bounds what slow clients can hold open.
     """
 
     host: str = "127.0.0.1"
@@ -39,13 +46,12 @@ class GatewaySettings(CommonSettings):
     admission_refresh_ms: float = Field(default=50.0, ge=0)
     admission_headroom: float = Field(default=0.9, gt=0, le=1)
     reply_block_ms: int = Field(default=1000, ge=1, le=30_000)
-    api_keys: list[str] = Field(default_factory=list)
-    cors_origins: list[str] = Field(default_factory=list)
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    client_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
-        # Accept "a,b" as well as a JSON list from the environment.
-        if isinstance(value, str) and not value.lstrip().startswith("["):
-            return [v.strip() for v in value.split(",") if v.strip()]
-        return value
+        # "a,b" as the README writes it, or a JSON list.
+        return comma_list(value)

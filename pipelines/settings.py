@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -57,3 +59,20 @@ class CommonSettings(BaseSettings):
     def keys(self) -> Keys:
         """Key names of :attr:`namespace`."""
         return Keys(self.namespace)
+
+
+def comma_list(value: object) -> object:
+    """A list setting's value from the environment: ``a,b`` (blanks dropped) or a JSON list.
+
+    Fields using it are declared ``Annotated[list[str], NoDecode]``: pydantic-settings would
+    otherwise decode every list from the environment as JSON before any validator runs, and
+    refuse the comma form the README documents.
+    """
+    if not isinstance(value, str):
+        return value
+    if value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not a JSON list ({exc}); or write it as a,b,c") from None
+    return [v.strip() for v in value.split(",") if v.strip()]

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
 from gateway.app import create_app
+from gateway.edge import header_deadline_protocol
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Request, encode, new_request_id
 from pipelines.graph import Registry, single
@@ -172,7 +173,11 @@ class Harness:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
-        config = uvicorn.Config(create_app(settings, registry), log_level="warning")
+        config = uvicorn.Config(
+            create_app(settings, registry),
+            log_level="warning",
+            http=header_deadline_protocol(settings.client_timeout_s),
+        )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         self._servers.append((server, task))
