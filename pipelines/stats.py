@@ -8,7 +8,7 @@ process (gateway ``/metrics``, ``conveyor status``) renders them.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,11 +84,25 @@ class Histogram:
 
 
 def batch_fields(
-    outcomes: Mapping[str, int], batch_size: int, waits: Iterable[float], run_s: float
+    batch_size: int, model_items: int, waits: Iterable[float], run_s: float
 ) -> dict[str, float]:
-    """The increments one batch adds to its stage's stats hash."""
-    fields: dict[str, float] = {f"items:{k}": v for k, v in outcomes.items() if v}
-    fields["batches"] = 1
+    """The increments one batch adds to its stage's stats hash, outside any done marker.
+
+    They describe work a worker actually did, so a batch run twice (a stalled worker and
+    the one that reclaimed its entries) is counted twice here, and ``model_items`` shows
+    the duplicated model work. The per-request outcome counters (``items:<outcome>``) are
+    not here: :func:`workers.publish.publish` adds them under each request's done marker,
+    so they count each answered request once.
+
+    Args:
+        batch_size: entries in the batch.
+        model_items: of those, how many were handed to the model.
+        waits: each entry's queue wait, seconds.
+        run_s: model time, seconds.
+    """
+    fields: dict[str, float] = {"batches": 1}
+    if model_items:
+        fields["model_items"] = model_items
     size = Histogram(BUCKETS["batch_size"])
     size.observe(batch_size)
     wait = Histogram(BUCKETS["queue_wait_seconds"])
@@ -285,6 +299,7 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
     out: list[str] = [
         "# TYPE conveyor_stage_items_total counter",
         "# TYPE conveyor_stage_batches_total counter",
+        "# TYPE conveyor_stage_model_items_total counter",
         "# TYPE conveyor_stage_backlog gauge",
         "# TYPE conveyor_stage_pending gauge",
         "# TYPE conveyor_stage_consumers gauge",
@@ -299,6 +314,8 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
                 f"conveyor_stage_items_total{labels(stage=stage, outcome=outcome)} {value:g}"
             )
         out.append(f"conveyor_stage_batches_total{labels(stage=stage)} {stats.get('batches', 0):g}")
+        model = stats.get("model_items", 0)
+        out.append(f"conveyor_stage_model_items_total{labels(stage=stage)} {model:g}")
         dead = stats.get("dead_letters", 0)
         out.append(f"conveyor_stage_dead_letters_total{labels(stage=stage)} {dead:g}")
         for name, bounds in BUCKETS.items():

@@ -252,10 +252,15 @@ class Worker:
             self._client, out, stream=self.stream, entry_ids=[eid for eid, _ in entries],
             stats_key=self.keys.stage_stats(self.stage.name),
             stats={"dead_letters": len(entries)}, reply_maxlen=self.settings.reply_maxlen,
-            reply_ttl_s=self.settings.reply_ttl_s, job_prefix=self.keys.job_prefix,
+            reply_ttl_s=self.settings.reply_ttl_s, token_key=self._token_key(),
+            job_prefix=self.keys.job_prefix,
             job_ttl_s=self.settings.job_ttl_s, dead_letters=letters,
         )  # fmt: skip
         self.dead_lettered += len(entries)
+
+    def _token_key(self) -> str:
+        """A fresh key for one publish call (what makes its retry safe)."""
+        return self.keys.publish_token(f"{self.consumer}-{secrets.token_hex(8)}")
 
     def _gauges(self) -> dict[str, float] | None:
         """The learned cost model, for the gateway's admission (see gateway/admission.py)."""
@@ -339,6 +344,7 @@ class Worker:
         waits = [max(0.0, now - entry_ms(eid) / 1000.0) for eid, _ in entries]
         out = Outbox()
         live: list[tuple[Request, Item]] = []
+        dropped: list[str] = []
         for eid, fields in entries:
             try:
                 req = decode_request(fields)
@@ -346,6 +352,7 @@ class Worker:
                 # Nobody to answer: acknowledged below so it cannot poison the stage.
                 logger.warning("stage %s: dropping entry %r: %s", self.stage.name, eid, exc)
                 record.outcomes["error"] += 1
+                dropped.append(self.keys.dropped(self.stage.name, eid.decode()))
                 continue
             record.request_ids.append(req.id)
             record.trace_ids.append(req.trace_id)
@@ -397,12 +404,14 @@ class Worker:
             stream=self.stream,
             entry_ids=[eid for eid, _ in entries],
             stats_key=self.keys.stage_stats(self.stage.name),
-            stats=stats.batch_fields(record.outcomes, record.size, waits, record.run_s),
+            stats=stats.batch_fields(record.size, len(live), waits, record.run_s),
             reply_maxlen=self.settings.reply_maxlen,
             reply_ttl_s=self.settings.reply_ttl_s,
+            token_key=self._token_key(),
             job_prefix=self.keys.job_prefix,
             job_ttl_s=self.settings.job_ttl_s,
             gauges=self._gauges(),
+            dropped=dropped,
         )
         self.history.append(record)
         self.items_done += len(entries)
