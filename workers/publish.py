@@ -26,6 +26,7 @@ from redis.typing import EncodableT, FieldT
 
 from pipelines.envelope import BRANCH, FIELD, Reply, dumps
 from pipelines.keys import GROUP
+from pipelines.redisio import PoolExhausted
 from workers.route import Effects, Outbox
 
 logger = logging.getLogger(__name__)
@@ -246,6 +247,8 @@ async def publish(
     plan.token = plan.key(token_key)
     try:
         return await _run(client, plan)
+    except PoolExhausted:
+        raise  # no connection was used, none is dead: waiting again would not help
     except RedisConnectionError as exc:
         # A pooled connection made before a Redis restart is dead, and so, likely, are the
         # other idle ones of its time: drop them all, so the retry connects afresh.
