@@ -35,10 +35,9 @@ from pipelines.errors import (
     DeadlineExceeded,
     InvalidInput,
     ItemFailed,
-    Unavailable,
 )
 from pipelines.graph import Pipeline, Registry
-from pipelines.redisio import REDIS_DOWN
+from pipelines.redisio import REDIS_DOWN, refusal
 from pipelines.stats import render_stage_metrics
 
 logger = logging.getLogger(__name__)
@@ -112,7 +111,7 @@ def create_app(
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         if isinstance(exc, REDIS_DOWN):
-            return error_response(Unavailable("the queue is unreachable; retry shortly"))
+            return error_response(refusal(exc))
         logger.error("unhandled error on %s", request.url.path, exc_info=exc)
         return _json({"detail": "internal error"}, 500)
 

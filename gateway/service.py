@@ -20,9 +20,9 @@ from gateway.edge import ANONYMOUS, RequestMetrics
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, encode, new_request_id, wire_problem
-from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound, Unavailable
+from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound
 from pipelines.graph import Pipeline, Registry
-from pipelines.redisio import REDIS_DOWN, RedisClock, connect, text
+from pipelines.redisio import REDIS_DOWN, RedisClock, connect, refusal, text
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Gateway:
                 entry.stage.name, bound, timeout_s, entry.stage.max_batch_size
             )
         except REDIS_DOWN as exc:
-            raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
+            raise refusal(exc) from exc
         ctx = {"input": payload}
         request_id = request_id or new_request_id()
         reply_to = self.keys.job(request_id) if job else self.reply_stream
@@ -169,7 +169,7 @@ class Gateway:
             else:
                 await self.client.xadd(stage_stream, encode(request))
         except REDIS_DOWN as exc:
-            raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
+            raise refusal(exc) from exc
         return request
 
     async def call(
@@ -218,7 +218,7 @@ class Gateway:
         try:
             raw = await self.client.hgetall(self.keys.job(job_id))
         except REDIS_DOWN as exc:
-            raise Unavailable("the queue is unreachable; retry shortly", 1.0) from exc
+            raise refusal(exc) from exc
         record = {text(k): text(v) for k, v in raw.items()}
         if not hmac.compare_digest(record.get("owner", "").encode(), owner.encode()):
             raise NotFound(f"no job {job_id!r} (never submitted, or expired)")

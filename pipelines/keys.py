@@ -60,6 +60,14 @@ class Keys:
         """Marks that a request's step has published its effects (set once, expires)."""
         return f"{self.prefix}:done:{request_id}:{step}"
 
+    def dropped(self, stage: str, entry_id: str) -> str:
+        """Marks that an undecodable entry of ``stage`` has been counted (set once, expires)."""
+        return f"{self.prefix}:dropped:{stage}:{entry_id}"
+
+    def publish_token(self, token: str) -> str:
+        """Marks that one publish call has run, so repeating it does nothing (short TTL)."""
+        return f"{self.prefix}:published:{token}"
+
     def dead_letters(self, stage: str) -> str:
         """The stream of a stage's dead letters: entries delivered too often."""
         return f"{self.prefix}:dlq:{stage}"

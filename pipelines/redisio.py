@@ -2,19 +2,66 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipelines.errors import ConveyorError, Overloaded, Unavailable
 from pipelines.keys import GROUP
 from pipelines.settings import CommonSettings
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
-"""What a client raises when Redis cannot be reached (as opposed to an error it answers)."""
+"""What a client raises when Redis cannot be reached (as opposed to an error it answers).
+It includes :class:`PoolExhausted`, which a caller that answers clients tells apart."""
+
+
+class PoolExhausted(RedisConnectionError):
+    """No pooled connection came free within the pool's timeout.
+
+    This process has more commands in flight than connections (a burst, CPU contention
+    slowing every round trip), while Redis itself may be answering well: overload, not an
+    outage. It stays a ``ConnectionError`` (in :data:`REDIS_DOWN`), so code that just backs
+    off and retries keeps doing so; the gateway answers it as overload.
+
+    Args:
+        timeout_s: how long the command waited for a connection.
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        super().__init__(f"no free Redis connection within {timeout_s or 0:g}s")
+        self.timeout_s = timeout_s
+
+
+def refusal(exc: BaseException) -> ConveyorError:
+    """What a client is told when a Redis command failed with one of :data:`REDIS_DOWN`:
+    overload (503) when this process waited too long for a pooled connection, else that
+    the queue is unreachable (503); both with a Retry-After."""
+    if isinstance(exc, PoolExhausted):
+        return Overloaded(f"the gateway is saturated: {exc}; retry shortly", retry_after=1.0)
+    return Unavailable("the queue is unreachable; retry shortly", 1.0)
+
+
+class _Pool(aioredis.BlockingConnectionPool):
+    """A blocking pool whose wait running out raises :class:`PoolExhausted`."""
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except PoolExhausted:
+            raise
+        except RedisConnectionError as exc:
+            # redis-py 8 says a wait that ran out with ConnectionError("No connection
+            # available.") raised from the asyncio timeout; a connection that fails to
+            # connect raises ConnectionError from an OSError, or Redis's TimeoutError.
+            if isinstance(exc.__cause__, asyncio.TimeoutError):
+                raise PoolExhausted(self.timeout) from exc
+            raise
 
 
 def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
@@ -28,7 +75,7 @@ def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
     timeout = settings.redis_timeout_s + block_ms / 1000.0
     # A blocking pool: past max_connections, a command waits (up to the timeout) for a
     # free connection instead of failing at once as the default pool does.
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool = _Pool.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_timeout_s,

@@ -8,7 +8,7 @@ process (gateway ``/metrics``, ``conveyor status``) renders them.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,11 +84,25 @@ class Histogram:
 
 
 def batch_fields(
-    outcomes: Mapping[str, int], batch_size: int, waits: Iterable[float], run_s: float
+    batch_size: int, model_items: int, waits: Iterable[float], run_s: float
 ) -> dict[str, float]:
-    """The increments one batch adds to its stage's stats hash."""
-    fields: dict[str, float] = {f"items:{k}": v for k, v in outcomes.items() if v}
-    fields["batches"] = 1
+    """The increments one batch adds to its stage's stats hash, outside any done marker.
+
+    They describe work a worker actually did, so a batch run twice (a stalled worker and
+    the one that reclaimed its entries) is counted twice here, and ``model_items`` shows
+    the duplicated model work. The per-request outcome counters (``items:<outcome>``) are
+    not here: :func:`workers.publish.publish` adds them under each request's done marker,
+    so they count each answered request once.
+
+    Args:
+        batch_size: entries in the batch.
+        model_items: of those, how many were handed to the model.
+        waits: each entry's queue wait, seconds.
+        run_s: model time, seconds.
+    """
+    fields: dict[str, float] = {"batches": 1}
+    if model_items:
+        fields["model_items"] = model_items
     size = Histogram(BUCKETS["batch_size"])
     size.observe(batch_size)
     wait = Histogram(BUCKETS["queue_wait_seconds"])
@@ -156,26 +170,50 @@ class StageStatus:
 
 
 async def _group_counts(
-    client: aioredis.Redis, stream: str, lag_cap: int, groups: list[Any] | None = None
+    client: aioredis.Redis, stream: str, lag_cap: int, length: int, groups: list[Any]
 ) -> tuple[int, int] | None:
-    """(lag, pending) of the workers' group; None when the stream or group is absent.
+    """(lag, pending) of the workers' group; None when it is absent.
 
-    ``groups`` is XINFO GROUPS's answer when the caller already has it.
+    The lag XINFO GROUPS reports is a counter (entries added less entries read), and Redis
+    7.0 can leave it stale: replaying an AOF restores the group's cursor but not its
+    entries-read, so after a restart the lag may count everything ever delivered, and
+    trusted it would make admission refuse a drained stage forever. So it is believed only
+    when it can be true: no more than the stream holds beyond its pending entries (which
+    the stream still holds; trimming never deletes them). A lag past that, or none (Redis
+    < 7, or unknown after deletions), is counted instead: the entries past the group's
+    last-delivered-id, at most ``lag_cap``. A stale lag within that room is not detected;
+    it is bounded by the done-but-untrimmed entries, which trimming keeps few.
+
+    Args:
+        client: Redis client.
+        stream: the stage stream.
+        lag_cap: the most entries a count reads.
+        length: the stream's XLEN, read in the same transaction as ``groups``.
+        groups: XINFO GROUPS's answer.
     """
-    if groups is None:
-        try:
-            groups = await client.xinfo_groups(stream)
-        except ResponseError:  # no such stream yet
-            return None
     group = next((g for g in groups if text(g["name"]) == GROUP), None)
     if group is None:
         return None
-    lag = group.get("lag")
-    if lag is None:
-        # Redis < 7, or lag unknown after deletions: count what is past the cursor.
-        last = text(group["last-delivered-id"])
-        lag = len(await client.xrange(stream, min=f"({last}", max="+", count=lag_cap) or [])
-    return int(lag), int(group["pending"])
+    pending = int(group["pending"])
+    reported = group.get("lag")
+    if reported is not None and 0 <= int(reported) <= max(0, length - pending):
+        return int(reported), pending
+    last = text(group["last-delivered-id"])
+    past = await client.xrange(stream, min=f"({last}", max="+", count=max(1, min(lag_cap, length)))
+    return min(len(past or []), length), pending
+
+
+def _queue_answers(answers: list[Any]) -> tuple[int, list[Any] | None, list[Any]]:
+    """XLEN, XINFO GROUPS (None: no stream yet) and XINFO CONSUMERS ([]: no group yet)
+    from the first three answers of a pipeline run with ``raise_on_error=False``."""
+    length, groups, consumers = answers[:3]
+    if isinstance(length, Exception):  # XINFO's errors mean "not created yet"; this, failure
+        raise length
+    if isinstance(groups, ResponseError):
+        groups = None
+    if isinstance(consumers, ResponseError):
+        consumers = []
+    return int(length), groups, consumers
 
 
 @dataclass
@@ -198,26 +236,25 @@ class Load:
 async def stage_load(
     client: aioredis.Redis, keys: Keys, stage: str, *, lag_cap: int = 100_000
 ) -> Load:
-    """A stage's backlog, live workers and learned cost, in one round trip (two on
-    Redis < 7, where the lag is counted)."""
+    """A stage's backlog, live workers and learned cost, in one round trip (two when the
+    lag must be counted, see :func:`_group_counts`)."""
     stream = keys.stage_stream(stage)
-    pipe = client.pipeline(transaction=False)
+    # One transaction: the lag is checked against the length, so both describe one moment.
+    pipe = client.pipeline(transaction=True)
     pipe.xlen(stream)
     pipe.xinfo_groups(stream)
     pipe.xinfo_consumers(stream, GROUP)
     pipe.hmget(keys.stage_stats(stage), [COST_A, COST_B])
-    length, groups, consumers, costs = await pipe.execute(raise_on_error=False)
-    for answer in (length, costs):  # XINFO's errors mean "not created yet"; these, failure
-        if isinstance(answer, Exception):
-            raise answer
-    a, b = costs
-    counts = None
-    if not isinstance(groups, ResponseError):  # no stream yet: nothing delivered
-        counts = await _group_counts(client, stream, lag_cap, groups)
-    if isinstance(consumers, ResponseError):  # no group yet: no worker ever came
-        consumers = []
+    answers = await pipe.execute(raise_on_error=False)
+    length, groups, consumers = _queue_answers(answers)
+    if isinstance(answers[3], Exception):
+        raise answers[3]
+    a, b = answers[3]
+    counts = (
+        None if groups is None else await _group_counts(client, stream, lag_cap, length, groups)
+    )
     return Load(
-        backlog=int(length) if counts is None else sum(counts),
+        backlog=length if counts is None else sum(counts),
         workers=sum(1 for c in consumers if int(c["idle"]) < ALIVE_IDLE_MS),
         a=float(text(a)) if a else 0.0,
         b=float(text(b)) if b else 0.0,
@@ -233,17 +270,24 @@ async def stage_status(
         client: Redis client.
         keys: key names.
         stage: the stage.
-        lag_cap: where the server cannot report lag (Redis < 7), it is counted by a
-            range read of at most this many entries.
+        lag_cap: where the lag must be counted (see :func:`_group_counts`), a range read
+            of at most this many entries.
     """
     stream = keys.stage_stream(stage)
-    status = StageStatus(stage, length=int(await client.xlen(stream)))
-    counts = await _group_counts(client, stream, lag_cap)
+    pipe = client.pipeline(transaction=True)
+    pipe.xlen(stream)
+    pipe.xinfo_groups(stream)
+    pipe.xinfo_consumers(stream, GROUP)
+    length, groups, consumers = _queue_answers(await pipe.execute(raise_on_error=False))
+    status = StageStatus(stage, length=length)
+    counts = (
+        None if groups is None else await _group_counts(client, stream, lag_cap, length, groups)
+    )
     if counts is None:
         status.lag = status.length
         return status
     status.lag, status.pending = counts
-    for c in await client.xinfo_consumers(stream, GROUP):
+    for c in consumers:
         status.consumers.append(
             {"name": text(c["name"]), "pending": int(c["pending"]), "idle_ms": int(c["idle"])}
         )
@@ -255,6 +299,7 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
     out: list[str] = [
         "# TYPE conveyor_stage_items_total counter",
         "# TYPE conveyor_stage_batches_total counter",
+        "# TYPE conveyor_stage_model_items_total counter",
         "# TYPE conveyor_stage_backlog gauge",
         "# TYPE conveyor_stage_pending gauge",
         "# TYPE conveyor_stage_consumers gauge",
@@ -269,6 +314,8 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
                 f"conveyor_stage_items_total{labels(stage=stage, outcome=outcome)} {value:g}"
             )
         out.append(f"conveyor_stage_batches_total{labels(stage=stage)} {stats.get('batches', 0):g}")
+        model = stats.get("model_items", 0)
+        out.append(f"conveyor_stage_model_items_total{labels(stage=stage)} {model:g}")
         dead = stats.get("dead_letters", 0)
         out.append(f"conveyor_stage_dead_letters_total{labels(stage=stage)} {dead:g}")
         for name, bounds in BUCKETS.items():

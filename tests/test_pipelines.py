@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import httpx
@@ -138,7 +139,8 @@ async def test_join_fires_exactly_once_under_concurrent_arrivals(
         router.succeed(out, req, {"value": 0}, now=0.0)
         assert [len(e.joins) for e in out.effects.values()] == [1]
         await publish(client, out, stream="unused", entry_ids=[], stats_key="unused-stats",
-                      stats={}, reply_maxlen=1000, reply_ttl_s=60)  # fmt: skip
+                      stats={}, reply_maxlen=1000, reply_ttl_s=60,
+                      token_key=harness.keys.publish_token(uuid.uuid4().hex))  # fmt: skip
 
     # both branches of each request land at the same moment, over two connections
     await asyncio.gather(*(arrive(r, clients[i % 2]) for i, r in enumerate(requests)))
@@ -273,7 +275,7 @@ async def test_publish_acks_more_entries_than_one_script_command_can_take(
     stats = harness.keys.stage_stats("big")
     await publish(redis, Outbox(), stream=stream, entry_ids=ids, stats_key=stats,
                   stats={"batches": 1, "run_seconds:sum": 0.25}, reply_maxlen=1000,
-                  reply_ttl_s=60)  # fmt: skip
+                  reply_ttl_s=60, token_key=harness.keys.publish_token("big"))  # fmt: skip
     assert (await redis.xpending(stream, GROUP))["pending"] == 0
     assert await redis.hget(stats, "batches") == b"1"
     assert await redis.hget(stats, "run_seconds:sum") == b"0.25"

@@ -273,10 +273,15 @@ class Worker:
             self._client, out, stream=self.stream, entry_ids=[eid for eid, _ in entries],
             stats_key=self.keys.stage_stats(self.stage.name),
             stats={"dead_letters": len(entries)}, reply_maxlen=self.settings.reply_maxlen,
-            reply_ttl_s=self.settings.reply_ttl_s, job_prefix=self.keys.job_prefix,
+            reply_ttl_s=self.settings.reply_ttl_s, token_key=self._token_key(),
+            job_prefix=self.keys.job_prefix,
             job_ttl_s=self.settings.job_ttl_s, dead_letters=letters,
         )  # fmt: skip
         self.dead_lettered += len(entries)
+
+    def _token_key(self) -> str:
+        """A fresh key for one publish call (what makes its retry safe)."""
+        return self.keys.publish_token(f"{self.consumer}-{secrets.token_hex(8)}")
 
     def _gauges(self) -> dict[str, float] | None:
         """The learned cost model, for the gateway's admission (see gateway/admission.py)."""
@@ -364,6 +369,7 @@ class Worker:
         out = Outbox()
         live: list[tuple[Request, Item]] = []
         letters: list[tuple[str, dict[FieldT, EncodableT]]] = []
+        dropped: list[str] = []
         for eid, fields in entries:
             try:
                 req = decode_request(fields)
@@ -371,8 +377,11 @@ class Worker:
                 # The gateway sends nothing a worker cannot decode (envelope.wire_problem):
                 # this entry is foreign, corrupted or from another version. Acknowledged so
                 # it cannot poison the stage, kept as a dead letter, and its caller told.
-                letters.append(self._unreadable(out, eid, fields, exc))
+                letter_, answered = self._unreadable(out, eid, fields, exc)
+                letters.append(letter_)
                 record.outcomes["error"] += 1
+                if not answered:  # an answered one counts its error with its reply
+                    dropped.append(self.keys.dropped(self.stage.name, eid.decode()))
                 continue
             record.request_ids.append(req.id)
             record.trace_ids.append(req.trace_id)
@@ -424,14 +433,16 @@ class Worker:
             stream=self.stream,
             entry_ids=[eid for eid, _ in entries],
             stats_key=self.keys.stage_stats(self.stage.name),
-            stats=stats.batch_fields(record.outcomes, record.size, waits, record.run_s)
+            stats=stats.batch_fields(record.size, len(live), waits, record.run_s)
             | ({"dead_letters": len(letters)} if letters else {}),
             reply_maxlen=self.settings.reply_maxlen,
             reply_ttl_s=self.settings.reply_ttl_s,
+            token_key=self._token_key(),
             job_prefix=self.keys.job_prefix,
             job_ttl_s=self.settings.job_ttl_s,
             dead_letters=letters,
             gauges=self._gauges(),
+            dropped=dropped,
         )
         self.history.append(record)
         self.items_done += len(entries)
@@ -444,16 +455,16 @@ class Worker:
 
     def _unreadable(
         self, out: Outbox, eid: bytes, fields: dict[bytes, bytes], exc: EnvelopeError
-    ) -> tuple[str, dict[FieldT, EncodableT]]:
-        """Answer an entry that does not decode, if it says who sent it; its dead letter."""
+    ) -> tuple[tuple[str, dict[FieldT, EncodableT]], bool]:
+        """Answer an entry that does not decode, if it says who sent it; its dead letter,
+        and whether it was answered."""
         who = sender(fields)
         message = (f"stage {self.stage.name!r} could not decode this request ({exc}); it was "
                    f"dead-lettered: `conveyor dlq list {self.stage.name}`")  # fmt: skip
         logger.error("stage %s: entry %r dead-lettered, request %s: %s", self.stage.name,
                      eid, who.id if who else "unknown", exc)  # fmt: skip
-        if who is not None:
-            self.router.fail_unreadable(out, who, message)
-        return self.keys.dead_letters(self.stage.name), letter(eid, fields, 1, message)
+        answered = who is not None and self.router.fail_unreadable(out, who, message)
+        return (self.keys.dead_letters(self.stage.name), letter(eid, fields, 1, message)), answered
 
     def _admit(self, out: Outbox, req: Request, now: float) -> Item | None:
         """The item to run for ``req``, or None when it ends here (expired, invalid)."""

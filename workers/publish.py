@@ -5,27 +5,47 @@ all of them happen with the ack or none do, and a worker that dies before the ca
 the whole batch pending, to be delivered again. The script is generic: Python compiles the
 outbox into a small plan of Redis commands (:class:`Plan`) and the script runs it, so what
 a batch does is decided in one place (:mod:`workers.route`) and written here once.
+
+A call is safe to repeat: each request's effects and its outcome counter are guarded by
+the request's "done" marker, and the call as a whole by a token key of its own, so a call
+that Redis ran but whose answer was lost (the connection died) does nothing the second
+time. That is what lets :func:`publish` retry once on a fresh connection.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from hashlib import sha1
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, FieldT
 
 from pipelines.envelope import BRANCH, FIELD, Reply, dumps
 from pipelines.keys import GROUP
+from pipelines.redisio import PoolExhausted
 from workers.route import Effects, Outbox
+
+logger = logging.getLogger(__name__)
+
+TOKEN_TTL_S = 300
+"""A publish call's token outlives any retry of it (one, at once) by far."""
+
+DROPPED_TTL_S = 3600
+"""How long the marker of a counted undecodable entry is kept: a second worker can only
+hold the same entry while it is pending, which a stall of this length would outlast."""
 
 PUBLISH_SCRIPT = """
 -- KEYS: every key the batch touches. ARGV[1]: the plan (JSON); ARGV[2..]: the values.
--- The plan is {"g": groups, "a": commands}. A group is [marker, ttl, command...]: its
--- commands run only if its "done" marker is absent, and then the marker is set (ttl
--- seconds), so a step that ran twice publishes once. "a" always runs (ack, stats).
+-- The plan is {"t": token, "tt": ttl, "g": groups, "a": commands}. If the token key
+-- exists, this very call has run before (its answer was lost): nothing runs again and
+-- the first run's answer is returned; else it is set (tt seconds) at the end. A group is
+-- [marker, ttl, command...]: its commands run only if its "done" marker is absent, and
+-- then the marker is set (ttl seconds), so a step that ran twice publishes (and counts
+-- its outcome) once. "a" runs once per call (ack, batch stats, dead letters).
 -- In a command, a string is itself, a number n >= 1 is ARGV[n + 1] and -n is KEYS[n].
 -- JOIN and FAILJOIN are the join operations below; any other name is a Redis command.
 -- Returns how many groups were skipped as already published.
@@ -79,6 +99,9 @@ local function run(command)
 end
 
 local plan = cjson.decode(ARGV[1])
+local token = value(plan.t)
+local first = redis.call('GET', token)
+if first then return tonumber(first) end
 local skipped = 0
 for _, group in ipairs(plan.g) do
   local marker = value(group[1])
@@ -90,6 +113,7 @@ for _, group in ipairs(plan.g) do
   end
 end
 for _, command in ipairs(plan.a) do run(command) end
+redis.call('SET', token, skipped, 'EX', plan.tt)
 return skipped
 """
 PUBLISH_SHA = sha1(PUBLISH_SCRIPT.encode()).hexdigest()
@@ -110,6 +134,7 @@ class Plan:
         self.values: list[EncodableT] = []
         self.groups: list[list[object]] = []
         self.always: list[list[Token]] = []
+        self.token: Token = ""
         self._key_numbers: dict[str, int] = {}
 
     def key(self, name: str) -> int:
@@ -127,7 +152,8 @@ class Plan:
 
     def script_args(self) -> list[EncodableT]:
         """ARGV: the plan, then the values."""
-        return [orjson.dumps({"g": self.groups, "a": self.always}), *self.values]
+        plan = {"t": self.token, "tt": str(TOKEN_TTL_S), "g": self.groups, "a": self.always}
+        return [orjson.dumps(plan), *self.values]
 
 
 def job_fields(reply: Reply) -> dict[FieldT, EncodableT]:
@@ -153,15 +179,20 @@ async def publish(
     stats: Mapping[str, float],
     reply_maxlen: int,
     reply_ttl_s: int,
+    token_key: str,
     job_prefix: str = "",
     job_ttl_s: int = 86_400,
     dead_letters: Sequence[tuple[str, dict[FieldT, EncodableT]]] = (),
     gauges: Mapping[str, float] | None = None,
+    dropped: Sequence[str] = (),
 ) -> int:
     """Publish a batch's outbox and ack its entries, atomically, in one round trip.
 
-    Each request's effects are guarded by its "done" marker: a request whose marker
-    exists (its step already published, by this or another worker) is skipped.
+    Each request's effects, and the count of its outcome (``items:<outcome>`` in the
+    stats hash), are guarded by its "done" marker: a request whose marker exists (its
+    step already published, by this or another worker) is skipped, so the counters equal
+    the requests answered. If the connection dies under the call, it is retried once on a
+    fresh connection; ``token_key`` makes the retry a no-op if the first call did run.
 
     Args:
         client: Redis client.
@@ -169,14 +200,18 @@ async def publish(
         stream: the stage stream the entries came from.
         entry_ids: the batch's entry ids (all acked).
         stats_key: the stage's stats hash.
-        stats: increments for it (``*:sum`` fields are floats).
+        stats: batch-level increments for it (``*:sum`` fields are floats), added once
+            per call, unguarded (see :func:`pipelines.stats.batch_fields`).
         reply_maxlen: approximate cap on each reply stream.
         reply_ttl_s: reply streams expire this long after their last write.
+        token_key: a key unique to this call (``Keys.publish_token``), set by it.
         job_prefix: replies addressed to keys with this prefix are async jobs' results:
             stored in the job's hash (kept ``job_ttl_s``) instead of streamed.
         job_ttl_s: how long a finished job's record is kept.
         dead_letters: (dead-letter stream, fields) to add.
         gauges: values to set (not add) in the stats hash, e.g. the learned cost model.
+        dropped: markers (``Keys.dropped``) of entries that could not be decoded and are
+            acked unanswered: each counts one ``items:error``, once.
 
     Returns:
         How many requests were skipped as already published.
@@ -186,7 +221,11 @@ async def publish(
     for marker, effects in out.effects.items():
         group: list[object] = [plan.key(marker), str(effects.marker_ttl_s)]
         group += _commands(plan, effects, streams, reply_maxlen, job_prefix, job_ttl_s)
+        group.append(["HINCRBY", plan.key(stats_key), f"items:{outcome(effects)}", "1"])
         plan.groups.append(group)
+    for marker in dropped:
+        plan.groups.append([plan.key(marker), str(DROPPED_TTL_S),
+                            ["HINCRBY", plan.key(stats_key), "items:error", "1"]])  # fmt: skip
     for reply_to in sorted(streams):
         plan.always.append(["EXPIRE", plan.key(reply_to), str(reply_ttl_s)])
     for dlq, fields in dead_letters:
@@ -205,12 +244,35 @@ async def publish(
             plan.always.append(["HINCRBY", plan.key(stats_key), name, str(int(amount))])
     if not plan.groups and not plan.always:
         return 0
+    plan.token = plan.key(token_key)
+    try:
+        return await _run(client, plan)
+    except PoolExhausted:
+        raise  # no connection was used, none is dead: waiting again would not help
+    except RedisConnectionError as exc:
+        # A pooled connection made before a Redis restart is dead, and so, likely, are the
+        # other idle ones of its time: drop them all, so the retry connects afresh.
+        logger.warning("publish failed on a dead connection (%s); retrying once", exc)
+        await client.connection_pool.disconnect(inuse_connections=False)
+        return await _run(client, plan)
+
+
+async def _run(client: aioredis.Redis, plan: Plan) -> int:
     args = plan.script_args()
     try:
         skipped = await client.evalsha(PUBLISH_SHA, len(plan.keys), *plan.keys, *args)
     except NoScriptError:  # first use on this server (or after a restart): EVAL caches it
         skipped = await client.eval(PUBLISH_SCRIPT, len(plan.keys), *plan.keys, *args)
     return int(skipped)
+
+
+def outcome(effects: Effects) -> str:
+    """A request's outcome at this step: its failure reply's, else ``ok`` (answered, or
+    handed on to the next step)."""
+    for _, reply in effects.replies:
+        if reply.outcome != "ok":
+            return reply.outcome
+    return "ok"
 
 
 def _pairs(

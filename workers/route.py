@@ -131,16 +131,18 @@ class Router:
             if pipeline.step(name).join:
                 effects.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
 
-    def fail_unreadable(self, out: Outbox, who: Sender, message: str) -> None:
+    def fail_unreadable(self, out: Outbox, who: Sender, message: str) -> bool:
         """Tell the caller of an entry that did not decode (version skew, corruption)
-        that it failed, when the entry names a reply address of this namespace."""
+        that it failed, when the entry names a reply address of this namespace; whether
+        it did."""
         if not self.keys.is_reply_target(who.reply_to):
-            return
+            return False
         marker = self.keys.done(who.id, who.step)
         effects = out.effects.setdefault(marker, Effects(marker_ttl_s=JOIN_GRACE_S))
         reply = Reply(id=who.id, stage=self.stage, outcome="error", error=message, status=500,
                       trace_id=who.trace_id)  # fmt: skip
         effects.replies.append((who.reply_to, reply))
+        return True
 
     def fail_with(self, out: Outbox, req: Request, exc: BaseException, now: float) -> None:
         """End the request with the error ``exc`` raised while running its step."""

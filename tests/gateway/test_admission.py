@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.admission import Admission
 from pipelines.errors import Overloaded
+from pipelines.keys import GROUP
+from pipelines.redisio import ensure_group, text
+from pipelines.stats import stage_status
 from tests.helpers import Harness
 
 
@@ -37,3 +41,31 @@ async def test_admitted_requests_do_not_wait_for_a_refresh(
     # admitted requests as already on the books: only later ones are added to its backlog.
     view = await admission.refresh("double")
     assert (view.backlog, view.counted) == (0, 2)
+
+
+async def test_a_stale_lag_counter_does_not_refuse_a_drained_stage(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # What replaying an AOF leaves on Redis 7.0: the group's cursor restored, its
+    # entries-read counter not, so XINFO GROUPS reports a lag of everything ever delivered.
+    stream = harness.keys.stage_stream("double")
+    await ensure_group(redis, stream)
+    await harness.enqueue("double", [{"value": i} for i in range(15)])
+    read: Any = await redis.xreadgroup(GROUP, "c1", {stream: ">"})
+    ids = [eid for eid, _ in read[0][1]]
+    await redis.xack(stream, GROUP, *ids)
+    last = text(ids[-1])
+    raw: Any = redis  # redis-py has no XSETID method
+    await raw.execute_command("XSETID", stream, last, "ENTRIESADDED", 16_964)
+    await redis.xgroup_setid(stream, GROUP, last, entries_read=15)
+    groups = await redis.xinfo_groups(stream)
+    assert (groups[0]["lag"], await redis.xlen(stream)) == (16_949, 15)  # the poison
+
+    admission = Admission(redis, harness.keys, refresh_s=0.0, retry_after_s=1)
+    await admission.admit("double", 1024, 30.0, 8)  # refused "16949 waiting" before
+    status = await stage_status(redis, harness.keys, "double")
+    assert (status.lag, status.pending) == (0, 0)
+    # Work that does arrive is still counted (the counter stays stale: it is re-derived).
+    await harness.enqueue("double", [{"value": i} for i in range(5)])
+    assert (await admission.refresh("double")).backlog == 5
+    assert (await stage_status(redis, harness.keys, "double")).lag == 5
