@@ -1,10 +1,15 @@
 """Request bodies checked against what the envelope can carry, before anything else.
 
 The body is parsed permissively (the standard library's parser keeps ``NaN``,
-``Infinity``, lone surrogates such as ``"\\ud800"`` and integers of any size as they
-are), so that :func:`~pipelines.envelope.wire_problem` can refuse each of them with a
-422 naming the field, before pydantic or the queue ever see the value. Nesting past the
-parser's own limit is refused as too deep.
+``Infinity`` and lone surrogates such as ``"\\ud800"`` as they are), so that
+:func:`~pipelines.envelope.wire_problem` can refuse each of them with a 422 naming the
+field, before pydantic or the queue ever see the value. Nesting past the parser's own
+limit is refused as too deep.
+
+An integer literal outside the 64-bit range the envelope carries exactly is read as the
+nearest float, as JavaScript and most JSON parsers (orjson included) read it: JSON Schema
+calls it a valid ``number``, so a ``number`` field takes it; a field declared ``integer``
+refuses the float (422).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
-from pipelines.envelope import MAX_DEPTH, WireProblem, wire_problem
+from pipelines.envelope import INT_RANGE, MAX_DEPTH, WireProblem, wire_problem
 
 
 def problem_detail(problem: WireProblem, root: str = "body") -> dict[str, Any]:
@@ -33,7 +38,7 @@ def parse_body(raw: bytes) -> Any:
         HTTPException: 422 with FastAPI's ``detail`` list, naming the field.
     """
     try:
-        value = json.loads(raw, parse_constant=float)
+        value = json.loads(raw, parse_constant=float, parse_int=_integer)
     except RecursionError:
         problem = WireProblem((), f"nested deeper than {MAX_DEPTH} levels", "too_deep")
         raise HTTPException(422, [problem_detail(problem)]) from None
@@ -52,6 +57,16 @@ def parse_body(raw: bytes) -> Any:
         # would become a 400 without the field.
         raise HTTPException(422, [problem_detail(found)])
     return value
+
+
+def _integer(literal: str) -> int | float:
+    # Nineteen digits always fit in 64 bits; only longer literals need the range check.
+    if len(literal) < 19:
+        return int(literal)
+    value = int(literal) if len(literal) < 4300 else None
+    if value is not None and INT_RANGE[0] <= value <= INT_RANGE[1]:
+        return value
+    return float(literal)  # past ~1e308 it is infinite, which wire_problem refuses
 
 
 class WireRequest(Request):

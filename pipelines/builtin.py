@@ -24,14 +24,15 @@ from pipelines.wikisummary import wiki_summary
 class ValueIn(BaseModel):
     """A number to work on."""
 
-    model_config = ConfigDict(extra="forbid")
-    value: float = Field(description="The number.")
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # Bounded so that what the stages make of it (doubled) stays a finite JSON number.
+    value: float = Field(ge=-1e300, le=1e300, description="The number.")
 
 
 class HelloIn(BaseModel):
     """Who to greet, and in which language."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     language: str = Field(min_length=1, max_length=40, examples=["spanish"])
     name: str = Field(min_length=1, max_length=200, examples=["Ada"])
 

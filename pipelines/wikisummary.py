@@ -30,7 +30,7 @@ NER_CHARS = 2_000
 class WikiIn(BaseModel):
     """What to look up."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     search_term: str = Field(min_length=1, max_length=300, examples=["Alan Turing"])
 
 
