@@ -22,7 +22,14 @@ from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, encode, new_request_id, wire_problem
 from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound
 from pipelines.graph import Pipeline, Registry
-from pipelines.redisio import REDIS_DOWN, RedisClock, connect, refusal, text
+from pipelines.redisio import (
+    REDIS_DOWN,
+    RedisClock,
+    connect,
+    on_live_connection,
+    refusal,
+    text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +163,8 @@ class Gateway:
             stream=stream,
         )
         stage_stream = self.keys.stage_stream(entry.stage.name)
-        try:
+
+        async def write() -> None:
             if job:
                 # The record and the request appear together: a job id handed out exists.
                 record: dict[FieldT, EncodableT] = {"status": "queued", "owner": owner,
@@ -168,6 +176,11 @@ class Gateway:
                 await pipe.execute()
             else:
                 await self.client.xadd(stage_stream, encode(request))
+
+        try:
+            # Safe to repeat (see on_live_connection): a request enqueued twice runs twice
+            # but publishes once.
+            await on_live_connection(self.client, write)
         except REDIS_DOWN as exc:
             raise refusal(exc) from exc
         return request
@@ -216,7 +229,9 @@ class Gateway:
                 submitted under another key: existence does not leak).
         """
         try:
-            raw = await self.client.hgetall(self.keys.job(job_id))
+            raw = await on_live_connection(
+                self.client, lambda: self.client.hgetall(self.keys.job(job_id))
+            )
         except REDIS_DOWN as exc:
             raise refusal(exc) from exc
         record = {text(k): text(v) for k, v in raw.items()}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -15,6 +17,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pipelines.errors import ConveyorError, Overloaded, Unavailable
 from pipelines.keys import GROUP
 from pipelines.settings import CommonSettings
+
+logger = logging.getLogger(__name__)
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 """What a client raises when Redis cannot be reached (as opposed to an error it answers).
@@ -62,6 +66,33 @@ class _Pool(aioredis.BlockingConnectionPool):
             if isinstance(exc.__cause__, asyncio.TimeoutError):
                 raise PoolExhausted(self.timeout) from exc
             raise
+
+
+T = TypeVar("T")
+
+
+async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``, run once more if a pooled connection turned out dead.
+
+    A restart of Redis leaves every pooled connection made before it dead, and the first
+    command on each fails though the server is back. On such a failure the pool's idle
+    connections are dropped (they are as old as the dead one) and ``call`` runs again on
+    a fresh one; a second failure is Redis being down, and raises.
+
+    Only for commands whose repeat is harmless: the first try may have run before its
+    answer was lost. conveyor's writes are: a request enqueued twice runs twice but
+    publishes once (its step's done marker), a publish carries a token that makes its
+    repeat a no-op. A wait for a pooled connection (:class:`PoolExhausted`) and a timeout
+    are not retried: no connection was found dead.
+    """
+    try:
+        return await call()
+    except PoolExhausted:
+        raise
+    except RedisConnectionError as exc:
+        logger.warning("redis command failed on a dead connection (%s); retrying once", exc)
+        await client.connection_pool.disconnect(inuse_connections=False)
+        return await call()
 
 
 def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:

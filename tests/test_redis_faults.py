@@ -165,6 +165,23 @@ async def test_first_publish_after_a_redis_restart_needs_no_reclaim(
         stop(worker)
 
 
+async def test_first_requests_after_a_redis_restart_are_not_refused(
+    server: Server, harness: Harness
+) -> None:
+    # Every connection of the gateway's pool died with the server; each used to fail its
+    # next command, so the first requests after a restart got 503 "unreachable".
+    http = await harness.gateway([number_stage(batch_wait_ms=0)], redis_max_connections=4)
+    first = await asyncio.gather(*(http.post("/v1/jobs/double", json={"value": v})
+                                   for v in range(8)))  # fmt: skip
+    assert {r.status_code for r in first} == {202}
+    server.kill()
+    server.restart()
+    after = [await http.post("/v1/jobs/double", json={"value": v}) for v in range(4)]
+    assert [r.status_code for r in after] == [202] * 4, [r.text for r in after]
+    polled = await http.get(after[0].headers["location"])
+    assert polled.json()["status"] == "queued"
+
+
 async def _at_least(redis: aioredis.Redis, stream: str, n: int) -> bool:
     return await answered(redis, stream) >= n
 

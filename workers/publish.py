@@ -14,22 +14,18 @@ time. That is what lets :func:`publish` retry once on a fresh connection.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from hashlib import sha1
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, FieldT
 
 from pipelines.envelope import BRANCH, FIELD, Reply, dumps
 from pipelines.keys import GROUP
-from pipelines.redisio import PoolExhausted
+from pipelines.redisio import on_live_connection
 from workers.route import Effects, Outbox
-
-logger = logging.getLogger(__name__)
 
 TOKEN_TTL_S = 300
 """A publish call's token outlives any retry of it (one, at once) by far."""
@@ -245,16 +241,7 @@ async def publish(
     if not plan.groups and not plan.always:
         return 0
     plan.token = plan.key(token_key)
-    try:
-        return await _run(client, plan)
-    except PoolExhausted:
-        raise  # no connection was used, none is dead: waiting again would not help
-    except RedisConnectionError as exc:
-        # A pooled connection made before a Redis restart is dead, and so, likely, are the
-        # other idle ones of its time: drop them all, so the retry connects afresh.
-        logger.warning("publish failed on a dead connection (%s); retrying once", exc)
-        await client.connection_pool.disconnect(inuse_connections=False)
-        return await _run(client, plan)
+    return await on_live_connection(client, lambda: _run(client, plan))
 
 
 async def _run(client: aioredis.Redis, plan: Plan) -> int:
