@@ -190,7 +190,7 @@ Trace = Annotated[
     Header(alias=TRACE_HEADER, max_length=128),
     WithJsonSchema({"type": "string", "maxLength": 128}),
 ]
-BODY_ERRORS = (400, 408, 422)  # undecodable, too slow, invalid
+BODY_ERRORS = (408, 422)  # too slow, invalid (an undecodable body is a 422: gateway/body.py)
 RESULT_ERRORS = (404, 500, 503, 504)  # what a step or the queue can answer instead
 
 

@@ -1,15 +1,15 @@
 """Request bodies checked against what the envelope can carry, before anything else.
 
-The body is parsed permissively (the standard library's parser keeps ``NaN``,
-``Infinity`` and lone surrogates such as ``"\\ud800"`` as they are), so that
-:func:`~pipelines.envelope.wire_problem` can refuse each of them with a 422 naming the
-field, before pydantic or the queue ever see the value. Nesting past the parser's own
-limit is refused as too deep.
+A body is parsed by orjson, the envelope's own codec, which refuses ``NaN``,
+``Infinity``, lone surrogates (``"\\ud800"``), invalid UTF-8 and nesting past 1024; what
+it admits is then held to :func:`~pipelines.envelope.wire_problem` (nesting past 64).
+When orjson refuses, the body is parsed again permissively (the standard library keeps
+those values as they are) only to name the field in the 422; a body neither parser
+reads is FastAPI's own 422 ``json_invalid``.
 
 An integer literal outside the 64-bit range the envelope carries exactly is read as the
-nearest float, as JavaScript and most JSON parsers (orjson included) read it: JSON Schema
-calls it a valid ``number``, so a ``number`` field takes it; a field declared ``integer``
-refuses the float (422).
+nearest float, as JavaScript and orjson read it: JSON Schema calls it a valid ``number``,
+so a ``number`` field takes it; a field declared ``integer`` refuses the float (422).
 """
 
 from __future__ import annotations
@@ -18,15 +18,25 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import orjson
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
+from gateway.responses import validation_issues
 from pipelines.envelope import INT_RANGE, MAX_DEPTH, WireProblem, wire_problem
 
 
 def problem_detail(problem: WireProblem, root: str = "body") -> dict[str, Any]:
-    """A problem as one entry of a 422's ``detail`` list (FastAPI's shape)."""
-    return {"loc": [root, *problem.loc], "msg": problem.msg, "type": problem.type}
+    """A problem as one entry of a 422's ``detail`` list (FastAPI's shape; keys the
+    client chose are clipped, so the input is never echoed back)."""
+    issue = {"loc": [root, *problem.loc], "msg": problem.msg, "type": problem.type}
+    return validation_issues([issue])[0]
+
+
+def refuse(problem: WireProblem) -> HTTPException:
+    """The 422 for ``problem``. An HTTPException passes FastAPI's body reader untouched;
+    any other exception there would become a 400 without the field."""
+    return HTTPException(422, [problem_detail(problem)])
 
 
 def parse_body(raw: bytes) -> Any:
@@ -38,35 +48,37 @@ def parse_body(raw: bytes) -> Any:
         HTTPException: 422 with FastAPI's ``detail`` list, naming the field.
     """
     try:
-        value = json.loads(raw, parse_constant=float, parse_int=_integer)
-    except RecursionError:
-        problem = WireProblem((), f"nested deeper than {MAX_DEPTH} levels", "too_deep")
-        raise HTTPException(422, [problem_detail(problem)]) from None
-    except UnicodeDecodeError:
-        problem = WireProblem((), "body is not valid UTF-8", "json_invalid")
-        raise HTTPException(422, [problem_detail(problem)]) from None
-    except ValueError as exc:
-        if isinstance(exc, json.JSONDecodeError):
-            raise
-        # An integer literal of thousands of digits: Python refuses to convert it.
-        problem = WireProblem((), str(exc).split(";")[0], "int_range")
-        raise HTTPException(422, [problem_detail(problem)]) from None
-    found = wire_problem(value)
-    if found is not None:
-        # HTTPException passes FastAPI's body reader untouched; any other exception there
-        # would become a 400 without the field.
-        raise HTTPException(422, [problem_detail(found)])
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _located(raw) or exc from None
+    problem = wire_problem(value)
+    if problem is not None:
+        raise refuse(problem)
     return value
 
 
+def _located(raw: bytes) -> HTTPException | None:
+    """The 422 naming what orjson refused, from a permissive parse; None when the body is
+    not JSON at all."""
+    try:
+        value = json.loads(raw, parse_constant=float, parse_int=_integer)
+    except RecursionError:
+        return refuse(WireProblem((), f"nested deeper than {MAX_DEPTH} levels", "too_deep"))
+    except UnicodeDecodeError:
+        return refuse(WireProblem((), "body is not valid UTF-8", "json_invalid"))
+    except ValueError:  # json.JSONDecodeError among them
+        return None
+    problem = wire_problem(value)
+    return None if problem is None else refuse(problem)
+
+
 def _integer(literal: str) -> int | float:
-    # Nineteen digits always fit in 64 bits; only longer literals need the range check.
-    if len(literal) < 19:
-        return int(literal)
+    # As orjson reads them: past the 64-bit range, the nearest float (infinite past ~1e308,
+    # which wire_problem refuses). Python refuses int() of 4300 digits or more.
     value = int(literal) if len(literal) < 4300 else None
     if value is not None and INT_RANGE[0] <= value <= INT_RANGE[1]:
         return value
-    return float(literal)  # past ~1e308 it is infinite, which wire_problem refuses
+    return float(literal)
 
 
 class WireRequest(Request):

@@ -80,12 +80,12 @@ class JobView(BaseModel):
 MODELS: tuple[type[BaseModel], ...] = (ErrorBody, ValidationErrorBody, ValidationIssue)
 
 WHY = {
-    400: "The body is not decodable (e.g. not UTF-8).",
     401: "A valid API key is required (checked before the body's size).",
     404: "No such job (or not yours), or a step found nothing (e.g. no article).",
     408: "The body did not arrive within CONVEYOR_CLIENT_TIMEOUT_S.",
     413: "The body is over CONVEYOR_MAX_BODY_BYTES; nothing is enqueued.",
-    422: "The request does not fit the schema; `loc` names the field.",
+    422: "The request does not fit the schema, or holds what the wire cannot carry (NaN, "
+    "a lone surrogate, nesting past 64); `loc` names the field.",
     500: "A step failed on this item (never a stack trace).",
     503: "Over capacity, or Redis or an upstream unreachable; retry after Retry-After.",
     504: "The deadline passed before the result.",

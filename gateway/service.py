@@ -24,6 +24,7 @@ from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound
 from pipelines.graph import Pipeline, Registry
 from pipelines.redisio import (
     REDIS_DOWN,
+    PoolExhausted,
     RedisClock,
     connect,
     on_live_connection,
@@ -100,6 +101,8 @@ class Gateway:
         """Whether Redis answers (a stage with no worker is not a readiness failure)."""
         try:
             return bool(await self.client.ping())
+        except PoolExhausted:
+            return True  # saturated, not down: taking it out of rotation would only spread it
         except REDIS_DOWN:
             return False
 
@@ -235,7 +238,11 @@ class Gateway:
         except REDIS_DOWN as exc:
             raise refusal(exc) from exc
         record = {text(k): text(v) for k, v in raw.items()}
-        if not hmac.compare_digest(record.get("owner", "").encode(), owner.encode()):
+        # A record with a pipeline and no owner was written before jobs had owners: it
+        # stays readable as it was (for at most job_ttl_s). One with neither is a worker's
+        # late write after the record expired: nobody's.
+        holder = record.get("owner", owner if "pipeline" in record else "")
+        if not hmac.compare_digest(holder.encode(), owner.encode()):
             raise NotFound(f"no job {job_id!r} (never submitted, or expired)")
         out: dict[str, Any] = {"id": job_id, "pipeline": record["pipeline"]}
         status = record["status"]

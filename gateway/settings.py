@@ -55,3 +55,12 @@ class GatewaySettings(CommonSettings):
     def _comma_list(cls, value: object) -> object:
         # "a,b" as the README writes it, or a JSON list.
         return comma_list(value)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys_not_blank(cls, value: object) -> object:
+        # Set but empty (say `${API_KEYS}` with the variable unset) must not turn
+        # authentication off without a word: off is the variable unset.
+        if isinstance(value, str) and not comma_list(value):
+            raise ValueError("is set but holds no key; unset CONVEYOR_API_KEYS to turn keys off")
+        return value

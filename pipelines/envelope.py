@@ -76,7 +76,7 @@ def wire_problem(value: object, loc: tuple[str | int, ...] = ()) -> WireProblem 
                     if not _utf8(key):
                         return WireProblem(where, "key is not valid Unicode", "lone_surrogate")
                     stack.append((child, (*where, key), depth + 1))
-            elif not _finite_floats(item):
+            elif not _plain(item):
                 stack.extend((child, (*where, i), depth + 1) for i, child in enumerate(item))
         elif isinstance(item, str):
             if not _utf8(item):
@@ -106,10 +106,18 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _finite_floats(items: list[Any] | tuple[Any, ...]) -> bool:
-    """Whether ``items`` is all finite floats, decided in C for the common case (an
-    embedding); False sends the caller through the items one by one."""
-    return set(map(type, items)) == {float} and math.isfinite(sum(items))
+def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether ``items`` are all finite floats, all in-range ints or all valid strings,
+    decided in C for the common cases (an embedding, token ids, a list of texts); False
+    sends the caller through the items one by one."""
+    kinds = set(map(type, items))
+    if kinds == {float}:
+        return math.isfinite(sum(items))  # an overflowing sum only costs the slow path
+    if kinds == {int}:
+        return bool(INT_RANGE[0] <= min(items) and max(items) <= INT_RANGE[1])
+    if kinds == {str}:
+        return _utf8("".join(items))
+    return False
 
 
 class Request(BaseModel):
@@ -130,7 +138,9 @@ class Request(BaseModel):
         stream: the client wants partial output as it is produced (streaming models).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # A newer process's added fields are ignored, so a rolling deploy in either order
+    # keeps working; an incompatible change bumps ``v``, which is refused.
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     v: Literal[1] = 1
     id: str = Field(min_length=1, max_length=128)
@@ -163,7 +173,9 @@ class Reply(BaseModel):
         trace_id: the request's trace id.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # A newer process's added fields are ignored, so a rolling deploy in either order
+    # keeps working; an incompatible change bumps ``v``, which is refused.
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     v: Literal[1] = 1
     id: str

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, get_origin
 
 import pytest
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from gateway.settings import GatewaySettings
@@ -165,7 +166,6 @@ def _list_fields() -> list[tuple[type[BaseSettings], str]]:
         ("k1,k2", ["k1", "k2"]),
         (" k1 , k2 ,", ["k1", "k2"]),
         ('["k1", "k2"]', ["k1", "k2"]),
-        ("", []),
     ],
 )
 @pytest.mark.usefixtures("clean_env")
@@ -180,3 +180,15 @@ def test_every_list_setting_takes_the_comma_form_and_json(
     monkeypatch.setenv(f"{prefix}{field.upper()}", raw)
     settings: Any = cls()
     assert getattr(settings, field) == parsed
+
+
+@pytest.mark.parametrize("raw", ["", " , ", "[]"])
+@pytest.mark.usefixtures("clean_env")
+def test_api_keys_set_but_empty_refuse_to_start(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `CONVEYOR_API_KEYS=${API_KEYS}` with API_KEYS unset once turned authentication off.
+    monkeypatch.setenv("CONVEYOR_API_KEYS", raw)
+    with pytest.raises(ValidationError, match="holds no key"):
+        GatewaySettings()
+    monkeypatch.setenv("CONVEYOR_CORS_ORIGINS", raw)  # an empty origin list is just off
+    monkeypatch.delenv("CONVEYOR_API_KEYS")
+    assert GatewaySettings().cors_origins == []

@@ -178,7 +178,10 @@ class Worker:
                     # What the group held is gone with it; what comes next must not be.
                     logger.warning("stage %s: %s; re-creating the stream's group",
                                    self.stage.name, exc)  # fmt: skip
-                    await self._ensure_stream()
+                    try:
+                        await self._ensure_stream()
+                    except REDIS_DOWN:  # gone again: the next read backs off
+                        await asyncio.sleep(backoff)
                     continue
                 if self._fatal is not None:
                     raise self._fatal
@@ -266,6 +269,9 @@ class Worker:
             try:
                 req = decode_request(fields)
             except EnvelopeError:
+                who = sender(fields)
+                if who is not None:
+                    self.router.fail_unreadable(out, who, message)
                 continue
             self.router.fail(out, req, "error", message, status=500, now=now)
             logger.error("stage %s: request %s dead-lettered: %s", self.stage.name, req.id, message)
@@ -370,6 +376,7 @@ class Worker:
         live: list[tuple[Request, Item]] = []
         letters: list[tuple[str, dict[FieldT, EncodableT]]] = []
         dropped: list[str] = []
+        seen: set[str] = set()
         for eid, fields in entries:
             try:
                 req = decode_request(fields)
@@ -379,10 +386,15 @@ class Worker:
                 # it cannot poison the stage, kept as a dead letter, and its caller told.
                 letter_, answered = self._unreadable(out, eid, fields, exc)
                 letters.append(letter_)
-                record.outcomes["error"] += 1
                 if not answered:  # an answered one counts its error with its reply
                     dropped.append(self.keys.dropped(self.stage.name, eid.decode()))
                 continue
+            marker = self.keys.done(req.id, req.step)
+            if marker in seen:
+                # The same request twice in one batch (an enqueue retried after a lost
+                # answer): one run, one answer; the copy is only acknowledged.
+                continue
+            seen.add(marker)
             record.request_ids.append(req.id)
             record.trace_ids.append(req.trace_id)
             item = self._admit(out, req, now)
@@ -422,10 +434,9 @@ class Worker:
                     self.router.fail_with(out, req, res, done)
                 else:
                     self.router.succeed(out, req, res, done)
-        for reply in out.replies():
-            if reply.outcome != "ok":
-                record.outcomes[reply.outcome] += 1
-        record.outcomes["ok"] = len(entries) - record.outcomes["error"] - record.outcomes["expired"]
+        # Counted as publish counts them: one outcome per request (see Effects.outcome).
+        record.outcomes.update(effects.outcome() for effects in out.effects.values())
+        record.outcomes["error"] += len(dropped)
 
         await publish(
             self._client,

@@ -27,7 +27,7 @@ from pipelines.keys import GROUP
 from pipelines.redisio import on_live_connection
 from workers.route import Effects, Outbox
 
-TOKEN_TTL_S = 300
+TOKEN_TTL_S = 30
 """A publish call's token outlives any retry of it (one, at once) by far."""
 
 DROPPED_TTL_S = 3600
@@ -217,7 +217,7 @@ async def publish(
     for marker, effects in out.effects.items():
         group: list[object] = [plan.key(marker), str(effects.marker_ttl_s)]
         group += _commands(plan, effects, streams, reply_maxlen, job_prefix, job_ttl_s)
-        group.append(["HINCRBY", plan.key(stats_key), f"items:{outcome(effects)}", "1"])
+        group.append(["HINCRBY", plan.key(stats_key), f"items:{effects.outcome()}", "1"])
         plan.groups.append(group)
     for marker in dropped:
         plan.groups.append([plan.key(marker), str(DROPPED_TTL_S),
@@ -251,15 +251,6 @@ async def _run(client: aioredis.Redis, plan: Plan) -> int:
     except NoScriptError:  # first use on this server (or after a restart): EVAL caches it
         skipped = await client.eval(PUBLISH_SCRIPT, len(plan.keys), *plan.keys, *args)
     return int(skipped)
-
-
-def outcome(effects: Effects) -> str:
-    """A request's outcome at this step: its failure reply's, else ``ok`` (answered, or
-    handed on to the next step)."""
-    for _, reply in effects.replies:
-        if reply.outcome != "ok":
-            return reply.outcome
-    return "ok"
 
 
 def _pairs(

@@ -22,7 +22,7 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
 from pipelines.keys import GROUP
-from pipelines.redisio import REDIS_DOWN, text
+from pipelines.redisio import REDIS_DOWN, group_missing, text
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,13 @@ class Heartbeat:
                 await touch(*self.args)
             except REDIS_DOWN as exc:
                 logger.warning("could not refresh in-flight entries: %s", exc)
+            except ResponseError as exc:
+                if not group_missing(exc):
+                    raise
+                # The group is gone (Redis came back empty): nothing of ours is pending to
+                # keep; the batch still publishes, and the read loop re-creates the group.
+                logger.warning("could not refresh in-flight entries: %s", exc)
+                return
             try:
                 await asyncio.wait_for(self._stop.wait(), self.interval_s)
                 return

@@ -53,6 +53,14 @@ class Effects:
     joins: list[JoinArrival] = field(default_factory=list)
     failed_joins: list[tuple[str, int]] = field(default_factory=list)
 
+    def outcome(self) -> str:
+        """The request's outcome at this step: its failure reply's, else ``ok`` (answered,
+        or handed on to the next step)."""
+        for _, reply in self.replies:
+            if reply.outcome != "ok":
+                return reply.outcome
+        return "ok"
+
 
 @dataclass
 class Outbox:

@@ -48,6 +48,9 @@ async def test_a_stale_lag_counter_does_not_refuse_a_drained_stage(
 ) -> None:
     # What replaying an AOF leaves on Redis 7.0: the group's cursor restored, its
     # entries-read counter not, so XINFO GROUPS reports a lag of everything ever delivered.
+    version = str((await redis.info("server"))["redis_version"])
+    if int(version.split(".")[0]) < 7:
+        pytest.skip(f"Redis {version} reports no lag (and has no XSETID ENTRIESADDED)")
     stream = harness.keys.stage_stream("double")
     await ensure_group(redis, stream)
     await harness.enqueue("double", [{"value": i} for i in range(15)])

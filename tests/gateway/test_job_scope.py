@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from pipelines.redisio import text
 from tests.helpers import Doubler, Harness, number_stage, until
@@ -81,3 +82,17 @@ async def test_a_record_without_an_owner_is_nobodys(
     await redis.hset(harness.keys.job("orphan"), mapping={"status": "done", "result": "1"})
     resp = await http.get("/v1/jobs/orphan")
     assert resp.status_code == 404, resp.text
+
+
+async def test_a_job_written_before_owners_stays_readable(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # A record from before jobs had owners (it lives job_ttl_s): readable as it was, so a
+    # deploy does not strand the jobs in flight.
+    http = await harness.gateway([number_stage()], api_keys=["k1"])
+    record: dict[FieldT, EncodableT] = {"status": "queued", "pipeline": "double",
+                                        "deadline": "9999999999"}  # fmt: skip
+    await redis.hset(harness.keys.job("legacy"), mapping=record)
+    resp = await http.get("/v1/jobs/legacy", headers={"X-API-Key": "k1"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["status"] == "queued"

@@ -11,7 +11,7 @@ from tests.helpers import Harness
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
 INVALID = {"$ref": "#/components/schemas/ValidationErrorBody"}
-PIPELINE = {400, 404, 408, 413, 422, 500, 503, 504}
+PIPELINE = {404, 408, 413, 422, 500, 503, 504}
 
 
 def expected(path: str, method: str) -> set[int]:
@@ -25,8 +25,8 @@ def expected(path: str, method: str) -> set[int]:
     if path == "/v1/jobs/{job_id}":
         return {404, 413, 422, 503}
     if path.startswith("/v1/jobs/") or path.endswith("/stream"):
-        return {400, 408, 413, 422, 503}
-    return PIPELINE - ({400, 408} if method == "get" else set())
+        return {408, 413, 422, 503}
+    return PIPELINE - ({408} if method == "get" else set())
 
 
 @pytest.mark.parametrize("keys", [[], ["k1"]])

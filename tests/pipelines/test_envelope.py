@@ -11,6 +11,9 @@ import json
 import math
 from typing import Any
 
+import orjson
+import pytest
+from fastapi import HTTPException
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +29,7 @@ from pipelines.envelope import (
     dumps,
     wire_problem,
 )
+from pipelines.errors import EnvelopeError
 
 # Anything JSON-shaped, hostile leaves included: NaN, infinities, ints of any size,
 # strings with lone surrogates, and deep nesting.
@@ -105,8 +109,8 @@ def test_a_body_the_gateway_parses_is_one_a_worker_decodes(value: Any) -> None:
         return
     try:
         parsed = parse_body(raw)
-    except Exception:
-        return  # refused with a 422: nothing enqueued
+    except (HTTPException, json.JSONDecodeError):
+        return  # refused with a 422: nothing enqueued; anything else would be a 500
     decode_request({FIELD: dumps(envelope(parsed))})
 
 
@@ -117,3 +121,12 @@ def test_depth_bound_is_exact_and_within_the_decoder(depth: int) -> None:
     assert admitted == (depth <= MAX_DEPTH)
     if admitted:
         decode_request({FIELD: dumps(envelope(payload))})
+
+
+def test_a_newer_envelope_with_added_fields_still_decodes() -> None:
+    # A rolling deploy runs a newer gateway beside older workers: its additions are ignored.
+    raw = orjson.loads(dumps(envelope({"x": 1}))) | {"priority": "bulk"}
+    assert decode_request({FIELD: orjson.dumps(raw)}).payload == {"x": 1}
+    newer = orjson.loads(dumps(envelope({"x": 1}))) | {"v": 2}
+    with pytest.raises(EnvelopeError):  # an incompatible version is refused
+        decode_request({FIELD: orjson.dumps(newer)})

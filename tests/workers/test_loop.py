@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from pathlib import Path
 
 import orjson
+import pytest
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from pipelines.embedded import free_port, start_redis
 from pipelines.envelope import FIELD, Request, decode_reply, dumps, encode
 from pipelines.keys import Keys
+from pipelines.model import Item, Result
 from pipelines.redisio import connect, text
 from pipelines.settings import CommonSettings
 from tests.helpers import Doubler, Harness, number_stage, until
@@ -28,10 +31,10 @@ async def test_an_entry_from_another_version_is_answered_and_dead_lettered(
     sent = await harness.enqueue("double", [{"value": v} for v in range(4)])
     good, skewed, as_job, foreign = sent
     stream = harness.keys.stage_stream("double")
-    await redis.delete(stream)  # re-sent below, three of them as a newer gateway writes them
+    await redis.delete(stream)  # re-sent below, three of them in a future envelope version
 
     def newer(request_json: bytes, **changes: object) -> dict[FieldT, EncodableT]:
-        raw = orjson.loads(request_json) | {"priority": "interactive"} | changes
+        raw = orjson.loads(request_json) | {"v": 2} | changes
         return {FIELD: orjson.dumps(raw)}
 
     job_key = harness.keys.job(as_job.id)
@@ -61,18 +64,39 @@ async def test_an_entry_from_another_version_is_answered_and_dead_lettered(
     assert (await redis.xpending(stream, "workers"))["pending"] == 0
 
 
+class Gated:
+    """Doubles ``value``; the first batch waits until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        self.started.set()
+        self.gate.wait(30)
+        return [{"value": i["value"] * 2} for i in items]
+
+
+@pytest.mark.parametrize("when", ["idle", "mid-batch"])
 async def test_worker_outlives_a_redis_restart_that_lost_its_group(
-    tmp_path: Path, namespace: str
+    tmp_path: Path, namespace: str, when: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A restart without persistence (or a FLUSHALL, or a failover to a replica that never
-    # had the group): the worker's read is refused with NOGROUP. It once died of it.
+    # had the group): the worker's read is refused with NOGROUP, and so is the heartbeat
+    # of a batch running at that moment. The worker once died of either.
     port = free_port()
     server = start_redis(port, tmp_path)
     url = f"redis://127.0.0.1:{port}/0"
     client = connect(CommonSettings(redis_url=url))
     keys = Keys(namespace)
-    settings = WorkerSettings(redis_url=url, namespace=namespace, block_ms=100)
-    worker = Worker(number_stage(), settings, Doubler())
+    # One batch at a time, so the read loop cannot re-create the group under a running
+    # batch; heartbeats every 100 ms.
+    settings = WorkerSettings(redis_url=url, namespace=namespace, block_ms=100,
+                              min_idle_ms=300, max_concurrent_batches=1)  # fmt: skip
+    model = Gated()
+    if when == "idle":
+        model.gate.set()
+    worker = Worker(number_stage(), settings, model)
     running = asyncio.create_task(worker.run())
     reply_stream = keys.reply_stream("test")
 
@@ -85,20 +109,33 @@ async def test_worker_outlives_a_redis_restart_that_lost_its_group(
     async def answered(n: int) -> bool:
         return bool(await client.xlen(reply_stream) >= n)
 
+    async def heartbeat_refused() -> bool:
+        return any("NOGROUP" in r.getMessage() for r in caplog.records)
+
     try:
         await send(1)
-        await until(lambda: answered(1), 30)
+        if when == "idle":
+            await until(lambda: answered(1), 30)
+        else:
+            await asyncio.to_thread(model.started.wait, 30)
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=10)
         server = start_redis(port, tmp_path)  # empty: no group, no stream
         await client.aclose()  # the test's own pooled connection died with the server
         client = connect(CommonSettings(redis_url=url))
+        expected = [("r2", {"value": 4})]
+        if when == "mid-batch":
+            await until(heartbeat_refused, 30)
+            model.gate.set()  # the batch ends after its group was lost: it still answers
+            expected.insert(0, ("r1", {"value": 2}))
+            await until(lambda: answered(1), 30)
         await send(2)
-        await until(lambda: answered(1), 30)
+        await until(lambda: answered(len(expected)), 30)
         got = [decode_reply(f or {}) for _, f in await client.xrange(reply_stream) or []]
-        assert [(r.id, r.result) for r in got] == [("r2", {"value": 4})]
+        assert [(r.id, r.result) for r in got] == expected
         assert not running.done()
     finally:
+        model.gate.set()
         worker.stop()
         await asyncio.wait_for(running, 30)
         await worker.close()
