@@ -24,7 +24,7 @@ def main() -> None:
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=10,
-        http=header_deadline_protocol(settings.client_timeout_s),
+        http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
     )
 
 

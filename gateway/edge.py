@@ -221,27 +221,53 @@ async def _send_json(
     await send({"type": "http.response.body", "body": raw})
 
 
-def header_deadline_protocol(timeout_s: float) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with a deadline on each request's headers.
+def _raw_response(status: bytes, detail: str) -> bytes:
+    body = orjson.dumps({"detail": detail})
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)  # fmt: skip
+
+
+def header_deadline_protocol(
+    timeout_s: float, max_header_bytes: int = 65_536
+) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with a deadline on each request's headers, and a bound
+    on their size.
 
     uvicorn bounds only the idle time between requests (``timeout_keep_alive``): a client
     that opens a connection and sends nothing, or sends its headers a byte at a time, holds
-    it forever. With this protocol a request's headers must be complete ``timeout_s`` after
-    the connection opened or the request's first byte arrived; else the client gets 408
-    and the connection is closed (a connection that sent nothing is closed silently).
+    it forever; and httptools buffers a header block of any size. With this protocol a
+    request's headers must be complete ``timeout_s`` after the connection opened or the
+    request's first byte arrived, else the client gets 408 and the connection is closed (a
+    connection that sent nothing is closed silently); and a header block past
+    ``max_header_bytes`` gets 431 and the connection is closed, before it grows further.
 
     Args:
         timeout_s: the deadline (``CONVEYOR_CLIENT_TIMEOUT_S``).
+        max_header_bytes: the bound (``CONVEYOR_MAX_HEADER_BYTES``).
     """
-    late = orjson.dumps({"detail": f"the request headers did not arrive within {timeout_s:g} s"})
-    response = (
-        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-        b"content-length: " + str(len(late)).encode() + b"\r\nconnection: close\r\n\r\n" + late
+    response = _raw_response(
+        b"408 Request Timeout", f"the request headers did not arrive within {timeout_s:g} s"
+    )
+    too_large = _raw_response(
+        b"431 Request Header Fields Too Large",
+        f"the request headers are larger than {max_header_bytes} bytes",
     )
 
     class HeaderDeadlineProtocol(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
         _begun = False  # bytes of the next request have arrived
+        _in_headers = True  # what arrives now is (or starts) a header block
+        _header_bytes = 0
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_headers:
+                self._header_bytes += len(data)
+            super().data_received(data)
+            # Judged after parsing: a chunk that completes the headers may carry the body.
+            over = self._in_headers and self._header_bytes > max_header_bytes
+            if over and not self.transport.is_closing():
+                self.transport.write(too_large)
+                self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -250,10 +276,11 @@ def header_deadline_protocol(timeout_s: float) -> type[HttpToolsProtocol]:
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._begun = True
+            self._in_headers, self._header_bytes = True, 0
             self._arm()
 
         def on_headers_complete(self) -> None:
-            self._begun = False
+            self._begun = self._in_headers = False
             self._disarm()
             super().on_headers_complete()
 

@@ -62,6 +62,7 @@ class Gateway:
             settings.admission_headroom,
         )
         self._task: asyncio.Task[None] | None = None
+        self._withdrawals: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Start the reply loop; Redis being down is not fatal (requests get 503)."""
@@ -82,6 +83,9 @@ class Gateway:
             if not done:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._withdrawals:  # each retries until Redis answers; not past a stop
+            task.cancel()
+        await asyncio.gather(*self._withdrawals, return_exceptions=True)
         try:  # nobody will read it again; without this it lingers until its TTL
             await self.client.delete(self.reply_stream)
         except REDIS_DOWN as exc:
@@ -164,6 +168,8 @@ class Gateway:
             reply_to=reply_to,
             trace_id=trace_id or new_request_id(),
             stream=stream,
+            # The write's answer is awaited at most this long; past it the client hears 503.
+            enqueue_by=self.clock.now() + self.settings.redis_timeout_s,
         )
         stage_stream = self.keys.stage_stream(entry.stage.name)
 
@@ -184,9 +190,43 @@ class Gateway:
             # Safe to repeat (see on_live_connection): a request enqueued twice runs twice
             # but publishes once.
             await on_live_connection(self.client, write)
+        except PoolExhausted as exc:
+            raise refusal(exc) from exc  # nothing was sent
         except REDIS_DOWN as exc:
+            # The write may have been sent and still run (Redis stalled, not gone): the
+            # client is told 503, so the request must never take effect.
+            self._withdraw(request, timeout_s)
             raise refusal(exc) from exc
         return request
+
+    def _withdraw(self, request: Request, timeout_s: float) -> None:
+        """Clean up after a request refused when its write went unanswered.
+
+        Should the write still land (Redis stalled, not gone), a worker drops the entry
+        (it arrived after ``request.enqueue_by``), but a job's record would stay behind,
+        "queued" under an id nobody was given. So, in the background until Redis answers
+        (at most until the request's deadline has long passed), the record is deleted and
+        the entry step's done marker set, which also stops a publish (workers/publish.py)
+        should the write have landed just before the gateway gave up."""
+        marker = self.keys.done(request.id, request.step)
+        ttl = int(timeout_s) + 120  # past anything a worker could still publish for it
+
+        async def withdraw() -> None:
+            while self.clock.now() < request.deadline + 60:
+                try:
+                    pipe = self.client.pipeline(transaction=True)
+                    pipe.set(marker, "withdrawn", ex=ttl)
+                    if request.reply_to.startswith(self.keys.job_prefix):
+                        pipe.delete(request.reply_to)
+                    await pipe.execute()
+                    return
+                except REDIS_DOWN as exc:
+                    logger.debug("request %s: withdrawal waits for redis: %s", request.id, exc)
+                    await asyncio.sleep(0.5)
+
+        task = asyncio.create_task(withdraw(), name=f"withdraw-{request.id}")
+        self._withdrawals.add(task)
+        task.add_done_callback(self._withdrawals.discard)
 
     async def call(
         self, pipeline: Pipeline, payload: dict[str, Any], timeout_s: float, trace_id: str | None

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from pipelines.settings import CommonSettings, comma_list
+from pipelines.settings import MAX_DEADLINE_S, CommonSettings, comma_list
 
 
 class GatewaySettings(CommonSettings):
@@ -33,14 +33,17 @@ class GatewaySettings(CommonSettings):
             opening the connection (or of starting the request), and its body within this
             long of the headers; else 408 and the connection is closed (a connection that
             sent nothing is closed silently). Bounds what slow clients can hold open.
+        max_header_bytes: a request whose header block grows past this gets 431 and the
+            connection is closed.
     """
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     max_body_bytes: int = Field(default=1_048_576, ge=1)
-    default_timeout_s: float = Field(default=30.0, gt=0)
-    max_timeout_s: float = Field(default=300.0, gt=0)
-    job_timeout_s: float = Field(default=3600.0, gt=0)
+    # Finite and at most 30 days: a deadline becomes a key's expiry, which Redis bounds.
+    default_timeout_s: float = Field(default=30.0, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False)
+    max_timeout_s: float = Field(default=300.0, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False)
+    job_timeout_s: float = Field(default=3600.0, gt=0, le=MAX_DEADLINE_S, allow_inf_nan=False)
     max_backlog: int | None = Field(default=None, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
     admission_refresh_ms: float = Field(default=50.0, ge=0)
@@ -49,6 +52,7 @@ class GatewaySettings(CommonSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     client_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    max_header_bytes: int = Field(default=65_536, ge=1024)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -216,7 +216,11 @@ async def _dlq_async(action: str, stage: str, entry_id: str | None, timeout_s: f
             for eid, fields in entries:
                 req = decode_request(fields)  # undecodable letters cannot be replayed
                 again = req.model_copy(
-                    update={"attempt": req.attempt + 1, "deadline": clock.now() + timeout_s}
+                    update={
+                        "attempt": req.attempt + 1,
+                        "deadline": clock.now() + timeout_s,
+                        "enqueue_by": None,
+                    }
                 )
                 pipe = client.pipeline(transaction=True)
                 pipe.xadd(keys.stage_stream(stage), encode(again))

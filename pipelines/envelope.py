@@ -136,6 +136,9 @@ class Request(BaseModel):
         attempt: how many times this request has been delivered before (0 first).
         trace_id: carried unchanged through every stage and log line.
         stream: the client wants partial output as it is produced (streaming models).
+        enqueue_by: when the gateway stops waiting for its write (Redis clock): an entry
+            that arrived later (its stream id says when) was refused to its client with a
+            503 and must never take effect.
     """
 
     # A newer process's added fields are ignored, so a rolling deploy in either order
@@ -154,6 +157,7 @@ class Request(BaseModel):
     attempt: int = 0
     trace_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     stream: bool = False
+    enqueue_by: float | None = None
 
 
 class Reply(BaseModel):

@@ -9,6 +9,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipelines.keys import Keys
 
+MAX_DEADLINE_S = 30 * 86_400
+"""The longest time budget a request may have (30 days)."""
+
 
 class CommonSettings(BaseSettings):
     """What every process needs to reach Redis. Read from ``CONVEYOR_*`` variables.

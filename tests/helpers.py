@@ -176,7 +176,7 @@ class Harness:
         config = uvicorn.Config(
             create_app(settings, registry),
             log_level="warning",
-            http=header_deadline_protocol(settings.client_timeout_s),
+            http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
         )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))

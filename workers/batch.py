@@ -6,6 +6,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
 
 from pipelines.envelope import wire_problem
 from pipelines.errors import BatchContractError, InvalidInput
@@ -79,6 +82,26 @@ class BatchRecord:
     trace_ids: list[str] = field(default_factory=list)
 
 
+def plain(value: Any) -> Any:
+    """``value`` with numpy's and torch's scalars and arrays (anything with ``tolist``)
+    and subclasses of ``float`` and ``int`` turned into plain Python, as a model's
+    results often hold them; anything else is left for :func:`wire_problem` to name."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, str | bytes | bool) or value is None:
+        return value
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return plain(tolist())
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, int):
+        return int(value)
+    return value
+
+
 def checked(res: Result | BaseException) -> Result | BaseException:
     """The result, or an error in its place when it is not a JSON object an envelope can
     carry (checked per item, so one bad value cannot fail the whole publish)."""
@@ -87,8 +110,20 @@ def checked(res: Result | BaseException) -> Result | BaseException:
     if not isinstance(res, dict):
         return TypeError(f"result is {type(res).__name__}, not an object")
     problem = wire_problem(res)
-    if problem is None:
-        return res
+    if problem is None or problem.type == "json_type":
+        try:
+            orjson.dumps(res)  # a float subclass (numpy's) passes the check, not every encoder
+            if problem is None:
+                return res
+        except TypeError:
+            pass
+        try:
+            res = plain(res)
+        except RecursionError:
+            return TypeError("result is nested too deep")
+        problem = wire_problem(res)
+        if problem is None:
+            return res
     where = ".".join(map(str, problem.loc)) or "the result"
     # Usually the input's doing (1e308 doubled is infinite), so the client hears 422.
     return InvalidInput(

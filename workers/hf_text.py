@@ -299,11 +299,15 @@ class Generator(HFRunner):
         """:meth:`predict`, calling ``emit(row, text_so_far)`` as each row grows.
 
         Each row of the batch streams on its own; the text is decoded whole each time, so
-        a token that only completes a character with the next one is never cut in half.
+        a token that only completes a character with the next one is never cut in half. A
+        byte-level tokenizer (GPT-2's) decodes half a character as U+FFFD, which the next
+        token turns into the character: a trailing U+FFFD is held back until then, so what
+        was emitted is always the start of what comes next.
         """
 
         def on_tokens(index: int, ids: list[int]) -> None:
-            emit(index, str(self.tokenizer.decode(ids, skip_special_tokens=True)))
+            text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            emit(index, text.rstrip("\ufffd"))
 
         return [
             {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}

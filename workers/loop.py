@@ -389,6 +389,12 @@ class Worker:
                 if not answered:  # an answered one counts its error with its reply
                     dropped.append(self.keys.dropped(self.stage.name, eid.decode()))
                 continue
+            if req.enqueue_by is not None and entry_ms(eid) / 1000 > req.enqueue_by:
+                # Written after its gateway gave up on the write (Redis stalled) and told
+                # the client 503: running it would answer a request the client may resend.
+                logger.warning("stage %s: request %s arrived after its gateway refused it; "
+                               "dropped", self.stage.name, req.id)  # fmt: skip
+                continue
             marker = self.keys.done(req.id, req.step)
             if marker in seen:
                 # The same request twice in one batch (an enqueue retried after a lost
@@ -425,6 +431,8 @@ class Worker:
                 self.policy.cost.observe(len(live), record.run_s)
             done = self.clock.now()
             for (req, _), res in zip(live, results, strict=True):
+                if self.router.late(out, req, done):
+                    continue
                 res = checked(res)
                 if isinstance(res, BaseException):
                     logger.warning(

@@ -17,9 +17,15 @@ from pipelines.envelope import Outcome, Reply, Request, Sender, dumps, wire_prob
 from pipelines.errors import ConveyorError, InvalidInput, http_status
 from pipelines.graph import End, Pipeline, Registry, Step
 from pipelines.keys import Keys
+from pipelines.settings import MAX_DEADLINE_S
 
 JOIN_GRACE_S = 60
-"""Join state outlives the request's deadline by this much, then expires."""
+"""Join state and "done" markers outlive the request's deadline by this much, then expire."""
+
+LATE_S = JOIN_GRACE_S / 2
+"""A result this long past its deadline is dropped unpublished: the marker that would stop
+a second publish of it (another worker already answered) may have expired. Half the grace
+leaves room for the truncated TTL and for clocks."""
 
 
 @dataclass
@@ -152,6 +158,17 @@ class Router:
         effects.replies.append((who.reply_to, reply))
         return True
 
+    def late(self, out: Outbox, req: Request, now: float) -> bool:
+        """Whether ``req``'s result comes too late to deliver: past its deadline the caller
+        was told 504 (a job reads "expired"), so it ends expired, never ``ok``; well past
+        it, nothing is published at all (see :data:`LATE_S`)."""
+        if now <= req.deadline:
+            return False
+        if now <= req.deadline + LATE_S:
+            self.fail(out, req, "expired", "deadline passed while the step ran", status=504,
+                      now=now)  # fmt: skip
+        return True
+
     def fail_with(self, out: Outbox, req: Request, exc: BaseException, now: float) -> None:
         """End the request with the error ``exc`` raised while running its step."""
         self.fail(
@@ -207,9 +224,10 @@ class Router:
     def _next(
         self, req: Request, step: Step, payload: dict[str, Any], ctx: dict[str, Any]
     ) -> Request:
-        return req.model_copy(
-            update={"stage": step.stage.name, "step": step.name, "payload": payload, "state": ctx}
-        )
+        # enqueue_by bounds the gateway's own write only; a hand-over is never late.
+        update = {"stage": step.stage.name, "step": step.name, "payload": payload,
+                  "state": ctx, "enqueue_by": None}  # fmt: skip
+        return req.model_copy(update=update)
 
     def _arrive(
         self,
@@ -236,4 +254,6 @@ class Router:
 
     @staticmethod
     def _ttl(req: Request, now: float) -> int:
-        return max(1, int(req.deadline - now)) + JOIN_GRACE_S
+        # Bounded whatever the envelope says (a foreign writer, a replay): Redis refuses an
+        # expiry past its range, and the whole batch's publish with it.
+        return min(max(1, int(req.deadline - now)), MAX_DEADLINE_S) + JOIN_GRACE_S
