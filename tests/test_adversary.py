@@ -523,6 +523,12 @@ async def test_dlq_replay_skips_an_undecodable_letter_and_replays_the_rest(
     done = await asyncio.to_thread(conveyor, "dlq", "replay", "double", **env)
     assert await redis.xlen(stream) == before + 1, (done.returncode, done.stderr[-300:])
     assert "replayed 1" in done.stdout, (done.stdout, done.stderr[-300:])
+    assert done.returncode == 0, done.stderr[-300:]
+    assert "skipped 1 undecodable dead letter(s)" in done.stderr, done.stderr[-300:]
+    listing = await asyncio.to_thread(conveyor, "dlq", "list", "double", **env)
+    assert listing.returncode == 0, listing.stderr[-300:]
+    assert "undecodable entry" in listing.stdout, listing.stdout
+    assert "1 dead letter(s)" in listing.stdout, listing.stdout
 
 
 # --------------------------------------------------------------------------------------
