@@ -200,6 +200,51 @@ def _route_nowhere(output: dict[str, Any], ctx: dict[str, Any]) -> str | End:
             "steps ['b'] cannot be reached",
         ),
         ((function("a", lambda p: p, routes_to=("a",)),), "has routes_to but no route"),
+        (
+            (
+                function("a", lambda p: p, then=("b", "c")),
+                function("b", lambda p: p),
+                function("c", lambda p: p),
+            ),
+            "step 'a' fans out to ['b', 'c'], which must be exactly the branches of one join",
+        ),
+        (
+            (
+                function("a", lambda p: p, route=_route_nowhere, routes_to=("x", "y")),
+                function("x", lambda p: p, then="b"),
+                function("y", lambda p: p, then="c"),
+                function("b", lambda p: p, then="j"),
+                function("c", lambda p: p, then="j"),
+                function("j", lambda p: p, join=("b", "c")),
+            ),
+            "step 'x' leads to 'b' alone, a branch of join 'j', which would wait forever",
+        ),
+        (
+            (
+                function("a", lambda p: p, route=_route_nowhere, routes_to=("b", "d")),
+                function("b", lambda p: p, then="j"),
+                function("c", lambda p: p, then="j"),
+                function("d", lambda p: p, then=("b", "c")),
+                function("j", lambda p: p, join=("b", "c")),
+            ),
+            "route of 'a' may choose 'b', a branch of join 'j'",
+        ),
+        (
+            (
+                function("a", lambda p: p, then=("b", "c")),
+                function("b", lambda p: p, route=_route_nowhere, routes_to=("j",)),
+                function("c", lambda p: p, then="j"),
+                function("j", lambda p: p, join=("b", "c")),
+            ),
+            "join 'j' waits for 'b', which must lead to 'j' and nowhere else (by then=",
+        ),
+        (
+            (
+                function("a", lambda p: p, then="b", route=_route_nowhere, routes_to=("b",)),
+                function("b", lambda p: p),
+            ),
+            "step 'a' has both then and route",
+        ),
         ((function("input", lambda p: p),), "step name 'input' is taken"),
     ],
 )
@@ -207,6 +252,26 @@ def test_graph_is_validated_when_built(steps: tuple[Any, ...], message: str) -> 
     with pytest.raises(ConfigError, match="pipeline 'p'") as err:
         Pipeline("p", ValueIn, steps)
     assert message in str(err.value)
+
+
+def _one_branch(output: dict[str, Any], ctx: dict[str, Any]) -> str | tuple[str, ...]:
+    return ctx["input"]["pick"]  # type: ignore[no-any-return]
+
+
+def test_a_route_picks_one_step_or_one_joins_branches_together() -> None:
+    pipeline = Pipeline("p", ValueIn, (
+        function("a", lambda p: p, route=_one_branch, routes_to=("b", "c", "d")),
+        function("b", lambda p: p, then="j"),
+        function("c", lambda p: p, then="j"),
+        function("d", lambda p: p),
+        function("j", lambda p: p, join=("b", "c")),
+    ))  # fmt: skip
+    a = pipeline.step("a")
+    for pick in ("d", ("c", "b"), ()):
+        assert pipeline.after(a, {}, {"input": {"pick": pick}}) in (("d",), ("c", "b"), ())
+    for pick in ("b", ("b", "d"), ("d", "d")):  # j would wait forever; two answers
+        with pytest.raises(ConfigError, match="a route picks one step, or all the branches"):
+            pipeline.after(a, {}, {"input": {"pick": pick}})
 
 
 async def test_route_outside_its_declared_targets_is_a_clear_error(harness: Harness) -> None:
