@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pipelines.builtin import ADDER, MULTIPLIER, ValueIn, builtin_pipelines
-from pipelines.envelope import Request, decode_request
+from pipelines.envelope import Request, decode_reply, decode_request, encode
 from pipelines.errors import ConfigError
 from pipelines.graph import End, Pipeline, Registry, function, model
 from pipelines.keys import GROUP
@@ -109,6 +110,46 @@ async def test_branch_error_ends_the_request_and_join_never_fires(
 
     await until(good_branch_done)
     assert await redis.xlen(harness.keys.stage_stream("fragile.join")) == 0
+
+
+def _boom_too(payload: dict[str, Any]) -> dict[str, Any]:
+    raise RuntimeError("the other branch exploded too")
+
+
+async def test_both_branches_failing_answer_the_request_once(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # Each failing branch ends the request; between them they answer it once (the first
+    # to publish), and each stage counts the error it had: one items:error per stage.
+    registry = Registry([Pipeline("doomed", ValueIn, (
+        function("start", lambda p: p, then=("left", "right")),
+        function("left", _boom, then="join"),
+        function("right", _boom_too, then="join"),
+        function("join", lambda p: p, join=("left", "right")),
+    ))])  # fmt: skip
+    replies = harness.keys.reply_stream("test")
+    req = Request(id=uuid.uuid4().hex, pipeline="doomed", stage="doomed.start", step="start",
+                  payload={"value": 1}, state={"input": {"value": 1}},
+                  deadline=time.time() + 60, reply_to=replies)  # fmt: skip
+    await redis.xadd(harness.keys.stage_stream("doomed.start"), encode(req))
+    workers = {step: harness.worker(registry.stage(f"doomed.{step}"), registry=registry)
+               for step in ("start", "left", "right")}  # fmt: skip
+    await workers["start"].run(burst=True)
+    (right,) = await redis.xrange(harness.keys.stage_stream("doomed.right")) or []
+    await workers["left"].run(burst=True)
+    await workers["right"].run(burst=True)
+    # the right branch run again (a slow worker and the one that reclaimed it)
+    await redis.xadd(harness.keys.stage_stream("doomed.right"), right[1])
+    await workers["right"].run(burst=True)
+
+    got = [decode_reply(f or {}) for _, f in await redis.xrange(replies) or []]
+    assert [(r.id, r.outcome, r.status) for r in got] == [(req.id, "error", 500)]
+    assert "branch exploded" in (got[0].error or "")  # the first to fail answered
+    for stage in ("doomed.left", "doomed.right"):
+        items = {k: v for k, v in (await harness.stats(stage)).items() if k.startswith("items:")}
+        assert items == {"items:error": 1}, (stage, items)
+    assert (await harness.stats("doomed.start"))["items:ok"] == 1
+    assert await redis.xlen(harness.keys.stage_stream("doomed.join")) == 0
 
 
 async def test_join_fires_exactly_once_under_concurrent_arrivals(
