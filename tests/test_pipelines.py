@@ -139,7 +139,8 @@ async def test_both_branches_failing_answer_the_request_once(
     await workers["left"].run(burst=True)
     await workers["right"].run(burst=True)
     # the right branch run again (a slow worker and the one that reclaimed it)
-    await redis.xadd(harness.keys.stage_stream("doomed.right"), right[1])
+    again = decode_request(right[1] or {})
+    await redis.xadd(harness.keys.stage_stream("doomed.right"), encode(again))
     await workers["right"].run(burst=True)
 
     got = [decode_reply(f or {}) for _, f in await redis.xrange(replies) or []]
