@@ -1,4 +1,4 @@
-"""The ``conveyor`` command: ``up``, ``gateway``, ``worker``, ``status``.
+"""The ``conveyor`` command: ``up``, ``gateway``, ``worker``, ``status``, ``graph``, ``dlq``.
 
 ``up`` supervises separate processes (an embedded redis-server, one gateway, the
 workers) exactly as a deployment runs them; ``gateway`` and ``worker`` run one process
@@ -9,33 +9,78 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
+import re
 import runpy
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipelines.app import load_registry
 from pipelines.embedded import free_port, start_redis
 from pipelines.envelope import decode_request, encode
-from pipelines.errors import ConveyorError, EnvelopeError
+from pipelines.errors import ConfigError, ConveyorError, EnvelopeError
 from pipelines.graph import Registry
 from pipelines.redisio import RedisClock, connect, text
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from pipelines.stats import stage_status
 
+_STREAM_ID = re.compile(r"^[0-9]+(-[0-9]+)?$")
+
 
 class _Stop(Exception):
     """Raised by the signal handler to end ``up``'s wait."""
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in [low, high], else a usage error naming the flag
+    (exit 2 before anything starts)."""
+
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            within = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{value} is not {within}")
+        return value
+
+    return parse
+
+
+def _seconds(raw: str) -> float:
+    """An argparse ``type``: a finite number of seconds above 0."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a finite number of seconds above 0")
+    return value
+
+
+def _stream_id(raw: str | None) -> str | None:
+    """``--id`` of ``dlq``, checked before Redis sees it: a stream entry id
+    (``<ms>-<seq>`` or ``<ms>``), as ``dlq list`` prints them."""
+    if raw is not None and not _STREAM_ID.match(raw):
+        raise ConfigError(
+            f"--id {raw!r} is not a stream entry id (<ms>-<seq>, as `conveyor dlq list` "
+            "prints them)"
+        )
+    return raw
 
 
 def _run_module(module: str, argv: list[str], env: dict[str, str]) -> None:
@@ -64,7 +109,6 @@ def _is_function(stage: Stage) -> bool:
 
 def _up(args: argparse.Namespace) -> int:
     from pipelines import autoscale
-    from pipelines.errors import ConfigError
 
     env = dict(os.environ)
     env["CONVEYOR_HOST"] = args.host
@@ -191,6 +235,7 @@ async def _status_async() -> int:
 
 
 async def _dlq_async(action: str, stage: str, entry_id: str | None, timeout_s: float) -> int:
+    entry_id = _stream_id(entry_id)
     settings = CommonSettings()
     keys = settings.keys
     client = connect(settings)
@@ -213,8 +258,13 @@ async def _dlq_async(action: str, stage: str, entry_id: str | None, timeout_s: f
             clock = RedisClock()
             await clock.calibrate(client)
             replayed = 0
+            skipped: list[str] = []
             for eid, fields in entries:
-                req = decode_request(fields)  # undecodable letters cannot be replayed
+                try:
+                    req = decode_request(fields)
+                except EnvelopeError:  # nothing to run: left where it is, reported below
+                    skipped.append(text(eid))
+                    continue
                 again = req.model_copy(
                     update={
                         "attempt": req.attempt + 1,
@@ -230,6 +280,12 @@ async def _dlq_async(action: str, stage: str, entry_id: str | None, timeout_s: f
                 await pipe.execute()
                 replayed += 1
             print(f"replayed {replayed} dead letter(s) to {keys.stage_stream(stage)}")
+            if skipped:
+                print(
+                    f"conveyor: skipped {len(skipped)} undecodable dead letter(s), left in "
+                    f"{dlq} (`conveyor dlq list {stage}` shows why): {', '.join(skipped)}",
+                    file=sys.stderr,
+                )
         else:
             removed = await client.xdel(dlq, *[eid for eid, _ in entries]) if entries else 0
             print(f"purged {removed} dead letter(s) from {dlq}")
@@ -244,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="embedded redis (unless CONVEYOR_REDIS_URL), gateway, workers")
     up.add_argument("--host", default=os.environ.get("CONVEYOR_HOST", "127.0.0.1"))
-    up.add_argument("--port", type=int, default=int(os.environ.get("CONVEYOR_PORT", "8000")))
+    port = _int_in(0, 65535)
+    # A string default goes through ``type`` too: a bad CONVEYOR_PORT is a usage error.
+    up.add_argument("--port", type=port, default=os.environ.get("CONVEYOR_PORT", "8000"))
     up.add_argument(
         "--pipelines",
         help="comma-separated pipelines to serve (default: every built-in but echo, "
@@ -253,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--app", help="module:attribute of your Pipeline(s), like `serve run`")
     up.add_argument(
         "--replicas",
-        type=int,
+        type=_int_in(1, 1000),
         help="worker processes per model stage (with --autoscale: of the function stages)",
     )
     up.add_argument(
@@ -262,11 +320,15 @@ def main(argv: list[str] | None = None) -> None:
         help="grow and shrink each model stage's workers with its backlog "
         "(further settings: CONVEYOR_AUTOSCALE_*, see pipelines/autoscale.py)",
     )
-    up.add_argument("--min-workers", type=int, help="autoscale: fewest per model stage (1)")
-    up.add_argument("--max-workers", type=int, help="autoscale: most per model stage (4)")
+    up.add_argument(
+        "--min-workers", type=_int_in(0, 1000), help="autoscale: fewest per model stage (1)"
+    )
+    up.add_argument(
+        "--max-workers", type=_int_in(1, 1000), help="autoscale: most per model stage (4)"
+    )
     up.add_argument(
         "--target-backlog",
-        type=int,
+        type=_int_in(1),
         help="autoscale: undelivered + in-flight items per worker (the stage's max batch size)",
     )
     graph = sub.add_parser("graph", help="print a pipeline's graph")
@@ -274,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     graph.add_argument("--app", help="module:attribute of your Pipeline(s)")
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
-    gw.add_argument("--port", type=int)
+    gw.add_argument("--port", type=port)
     wk = sub.add_parser("worker", help="run a worker for STAGE (or several: a,b)")
     wk.add_argument("stage")
     sub.add_parser("status", help="per stage: length, lag, pending, consumers, idle")
@@ -282,13 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     dlq.add_argument("action", choices=["list", "replay", "purge"])
     dlq.add_argument("stage")
     dlq.add_argument("--id", help="only this dead-letter entry")
-    dlq.add_argument("--timeout", type=float, default=300.0,
+    dlq.add_argument("--timeout", type=_seconds, default=300.0,
                      help="deadline of a replayed request, seconds from now")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            if args.replicas is not None and args.replicas < 1:
-                parser.error("--replicas must be >= 1")
             sys.exit(_up(args))
         elif args.command == "gateway":
             env = {
@@ -308,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(asyncio.run(_status_async()))
     except ConveyorError as exc:
         print(f"conveyor: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except ResponseError as exc:  # a command Redis refused: its reason is the message
+        print(f"conveyor: Redis refused the command: {exc}", file=sys.stderr)
         sys.exit(2)
     except (RedisConnectionError, RedisTimeoutError) as exc:
         url = os.environ.get("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0 (the default)")

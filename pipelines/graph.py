@@ -11,6 +11,13 @@ function stage (plain sync or async Python, private to its pipeline). Edges:
   tuple of names (fan-out), or :class:`End` to finish the request with a response.
   ``routes_to`` lists the names it may return, so the graph can be checked and drawn.
 
+A request ends exactly once, so the graph is held to one rule, checked when the pipeline
+is built: a step hands over to one step, or fans out to exactly the branches of one join
+(then every branch leads to that join and nowhere else, by ``then``, never by a route
+that could end the request on the side). A route picks one of ``routes_to``, or all of one
+join's branches at once (a fan-out): ``routes_to`` holds every branch of a join it names,
+and a choice that is neither one step nor one join's branches fails the request.
+
 A step's input is built from the request's context: ``ctx["input"]`` is the validated
 request and ``ctx[step]`` each finished step's output. By default a step takes the
 output of the step before it (the request for the first step; for a join step, the
@@ -142,8 +149,9 @@ class Pipeline:
 
     Raises:
         ConfigError: at construction, naming the step, for an unknown successor, a
-            cycle, a join whose branches do not all lead to it, or a step that cannot
-            be reached.
+            cycle, a join whose branches do not all lead to it (and only to it), a
+            fan-out that is not exactly one join's branches, or a step that cannot be
+            reached (see the module doc).
     """
 
     name: str
@@ -193,13 +201,21 @@ class Pipeline:
                     raise ConfigError(f"{where}: step {step.name!r} leads to unknown {succ!r}")
             if step.route is None and step.routes_to:
                 raise ConfigError(f"{where}: step {step.name!r} has routes_to but no route")
+            if step.route is not None and step.then:
+                raise ConfigError(
+                    f"{where}: step {step.name!r} has both then and route; "
+                    "its route picks the next step (list them in routes_to)"
+                )
+            if len(set(step.join)) != len(step.join):
+                raise ConfigError(f"{where}: join {step.name!r} names a branch twice")
             for branch in step.join:
                 if branch not in self.by_name:
                     raise ConfigError(f"{where}: join {step.name!r} waits for unknown {branch!r}")
-                if self.by_name[branch].successors != (step.name,):
+                if self.by_name[branch].then != (step.name,) or self.by_name[branch].route:
                     raise ConfigError(
                         f"{where}: join {step.name!r} waits for {branch!r}, "
-                        f"which must lead to {step.name!r} and nowhere else"
+                        f"which must lead to {step.name!r} and nowhere else (by then=, "
+                        "not a route: ending the request there would answer it twice)"
                     )
             feeders = {s.name for s in self.steps if step.name in s.successors}
             if step.join and feeders != set(step.join):
@@ -207,7 +223,46 @@ class Pipeline:
                     f"{where}: join {step.name!r} is fed by {sorted(feeders)}, "
                     f"but waits for {sorted(step.join)}"
                 )
+        for step in self.steps:
+            self._check_hand_over(where, step)
         self._check_acyclic_and_reachable(where)
+
+    def _join_of(self, branch: str) -> Step | None:
+        """The join that ``branch`` is a branch of, if any."""
+        return next((s for s in self.steps if branch in s.join), None)
+
+    def _fans_out_to_one_join(self, names: tuple[str, ...]) -> bool:
+        join = self._join_of(names[0]) if names else None
+        return join is not None and sorted(names) == sorted(join.join)
+
+    def _check_hand_over(self, where: str, step: Step) -> None:
+        """A request ends once: a step hands over to one step, or to exactly the
+        branches of one join (each of which meets the others there)."""
+        if step.route is None:
+            split = len(step.then) > 1 or any(self._join_of(n) for n in step.then)
+            if split and not self._fans_out_to_one_join(step.then):
+                if len(step.then) == 1:
+                    join = self._join_of(step.then[0])
+                    assert join is not None
+                    raise ConfigError(
+                        f"{where}: step {step.name!r} leads to {step.then[0]!r} alone, a "
+                        f"branch of join {join.name!r}, which would wait forever for the "
+                        f"others; fan out to all of {list(join.join)}"
+                    )
+                raise ConfigError(
+                    f"{where}: step {step.name!r} fans out to {list(step.then)}, which must "
+                    "be exactly the branches of one join (join=...): each branch that "
+                    "finished on its own would answer the request again"
+                )
+            return
+        for name in step.routes_to:
+            join = self._join_of(name)
+            if join is not None and not set(join.join) <= set(step.routes_to):
+                raise ConfigError(
+                    f"{where}: route of {step.name!r} may choose {name!r}, a branch of join "
+                    f"{join.name!r}, so its routes_to must hold all of {list(join.join)} "
+                    "(chosen together, as a fan-out)"
+                )
 
     def _check_acyclic_and_reachable(self, where: str) -> None:
         state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -271,6 +326,12 @@ class Pipeline:
             raise ConfigError(
                 f"pipeline {self.name!r}: route of {step.name!r} chose {unknown}, "
                 f"not among routes_to {list(step.routes_to)}"
+            )
+        single = len(names) == 1 and self._join_of(names[0]) is None
+        if names and not single and not self._fans_out_to_one_join(names):
+            raise ConfigError(
+                f"pipeline {self.name!r}: route of {step.name!r} chose {list(names)}: "
+                "a route picks one step, or all the branches of one join at once"
             )
         return names
 

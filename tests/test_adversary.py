@@ -26,7 +26,8 @@ from pydantic import ValidationError
 from gateway.settings import GatewaySettings
 from pipelines.embedded import free_port, start_redis
 from pipelines.envelope import decode_reply
-from pipelines.graph import Pipeline, Registry, function
+from pipelines.errors import ConfigError
+from pipelines.graph import Pipeline, function
 from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.settings import MAX_DEADLINE_S
@@ -553,6 +554,12 @@ async def test_dlq_replay_skips_an_undecodable_letter_and_replays_the_rest(
     done = await asyncio.to_thread(conveyor, "dlq", "replay", "double", **env)
     assert await redis.xlen(stream) == before + 1, (done.returncode, done.stderr[-300:])
     assert "replayed 1" in done.stdout, (done.stdout, done.stderr[-300:])
+    assert done.returncode == 0, done.stderr[-300:]
+    assert "skipped 1 undecodable dead letter(s)" in done.stderr, done.stderr[-300:]
+    listing = await asyncio.to_thread(conveyor, "dlq", "list", "double", **env)
+    assert listing.returncode == 0, listing.stderr[-300:]
+    assert "undecodable entry" in listing.stdout, listing.stdout
+    assert "1 dead letter(s)" in listing.stdout, listing.stdout
 
 
 # --------------------------------------------------------------------------------------
@@ -568,7 +575,7 @@ def _second(payload: dict[str, Any]) -> dict[str, Any]:
     return {"c": 2}
 
 
-async def test_a_fan_out_without_a_join_is_refused_when_built(harness: Harness) -> None:
+def test_a_fan_out_without_a_join_is_refused_when_built() -> None:
     # BREAK: README: "The graph is checked when built: unknown steps, cycles, unreachable
     # steps and joins not fed by exactly their branches fail with the step's name", and
     # fan-out is described as going "into a join step". pipelines/graph.py
@@ -580,24 +587,11 @@ async def test_a_fan_out_without_a_join_is_refused_when_built(harness: Harness) 
     # Observed: built; POST /v1/fan -> {"c": 2} or {"b": 1}; 2 replies; b and c each ok.
     # Trigger: Pipeline("fan", NumberIn, (function("a", f, then=("b", "c")),
     # function("b", ...), function("c", ...))).
-    try:
-        fan = Pipeline("fan", NumberIn, (
+    # Refused when built (the running half of this test, which counted the answers
+    # after a sleep, is gone with the break: nothing of this graph can run).
+    with pytest.raises(ConfigError, match="step 'a' fans out to \\['b', 'c'\\]"):
+        Pipeline("fan", NumberIn, (
             function("a", lambda p: p, then=("b", "c")),
             function("b", _first),
             function("c", _second),
         ))  # fmt: skip
-    except Exception:  # what the README's graph check promises
-        return
-    registry = Registry([fan])
-    for stage in registry.stages.values():
-        worker = harness.worker(stage, registry=registry)
-        await worker.start()
-        harness.run(worker)
-    http = await harness.gateway(registry)
-    resp = await http.post("/v1/fan", json={"value": 1})
-    assert resp.status_code == 200
-    await asyncio.sleep(0.5)
-    answered = (await harness.stats("fan.b")).get("items:ok", 0) + (
-        await harness.stats("fan.c")
-    ).get("items:ok", 0)
-    assert answered == 1, f"one request, {answered} final answers"

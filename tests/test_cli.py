@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pipelines.cli import main
 from pipelines.embedded import free_port
 from tests.helpers import wait_ready
 
@@ -67,6 +68,42 @@ def test_unknown_stage_is_a_clear_error() -> None:
     assert result.returncode == 2
     assert "unknown pipeline 'nope'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["up", "--port", "99999999"], "--port"),
+        (["up", "--port", "-1"], "--port"),
+        (["up", "--port", "http"], "--port"),
+        (["up", "--replicas", "0"], "--replicas"),
+        (["up", "--autoscale", "--min-workers", "-1"], "--min-workers"),
+        (["up", "--autoscale", "--max-workers", "0"], "--max-workers"),
+        (["up", "--autoscale", "--target-backlog", "0"], "--target-backlog"),
+        (["gateway", "--port", "65536"], "--port"),
+        (["dlq", "replay", "double", "--timeout", "inf"], "--timeout"),
+        (["dlq", "replay", "double", "--timeout", "0"], "--timeout"),
+    ],
+)
+def test_a_bad_number_is_a_usage_error_before_anything_starts(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)  # nothing here could start: a usage error comes first
+    assert exited.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_a_command_redis_refuses_is_one_line_not_a_traceback(
+    env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:  # the shape of an id, but past 2^64
+        main(["dlq", "list", "double", "--id", "99999999999999999999999-0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conveyor: Redis refused the command: ")
+    assert "Invalid stream ID" in err
+    assert err.count("\n") == 1
 
 
 def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pipelines.builtin import ADDER, MULTIPLIER, ValueIn, builtin_pipelines
-from pipelines.envelope import Request, decode_request
+from pipelines.envelope import Request, decode_reply, decode_request, encode
 from pipelines.errors import ConfigError
 from pipelines.graph import End, Pipeline, Registry, function, model
 from pipelines.keys import GROUP
@@ -111,6 +112,47 @@ async def test_branch_error_ends_the_request_and_join_never_fires(
     assert await redis.xlen(harness.keys.stage_stream("fragile.join")) == 0
 
 
+def _boom_too(payload: dict[str, Any]) -> dict[str, Any]:
+    raise RuntimeError("the other branch exploded too")
+
+
+async def test_both_branches_failing_answer_the_request_once(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # Each failing branch ends the request; between them they answer it once (the first
+    # to publish), and each stage counts the error it had: one items:error per stage.
+    registry = Registry([Pipeline("doomed", ValueIn, (
+        function("start", lambda p: p, then=("left", "right")),
+        function("left", _boom, then="join"),
+        function("right", _boom_too, then="join"),
+        function("join", lambda p: p, join=("left", "right")),
+    ))])  # fmt: skip
+    replies = harness.keys.reply_stream("test")
+    req = Request(id=uuid.uuid4().hex, pipeline="doomed", stage="doomed.start", step="start",
+                  payload={"value": 1}, state={"input": {"value": 1}},
+                  deadline=time.time() + 60, reply_to=replies)  # fmt: skip
+    await redis.xadd(harness.keys.stage_stream("doomed.start"), encode(req))
+    workers = {step: harness.worker(registry.stage(f"doomed.{step}"), registry=registry)
+               for step in ("start", "left", "right")}  # fmt: skip
+    await workers["start"].run(burst=True)
+    (right,) = await redis.xrange(harness.keys.stage_stream("doomed.right")) or []
+    await workers["left"].run(burst=True)
+    await workers["right"].run(burst=True)
+    # the right branch run again (a slow worker and the one that reclaimed it)
+    again = decode_request(right[1] or {})
+    await redis.xadd(harness.keys.stage_stream("doomed.right"), encode(again))
+    await workers["right"].run(burst=True)
+
+    got = [decode_reply(f or {}) for _, f in await redis.xrange(replies) or []]
+    assert [(r.id, r.outcome, r.status) for r in got] == [(req.id, "error", 500)]
+    assert "branch exploded" in (got[0].error or "")  # the first to fail answered
+    for stage in ("doomed.left", "doomed.right"):
+        items = {k: v for k, v in (await harness.stats(stage)).items() if k.startswith("items:")}
+        assert items == {"items:error": 1}, (stage, items)
+    assert (await harness.stats("doomed.start"))["items:ok"] == 1
+    assert await redis.xlen(harness.keys.stage_stream("doomed.join")) == 0
+
+
 async def test_join_fires_exactly_once_under_concurrent_arrivals(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
@@ -200,6 +242,51 @@ def _route_nowhere(output: dict[str, Any], ctx: dict[str, Any]) -> str | End:
             "steps ['b'] cannot be reached",
         ),
         ((function("a", lambda p: p, routes_to=("a",)),), "has routes_to but no route"),
+        (
+            (
+                function("a", lambda p: p, then=("b", "c")),
+                function("b", lambda p: p),
+                function("c", lambda p: p),
+            ),
+            "step 'a' fans out to ['b', 'c'], which must be exactly the branches of one join",
+        ),
+        (
+            (
+                function("a", lambda p: p, route=_route_nowhere, routes_to=("x", "y")),
+                function("x", lambda p: p, then="b"),
+                function("y", lambda p: p, then="c"),
+                function("b", lambda p: p, then="j"),
+                function("c", lambda p: p, then="j"),
+                function("j", lambda p: p, join=("b", "c")),
+            ),
+            "step 'x' leads to 'b' alone, a branch of join 'j', which would wait forever",
+        ),
+        (
+            (
+                function("a", lambda p: p, route=_route_nowhere, routes_to=("b", "d")),
+                function("b", lambda p: p, then="j"),
+                function("c", lambda p: p, then="j"),
+                function("d", lambda p: p, then=("b", "c")),
+                function("j", lambda p: p, join=("b", "c")),
+            ),
+            "route of 'a' may choose 'b', a branch of join 'j'",
+        ),
+        (
+            (
+                function("a", lambda p: p, then=("b", "c")),
+                function("b", lambda p: p, route=_route_nowhere, routes_to=("j",)),
+                function("c", lambda p: p, then="j"),
+                function("j", lambda p: p, join=("b", "c")),
+            ),
+            "join 'j' waits for 'b', which must lead to 'j' and nowhere else (by then=",
+        ),
+        (
+            (
+                function("a", lambda p: p, then="b", route=_route_nowhere, routes_to=("b",)),
+                function("b", lambda p: p),
+            ),
+            "step 'a' has both then and route",
+        ),
         ((function("input", lambda p: p),), "step name 'input' is taken"),
     ],
 )
@@ -207,6 +294,26 @@ def test_graph_is_validated_when_built(steps: tuple[Any, ...], message: str) -> 
     with pytest.raises(ConfigError, match="pipeline 'p'") as err:
         Pipeline("p", ValueIn, steps)
     assert message in str(err.value)
+
+
+def _one_branch(output: dict[str, Any], ctx: dict[str, Any]) -> str | tuple[str, ...]:
+    return ctx["input"]["pick"]  # type: ignore[no-any-return]
+
+
+def test_a_route_picks_one_step_or_one_joins_branches_together() -> None:
+    pipeline = Pipeline("p", ValueIn, (
+        function("a", lambda p: p, route=_one_branch, routes_to=("b", "c", "d")),
+        function("b", lambda p: p, then="j"),
+        function("c", lambda p: p, then="j"),
+        function("d", lambda p: p),
+        function("j", lambda p: p, join=("b", "c")),
+    ))  # fmt: skip
+    a = pipeline.step("a")
+    for pick in ("d", ("c", "b"), ()):
+        assert pipeline.after(a, {}, {"input": {"pick": pick}}) in (("d",), ("c", "b"), ())
+    for pick in ("b", ("b", "d"), ("d", "d")):  # j would wait forever; two answers
+        with pytest.raises(ConfigError, match="a route picks one step, or all the branches"):
+            pipeline.after(a, {}, {"input": {"pick": pick}})
 
 
 async def test_route_outside_its_declared_targets_is_a_clear_error(harness: Harness) -> None:

@@ -43,7 +43,9 @@ PUBLISH_SCRIPT = """
 -- then the marker is set (ttl seconds), so a step that ran twice publishes (and counts
 -- its outcome) once. "a" runs once per call (ack, batch stats, dead letters).
 -- In a command, a string is itself, a number n >= 1 is ARGV[n + 1] and -n is KEYS[n].
--- JOIN and FAILJOIN are the join operations below; any other name is a Redis command.
+-- JOIN and FAILJOIN are the join operations below; ONCE marker ttl command... runs its
+-- commands only if a second marker is absent too, and sets it (the answer of a failed
+-- branch, shared by its join's branches); any other name is a Redis command.
 -- Returns how many groups were skipped as already published.
 local function value(t)
   if type(t) == 'number' then
@@ -83,6 +85,14 @@ local function failjoin(key, ttl)
 end
 
 local function run(command)
+  if command[1] == 'ONCE' then
+    local marker = value(command[2])
+    if redis.call('EXISTS', marker) == 0 then
+      redis.call('SET', marker, '1', 'EX', command[3])
+      for i = 4, #command do run(command[i]) end
+    end
+    return
+  end
   local args = {}
   for i = 1, #command do args[i] = value(command[i]) end
   if args[1] == 'JOIN' then
@@ -269,8 +279,8 @@ def _commands(
     reply_maxlen: int,
     job_prefix: str,
     job_ttl_s: int,
-) -> list[list[Token]]:
-    commands: list[list[Token]] = []
+) -> list[list[object]]:
+    commands: list[list[object]] = []
     for reply_to, reply in effects.replies:
         if job_prefix and reply_to.startswith(job_prefix):
             job = plan.key(reply_to)
@@ -285,6 +295,9 @@ def _commands(
                          plan.value(dumps(request))])  # fmt: skip
     for join_key, ttl in effects.failed_joins:
         commands.append(["FAILJOIN", plan.key(join_key), str(ttl)])
+    if effects.answer_marker is not None:  # the branches of a join answer once between them
+        once = ["ONCE", plan.key(effects.answer_marker), str(effects.marker_ttl_s)]
+        commands = [[*once, *commands]]
     for j in effects.joins:
         commands.append(["JOIN", plan.key(j.key), plan.key(j.stream), plan.value(j.branch),
                          plan.value(j.output), str(j.expected), plan.value(j.envelope),

@@ -4,6 +4,11 @@ Pure decisions from the pipeline graph; :mod:`workers.publish` turns them into o
 atomic script call with the batch's ack. Each request's effects are grouped under a "done" marker
 (request id + step): publishing skips a group whose marker exists, so a step that ran
 twice (a slow worker and the one that reclaimed its entry) has its effect once.
+
+A branch of a join that fails answers the request only if no other branch has: its answer
+is guarded as well by the join step's own marker, which every branch of that request
+shares (and which the join, had it fired, would have set): the first failure answers and
+sets it; a later one is counted at its stage and answers nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class Effects:
         forwards: (next stage stream, request).
         joins: branch outputs arriving at joins.
         failed_joins: (join key, ttl) of joins a failed branch cancels.
+        answer_marker: when set (a failed branch: its join's "done" marker), the replies
+            and failed joins run only if this marker is absent too, and set it, so the
+            branches of one join answer a request once between them.
     """
 
     marker_ttl_s: int
@@ -58,6 +66,7 @@ class Effects:
     forwards: list[tuple[str, Request]] = field(default_factory=list)
     joins: list[JoinArrival] = field(default_factory=list)
     failed_joins: list[tuple[str, int]] = field(default_factory=list)
+    answer_marker: str | None = None
 
     def outcome(self) -> str:
         """The request's outcome at this step: its failure reply's, else ``ok`` (answered,
@@ -141,9 +150,10 @@ class Router:
             pipeline, step = self.locate(req)
         except ConveyorError:
             return
-        for name in step.then:
+        for name in step.then:  # a branch leads to its join alone (checked when built)
             if pipeline.step(name).join:
                 effects.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
+                effects.answer_marker = self.keys.done(req.id, name)
 
     def fail_unreadable(self, out: Outbox, who: Sender, message: str) -> bool:
         """Tell the caller of an entry that did not decode (version skew, corruption)
