@@ -114,13 +114,18 @@ class EdgeMiddleware:
         """The request's identity, or None when it needs a key and has no valid one."""
         if not self.api_keys:
             return ANONYMOUS
-        headers = dict(scope["headers"])
-        presented = headers.get(b"x-api-key", b"")
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer":
-            presented = token.strip()
-        if presented and key_matches(presented, self.api_keys):
-            return identity(presented)
+        # Every credential presented must be the same valid key: a second, wrong one (or an
+        # Authorization of another scheme) makes the request ambiguous, and it is refused.
+        presented = []
+        for name, value in scope["headers"]:
+            if name == b"x-api-key":
+                presented.append(value)
+            elif name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                presented.append(token.strip() if scheme.lower() == b"bearer" else b"")
+        one = presented[0] if presented and len(set(presented)) == 1 else b""
+        if one and key_matches(one, self.api_keys):
+            return identity(one)
         # Browsers send CORS preflights (OPTIONS) without credentials; they carry no work.
         if scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             return ANONYMOUS

@@ -127,3 +127,20 @@ async def test_slow_clients_are_cut_off(harness: Harness, redis: aioredis.Redis)
         assert resp.json() == {"value": 6}
         resp = await http.post("/v1/double", json={"value": 4})  # the same connection again
         assert resp.status_code == 200, resp.text
+
+
+async def test_ambiguous_credentials_are_refused(harness: Harness) -> None:
+    # schemathesis (keys on) found a valid X-API-Key accepted beside a wrong Authorization.
+    http = await harness.gateway([number_stage()], api_keys=["k1", "k2"])
+    body = {"value": 1}
+    ok = await http.post("/v1/jobs/double", json=body, headers={"X-API-Key": "k1"})
+    assert ok.status_code == 202
+    for headers in (
+        {"X-API-Key": "k1", "Authorization": "Basic Zm9vOmJhcg=="},
+        {"X-API-Key": "k1", "Authorization": "Bearer wrong"},
+        {"X-API-Key": "k1", "Authorization": "Bearer k2"},  # two keys: whose job is it?
+    ):
+        resp = await http.post("/v1/jobs/double", json=body, headers=headers)
+        assert resp.status_code == 401, (headers, resp.text)
+    both = {"X-API-Key": "k1", "Authorization": "Bearer k1"}
+    assert (await http.post("/v1/jobs/double", json=body, headers=both)).status_code == 202

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import hypothesis
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase
 from hypothesis import strategies as st
@@ -42,10 +43,12 @@ def documented_server_errors(ctx: Any, response: Any, case: Any) -> bool | None:
     return None
 
 
-def fuzz(base: str) -> list[str]:
+def fuzz(base: str, headers: dict[str, str] | None = None, budget_s: float = BUDGET_S) -> list[str]:
     """Run every operation's examples; return the failures (all of them, not just the
     first)."""
-    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", timeout=10)
+    schema = schemathesis.openapi.from_url(
+        f"{base}/openapi.json", timeout=10, headers=headers or {}
+    )
     failures: list[str] = []
     counts: dict[str, int] = {}
     ends: dict[str, float] = {}
@@ -55,7 +58,7 @@ def fuzz(base: str) -> list[str]:
         operation = result.ok()
         # Each operation its own share of the budget: on a slow machine every one is still
         # exercised, with fewer examples, instead of the last ones not at all.
-        ends[operation.label] = time.monotonic() + BUDGET_S / len(operations)
+        ends[operation.label] = time.monotonic() + budget_s / len(operations)
         strategy = st.one_of(
             operation.as_strategy(GenerationMode.POSITIVE),
             operation.as_strategy(GenerationMode.NEGATIVE),
@@ -77,6 +80,7 @@ def fuzz(base: str) -> list[str]:
             counts[label] = counts.get(label, 0) + 1
             case.call_and_validate(
                 base_url=base,
+                headers=headers,
                 timeout=30,
                 excluded_checks=[not_a_server_error],
                 additional_checks=[documented_server_errors],
@@ -91,7 +95,8 @@ def fuzz(base: str) -> list[str]:
     return failures
 
 
-async def test_schemathesis_finds_nothing_on_the_live_gateway(harness: Harness) -> None:
+@pytest.mark.parametrize("keys", [False, True], ids=["keys-off", "keys-on"])
+async def test_schemathesis_finds_nothing_on_the_live_gateway(harness: Harness, keys: bool) -> None:
     registry = load_registry(None, "echo,chain,broadcast,hello")
     workers = [
         harness.worker(stage, registry=registry, device="cpu", threads=1)
@@ -101,6 +106,10 @@ async def test_schemathesis_finds_nothing_on_the_live_gateway(harness: Harness) 
         await w.start()
     for w in workers:
         harness.run(w)
-    base = await harness.http_server(registry, default_timeout_s=10)
-    failures = await asyncio.to_thread(fuzz, base)
+    api_keys = ["fuzz-key"] if keys else []
+    base = await harness.http_server(registry, default_timeout_s=10, api_keys=api_keys)
+    # With keys on, the document declares them (security schemes, 401s) and the fuzzer
+    # presents the key; schemathesis's own auth checks then try requests without it.
+    headers = {"X-API-Key": "fuzz-key"} if keys else None
+    failures = await asyncio.to_thread(fuzz, base, headers, BUDGET_S / 2 if keys else BUDGET_S)
     assert not failures, "\n\n".join(failures)
