@@ -3,6 +3,7 @@
 import asyncio
 import inspect
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -50,13 +51,20 @@ def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None
     return Response(orjson.dumps(content), status, headers, media_type="application/json")
 
 
+RETRY_AFTER_MAX_S = 3600
+"""The longest Retry-After a client is told."""
+
+
 def error_response(exc: ConveyorError) -> Response:
     """The HTTP response for a conveyor error: status, message, request id, Retry-After."""
     status = exc.status
     headers: dict[str, str] = {}
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(retry_after)))
+        # Bounded whatever a step or an upstream said (an hour at most; a day of digits,
+        # or infinity, would reach the client as nonsense or as no header at all).
+        wait = retry_after if math.isfinite(retry_after) else RETRY_AFTER_MAX_S
+        headers["Retry-After"] = str(max(1, min(round(wait), RETRY_AFTER_MAX_S)))
     body: dict[str, Any] = {"detail": str(exc)}
     if status == 422:  # one 422 shape, whoever refuses: a list of {loc, msg, type}
         issues = exc.problems if isinstance(exc, InvalidInput) else None

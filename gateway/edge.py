@@ -177,6 +177,12 @@ class EdgeMiddleware:
             return message
 
         try:
+            limit = scope.get("state", {}).get(HEADERS_TOO_LARGE)
+            if limit is not None:
+                status = 431
+                detail = f"the request headers are larger than {limit} bytes"
+                await _send_json(send, 431, {"detail": detail}, [CLOSE])
+                return
             who = self._authenticate(scope)
             if who is None:
                 status = 401
@@ -206,6 +212,10 @@ class EdgeMiddleware:
 
 
 CLOSE = (b"connection", b"close")
+
+HEADERS_TOO_LARGE = "conveyor.headers_too_large"
+"""Scope state set by :func:`header_deadline_protocol` on a request whose header block
+passed the bound (the value: the bound), answered 431 by :class:`EdgeMiddleware`."""
 
 
 async def _send_json(
@@ -262,17 +272,42 @@ def header_deadline_protocol(
         _timer: asyncio.TimerHandle | None = None
         _begun = False  # bytes of the next request have arrived
         _in_headers = True  # what arrives now is (or starts) a header block
-        _header_bytes = 0
+        _header_bytes = 0  # bytes received while a header block was incomplete
+        _parsed = 0  # the current header block's URL and fields, as parsed
+        _refusing = False  # a 431 is due once the responses before it are out
 
         def data_received(self, data: bytes) -> None:
+            if self._refusing:
+                return  # read no further into a header block that is refused
             if self._in_headers:
                 self._header_bytes += len(data)
             super().data_received(data)
-            # Judged after parsing: a chunk that completes the headers may carry the body.
-            over = self._in_headers and self._header_bytes > max_header_bytes
-            if over and not self.transport.is_closing():
-                self.transport.write(too_large)
-                self.transport.close()
+            # Judged after parsing: a chunk that completes the headers may carry the body,
+            # and one that starts a pipelined request is counted by what was parsed.
+            big = max(self._header_bytes, self._parsed) > max_header_bytes
+            if self._in_headers and big and not self.transport.is_closing():
+                self._refusing = True
+                if self.cycle is None or self.cycle.response_complete:
+                    self._refuse()
+                # else: on_response_complete refuses, after the response under way
+
+        def on_url(self, url: bytes) -> None:
+            self._parsed += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._parsed += len(name) + len(value) + 4
+            super().on_header(name, value)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            done = self.cycle is None or self.cycle.response_complete
+            if self._refusing and done and not self.pipeline and not self.transport.is_closing():
+                self._refuse()
+
+        def _refuse(self) -> None:
+            self.transport.write(too_large)
+            self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -281,12 +316,17 @@ def header_deadline_protocol(
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._begun = True
-            self._in_headers, self._header_bytes = True, 0
+            self._in_headers, self._header_bytes, self._parsed = True, 0, 0
             self._arm()
 
         def on_headers_complete(self) -> None:
             self._begun = self._in_headers = False
             self._disarm()
+            if self._parsed > max_header_bytes:
+                # Complete, but too large (it came whole in one read, say behind a pipelined
+                # request): the request still gets its turn, and EdgeMiddleware answers it
+                # 431 then, so the responses before it go out first, in order.
+                self.scope.setdefault("state", {})[HEADERS_TOO_LARGE] = max_header_bytes
             super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:

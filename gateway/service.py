@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import secrets
 import socket
@@ -12,6 +13,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT, FieldT
 
 from gateway.admission import Admission
@@ -33,6 +35,9 @@ from pipelines.redisio import (
 )
 
 logger = logging.getLogger(__name__)
+
+MAX_WITHDRAWALS = 10_000
+"""Refused requests being withdrawn at once, at most (each waits for Redis to answer)."""
 
 
 class Gateway:
@@ -63,6 +68,9 @@ class Gateway:
         )
         self._task: asyncio.Task[None] | None = None
         self._withdrawals: set[asyncio.Task[None]] = set()
+        self._calibrating: asyncio.Task[None] | None = None
+        # An enqueue's write: a wait for a pooled connection, then one for Redis's answer.
+        self.write_s = 2 * settings.redis_timeout_s
 
     async def start(self) -> None:
         """Start the reply loop; Redis being down is not fatal (requests get 503)."""
@@ -83,7 +91,10 @@ class Gateway:
             if not done:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
-        for task in self._withdrawals:  # each retries until Redis answers; not past a stop
+        if self._withdrawals:
+            logger.warning("%d refused request(s) left unwithdrawn at stop; their writes may "
+                           "still take effect", len(self._withdrawals))  # fmt: skip
+        for task in [*self._withdrawals, *filter(None, [self._calibrating])]:
             task.cancel()
         await asyncio.gather(*self._withdrawals, return_exceptions=True)
         try:  # nobody will read it again; without this it lingers until its TTL
@@ -149,6 +160,7 @@ class Gateway:
         entry = pipeline.entry
         bound = self.settings.max_backlog or entry.stage.max_backlog
         try:
+            await self._calibrated()
             await self.admission.admit(
                 entry.stage.name, bound, timeout_s, entry.stage.max_batch_size
             )
@@ -168,17 +180,18 @@ class Gateway:
             reply_to=reply_to,
             trace_id=trace_id or new_request_id(),
             stream=stream,
-            # The write's answer is awaited at most this long; past it the client hears 503.
-            enqueue_by=self.clock.now() + self.settings.redis_timeout_s,
+            enqueue_by=self._enqueue_by(),
         )
         stage_stream = self.keys.stage_stream(entry.stage.name)
 
         async def write() -> None:
             if job:
                 # The record and the request appear together: a job id handed out exists.
-                record: dict[FieldT, EncodableT] = {"status": "queued", "owner": owner,
-                    "pipeline": pipeline.name, "deadline": repr(request.deadline)}  # fmt: skip
+                # A repeated write (see below) must not turn a finished job back to queued.
+                record: dict[FieldT, EncodableT] = {"owner": owner, "pipeline": pipeline.name,
+                                                    "deadline": repr(request.deadline)}  # fmt: skip
                 pipe = self.client.pipeline(transaction=True)
+                pipe.hsetnx(reply_to, "status", "queued")
                 pipe.hset(reply_to, mapping=record)
                 pipe.expire(reply_to, self.settings.job_ttl_s)
                 pipe.xadd(stage_stream, encode(request))
@@ -187,17 +200,35 @@ class Gateway:
                 await self.client.xadd(stage_stream, encode(request))
 
         try:
-            # Safe to repeat (see on_live_connection): a request enqueued twice runs twice
-            # but publishes once.
-            await on_live_connection(self.client, write)
+            # Safe to repeat (see on_live_connection): a request enqueued twice runs once.
+            # The whole write, pool wait and retry included, ends within write_s, so a
+            # write this gateway saw succeed always arrived before the entry's enqueue_by.
+            async with asyncio.timeout(self.write_s):
+                await on_live_connection(self.client, write)
         except PoolExhausted as exc:
-            raise refusal(exc) from exc  # nothing was sent
-        except REDIS_DOWN as exc:
+            raise refusal(exc) from exc  # no connection came free: nothing was sent
+        except (*REDIS_DOWN, TimeoutError) as exc:
             # The write may have been sent and still run (Redis stalled, not gone): the
-            # client is told 503, so the request must never take effect.
+            # client is told 503, so the request must not take effect.
             self._withdraw(request, timeout_s)
+            if isinstance(exc, TimeoutError):
+                exc = RedisTimeoutError(f"no answer within {self.write_s:g}s")
             raise refusal(exc) from exc
         return request
+
+    def _enqueue_by(self) -> float:
+        """When, on the Redis clock, an entry written now must have arrived: the end of the
+        write's time, plus the clock's error both ways and a margin."""
+        return self.clock.now() + self.write_s + 2 * self.clock.error + 0.5
+
+    async def _calibrated(self) -> None:
+        """Measure the Redis clock now if it never was (Redis was down at start): deadlines
+        and enqueue_by are on it. Concurrent requests share one measurement."""
+        if math.isfinite(self.clock.error):
+            return
+        if self._calibrating is None or self._calibrating.done():
+            self._calibrating = asyncio.create_task(self.clock.calibrate(self.client))
+        await asyncio.shield(self._calibrating)
 
     def _withdraw(self, request: Request, timeout_s: float) -> None:
         """Clean up after a request refused when its write went unanswered.
@@ -208,25 +239,38 @@ class Gateway:
         (at most until the request's deadline has long passed), the record is deleted and
         the entry step's done marker set, which also stops a publish (workers/publish.py)
         should the write have landed just before the gateway gave up."""
-        marker = self.keys.done(request.id, request.step)
+        if len(self._withdrawals) >= MAX_WITHDRAWALS:
+            logger.warning("request %s refused but not withdrawn: %d withdrawals pending",
+                           request.id, len(self._withdrawals))  # fmt: skip
+            return
+        # Only what the withdrawal needs is kept, not the request (its payload can be a MiB).
+        rid, marker = request.id, self.keys.done(request.id, request.step)
+        job = request.reply_to if request.reply_to.startswith(self.keys.job_prefix) else None
         ttl = int(timeout_s) + 120  # past anything a worker could still publish for it
+        until = request.deadline + 60
 
         async def withdraw() -> None:
-            while self.clock.now() < request.deadline + 60:
+            while self.clock.now() < until:
                 try:
                     pipe = self.client.pipeline(transaction=True)
                     pipe.set(marker, "withdrawn", ex=ttl)
-                    if request.reply_to.startswith(self.keys.job_prefix):
-                        pipe.delete(request.reply_to)
+                    if job is not None:
+                        pipe.delete(job)
                     await pipe.execute()
                     return
                 except REDIS_DOWN as exc:
-                    logger.debug("request %s: withdrawal waits for redis: %s", request.id, exc)
+                    logger.debug("request %s: withdrawal waits for redis: %s", rid, exc)
                     await asyncio.sleep(0.5)
 
-        task = asyncio.create_task(withdraw(), name=f"withdraw-{request.id}")
+        task = asyncio.create_task(withdraw(), name=f"withdraw-{rid}")
         self._withdrawals.add(task)
-        task.add_done_callback(self._withdrawals.discard)
+        task.add_done_callback(self._withdrawn)
+
+    def _withdrawn(self, task: asyncio.Task[None]) -> None:
+        self._withdrawals.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # e.g. NOPERM from an ACL without +set: the request may still take effect.
+            logger.error("a withdrawal failed", exc_info=task.exception())
 
     async def call(
         self, pipeline: Pipeline, payload: dict[str, Any], timeout_s: float, trace_id: str | None

@@ -259,11 +259,23 @@ async def _dlq_async(action: str, stage: str, entry_id: str | None, timeout_s: f
             await clock.calibrate(client)
             replayed = 0
             skipped: list[str] = []
+            branches: list[str] = []
+            registry = load_registry(settings.app, settings.pipelines)
             for eid, fields in entries:
                 try:
                     req = decode_request(fields)
                 except EnvelopeError:  # nothing to run: left where it is, reported below
                     skipped.append(text(eid))
+                    continue
+                pipeline = registry.pipelines.get(req.pipeline)
+                if (
+                    pipeline is not None
+                    and req.step in pipeline.by_name
+                    and (pipeline.branch_end(req.step) is not None)
+                ):
+                    # Its join was marked failed when it was dead-lettered and never fires:
+                    # run alone, it would answer nothing. The request must be sent again.
+                    branches.append(text(eid))
                     continue
                 again = req.model_copy(
                     update={
@@ -280,6 +292,13 @@ async def _dlq_async(action: str, stage: str, entry_id: str | None, timeout_s: f
                 await pipe.execute()
                 replayed += 1
             print(f"replayed {replayed} dead letter(s) to {keys.stage_stream(stage)}")
+            if branches:
+                print(
+                    f"conveyor: skipped {len(branches)} dead letter(s) of a join's branch, "
+                    f"left in {dlq}: their join has failed, so they cannot complete alone; "
+                    f"send those requests again: {', '.join(branches)}",
+                    file=sys.stderr,
+                )
             if skipped:
                 print(
                     f"conveyor: skipped {len(skipped)} undecodable dead letter(s), left in "

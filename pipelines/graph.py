@@ -231,16 +231,52 @@ class Pipeline:
         """The join that ``branch`` is a branch of, if any."""
         return next((s for s in self.steps if branch in s.join), None)
 
+    def branch_end(self, name: str) -> tuple[Step, str] | None:
+        """Where the chain of steps starting at ``name`` meets a join: the join and the
+        branch step that feeds it; None when it meets none. A branch may be several
+        steps long (``b -> b2 -> join``), each handing over to one step by ``then``."""
+        seen: set[str] = set()
+        while name not in seen and name in self.by_name:
+            seen.add(name)
+            join = self._join_of(name)
+            if join is not None:
+                return join, name
+            step = self.by_name[name]
+            if step.route is not None or len(step.then) != 1:
+                return None
+            name = step.then[0]
+        return None
+
     def _fans_out_to_one_join(self, names: tuple[str, ...]) -> bool:
-        join = self._join_of(names[0]) if names else None
-        return join is not None and sorted(names) == sorted(join.join)
+        ends = [self.branch_end(n) for n in names]
+        if not ends or any(e is None for e in ends):
+            return False
+        joins = {e[0].name for e in ends if e is not None}
+        join = self.by_name[joins.pop()] if len(joins) == 1 else None
+        return join is not None and sorted(e[1] for e in ends if e) == sorted(join.join)
+
+    def _in_a_branch(self, name: str) -> bool:
+        """Whether ``name`` is a step of some fan-out's branch (reached from a ``then``
+        fan-out by single hand-overs; a route fans out to a join's branches only)."""
+        for step in self.steps:
+            fan = step.then if step.route is None else ()
+            if len(fan) > 1 and self._fans_out_to_one_join(fan):
+                for start in fan:
+                    current: str | None = start
+                    while current is not None and self._join_of(current) is None:
+                        if current == name:
+                            return True
+                        nxt = self.by_name[current].then
+                        current = nxt[0] if len(nxt) == 1 else None
+        return False
 
     def _check_hand_over(self, where: str, step: Step) -> None:
         """A request ends once: a step hands over to one step, or to exactly the
         branches of one join (each of which meets the others there)."""
         if step.route is None:
+            inside = len(step.then) == 1 and self._in_a_branch(step.name)
             split = len(step.then) > 1 or any(self._join_of(n) for n in step.then)
-            if split and not self._fans_out_to_one_join(step.then):
+            if split and not inside and not self._fans_out_to_one_join(step.then):
                 if len(step.then) == 1:
                     join = self._join_of(step.then[0])
                     assert join is not None

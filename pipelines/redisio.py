@@ -92,7 +92,11 @@ async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitabl
     except RedisConnectionError as exc:
         logger.warning("redis command failed on a dead connection (%s); retrying once", exc)
         await client.connection_pool.disconnect(inuse_connections=False)
-        return await call()
+        try:
+            return await call()
+        except PoolExhausted as again:
+            # The first try may have run: this is no longer "nothing was sent".
+            raise RedisConnectionError(f"{exc}; then {again}") from again
 
 
 def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:

@@ -36,7 +36,7 @@ class CommonSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "conveyor"
-    redis_timeout_s: float = 2.0
+    redis_timeout_s: float = Field(default=2.0, gt=0, le=300, allow_inf_nan=False)
     redis_max_connections: int = Field(default=64, ge=2, le=10_000)
     app: str | None = None
     pipelines: str | None = None

@@ -386,3 +386,24 @@ async def test_publish_acks_more_entries_than_one_script_command_can_take(
     assert (await redis.xpending(stream, GROUP))["pending"] == 0
     assert await redis.hget(stats, "batches") == b"1"
     assert await redis.hget(stats, "run_seconds:sum") == b"0.25"
+
+
+async def test_a_branch_of_several_steps_still_meets_its_join(harness: Harness) -> None:
+    # Review found the exactly-once graph rule refusing b -> b2 -> join, which ran before.
+    pipeline = Pipeline("long", ValueIn, (
+        function("a", lambda p: p, then=("b", "c")),
+        function("b", lambda p: {"value": p["value"] + 1}, then="b2"),
+        function("b2", lambda p: {"value": p["value"] * 10}, then="j"),
+        function("c", lambda p: p, then="j"),
+        function("j", lambda branches: {"b2": branches["b2"], "c": branches["c"]},
+                 join=("b2", "c")),
+    ))  # fmt: skip
+    assert pipeline.branch_end("b") == (pipeline.step("j"), "b2")
+    registry = Registry([pipeline])
+    for stage in registry.stages.values():
+        worker = harness.worker(stage, registry=registry)
+        await worker.start()
+        harness.run(worker)
+    http = await harness.gateway(registry)
+    resp = await http.post("/v1/long", json={"value": 1})
+    assert resp.json() == {"b2": {"value": 20.0}, "c": {"value": 1.0}}, resp.text

@@ -141,7 +141,8 @@ class Router:
                     outcome=outcome,
                     error=message,
                     status=status,
-                    retry_after=retry_after,
+                    # Finite (an infinite one would travel as null: no Retry-After at all).
+                    retry_after=None if retry_after is None else min(retry_after, 3600.0),
                     trace_id=req.trace_id,
                 ),
             )
@@ -150,10 +151,12 @@ class Router:
             pipeline, step = self.locate(req)
         except ConveyorError:
             return
-        for name in step.then:  # a branch leads to its join alone (checked when built)
-            if pipeline.step(name).join:
-                effects.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
-                effects.answer_marker = self.keys.done(req.id, name)
+        # A branch (any step of one) leads to its join alone (checked when built).
+        joined = pipeline.branch_end(step.name) if step.then else None
+        if joined is not None:
+            name = joined[0].name
+            effects.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
+            effects.answer_marker = self.keys.done(req.id, name)
 
     def fail_unreadable(self, out: Outbox, who: Sender, message: str) -> bool:
         """Tell the caller of an entry that did not decode (version skew, corruption)
