@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -73,3 +75,20 @@ async def harness(env: None, redis: aioredis.Redis) -> AsyncIterator[Harness]:
         yield h
     finally:
         await h.close()
+
+
+@pytest.fixture
+def own_redis(
+    env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A redis-server of this test alone (so it can be paused), used by everything the
+    test starts afterwards."""
+    port = free_port()
+    proc = start_redis(port, tmp_path)
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", f"redis://127.0.0.1:{port}/0")
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)

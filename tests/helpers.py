@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -238,3 +241,14 @@ class Harness:
         await self._stack.aclose()
         for w in self._workers:
             await w.close()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def conveyor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The ``conveyor`` console script, run from this worktree's code."""
+    full = dict(os.environ) | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"} | env
+    code = "import sys; from pipelines.cli import main; main(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip

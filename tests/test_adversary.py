@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from gateway.settings import GatewaySettings
-from pipelines.embedded import free_port, start_redis
 from pipelines.envelope import decode_reply
 from pipelines.errors import ConfigError
 from pipelines.graph import Pipeline, function
@@ -34,18 +32,10 @@ from pipelines.settings import MAX_DEADLINE_S
 from pipelines.stages import GenerateIn, Stage
 from pipelines.stats import stage_status
 from tests.faultapp import SLOW
-from tests.helpers import Doubler, Harness, NumberIn, number_stage, until
+from tests.helpers import Doubler, Harness, NumberIn, conveyor, number_stage, until
 from workers.hf_text import Generator
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def conveyor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """The ``conveyor`` console script, run from this worktree's code."""
-    full = dict(os.environ) | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"} | env
-    code = "import sys; from pipelines.cli import main; main(sys.argv[1:])"
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=full,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------
@@ -391,21 +381,6 @@ async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing
 # --------------------------------------------------------------------------------------
 # 503 "nothing is enqueued" is not true when Redis stalls: the refused job runs anyway.
 # --------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def own_redis(env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A redis-server of this test alone (so it can be paused), used by everything the
-    test starts afterwards."""
-    port = free_port()
-    proc = start_redis(port, tmp_path)
-    monkeypatch.setenv("CONVEYOR_REDIS_URL", f"redis://127.0.0.1:{port}/0")
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 async def test_a_job_refused_with_503_during_a_redis_stall_is_not_enqueued(

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +18,14 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from pipelines.embedded import free_port, start_redis
 from pipelines.envelope import decode_request
 from pipelines.graph import Pipeline, Registry, function
 from pipelines.keys import GROUP
 from pipelines.redisio import entry_ms
 from pipelines.stats import stage_status
-from tests.helpers import Doubler, Harness, NumberIn, number_stage, until
+from tests.helpers import Doubler, Harness, NumberIn, conveyor, number_stage, until
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def conveyor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """The ``conveyor`` console script, run from this worktree's code."""
-    full = dict(os.environ) | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"} | env
-    code = "import sys; from pipelines.cli import main; main(sys.argv[1:])"
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=full,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-
-
-@pytest.fixture
-def own_redis(env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A redis-server of this test alone (so it can be paused), used by everything the
-    test starts afterwards."""
-    port = free_port()
-    proc = start_redis(port, tmp_path)
-    monkeypatch.setenv("CONVEYOR_REDIS_URL", f"redis://127.0.0.1:{port}/0")
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGCONT)
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 # --------------------------------------------------------------------------------------
