@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -262,7 +261,6 @@ class ScriptedGenerator(Generator):
             for i in range(len(items)):
                 if on_tokens is not None:
                     on_tokens(i, self.ids[:k])
-            time.sleep(0.01)
         return [list(self.ids) for _ in items]
 
 
