@@ -141,8 +141,8 @@ class Harness:
         self._tasks.append(task)
         return task
 
-    async def serve(self, registry: Registry, **gateway: Any) -> httpx.AsyncClient:
-        """Workers for every stage of ``registry`` (real runners) and a gateway routing it."""
+    async def start_workers(self, registry: Registry) -> None:
+        """A running worker for every stage of ``registry`` (real runners), models loaded."""
         workers = [
             self.worker(stage, registry=registry, device="cpu", threads=1)
             for stage in registry.stages.values()
@@ -151,6 +151,10 @@ class Harness:
             await w.start()
         for w in workers:
             self.run(w)
+
+    async def serve(self, registry: Registry, **gateway: Any) -> httpx.AsyncClient:
+        """Workers for every stage of ``registry`` (real runners) and a gateway routing it."""
+        await self.start_workers(registry)
         return await self.gateway(registry, **gateway)
 
     async def gateway(self, routed: list[Stage] | Registry, **overrides: Any) -> httpx.AsyncClient:

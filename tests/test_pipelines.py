@@ -399,11 +399,6 @@ async def test_a_branch_of_several_steps_still_meets_its_join(harness: Harness) 
                  join=("b2", "c")),
     ))  # fmt: skip
     assert pipeline.branch_end("b") == (pipeline.step("j"), "b2")
-    registry = Registry([pipeline])
-    for stage in registry.stages.values():
-        worker = harness.worker(stage, registry=registry)
-        await worker.start()
-        harness.run(worker)
-    http = await harness.gateway(registry)
+    http = await harness.serve(Registry([pipeline]))
     resp = await http.post("/v1/long", json={"value": 1})
     assert resp.json() == {"b2": {"value": 20.0}, "c": {"value": 1.0}}, resp.text

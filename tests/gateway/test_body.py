@@ -48,10 +48,7 @@ HOSTILE = {
 async def gateway(harness: Harness) -> str:
     wanted = ("echo", "chain", "broadcast")
     registry = Registry([p for p in builtin_pipelines() if p.name in wanted])
-    for stage in registry.stages.values():
-        worker = harness.worker(stage, registry=registry)
-        await worker.start()
-        harness.run(worker)
+    await harness.start_workers(registry)
     return await harness.http_server(registry)
 
 

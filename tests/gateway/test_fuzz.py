@@ -98,14 +98,7 @@ def fuzz(base: str, headers: dict[str, str] | None = None, budget_s: float = BUD
 @pytest.mark.parametrize("keys", [False, True], ids=["keys-off", "keys-on"])
 async def test_schemathesis_finds_nothing_on_the_live_gateway(harness: Harness, keys: bool) -> None:
     registry = load_registry(None, "echo,chain,broadcast,hello")
-    workers = [
-        harness.worker(stage, registry=registry, device="cpu", threads=1)
-        for stage in registry.stages.values()
-    ]
-    for w in workers:
-        await w.start()
-    for w in workers:
-        harness.run(w)
+    await harness.start_workers(registry)
     api_keys = ["fuzz-key"] if keys else []
     base = await harness.http_server(registry, default_timeout_s=10, api_keys=api_keys)
     # With keys on, the document declares them (security schemes, 401s) and the fuzzer
