@@ -214,8 +214,7 @@ def _describe(exc: Exception, timeout_s: float) -> tuple[str, float] | None:
         return f"did not answer within {timeout_s:g} s", RETRY_AFTER_S
     if isinstance(exc, requests.HTTPError) and exc.response is not None:
         header = exc.response.headers.get("Retry-After", "")
-        # Bounded: a header of a hundred digits is a float past any sense, or infinite.
-        retry_after = min(float(header), 3600.0) if header.isdigit() else RETRY_AFTER_S
+        retry_after = float(header) if header.isdigit() else RETRY_AFTER_S
         return f"answered HTTP {exc.response.status_code}", retry_after
     if isinstance(exc, requests.exceptions.JSONDecodeError):
         return "answered with something other than JSON", RETRY_AFTER_S
