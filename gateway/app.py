@@ -32,6 +32,7 @@ from gateway.status import status_router
 from pipelines.app import load_registry
 from pipelines.envelope import Reply, new_request_id
 from pipelines.errors import (
+    RETRY_AFTER_MAX_S,
     ConveyorError,
     DeadlineExceeded,
     InvalidInput,
@@ -49,10 +50,6 @@ TRACE_HEADER = "X-Trace-Id"
 
 def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(content), status, headers, media_type="application/json")
-
-
-RETRY_AFTER_MAX_S = 3600
-"""The longest Retry-After a client is told."""
 
 
 def error_response(exc: ConveyorError) -> Response:

@@ -6,6 +6,9 @@ worker maps a failed item the same way: :func:`http_status`.
 
 from __future__ import annotations
 
+RETRY_AFTER_MAX_S = 3600
+"""The longest Retry-After a client is told, whatever a step or an upstream said."""
+
 
 class ConveyorError(Exception):
     """Base of every conveyor error; its message says what to do about it.

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from pipelines.envelope import Outcome, Reply, Request, Sender, dumps, wire_problem
-from pipelines.errors import ConveyorError, InvalidInput, http_status
+from pipelines.errors import RETRY_AFTER_MAX_S, ConveyorError, InvalidInput, http_status
 from pipelines.graph import End, Pipeline, Registry, Step
 from pipelines.keys import Keys
 from pipelines.settings import MAX_DEADLINE_S
@@ -142,7 +142,9 @@ class Router:
                     error=message,
                     status=status,
                     # Finite (an infinite one would travel as null: no Retry-After at all).
-                    retry_after=None if retry_after is None else min(retry_after, 3600.0),
+                    retry_after=None
+                    if retry_after is None
+                    else min(retry_after, RETRY_AFTER_MAX_S),
                     trace_id=req.trace_id,
                 ),
             )
