@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from bench.run import Results, Row
-from pipelines.embedded import find_redis_server
+from conveyor.embedded import find_redis_server
 
 LABELS = {
     "conveyor": "conveyor (gateway + worker)",

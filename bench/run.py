@@ -15,7 +15,7 @@ from pathlib import Path
 from bench.loadgen import LoadResult, closed_loop, open_loop
 from bench.systems import HOST, STARTERS, Options, Server, conveyor
 from bench.workloads import InProcess, bodies, in_process
-from pipelines.embedded import free_port, start_redis
+from conveyor.embedded import free_port, start_redis
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from pipelines.embedded import free_port, start_redis
+from conveyor.embedded import free_port, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"

@@ -1,7 +1,7 @@
 """The benchmark's workloads, their request bodies and their models, and the in-process limit.
 
-- ``echo``: no model (:class:`workers.runners.Echo`): what serving alone costs.
-- ``embed``: the real all-MiniLM-L6-v2 (:class:`workers.hf.Embedder`, model ``minilm``).
+- ``echo``: no model (:class:`workers.models.toy.Echo`): what serving alone costs.
+- ``embed``: the real all-MiniLM-L6-v2 (:class:`workers.models.hf.Embedder`, model ``minilm``).
 - ``synthetic``: a GPU-like cost model that sleeps ``a + b·n`` per batch
   (:class:`bench.synthetic.Synthetic`).
 
@@ -62,11 +62,11 @@ def load_model(workload: str, device: str = "auto") -> Model:
         ValueError: an unknown workload.
     """
     if workload == "echo":
-        from workers.runners import Echo
+        from workers.models.toy import Echo
 
         return Echo()
     if workload == "embed":
-        from workers.hf import Embedder
+        from workers.models.hf import Embedder
 
         cache = os.path.join(tempfile.gettempdir(), "conveyor-bench-cache")
         return Embedder(model="minilm", device=device, dtype="auto", cache_dir=cache)

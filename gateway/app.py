@@ -29,7 +29,6 @@ from gateway.responses import (
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.status import status_router
-from pipelines.app import load_registry
 from pipelines.envelope import Reply, new_request_id
 from pipelines.errors import (
     RETRY_AFTER_MAX_S,
@@ -38,8 +37,9 @@ from pipelines.errors import (
     InvalidInput,
     ItemFailed,
 )
-from pipelines.graph import Pipeline, Registry
+from pipelines.graph import Pipeline
 from pipelines.redisio import REDIS_DOWN, refusal
+from pipelines.registry import Registry, load_registry
 from pipelines.stats import render_stage_metrics
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, encode, new_request_id, wire_problem
 from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound
-from pipelines.graph import Pipeline, Registry
+from pipelines.graph import Pipeline
 from pipelines.redisio import (
     REDIS_DOWN,
     PoolExhausted,
@@ -33,6 +33,7 @@ from pipelines.redisio import (
     refusal,
     text,
 )
+from pipelines.registry import Registry
 
 logger = logging.getLogger(__name__)
 

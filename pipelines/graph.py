@@ -127,7 +127,7 @@ def function(
     stage = Stage(
         name,
         AnyIn,
-        runner="workers.runners:FunctionRunner",
+        runner="workers.models.function:FunctionRunner",
         options={"fn": fn, "concurrency": concurrency},
         max_batch_size=max_batch_size,
         batch_wait_ms=batch_wait_ms,
@@ -166,7 +166,7 @@ class Pipeline:
         Stage(self.name, AnyIn, runner="-")  # the same naming rule as stages
         steps = []
         for step in self.steps:
-            if step.stage.runner == "workers.runners:FunctionRunner":
+            if step.stage.runner == "workers.models.function:FunctionRunner":
                 # Function stages belong to their pipeline: one stream per pipeline step.
                 stage = replace(step.stage, name=f"{self.name}.{step.name}")
                 step = Step(step.name, stage, step.input, step.then, step.route,
@@ -397,51 +397,3 @@ class Pipeline:
 def single(stage: Stage) -> Pipeline:
     """The one-step pipeline that serves ``stage`` under its own name."""
     return Pipeline(stage.name, stage.input_model, (model(stage.name, stage),), stage.summary)
-
-
-class Registry:
-    """The pipelines a process serves, and the stages they run on.
-
-    Args:
-        pipelines: the pipelines; two of them may share a model stage (one stream, one
-            worker pool) but not a name.
-
-    Raises:
-        ConfigError: duplicate pipeline names, or one stage name bound to two different
-            stage definitions.
-    """
-
-    def __init__(self, pipelines: Iterable[Pipeline]) -> None:
-        self.pipelines: dict[str, Pipeline] = {}
-        self.stages: dict[str, Stage] = {}
-        for p in pipelines:
-            if p.name in self.pipelines:
-                raise ConfigError(f"two pipelines are called {p.name!r}")
-            self.pipelines[p.name] = p
-            for stage in p.stages():
-                known = self.stages.setdefault(stage.name, stage)
-                if known != stage:
-                    raise ConfigError(
-                        f"stage {stage.name!r} is defined twice with different settings "
-                        f"(pipeline {p.name!r}); share one Stage object"
-                    )
-
-    def pipeline(self, name: str) -> Pipeline:
-        """The pipeline called ``name``."""
-        try:
-            return self.pipelines[name]
-        except KeyError:
-            known = ", ".join(sorted(self.pipelines))
-            raise UnknownStage(f"unknown pipeline {name!r}; known: {known}") from None
-
-    def stage(self, name: str) -> Stage:
-        """The stage called ``name``."""
-        try:
-            return self.stages[name]
-        except KeyError:
-            known = ", ".join(sorted(self.stages))
-            raise UnknownStage(f"unknown stage {name!r}; known: {known}") from None
-
-    def select(self, names: Iterable[str]) -> Registry:
-        """A registry of just the named pipelines."""
-        return Registry(self.pipeline(n) for n in names)

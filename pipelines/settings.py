@@ -26,10 +26,6 @@ class CommonSettings(BaseSettings):
         pipelines: comma-separated pipeline names to serve (unset: all of the app's, or
             for the built-ins the default set).
         job_ttl_s: an async job's record (and result) is kept this long.
-        wikipedia_api_url: MediaWiki API the ``wiki-summary`` fetch step calls
-            (unset: Wikipedia's own).
-        wikipedia_timeout_s: the fetch gives up after this long (the client has no timeout).
-        wikipedia_max_chars: longer articles are cut (at a sentence) to this length.
     """
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
@@ -41,9 +37,6 @@ class CommonSettings(BaseSettings):
     app: str | None = None
     pipelines: str | None = None
     job_ttl_s: int = Field(default=86_400, ge=1)
-    wikipedia_api_url: str | None = None
-    wikipedia_timeout_s: float = Field(default=10.0, gt=0)
-    wikipedia_max_chars: int = Field(default=100_000, ge=100)
 
     @field_validator("namespace")
     @classmethod

@@ -3,7 +3,7 @@
 A stage is one model served by its own pool of workers reading one stream. It names
 its input model (validated at the gateway and again at the worker), the runner that
 builds the model, the model to load, and its batching bounds. The runner is named by
-an import path (``"workers.hf:Embedder"``) so this package never imports the worker
+an import path (``"workers.models.hf:Embedder"``) so this package never imports the worker
 runtime; user code may pass a factory callable instead.
 """
 
@@ -130,7 +130,7 @@ BUILTIN: dict[str, Stage] = {
         Stage(
             "embed",
             TextIn,
-            "workers.hf:Embedder",
+            "workers.models.hf:Embedder",
             model="minilm",
             hub_model="sentence-transformers/all-MiniLM-L6-v2",
             max_batch_size=32,
@@ -139,16 +139,16 @@ BUILTIN: dict[str, Stage] = {
         Stage(
             "sentiment",
             TextIn,
-            "workers.zeroshot:AnchorSentiment",
+            "workers.models.zeroshot:AnchorSentiment",
             model="minilm",
             hub_model="distilbert-base-uncased-finetuned-sst-2-english",
-            hub_runner="workers.hf:TextClassifier",
+            hub_runner="workers.models.hf:TextClassifier",
             summary="Sentiment: POSITIVE or NEGATIVE with a score.",
         ),
         Stage(
             "ner",
             TextIn,
-            "workers.hf:TokenClassifier",
+            "workers.models.hf:TokenClassifier",
             model="tiny:ner",
             hub_model="dslim/bert-base-NER",
             summary="Named entities, aggregated over sub-words.",
@@ -156,17 +156,17 @@ BUILTIN: dict[str, Stage] = {
         Stage(
             "summarize",
             TextIn,
-            "workers.hf:ExtractiveSummarizer",
+            "workers.models.hf:ExtractiveSummarizer",
             model="minilm",
             hub_model="sshleifer/distilbart-cnn-12-6",
-            hub_runner="workers.hf:Summarizer",
+            hub_runner="workers.models.hf:Summarizer",
             max_batch_size=8,
             summary="Summary of a text.",
         ),
         Stage(
             "generate",
             GenerateIn,
-            "workers.hf:Generator",
+            "workers.models.hf:Generator",
             model="tiny:generate",
             hub_model="gpt2",
             max_batch_size=8,
@@ -176,7 +176,7 @@ BUILTIN: dict[str, Stage] = {
         Stage(
             "echo",
             AnyIn,
-            "workers.runners:Echo",
+            "workers.models.toy:Echo",
             summary="Returns its input: measures serving overhead without a model.",
         ),
     )

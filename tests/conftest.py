@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from pipelines.embedded import free_port, start_redis
+from conveyor.embedded import free_port, start_redis
 from pipelines.redisio import connect
 from pipelines.settings import CommonSettings
 from tests.helpers import Harness

@@ -25,9 +25,10 @@ from gateway.app import create_app
 from gateway.edge import header_deadline_protocol
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Request, encode, new_request_id
-from pipelines.graph import Registry, single
+from pipelines.graph import single
 from pipelines.model import Item, Model, Result
 from pipelines.redisio import text
+from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from workers.loop import Worker
@@ -253,6 +254,6 @@ REPO = Path(__file__).resolve().parents[1]
 def conveyor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """The ``conveyor`` console script, run from this worktree's code."""
     full = dict(os.environ) | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"} | env
-    code = "import sys; from pipelines.cli import main; main(sys.argv[1:])"
+    code = "import sys; from conveyor.cli import main; main(sys.argv[1:])"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=full,
                           capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -13,7 +13,7 @@ import os
 import signal
 from collections.abc import MutableMapping
 
-from pipelines.app import load_registry
+from pipelines.registry import load_registry
 from workers.loop import Worker
 from workers.settings import WorkerSettings
 

@@ -28,7 +28,7 @@ from redis.typing import EncodableT, FieldT
 from pipelines import stats
 from pipelines.envelope import Request, decode_request, sender
 from pipelines.errors import EnvelopeError
-from pipelines.graph import Registry, single
+from pipelines.graph import single
 from pipelines.keys import GROUP
 from pipelines.model import Item, Model
 from pipelines.redisio import (
@@ -39,15 +39,16 @@ from pipelines.redisio import (
     entry_ms,
     group_missing,
 )
+from pipelines.registry import Registry
 from pipelines.stages import Stage
 from pipelines.stats import COST_A, COST_B
 from workers.batch import BatchRecord, checked, timed_run
+from workers.partials import Partials
 from workers.policy import BatchPolicy
 from workers.publish import publish
-from workers.reclaim import Heartbeat, autoclaim, deliveries, leave_group, letter, trim
+from workers.recovery import Heartbeat, autoclaim, deliveries, leave_group, letter, trim
 from workers.route import Outbox, Router, client_message
 from workers.settings import WorkerSettings
-from workers.stream import Partials
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Worker:
             await self.clock.calibrate(self._client)
             await self._ensure_stream()
         if self.model is None:
-            from workers.runners import build_model
+            from workers.build import build_model
 
             loop = asyncio.get_running_loop()
             self.model = await loop.run_in_executor(

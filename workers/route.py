@@ -20,8 +20,9 @@ import orjson
 
 from pipelines.envelope import Outcome, Reply, Request, Sender, dumps, wire_problem
 from pipelines.errors import RETRY_AFTER_MAX_S, ConveyorError, InvalidInput, http_status
-from pipelines.graph import End, Pipeline, Registry, Step
+from pipelines.graph import End, Pipeline, Step
 from pipelines.keys import Keys
+from pipelines.registry import Registry
 from pipelines.settings import MAX_DEADLINE_S
 
 JOIN_GRACE_S = 60

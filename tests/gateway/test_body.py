@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from pipelines.builtin import builtin_pipelines
 from pipelines.envelope import MAX_DEPTH
-from pipelines.graph import Registry
 from pipelines.model import Item, Result
+from pipelines.registry import Registry
 from pipelines.stages import Stage
 from tests.helpers import Harness, number_stage
 
@@ -89,7 +89,7 @@ async def test_float_field_reading_inf_from_a_string_is_refused(
 ) -> None:
     # A lax float field reads the string "inf": the body parser cannot see it, so the
     # payload as it would be enqueued is checked too.
-    stage = Stage("lax", LaxIn, "workers.runners:Adder")
+    stage = Stage("lax", LaxIn, "workers.models.toy:Adder")
     http = await harness.gateway([stage])
     resp = await http.post("/v1/lax", json={"value": "inf"})
     assert resp.status_code == 422, resp.text

@@ -23,7 +23,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.core.result import Ok
 
-from pipelines.app import load_registry
+from pipelines.registry import load_registry
 from tests.helpers import Harness
 
 EXAMPLES = 60

@@ -10,7 +10,7 @@ from typing import Any, cast
 import httpx
 import redis.asyncio as aioredis
 
-from pipelines.embedded import free_port
+from conveyor.embedded import free_port
 from pipelines.envelope import decode_request
 from tests.helpers import Doubler, Harness, number_stage
 

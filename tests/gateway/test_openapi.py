@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pipelines.app import load_registry
+from pipelines.registry import load_registry
 from tests.helpers import Harness
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}

@@ -19,7 +19,7 @@ import torch
 
 from pipelines.errors import InvalidInput
 from pipelines.stages import GenerateIn
-from workers.hf import (
+from workers.models.hf import (
     Embedder,
     ExtractiveSummarizer,
     Generator,
@@ -33,7 +33,7 @@ from workers.hf import (
     resolve_model_path,
     split_sentences,
 )
-from workers.tiny import TINY_KINDS, ensure_tiny_model
+from workers.models.tiny import TINY_KINDS, ensure_tiny_model
 
 JSON_TYPES = (dict, list, str, int, float, bool, type(None))
 
@@ -122,7 +122,7 @@ def test_ensure_tiny_model_losing_a_race_keeps_the_winner(
         shutil.copytree(src, dst)  # the other process finishes first
         real_rename(src, dst)
 
-    # workers.tiny calls os.rename through the os module, so patching it there is enough.
+    # workers.models.tiny calls os.rename through the os module, so patching it there is enough.
     monkeypatch.setattr(os, "rename", rename_after_another_process)
     path = ensure_tiny_model("ner", str(cache))
     assert (Path(path) / "model.safetensors").is_file()

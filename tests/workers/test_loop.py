@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from pipelines.embedded import free_port, start_redis
+from conveyor.embedded import free_port, start_redis
 from pipelines.envelope import FIELD, Request, decode_reply, dumps, encode
 from pipelines.keys import Keys
 from pipelines.model import Item, Result

@@ -1,0 +1,106 @@
+"""The pipelines a process serves (the built-ins, or a user's ``--app module:attr``) and
+the stages they run on."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pipelines.errors import ConfigError, UnknownStage
+from pipelines.graph import Pipeline
+from pipelines.stages import Stage
+
+
+class Registry:
+    """The pipelines a process serves, and the stages they run on.
+
+    Args:
+        pipelines: the pipelines; two of them may share a model stage (one stream, one
+            worker pool) but not a name.
+
+    Raises:
+        ConfigError: duplicate pipeline names, or one stage name bound to two different
+            stage definitions.
+    """
+
+    def __init__(self, pipelines: Iterable[Pipeline]) -> None:
+        self.pipelines: dict[str, Pipeline] = {}
+        self.stages: dict[str, Stage] = {}
+        for p in pipelines:
+            if p.name in self.pipelines:
+                raise ConfigError(f"two pipelines are called {p.name!r}")
+            self.pipelines[p.name] = p
+            for stage in p.stages():
+                known = self.stages.setdefault(stage.name, stage)
+                if known != stage:
+                    raise ConfigError(
+                        f"stage {stage.name!r} is defined twice with different settings "
+                        f"(pipeline {p.name!r}); share one Stage object"
+                    )
+
+    def pipeline(self, name: str) -> Pipeline:
+        """The pipeline called ``name``."""
+        try:
+            return self.pipelines[name]
+        except KeyError:
+            known = ", ".join(sorted(self.pipelines))
+            raise UnknownStage(f"unknown pipeline {name!r}; known: {known}") from None
+
+    def stage(self, name: str) -> Stage:
+        """The stage called ``name``."""
+        try:
+            return self.stages[name]
+        except KeyError:
+            known = ", ".join(sorted(self.stages))
+            raise UnknownStage(f"unknown stage {name!r}; known: {known}") from None
+
+    def select(self, names: Iterable[str]) -> Registry:
+        """A registry of just the named pipelines."""
+        return Registry(self.pipeline(n) for n in names)
+
+
+def load_app(spec: str) -> list[Pipeline]:
+    """The pipelines named by ``module:attr`` (a Pipeline, an iterable of them, or a
+    function returning either).
+
+    Raises:
+        ConfigError: the module or attribute is missing or holds no pipelines.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"--app {spec!r} must look like 'module:attribute'")
+    try:
+        found: Any = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--app {spec!r}: {exc}") from exc
+    if callable(found) and not isinstance(found, Pipeline):
+        found = found()
+    pipelines = [found] if isinstance(found, Pipeline) else list(_iterable(found, spec))
+    if not pipelines or not all(isinstance(p, Pipeline) for p in pipelines):
+        raise ConfigError(f"--app {spec!r} must be a Pipeline or a list of Pipelines")
+    return pipelines
+
+
+def _iterable(value: Any, spec: str) -> Iterable[Any]:
+    if isinstance(value, Iterable):
+        return value
+    raise ConfigError(f"--app {spec!r} is a {type(value).__name__}, not pipelines")
+
+
+def load_registry(app: str | None, names: str | None) -> Registry:
+    """The registry a process serves.
+
+    Args:
+        app: ``module:attr`` of the user's pipelines; None for the built-ins.
+        names: comma-separated subset to serve; None for all of the app's pipelines (for
+            the built-ins: the default set, which leaves out ``echo``).
+    """
+    from pipelines.builtin import DEFAULT_UP, builtin_pipelines
+
+    loader: Callable[[], list[Pipeline]] = (lambda: load_app(app)) if app else builtin_pipelines
+    registry = Registry(loader())
+    chosen = [n.strip() for n in (names or "").split(",") if n.strip()]
+    if not chosen:
+        chosen = list(registry.pipelines) if app else list(DEFAULT_UP)
+    return registry.select(chosen)

@@ -1,0 +1,136 @@
+"""``conveyor up`` as a user runs it: a subprocess with an embedded Redis, real HTTP."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conveyor.cli import main
+from conveyor.embedded import free_port
+from tests.helpers import wait_ready
+
+CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
+
+
+def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [CONVEYOR, "up", "--port", str(port), "--pipelines", "embed,echo"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, {"conveyor up": proc}, lambda _: log.read_text())
+        resp = httpx.post(f"{base}/v1/embed", json={"text": "a cat sat"}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["embedding"]) == 384
+        resp = httpx.get(f"{base}/v1/embed", params={"text": "hello"}, timeout=60)
+        assert len(resp.json()["embedding"]) == 384
+        assert httpx.post(f"{base}/v1/echo", json={"a": [1]}, timeout=60).json() == {"a": [1]}
+
+        found = re.search(r"embedded redis on (127\.0\.0\.1:\d+)", log.read_text())
+        assert found, log.read_text()
+        status = subprocess.run(
+            [CONVEYOR, "status"],
+            env=env | {"CONVEYOR_REDIS_URL": f"redis://{found.group(1)}/0"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        row = next(line for line in status.splitlines() if line.startswith("embed "))
+        assert row.split()[1:5] == ["2", "0", "0", "1"]  # length, lag, pending, consumers
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    assert code == 0, log.read_text()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{base}/healthz", timeout=1)
+
+
+def test_unknown_stage_is_a_clear_error() -> None:
+    result = subprocess.run(
+        [CONVEYOR, "up", "--pipelines", "nope"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "unknown pipeline 'nope'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["up", "--port", "99999999"], "--port"),
+        (["up", "--port", "-1"], "--port"),
+        (["up", "--port", "http"], "--port"),
+        (["up", "--replicas", "0"], "--replicas"),
+        (["up", "--autoscale", "--min-workers", "-1"], "--min-workers"),
+        (["up", "--autoscale", "--max-workers", "0"], "--max-workers"),
+        (["up", "--autoscale", "--target-backlog", "0"], "--target-backlog"),
+        (["gateway", "--port", "65536"], "--port"),
+        (["dlq", "replay", "double", "--timeout", "inf"], "--timeout"),
+        (["dlq", "replay", "double", "--timeout", "0"], "--timeout"),
+    ],
+)
+def test_a_bad_number_is_a_usage_error_before_anything_starts(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)  # nothing here could start: a usage error comes first
+    assert exited.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_a_command_redis_refuses_is_one_line_not_a_traceback(
+    env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:  # the shape of an id, but past 2^64
+        main(["dlq", "list", "double", "--id", "99999999999999999999999-0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conveyor: Redis refused the command: ")
+    assert "Invalid stream ID" in err
+    assert err.count("\n") == 1
+
+
+def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(repo)}
+    graph = subprocess.run(
+        [CONVEYOR, "graph", "wordcount", "--app", "tests.userapp:pipelines"],
+        env=env, cwd=repo, capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert "split" in graph
+    assert "-> count" in graph
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [CONVEYOR, "up", "--port", str(port), "--app", "tests.userapp:pipelines"],
+            env=env, cwd=repo, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, {"conveyor up": proc}, lambda _: log.read_text())
+        resp = httpx.post(f"{base}/v1/wordcount", json={"text": "one two three"}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"count": 3}
+        assert httpx.get(f"{base}/v1/embed", params={"text": "x"}).status_code == 404
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    assert code == 0, log.read_text()

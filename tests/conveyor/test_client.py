@@ -1,0 +1,314 @@
+"""The Python client against a real gateway (uvicorn on loopback), real workers and Redis.
+
+The sync :class:`Client` blocks, so its calls run in a thread: the gateway serves on this
+test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import httpx
+import pytest
+
+from conveyor.client import AsyncClient, Client, ConveyorHTTPError
+from conveyor.embedded import free_port
+from pipelines.model import Item, Result
+from pipelines.stages import BUILTIN, GenerateIn, Stage
+from tests.helpers import Doubler, Harness, number_stage
+
+
+class Recording(httpx.AsyncHTTPTransport):
+    """The network, noting what each attempt got: a status, or None for no answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.statuses: list[int | None] = []
+        self.requests: list[httpx.Request] = []
+        self.refused = asyncio.Event()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        try:
+            resp = await super().handle_async_request(request)
+        except httpx.TransportError:
+            self.statuses.append(None)
+            raise
+        self.statuses.append(resp.status_code)
+        if resp.status_code == 503:
+            self.refused.set()
+        return resp
+
+
+class CountingSync(httpx.HTTPTransport):
+    """The network, counting the attempts of a sync client."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.attempts += 1
+        return super().handle_request(request)
+
+
+class Broken:
+    """Streams one word, then fails every item."""
+
+    def predict(self, items: list[Item]) -> list[Result | BaseException]:
+        return [ValueError("out of words") for _ in items]
+
+    def predict_stream(
+        self, items: list[Item], emit: Callable[[int, str], None]
+    ) -> Sequence[Result | BaseException]:
+        for i in range(len(items)):
+            emit(i, "once")
+        return self.predict(items)
+
+
+async def doubling(harness: Harness, **stage: Any) -> tuple[str, Doubler]:
+    """A gateway on loopback and a running worker for ``double``."""
+    model = Doubler()
+    worker = harness.worker(number_stage(**stage), model)
+    await worker.start()
+    harness.run(worker)
+    return await harness.http_server([number_stage(**stage)]), model
+
+
+async def test_call_with_a_payload_or_keywords(harness: Harness) -> None:
+    base, _ = await doubling(harness, batch_wait_ms=0)
+
+    def sync_calls() -> list[dict[str, Any]]:
+        with Client(base) as client:
+            return [
+                client.call("double", {"value": 2}),
+                client.call("double", value=3),
+                client.call("double", {"value": 1}, value=5),  # keywords win
+            ]
+
+    assert await asyncio.to_thread(sync_calls) == [{"value": 4}, {"value": 6}, {"value": 10}]
+    network = Recording()
+    async with AsyncClient(base, api_key="k1", transport=network) as client:
+        assert await client.call("double", {"value": 7}) == {"value": 14}
+        assert await client.call("double", value=8, timeout=5, trace_id="t-42") == {"value": 16}
+    first, second = network.requests
+    assert first.headers["authorization"] == "Bearer k1"
+    assert "x-conveyor-timeout" not in first.headers
+    assert second.headers["x-conveyor-timeout"] == "5"
+    assert second.headers["x-trace-id"] == "t-42"
+
+
+async def test_the_api_key_is_sent_as_a_bearer_token(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([stage], api_keys=["k1"])
+    async with AsyncClient(base, api_key="k1") as client:
+        assert await client.call("double", value=1) == {"value": 2}
+    async with AsyncClient(base) as client:
+        with pytest.raises(ConveyorHTTPError) as refused:
+            await client.call("double", value=1)
+    assert refused.value.status == 401
+
+
+async def test_errors_raise_at_once_with_status_and_detail(harness: Harness) -> None:
+    base, _ = await doubling(harness, batch_wait_ms=0)
+    network = Recording()
+    async with AsyncClient(base, transport=network) as client:
+        with pytest.raises(ConveyorHTTPError) as invalid:
+            await client.call("double", value="x")
+        with pytest.raises(ConveyorHTTPError) as failed:
+            await client.call("double", value=1, fail=True)
+        with pytest.raises(ConveyorHTTPError) as unknown:
+            await client.call("nope", value=1)
+    assert invalid.value.status == 422
+    assert isinstance(invalid.value.detail, list)
+    assert invalid.value.detail[0]["loc"] == ["body", "value"]
+    assert str(invalid.value).startswith("422 from /v1/double: body.value: ")
+    assert failed.value.status == 500
+    assert "poisoned item" in str(failed.value.detail)
+    assert failed.value.request_id
+    assert f"(request {failed.value.request_id})" in str(failed.value)
+    assert unknown.value.status == 404
+    assert network.statuses == [422, 500, 404]  # none retried
+
+
+async def test_503_is_retried_after_retry_after_then_raised(harness: Harness) -> None:
+    stage = number_stage()  # no worker: the queued item keeps the backlog at its bound
+    base = await harness.http_server([stage], max_backlog=1, admission_refresh_ms=0)
+    await harness.enqueue("double", [{"value": 0}])
+    network = Recording()
+    started = time.monotonic()
+    async with AsyncClient(base, retries=1, transport=network) as client:
+        with pytest.raises(ConveyorHTTPError) as refused:
+            await client.call("double", value=1)
+    assert time.monotonic() - started >= 0.9  # it waited the Retry-After (1 s) once
+    assert network.statuses == [503, 503]
+    assert refused.value.status == 503
+    assert refused.value.retry_after == 1.0
+    assert "503 from /v1/double: stage 'double' is at capacity" in str(refused.value)
+
+    def no_retries() -> ConveyorHTTPError:
+        with Client(base, retries=0) as client, pytest.raises(ConveyorHTTPError) as exc:
+            client.submit("double", value=1)
+        return exc.value
+
+    assert (await asyncio.to_thread(no_retries)).status == 503
+
+
+async def test_a_retried_503_succeeds_once_the_backlog_drains(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    base = await harness.http_server([stage], max_backlog=1, admission_refresh_ms=0)
+    await harness.enqueue("double", [{"value": 0}])
+    network = Recording()
+    async with AsyncClient(base, transport=network) as client:
+        call = asyncio.create_task(client.call("double", value=5))
+        await network.refused.wait()
+        worker = harness.worker(stage, Doubler())
+        await worker.run(burst=True)  # drains the backlog while the client waits to retry
+        harness.run(worker)
+        assert await call == {"value": 10}
+    assert network.statuses[0] == 503
+    assert network.statuses[-1] == 200
+
+
+async def test_a_refused_connection_is_retried_then_raised() -> None:
+    network = CountingSync()
+
+    def call() -> None:
+        with Client(f"http://127.0.0.1:{free_port()}", retries=2, transport=network) as client:
+            client.call("double", value=1)
+
+    started = time.monotonic()
+    with pytest.raises(httpx.ConnectError):
+        await asyncio.to_thread(call)
+    assert network.attempts == 3
+    assert time.monotonic() - started >= 0.7  # backed off 0.25 s, then 0.5 s
+
+
+async def test_submit_and_wait_for_jobs(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    base = await harness.http_server([stage])
+    async with AsyncClient(base) as client:
+        first = await client.submit("double", value=4)
+        with Client(base) as sync:
+            second = await asyncio.to_thread(sync.submit, "double", {"value": 5})
+        record = await client.job(first)
+        assert record == {"id": first, "pipeline": "double", "status": "queued"}
+        with pytest.raises(TimeoutError):
+            await client.wait(first, timeout=0.3, poll_s=0.05)
+        await harness.worker(stage, Doubler()).run(burst=True)
+        assert await client.wait(first, timeout=10) == {"value": 8}
+        with Client(base) as sync:
+            assert await asyncio.to_thread(sync.wait, second, timeout=10) == {"value": 10}
+        with pytest.raises(ConveyorHTTPError) as unknown:
+            await client.job("nope")
+    assert unknown.value.status == 404
+
+
+async def test_a_failed_job_raises_its_status_and_error(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    base = await harness.http_server([stage])
+    async with AsyncClient(base) as client:
+        job_id = await client.submit("double", {"value": 1, "fail": True})
+        await harness.worker(stage, Doubler()).run(burst=True)
+        with pytest.raises(ConveyorHTTPError) as failed:
+            await client.wait(job_id, timeout=10)
+    assert failed.value.status == 500
+    assert "poisoned item" in str(failed.value.detail)
+    assert failed.value.request_id == job_id
+
+
+async def test_stream_tokens_add_up_to_the_final_result(harness: Harness) -> None:
+    stage = BUILTIN["generate"]
+    worker = harness.worker(stage, device="cpu", batch_wait_ms=0)
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([stage])
+    body: dict[str, Any] = {"text": "once upon a time", "max_new_tokens": 8}
+    async with AsyncClient(base) as client:
+        events = [event async for event in client.stream_events("generate", body)]
+        tokens = [token async for token in client.stream("generate", **body)]
+        with pytest.raises(ConveyorHTTPError) as refused:
+            [token async for token in client.stream("generate", text="")]
+    *partials, (last, result) = events
+    assert last == "done"
+    assert partials
+    assert all(kind == "token" for kind, _ in partials)
+    assert "".join(data["text"] for _, data in partials) == result["generated_text"]
+    assert "".join(tokens) == result["generated_text"]  # greedy decoding: the same text
+    assert refused.value.status == 422
+
+    def sync_stream() -> tuple[list[str], list[tuple[str, dict[str, Any]]]]:
+        with Client(base) as sync:
+            return list(sync.stream("generate", body)), list(sync.stream_events("generate", body))
+
+    sync_tokens, sync_events = await asyncio.to_thread(sync_stream)
+    assert "".join(sync_tokens) == result["generated_text"]
+    assert sync_events == events
+
+
+async def test_an_error_event_raises(harness: Harness) -> None:
+    stage = Stage("broken", GenerateIn, runner="unused", streaming=True)
+    worker = harness.worker(stage, Broken())
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([stage])
+    seen: list[str] = []
+
+    async def read(tokens: AsyncIterator[str]) -> None:
+        async for token in tokens:
+            seen.append(token)
+
+    async with AsyncClient(base) as client:
+        with pytest.raises(ConveyorHTTPError) as failed:
+            await read(client.stream("broken", text="hi"))
+    assert seen == ["once"]
+    assert failed.value.status == 500
+    assert "out of words" in str(failed.value.detail)
+    assert failed.value.path == "/v1/broken/stream"
+
+
+async def test_map_keeps_input_order_with_bounded_concurrency(
+    harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base, model = await doubling(harness, batch_wait_ms=20)
+    inputs = [{"value": i} for i in range(50)]
+    expected = [{"value": 2 * i} for i in range(50)]
+    with Client(base) as sync:
+        mapped = await asyncio.to_thread(sync.map, "double", inputs, concurrency=8, progress=False)
+    assert mapped == expected
+    async with AsyncClient(base) as client:
+        assert await client.map("double", inputs, concurrency=8) == expected
+    assert "50/50" in capsys.readouterr().err  # the progress bar
+    sizes = [len(batch) for batch in model.batches]
+    assert sum(sizes) == 100
+    assert 1 < max(sizes) <= 8  # requests overlapped, never more than 8 at once
+
+
+async def test_map_puts_errors_in_place_or_raises(harness: Harness) -> None:
+    base, _ = await doubling(harness, batch_wait_ms=0)
+    inputs: list[dict[str, Any]] = [{"value": i, "fail": i % 3 == 0} for i in range(9)]
+    inputs[4] = {"value": "four"}
+    expected = [500, {"value": 2}, {"value": 4}, 500, 422, {"value": 10}, 500, {"value": 14}]
+    expected.append({"value": 16})
+
+    def outcomes(results: list[dict[str, Any] | ConveyorHTTPError]) -> list[Any]:
+        return [r.status if isinstance(r, ConveyorHTTPError) else r for r in results]
+
+    async with AsyncClient(base) as client:
+        mapped = await client.map("double", inputs, progress=False, return_exceptions=True)
+        assert outcomes(mapped) == expected
+        with pytest.raises(ConveyorHTTPError):
+            await client.map("double", inputs, progress=False)
+    with Client(base) as sync:
+        mapped = await asyncio.to_thread(
+            sync.map, "double", inputs, progress=False, return_exceptions=True
+        )
+        assert outcomes(mapped) == expected
+        with pytest.raises(ConveyorHTTPError):
+            await asyncio.to_thread(sync.map, "double", inputs, progress=False)

@@ -1,0 +1,281 @@
+"""``/status`` and ``/status.json``: real workers, real Redis, and a real headless Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from conveyor.embedded import free_port
+from pipelines.stats import BUCKETS
+from tests.helpers import Doubler, Harness, number_stage
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+
+async def test_status_json_counts_outcomes_and_shows_a_live_worker(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    stage = number_stage(max_batch_size=8, batch_wait_ms=2)
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    harness.run(worker)
+    http = await harness.gateway([stage])
+    resps = await asyncio.gather(*(http.post("/v1/double", json={"value": i}) for i in range(12)))
+    assert [r.status_code for r in resps] == [200] * 12
+    assert (await http.post("/v1/double", json={"value": 1, "fail": True})).status_code == 500
+    await redis.xadd(harness.keys.dead_letters("double"), {"e": "{}"})
+
+    resp = await http.get("/status.json")
+    assert resp.status_code == 200
+    assert resp.headers["cache-control"] == "no-store"
+    snap = resp.json()
+    assert abs(snap["time"] - time.time()) < 5
+    [double] = snap["stages"]
+    assert double["stage"] == "double"
+    assert double["items"] == {"ok": 12, "error": 1, "expired": 0}
+    assert (double["lag"], double["pending"], double["dead_letters"]) == (0, 0, 1)
+    [consumer] = double["consumers"]
+    assert consumer["name"] == worker.consumer
+    assert consumer["alive"] is True
+    assert 0 <= consumer["idle_ms"] < 30_000
+    assert consumer["pending"] == 0
+    buckets = double["batch_size"]["buckets"]
+    assert [le for le, _ in buckets] == [f"{b:g}" for b in BUCKETS["batch_size"]] + ["+Inf"]
+    assert sum(n for _, n in buckets) == double["batches"] >= 1
+    assert buckets[-1][1] == 0  # max_batch_size is 8: nothing in the larger buckets
+
+
+async def test_redis_down_is_a_503_and_the_page_still_renders(harness: Harness) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    http = await harness.gateway([number_stage()], redis_url=dead, redis_timeout_s=0.5)
+    resp = await http.get("/status.json")
+    assert resp.status_code == 503
+    assert resp.headers["retry-after"] == "1"
+    assert resp.json()["detail"] == "redis unreachable"
+    page = await http.get("/status")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "<code>POST /v1/double</code>" in page.text
+    assert 'href="/docs#/pipelines/post_double_v1_double_post"' in page.text
+    # Self-contained: nothing is fetched from anywhere but this gateway.
+    assert "://" not in page.text
+    assert " src=" not in page.text
+
+
+class Chromium:
+    """Headless Chromium driven over its DevTools pipe (commands on fd 3, answers on fd 4),
+    so no debugging port is opened. Answers and events are NUL-terminated JSON."""
+
+    ARGS = (
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-extensions", "--disable-dev-shm-usage", "--no-proxy-server",
+        "--remote-debugging-pipe", "--window-size=1200,900",
+    )  # fmt: skip
+
+    def __init__(
+        self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader, commands: int
+    ) -> None:
+        self.proc = proc
+        self.reader = reader
+        self.commands = commands
+        self.events: list[dict[str, Any]] = []
+        self._id = 0
+
+    @classmethod
+    async def start(cls, profile: Path, log: Path) -> Chromium:
+        """Launch Chromium with a fresh profile; its stderr goes to ``log``."""
+        # Our ends above 10 so bash's "3<&r 4>&w" never clobbers one with the other.
+        cmd_r, cmd_w = (_high(fd) for fd in os.pipe())
+        out_r, out_w = (_high(fd) for fd in os.pipe())
+        # bash, not dash: dash takes single-digit descriptors only.
+        shell = f'exec "$0" "$@" 3<&{cmd_r} 4>&{out_w} {cmd_r}<&- {out_w}>&-'
+        args = (*cls.ARGS, f"--user-data-dir={profile}", "about:blank")
+        with log.open("wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                "/bin/bash", "-c", shell, str(CHROMIUM), *args,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=err, pass_fds=(cmd_r, out_w),
+            )  # fmt: skip
+        os.close(cmd_r)
+        os.close(out_w)
+        reader = asyncio.StreamReader(limit=1 << 26)  # screenshots arrive as one message
+        loop = asyncio.get_running_loop()
+        await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(out_r, "rb", buffering=0)
+        )
+        return cls(proc, reader, cmd_w)
+
+    async def call(self, method: str, session: str | None = None, **params: Any) -> Any:
+        """Send one command and return its result (events met on the way are kept)."""
+        self._id += 1
+        message: dict[str, Any] = {"id": self._id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
+        os.write(self.commands, json.dumps(message).encode() + b"\0")
+        async with asyncio.timeout(10):  # a browser that stops answering fails the test
+            while True:
+                answer = json.loads((await self.reader.readuntil(b"\0"))[:-1])
+                if answer.get("id") != self._id:
+                    self.events.append(answer)
+                elif "error" in answer:
+                    raise RuntimeError(f"{method}: {answer['error']}")
+                else:
+                    return answer["result"]
+
+    async def close(self) -> None:
+        """Ask the browser to quit; kill it if it does not within a few seconds."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.call("Browser.close"), 5)
+        os.close(self.commands)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 5)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+def _high(fd: int) -> int:
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return high
+
+
+@contextlib.asynccontextmanager
+async def chromium(tmp_path: Path) -> AsyncIterator[Chromium]:
+    browser = await asyncio.wait_for(
+        Chromium.start(tmp_path / "profile", tmp_path / "chromium.log"), 10
+    )
+    try:
+        yield browser
+    finally:
+        await browser.close()
+
+
+PAGE_STATE = """(() => {
+  const main = document.getElementById("status");  // absent while the page is loading
+  return JSON.stringify(main ? {
+    ...main.dataset,
+    stages: [...document.querySelectorAll("#stages tr")].map((tr) => tr.dataset.stage),
+    alive: document.querySelectorAll("[data-alive=true]").length,
+    text: document.body.innerText,
+  } : {state: "loading"});
+})()"""
+
+
+async def page_state(browser: Chromium, session: str) -> dict[str, Any]:
+    """The page's data attributes, stage rows and text, as rendered now."""
+    found = await browser.call(
+        "Runtime.evaluate", session, expression=PAGE_STATE, returnByValue=True
+    )
+    state: dict[str, Any] = json.loads(found["result"]["value"])
+    return state
+
+
+async def wait_for(
+    browser: Chromium, session: str, what: str, deadline_s: float, ok: Any
+) -> dict[str, Any]:
+    """Poll the page until ``ok(state)``; fail naming ``what`` and the last state."""
+    give_up = time.monotonic() + deadline_s
+    while True:
+        state = await page_state(browser, session)
+        if ok(state):
+            return state
+        if time.monotonic() > give_up:
+            raise AssertionError(f"page never showed {what} in {deadline_s}s; last: {state}")
+        await asyncio.sleep(0.2)
+
+
+async def open_page(browser: Chromium, url: str) -> str:
+    """A new 1200x900 tab on ``url``; returns its DevTools session."""
+    target = await browser.call("Target.createTarget", url="about:blank")
+    attached = await browser.call(
+        "Target.attachToTarget", targetId=target["targetId"], flatten=True
+    )
+    session: str = attached["sessionId"]
+    await browser.call("Runtime.enable", session)
+    await browser.call(
+        "Emulation.setDeviceMetricsOverride",
+        session,
+        width=1200,
+        height=900,
+        deviceScaleFactor=1,
+        mobile=False,
+    )
+    await browser.call("Page.navigate", session, url=url)
+    return session
+
+
+@pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="the browser test needs Debian's chromium at /usr/bin/chromium "
+    "(apt-get install -y chromium)",
+)
+async def test_status_page_refreshes_live_in_headless_chromium(
+    harness: Harness, tmp_path: Path
+) -> None:
+    stages = [number_stage("double", max_batch_size=8, batch_wait_ms=2), number_stage("slow")]
+    for stage, model in ((stages[0], Doubler()), (stages[1], Doubler(delay_s=0.02))):
+        worker = harness.worker(stage, model)
+        await worker.start()
+        harness.run(worker)
+    base = await harness.http_server(stages)
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    down = await harness.http_server(stages, redis_url=dead, redis_timeout_s=0.5)
+
+    stop = asyncio.Event()
+
+    async def load(http: httpx.AsyncClient, name: str) -> None:
+        while not stop.is_set():
+            resp = await http.post(f"/v1/{name}", json={"value": 3})
+            assert resp.status_code == 200, resp.text
+
+    async with (
+        httpx.AsyncClient(base_url=base, trust_env=False) as http,
+        chromium(tmp_path) as browser,
+    ):
+        for _ in range(20):  # a burst before the page opens: counters exist, rates start at 0
+            await http.post("/v1/double", json={"value": 1})
+        clients = [load(http, "double") for _ in range(6)] + [load(http, "slow")]
+        loaders = [asyncio.create_task(c) for c in clients]
+        try:
+            session = await open_page(browser, f"{base}/status")
+            state = await wait_for(
+                browser, session, "live refreshes with throughput", 20,
+                lambda s: s["state"] == "ok" and int(s["refreshes"]) >= 4
+                and int(s["points"]) >= 2 and float(s["throughput"]) > 0,
+            )  # fmt: skip
+            ARTIFACTS.mkdir(exist_ok=True)
+            shot = await browser.call("Page.captureScreenshot", session, format="png")
+            (ARTIFACTS / "status.png").write_bytes(base64.b64decode(shot["data"]))
+        finally:
+            stop.set()
+            await asyncio.gather(*loaders)
+        assert state["stages"] == ["double", "slow"]
+        assert state["alive"] == 2  # one live worker per stage
+        assert "Redis unreachable" not in state["text"]
+
+        # A gateway whose Redis is down: the page says so and keeps polling.
+        session = await open_page(browser, f"{down}/status")
+        state = await wait_for(
+            browser, session, "the Redis-down banner", 10, lambda s: s["state"] == "redis-down"
+        )
+        assert "Redis unreachable" in state["text"]
+        shot = await browser.call("Page.captureScreenshot", session, format="png")
+        (ARTIFACTS / "status-redis-down.png").write_bytes(base64.b64decode(shot["data"]))
+        assert "POST /v1/double" in state["text"]  # the server-rendered pipeline list
+        thrown = [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
+        assert thrown == []

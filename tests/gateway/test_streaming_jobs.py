@@ -1,0 +1,148 @@
+"""Server-Sent Events from a streaming model, and async jobs that outlive a gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import orjson
+
+from pipelines.graph import single
+from pipelines.model import Item, Result
+from pipelines.registry import Registry
+from pipelines.stages import BUILTIN, GenerateIn, Stage
+from tests.helpers import Doubler, Harness, number_stage
+
+
+class Gated:
+    """Streams one word, then waits for the test's go-ahead before streaming the rest."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        return [{"generated_text": "one two"} for _ in items]
+
+    def predict_stream(
+        self, items: list[Item], emit: Callable[[int, str], None]
+    ) -> Sequence[Result | BaseException]:
+        for i in range(len(items)):
+            emit(i, "one")
+        assert self.go.wait(30), "the client never saw the first token"
+        for i in range(len(items)):
+            emit(i, "one two")
+        return self.predict(items)
+
+
+async def read_events(resp: httpx.Response, on_first: Callable[[], None]) -> list[tuple[str, Any]]:
+    events: list[tuple[str, Any]] = []
+    event = ""
+    async for line in resp.aiter_lines():
+        if line.startswith("event: "):
+            event = line[len("event: ") :]
+        elif line.startswith("data: "):
+            events.append((event, orjson.loads(line[len("data: ") :])))
+            if len(events) == 1:
+                on_first()
+    return events
+
+
+async def test_first_token_reaches_the_client_before_generation_ends(harness: Harness) -> None:
+    stage = Stage("gated", GenerateIn, runner="unused", streaming=True)
+    model = Gated()
+    worker = harness.worker(stage, model)
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([stage])
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+        http.stream("POST", "/v1/gated/stream", json={"text": "hi"}) as resp,
+    ):
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        # the model only finishes once the first event has arrived here
+        events = await read_events(resp, model.go.set)
+    assert events == [
+        ("token", {"text": "one"}),
+        ("token", {"text": " two"}),
+        ("done", {"generated_text": "one two"}),
+    ]
+
+
+async def test_batched_generation_streams_each_request_its_own_tokens(harness: Harness) -> None:
+    stage = BUILTIN["generate"]
+    worker = harness.worker(stage, device="cpu", batch_wait_ms=200, adaptive_batching=False)
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([stage])
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+
+        async def one(prompt: str) -> list[tuple[str, Any]]:
+            body = {"text": prompt, "max_new_tokens": 12}
+            async with http.stream("POST", "/v1/generate/stream", json=body) as resp:
+                return await read_events(resp, lambda: None)
+
+        results = await asyncio.gather(*(one(f"story number {i}") for i in range(3)))
+    assert max(r.size for r in worker.history) == 3  # one batch served all three streams
+    for events in results:
+        *tokens, (last, final) = events
+        assert last == "done"
+        assert tokens
+        assert all(kind == "token" for kind, _ in tokens)
+        assert "".join(t["text"] for _, t in tokens) == final["generated_text"]
+
+
+async def test_stream_refusals_are_plain_http_errors(harness: Harness) -> None:
+    stage = Stage("gated", GenerateIn, runner="unused", streaming=True)
+    http = await harness.gateway([stage], max_backlog=1, admission_refresh_ms=0)
+    await harness.enqueue("gated", [{"text": "queued"}])
+    resp = await http.post("/v1/gated/stream", json={"text": "x"})
+    assert resp.status_code == 503
+    resp = await http.post("/v1/gated/stream", json={"text": ""})
+    assert resp.status_code == 422
+
+
+async def test_job_result_matches_the_sync_call(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    http = await harness.gateway([stage])
+    resp = await http.post("/v1/jobs/double", json={"value": 4})
+    assert resp.status_code == 202
+    job_id = resp.json()["id"]
+    assert resp.headers["location"] == f"/v1/jobs/{job_id}"
+    worker = harness.worker(stage, Doubler())
+    await worker.run(burst=True)  # the job is done once this returns
+    harness.run(worker)
+    sync = (await http.post("/v1/double", json={"value": 4})).json()
+    body = (await http.get(f"/v1/jobs/{job_id}")).json()
+    assert body == {"id": job_id, "pipeline": "double", "status": "done", "result": sync}
+
+
+async def test_job_survives_a_gateway_restart(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    registry = Registry([single(stage)])
+    first = await harness.gateway(registry)
+    job_id = (await first.post("/v1/jobs/double", json={"value": 21})).json()["id"]
+    assert (await first.get(f"/v1/jobs/{job_id}")).json()["status"] == "queued"
+    await harness.close_gateways()  # the gateway that took the job is gone
+    await harness.worker(stage, Doubler()).run(burst=True)
+    second = await harness.gateway(registry)
+    body = (await second.get(f"/v1/jobs/{job_id}")).json()
+    assert body["status"] == "done"
+    assert body["result"] == {"value": 42}
+
+
+async def test_failed_and_unknown_jobs(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    http = await harness.gateway([stage])
+    job_id = (await http.post("/v1/jobs/double", json={"value": 1, "fail": True})).json()["id"]
+    await harness.worker(stage, Doubler()).run(burst=True)
+    body = (await http.get(f"/v1/jobs/{job_id}")).json()
+    assert body["status"] == "failed"
+    assert body["http_status"] == 500
+    assert "poisoned item" in body["error"]
+    resp = await http.get("/v1/jobs/nope")
+    assert resp.status_code == 404
+    assert (await http.post("/v1/jobs/double", json={"value": "x"})).status_code == 422

@@ -1,0 +1,370 @@
+"""Redis-side faults on real processes and a real redis-server of the test's own: Redis
+killed and restarted from its AOF, a worker paused mid-batch, a gateway killed, a gateway
+out of pooled connections, clients that give up.
+
+Waiting is on conditions, each bounded; nothing sleeps and hopes, and no test asserts a
+speed: "promptly" is proven by making the slow path (the reclaim) impossible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from conveyor.embedded import free_port, start_redis
+from pipelines.envelope import decode_reply
+from pipelines.keys import GROUP
+from pipelines.redisio import text
+from pipelines.stats import stage_status
+from tests.faultapp import SLOW
+from tests.helpers import Doubler, Harness, number_stage, until, wait_ready
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Server:
+    """A redis-server of one test, persisting every write (AOF, ``appendfsync always``).
+
+    Args:
+        workdir: where its AOF lives (kept across restarts).
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = start_redis(self.port, workdir, appendonly=True)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown save, only what the AOF holds survives."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Start it again on the same port, loading its AOF."""
+        self.proc = start_redis(self.port, self.workdir, appendonly=True)
+
+    def stop(self) -> None:
+        """Stop it for good."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def server(env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    """The test's own Redis; every process the test starts afterwards is pointed at it.
+    (Requested before ``harness``, so the harness's client connects here too.)"""
+    srv = Server(tmp_path / "redis")
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", srv.url)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+async def admin(server: Server) -> AsyncIterator[aioredis.Redis]:
+    """A plain client on the test's Redis, outside every pool under test."""
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def spawn(module: str, *args: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    """A real process (``python -m module``) with the test's environment, logging to
+    ``log``; the stages are tests/faultapp.py's."""
+    full = dict(os.environ) | {"CONVEYOR_APP": "tests.faultapp:pipelines",
+                               "PYTHONPATH": str(REPO)} | env  # fmt: skip
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=full, cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a process this test started (SIGTERM, then SIGKILL)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+async def test_a_pool_wait_timeout_is_overload_not_an_outage(
+    server: Server, harness: Harness, admin: aioredis.Redis
+) -> None:
+    # Two pooled connections, both held by writes Redis is holding (CLIENT PAUSE WRITE):
+    # the other requests wait for a connection, not for Redis, and are told so.
+    http = await harness.gateway(
+        [number_stage(batch_wait_ms=0)], redis_max_connections=2, redis_timeout_s=0.5
+    )
+    assert (await http.post("/v1/jobs/double", json={"value": 0})).status_code == 202
+    await admin.client_pause(30_000, all=False)  # lifted below, however long the calls take
+    try:
+        calls = [http.post("/v1/jobs/double", json={"value": v}, timeout=30) for v in range(8)]
+        got = await asyncio.gather(*calls)
+    finally:
+        await admin.client_unpause()
+    details = [r.json()["detail"] for r in got]
+    assert {r.status_code for r in got} == {503}, details
+    saturated = [r for r in got if "saturated" in r.json()["detail"]]
+    assert saturated, details  # all said "the queue is unreachable" before
+    for r in saturated:
+        assert r.json()["detail"].startswith("the gateway is saturated: no free Redis connection")
+        assert r.headers["Retry-After"] == "1"
+    # Redis itself was fine all along, and once the writes go through, so do requests.
+    assert (await http.post("/v1/jobs/double", json={"value": 1})).status_code == 202
+
+
+async def answered(redis: aioredis.Redis, stream: str) -> int:
+    return int(await redis.xlen(stream))
+
+
+async def reply_ids(redis: aioredis.Redis, stream: str) -> list[str]:
+    return [decode_reply(f or {}).id for _, f in await redis.xrange(stream) or []]
+
+
+async def test_first_publish_after_a_redis_restart_needs_no_reclaim(
+    server: Server, harness: Harness, tmp_path: Path
+) -> None:
+    # A batch whose publish failed would be answered only by a reclaim, ten minutes away.
+    worker = spawn("workers", "slow", log=tmp_path / "worker.log", CONVEYOR_TEST_DELAY_S="0.02",
+                   CONVEYOR_MAX_BATCH_SIZE="4", CONVEYOR_BLOCK_MS="100",
+                   CONVEYOR_MIN_IDLE_MS="600000")  # fmt: skip
+    reply_stream = harness.keys.reply_stream("test")
+    try:
+        # Load first: two batches in flight leave several connections in the worker's pool.
+        await harness.enqueue("slow", [{"value": i} for i in range(40)])
+        await until(lambda: _at_least(harness.redis, reply_stream, 40))
+        server.kill()
+        server.restart()  # the stage is idle; its pooled connections are dead
+        fresh = aioredis.Redis.from_url(server.url)
+        try:
+            harness.redis = fresh
+            sent = await harness.enqueue("slow", [{"value": 1000}])
+            await until(lambda: _at_least(fresh, reply_stream, 41))
+            got = await reply_ids(fresh, reply_stream)
+            assert got.count(sent[0].id) == 1
+        finally:
+            await fresh.aclose()
+    finally:
+        stop(worker)
+
+
+async def test_first_requests_after_a_redis_restart_are_not_refused(
+    server: Server, harness: Harness
+) -> None:
+    # Every connection of the gateway's pool died with the server; each used to fail its
+    # next command, so the first requests after a restart got 503 "unreachable".
+    http = await harness.gateway([number_stage(batch_wait_ms=0)], redis_max_connections=4)
+    first = await asyncio.gather(*(http.post("/v1/jobs/double", json={"value": v})
+                                   for v in range(8)))  # fmt: skip
+    assert {r.status_code for r in first} == {202}
+    server.kill()
+    server.restart()
+    after = [await http.post("/v1/jobs/double", json={"value": v}) for v in range(4)]
+    assert [r.status_code for r in after] == [202] * 4, [r.text for r in after]
+    polled = await http.get(after[0].headers["location"])
+    assert polled.json()["status"] == "queued"
+
+
+async def _at_least(redis: aioredis.Redis, stream: str, n: int) -> bool:
+    return await answered(redis, stream) >= n
+
+
+async def test_paused_worker_resumed_doubles_no_reply_and_no_count(
+    harness: Harness, redis: aioredis.Redis, tmp_path: Path
+) -> None:
+    sent = await harness.enqueue("slow", [{"value": i} for i in range(32)])
+    paused = spawn("workers", "slow", log=tmp_path / "worker.log", CONVEYOR_TEST_DELAY_S="4",
+                   CONVEYOR_BLOCK_MS="100")  # fmt: skip
+    stream, reply_stream = harness.keys.stage_stream("slow"), harness.keys.reply_stream("test")
+    try:
+
+        async def holding_all() -> bool:
+            return (await stage_status(redis, harness.keys, "slow")).pending == 32
+
+        await until(holding_all)
+        paused.send_signal(signal.SIGSTOP)  # mid-batch: its heartbeat stops too
+        survivor = harness.worker(SLOW, Doubler(), min_idle_ms=300, reclaim_interval_ms=50)
+        harness.run(survivor)
+        await until(lambda: _at_least(redis, reply_stream, 32))
+        paused.send_signal(signal.SIGCONT)  # it finishes its batch and publishes it
+
+        async def both_ran() -> bool:  # the survivor's 32 batches of one, and the paused one
+            return (await harness.stats("slow")).get("batches", 0) >= 33
+
+        await until(both_ran)
+    finally:
+        stop(paused)
+    got = await reply_ids(redis, reply_stream)
+    assert sorted(got) == sorted(r.id for r in sent)  # none lost, none doubled
+    stats = await harness.stats("slow")
+    items = {k: v for k, v in stats.items() if k.startswith("items:")}
+    assert items == {"items:ok": 32}  # 64 before: the resumed batch was counted too
+    assert stats["model_items"] == 64  # the duplicated work is visible
+    assert (await redis.xpending(stream, GROUP))["pending"] == 0
+
+
+async def test_redis_kill_9_under_job_load_completes_every_job_and_admits_again(
+    server: Server, harness: Harness, tmp_path: Path
+) -> None:
+    worker = spawn("workers", "slow", log=tmp_path / "worker.log", CONVEYOR_TEST_DELAY_S="0.01",
+                   CONVEYOR_BLOCK_MS="100", CONVEYOR_MIN_IDLE_MS="1000",
+                   CONVEYOR_RECLAIM_INTERVAL_MS="200", CONVEYOR_TRIM_INTERVAL_S="0.5")  # fmt: skip
+    http = await harness.gateway([SLOW], redis_timeout_s=0.5)
+    accepted: list[tuple[int, str]] = []
+    refused: list[str] = []
+    done_loading = asyncio.Event()
+
+    async def load(first: int) -> None:
+        v = first
+        while not done_loading.is_set():
+            resp = await http.post("/v1/jobs/slow", json={"value": v})
+            if resp.status_code == 202:
+                accepted.append((v, resp.json()["id"]))
+            else:
+                assert resp.status_code == 503, resp.text
+                refused.append(resp.json()["detail"])
+                await asyncio.sleep(0.01)  # pacing while Redis is down, not a wait
+            v += 4
+
+    async def accepted_at_least(n: int) -> bool:
+        return len(accepted) >= n
+
+    loaders = [asyncio.create_task(load(i)) for i in range(4)]
+    try:
+        await until(lambda: accepted_at_least(100))
+        server.kill()
+        server.restart()
+        before = len(accepted)
+        await until(lambda: accepted_at_least(before + 100), limit_s=30)  # admits again
+    finally:
+        done_loading.set()
+        await asyncio.gather(*loaders)
+    fresh = aioredis.Redis.from_url(server.url)
+    try:
+
+        async def all_done() -> bool:
+            pipe = fresh.pipeline(transaction=False)
+            for _, job_id in accepted:
+                pipe.hget(harness.keys.job(job_id), "status")
+            return all(s == b"done" for s in await pipe.execute())
+
+        await until(all_done)
+        for v, job_id in accepted[:: max(1, len(accepted) // 20)]:
+            result = await fresh.hget(harness.keys.job(job_id), "result")
+            assert result == f'{{"value":{2 * v}}}'.encode()
+        assert not [r for r in refused if "capacity" in r]  # never refused on a stale lag
+        status = await stage_status(fresh, harness.keys, "slow")
+        assert 0 <= status.lag <= status.length
+        assert (await http.post("/v1/jobs/slow", json={"value": 0})).status_code == 202
+    finally:
+        await fresh.aclose()
+        stop(worker)
+
+
+LONG_LIVED = ("stage", "stats", "stages", "dlq")
+"""Key kinds ({ns}:<kind>:...) that live as long as the deployment; everything else expires."""
+
+
+async def test_gateway_kill_9_under_load_completes_jobs_and_orphans_no_key(
+    harness: Harness, redis: aioredis.Redis, tmp_path: Path
+) -> None:
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    gateway = spawn("gateway", log=log, CONVEYOR_PORT=str(port), CONVEYOR_REPLY_BLOCK_MS="100")
+    worker = spawn("workers", "slow", log=tmp_path / "worker.log", CONVEYOR_TEST_DELAY_S="0.02",
+                   CONVEYOR_BLOCK_MS="100")  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    accepted: list[str] = []
+    try:
+        await asyncio.to_thread(wait_ready, base, {"gateway": gateway}, lambda _: log.read_text())
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+
+            async def load(job: bool) -> None:
+                v = 0
+                while True:
+                    try:
+                        if job:
+                            resp = await http.post("/v1/jobs/slow", json={"value": v})
+                            if resp.status_code == 202:
+                                accepted.append(resp.json()["id"])
+                        else:
+                            await http.post("/v1/slow", json={"value": v})
+                    except httpx.TransportError:
+                        return  # the gateway is gone
+                    v += 1
+
+            loaders = [asyncio.create_task(load(i % 2 == 0)) for i in range(8)]
+
+            async def loaded() -> bool:
+                return len(accepted) >= 50
+
+            await until(loaded)
+            gateway.kill()
+            gateway.wait(timeout=10)
+            await asyncio.gather(*loaders)
+
+        async def all_done() -> bool:
+            pipe = redis.pipeline(transaction=False)
+            for job_id in accepted:
+                pipe.hget(harness.keys.job(job_id), "status")
+            return all(s == b"done" for s in await pipe.execute())
+
+        async def drained() -> bool:
+            status = await stage_status(redis, harness.keys, "slow")
+            return status.lag == 0 and status.pending == 0
+
+        await until(all_done)
+        await until(drained)
+    finally:
+        stop(gateway)
+        stop(worker)
+    orphans = []
+    async for key in redis.scan_iter(match=f"{harness.keys.prefix}:*", count=1000):
+        kind = text(key)[len(harness.keys.prefix) + 1 :].split(":", 1)[0]
+        if kind not in LONG_LIVED and await redis.ttl(key) < 0:
+            orphans.append(text(key))
+    assert orphans == []
+
+
+@pytest.mark.xfail(strict=True, reason="cancellation: next issue")
+async def test_requests_their_clients_gave_up_on_are_not_run(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # When cancellation lands this passes (XPASS fails the run): remove the marker then.
+    stage = number_stage(max_batch_size=1, batch_wait_ms=0)
+    worker = harness.worker(stage, Doubler(delay_s=0.5))
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([stage])
+    async with httpx.AsyncClient(base_url=base) as http:
+
+        async def give_up(v: int) -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/double", json={"value": v}, timeout=0.2)
+
+        await asyncio.gather(*(give_up(v) for v in range(8)))
+
+    async def settled() -> bool:  # every entry delivered and acknowledged, run or not
+        status = await stage_status(redis, harness.keys, "double")
+        return status.lag == 0 and status.pending == 0
+
+    await until(settled)
+    # At most the one already in the model when its client left; today all 8 run.
+    assert (await harness.stats("double")).get("model_items", 0) <= 1

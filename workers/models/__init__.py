@@ -1,0 +1,1 @@
+"""Model runners: Hugging Face pipelines, generated tiny models, toy and function runners."""

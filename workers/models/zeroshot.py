@@ -1,0 +1,76 @@
+"""Sentiment from a sentence encoder, with no trained classifier head.
+
+The offline profile has real weights only for MiniLM, a sentence encoder. Texts are
+embedded and compared with the mean embeddings of a few plainly positive and plainly
+negative anchor sentences; the nearer side wins, and a softmax over the two cosine
+similarities (sharpened by ``temperature``) gives the score. Coarse, but a real reading
+of the text: clearly negative writing comes out NEGATIVE, clearly positive POSITIVE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipelines.model import Item, Result
+from workers.models.hf_base import MAX_LENGTH_CAP, item_texts
+from workers.models.hf_encode import Embedder
+
+POSITIVE_ANCHORS = (
+    "This is wonderful, I love it.",
+    "A great success that made everyone happy.",
+    "Excellent, delightful and inspiring.",
+    "The celebration was joyful and the results were fantastic.",
+)
+NEGATIVE_ANCHORS = (
+    "This is terrible, I hate it.",
+    "A horrible disaster that caused great suffering.",
+    "Awful, painful and depressing.",
+    "The war brought death, destruction and misery.",
+)
+
+
+class AnchorSentiment:
+    """``{"label": "POSITIVE" | "NEGATIVE", "score"}`` from embedding similarity.
+
+    Args:
+        model: the sentence encoder (``"minilm"``, a hub id or a path).
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        cache_dir: where generated models are kept.
+        temperature: divides the similarities before the softmax (smaller: surer scores).
+        max_length: most tokens per text.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str = "minilm",
+        device: str = "auto",
+        dtype: str = "auto",
+        cache_dir: str,
+        temperature: float = 0.05,
+        max_length: int = MAX_LENGTH_CAP,
+    ) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.embedder = Embedder(
+            model=model, device=device, dtype=dtype, cache_dir=cache_dir, max_length=max_length
+        )
+        self.temperature = temperature
+        anchors = self.embedder.embed([*POSITIVE_ANCHORS, *NEGATIVE_ANCHORS])
+        n = len(POSITIVE_ANCHORS)
+        self.poles = torch.nn.functional.normalize(
+            torch.stack([anchors[:n].mean(0), anchors[n:].mean(0)]), dim=1
+        )
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Label each item's text."""
+        vectors = self.embedder.embed(item_texts(items))
+        probs = torch.softmax(vectors @ self.poles.T / self.temperature, dim=1)
+        out: list[Result] = []
+        for positive, negative in probs.tolist():
+            if positive >= negative:
+                out.append({"label": "POSITIVE", "score": float(positive)})
+            else:
+                out.append({"label": "NEGATIVE", "score": float(negative)})
+        return out
