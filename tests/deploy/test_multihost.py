@@ -292,7 +292,7 @@ def test_a_worker_host_dies_under_load_and_nothing_is_lost_or_doubled(tmp_path: 
                   "consumers": consumers, "doomed": DOOMED}  # fmt: skip
         driver = lab.start(
             "client", "client",
-            [sys.executable, "-c", "from tests.test_multihost import main; main()",
+            [sys.executable, "-c", "from tests.deploy.test_multihost import main; main()",
              json.dumps(config)],
             env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
