@@ -23,6 +23,7 @@ from workers.models.hf import (
     Embedder,
     ExtractiveSummarizer,
     Generator,
+    LoadOptions,
     Summarizer,
     TextClassifier,
     TokenClassifier,
@@ -89,6 +90,19 @@ def test_resolve_model_path(hf_cache: str) -> None:
         resolve_model_path("tiny:nope", hf_cache)
 
 
+def test_load_options_are_checked_before_loading(hf_cache: str) -> None:
+    with pytest.raises(ValueError, match="max_length must be at least 1, got 0"):
+        Embedder(model="minilm", cache_dir=hf_cache, max_length=0)
+    with pytest.raises(TypeError, match="model"):
+        TextClassifier(cache_dir=hf_cache)
+    # A misspelt runner option lands among the loading options, whose error names the runner.
+    with pytest.raises(TypeError, match=r"Summarizer: .*'num_beam'"):
+        Summarizer(model="tiny:summarize", cache_dir=hf_cache, num_beam=2)
+    # The runners built on the sentence encoder fix its normalisation.
+    with pytest.raises(TypeError, match="normalize"):
+        ExtractiveSummarizer(cache_dir=hf_cache, normalize=False)
+
+
 # --- tiny models ----------------------------------------------------------------------
 
 
@@ -146,6 +160,9 @@ def embedder(hf_cache: str) -> Embedder:
 
 
 def test_embedder_minilm(embedder: Embedder) -> None:
+    assert embedder.load == LoadOptions(
+        model="minilm", device="cpu", cache_dir=embedder.load.cache_dir
+    )
     texts = [
         "A cat is sleeping on the sofa.",
         "A kitten naps on the couch.",

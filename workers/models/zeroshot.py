@@ -9,11 +9,13 @@ of the text: clearly negative writing comes out NEGATIVE, clearly positive POSIT
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pipelines.model import Item, Result
-from workers.models.hf_base import MAX_LENGTH_CAP, item_texts
-from workers.models.hf_encode import Embedder
+from workers.models.hf_base import item_texts
+from workers.models.hf_encode import sentence_encoder
 
 POSITIVE_ANCHORS = (
     "This is wonderful, I love it.",
@@ -33,29 +35,15 @@ class AnchorSentiment:
     """``{"label": "POSITIVE" | "NEGATIVE", "score"}`` from embedding similarity.
 
     Args:
-        model: the sentence encoder (``"minilm"``, a hub id or a path).
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        cache_dir: where generated models are kept.
         temperature: divides the similarities before the softmax (smaller: surer scores).
-        max_length: most tokens per text.
+        load: how to load the sentence encoder
+            (see :func:`~workers.models.hf_encode.sentence_encoder`).
     """
 
-    def __init__(
-        self,
-        *,
-        model: str = "minilm",
-        device: str = "auto",
-        dtype: str = "auto",
-        cache_dir: str,
-        temperature: float = 0.05,
-        max_length: int = MAX_LENGTH_CAP,
-    ) -> None:
+    def __init__(self, *, temperature: float = 0.05, **load: Any) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
-        self.embedder = Embedder(
-            model=model, device=device, dtype=dtype, cache_dir=cache_dir, max_length=max_length
-        )
+        self.embedder = sentence_encoder(load)
         self.temperature = temperature
         anchors = self.embedder.embed([*POSITIVE_ANCHORS, *NEGATIVE_ANCHORS])
         n = len(POSITIVE_ANCHORS)
