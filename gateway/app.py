@@ -56,11 +56,10 @@ def error_response(exc: ConveyorError) -> Response:
     """The HTTP response for a conveyor error: status, message, request id, Retry-After."""
     status = exc.status
     headers: dict[str, str] = {}
-    retry_after = getattr(exc, "retry_after", None)
-    if retry_after is not None:
+    if exc.retry_after is not None:
         # Bounded whatever a step or an upstream said (an hour at most; a day of digits,
         # or infinity, would reach the client as nonsense or as no header at all).
-        wait = retry_after if math.isfinite(retry_after) else RETRY_AFTER_MAX_S
+        wait = exc.retry_after if math.isfinite(exc.retry_after) else RETRY_AFTER_MAX_S
         headers["Retry-After"] = str(max(1, min(round(wait), RETRY_AFTER_MAX_S)))
     body: dict[str, Any] = {"detail": str(exc)}
     if status == 422:  # one 422 shape, whoever refuses: a list of {loc, msg, type}
