@@ -16,13 +16,18 @@ class ConveyorError(Exception):
     Args:
         message: what happened and what to do.
         request_id: the request it concerns, when there is one.
+        retry_after: seconds to wait before retrying, when retrying later can help (the
+            gateway sends it as ``Retry-After``).
     """
 
     status = 500
 
-    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, request_id: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.retry_after = retry_after
 
 
 def http_status(exc: BaseException) -> int:
@@ -77,8 +82,7 @@ class Overloaded(ConveyorError):
     status = 503
 
     def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+        super().__init__(message, retry_after=retry_after)
 
 
 class Unavailable(ConveyorError):
@@ -87,8 +91,7 @@ class Unavailable(ConveyorError):
     status = 503
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+        super().__init__(message, retry_after=retry_after)
 
 
 class DeadlineExceeded(ConveyorError):
@@ -115,9 +118,8 @@ class ItemFailed(ConveyorError):
         request_id: str | None = None,
         retry_after: float | None = None,
     ) -> None:
-        super().__init__(message, request_id=request_id)
+        super().__init__(message, request_id=request_id, retry_after=retry_after)
         self.status = status
-        self.retry_after = retry_after
 
 
 class NotFound(ConveyorError):
@@ -140,5 +142,4 @@ class UpstreamUnavailable(ConveyorError):
     def __init__(
         self, message: str, *, retry_after: float = 5.0, request_id: str | None = None
     ) -> None:
-        super().__init__(message, request_id=request_id)
-        self.retry_after = retry_after
+        super().__init__(message, request_id=request_id, retry_after=retry_after)

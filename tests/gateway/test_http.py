@@ -200,7 +200,8 @@ async def test_request_that_would_miss_its_deadline_is_refused_at_once(
     resp = await http.post("/v1/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "4.2"})
     assert resp.status_code == 503
     assert "within 10% of its 4.2s deadline" in resp.json()["detail"]
-    resp = await http.post("/v1/jobs/double", json={"value": 1},
-                           headers={"X-Conveyor-Timeout": "30"})  # fmt: skip
+    resp = await http.post(
+        "/v1/jobs/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "30"}
+    )
     assert resp.status_code == 202  # a request with time to spare is taken
     assert await redis.xlen(stream) == 21

@@ -105,6 +105,7 @@ def test_unreachable_service() -> None:
     with pytest.raises(UpstreamUnavailable, match="is unreachable") as caught:
         fetch_article("lovelace", api_url=url, timeout_s=5)
     assert time.monotonic() - started < 4
+    assert caught.value.retry_after is not None
     assert caught.value.retry_after > 0
     assert "Traceback" not in str(caught.value)
 

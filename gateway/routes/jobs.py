@@ -1,0 +1,64 @@
+"""Async jobs: ``POST /v1/jobs/{pipeline}`` queues one (202); ``GET /v1/jobs/{id}`` reads it."""
+
+from typing import Annotated
+
+from fastapi import Body, FastAPI, Path, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from gateway.edge import principal
+from gateway.responses import JobAccepted, JobView, declared
+from gateway.routes import BODY_ERRORS, Timeout, Trace, json_response
+from gateway.service import Gateway
+from pipelines.graph import Pipeline
+
+
+def add_job_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
+    """Route reading a job, and submitting one to each of ``gw``'s pipelines.
+
+    Args:
+        app: the application to add the routes to.
+        gw: the gateway that queues and reads the jobs.
+        edge: the statuses the edge can answer first (413, and 401 with API keys on).
+    """
+
+    @app.get(
+        "/v1/jobs/{job_id}",
+        tags=["jobs"],
+        response_model=JobView,
+        responses=declared([*edge, 404, 422, 503]),
+    )
+    async def job(request: Request, job_id: Annotated[str, Path(max_length=128)]) -> Response:
+        """An async job: ``queued``, or ``done`` with the result the sync call returns, or
+        ``failed`` / ``expired`` with the error. Only the API key that submitted it (or,
+        with keys off, no key) can read it; to any other it is 404, like an unknown id."""
+        return json_response(await gw.job(job_id, principal(request.scope)))
+
+    for pipeline in gw.registry.pipelines.values():
+        _add_submit_route(app, gw, pipeline, edge)
+
+
+def _add_submit_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
+    async def submit(
+        http: Request, payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+    ) -> Response:
+        data = payload.model_dump(mode="json")
+        budget = gw.timeout_for(timeout_s, job=True)
+        owner = principal(http.scope)
+        request = await gw.enqueue(pipeline, data, budget, trace, job=True, owner=owner)
+        location = f"/v1/jobs/{request.id}"
+        body = {"id": request.id, "status": "queued", "url": location}
+        return json_response(body, 202, {"Location": location, "X-Request-Id": request.id})
+
+    submit.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
+    app.add_api_route(
+        f"/v1/jobs/{pipeline.name}",
+        submit,
+        methods=["POST"],
+        status_code=202,
+        tags=["jobs"],
+        summary=f"Submit an async {pipeline.name} job",
+        name=f"job_{pipeline.name}",
+        response_model=JobAccepted,
+        responses=declared([*edge, *BODY_ERRORS, 503]),
+    )

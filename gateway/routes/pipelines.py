@@ -1,0 +1,186 @@
+"""Each pipeline's routes: ``POST /v1/{name}`` (the body), ``GET /v1/{name}?field=`` (when
+one string field is all the input needs) and ``POST /v1/{name}/stream`` (Server-Sent
+Events, for a one-step pipeline whose stage streams)."""
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import orjson
+from fastapi import Body, FastAPI, Query
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from gateway.responses import declared, validation_issues
+from gateway.routes import BODY_ERRORS, Timeout, Trace
+from gateway.routes import json_response as _json
+from gateway.service import Gateway
+from pipelines.envelope import Reply, new_request_id
+from pipelines.errors import DeadlineExceeded, ItemFailed
+from pipelines.graph import Pipeline
+
+RESULT_ERRORS = (404, 500, 503, 504)  # what a step or the queue can answer instead
+
+
+def add_pipeline_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
+    """Route every pipeline of ``gw``'s registry.
+
+    Args:
+        app: the application to add the routes to.
+        gw: the gateway that enqueues the requests and awaits their replies.
+        edge: the statuses the edge can answer first (413, and 401 with API keys on).
+    """
+    for pipeline in gw.registry.pipelines.values():
+        _add_routes(app, gw, pipeline, edge)
+
+
+def reply_response(reply: Reply, request_id: str) -> Response:
+    """The HTTP response for a request's final reply (errors raise, mapped in one place)."""
+    if reply.outcome == "ok":
+        return _json(reply.result, 200, {"X-Request-Id": request_id})
+    if reply.outcome == "expired":
+        raise DeadlineExceeded("deadline passed before the request finished", request_id=request_id)
+    raise ItemFailed(
+        f"step {reply.stage!r} failed: {reply.error}",
+        status=reply.status,
+        request_id=request_id,
+        retry_after=reply.retry_after,
+    )
+
+
+def query_field(model: type[BaseModel]) -> str | None:
+    """The one required string field a GET query can fill, if the model has exactly one."""
+    required = [(n, f) for n, f in model.model_fields.items() if f.is_required()]
+    if len(required) == 1 and required[0][1].annotation is str:
+        return required[0][0]
+    return None
+
+
+def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
+    async def run(payload: BaseModel, asked: float | None, trace: str | None) -> Response:
+        data = payload.model_dump(mode="json")
+        request_id, reply = await gw.call(pipeline, data, gw.timeout_for(asked), trace)
+        return reply_response(reply, request_id)
+
+    async def post(payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None) -> Response:
+        return await run(payload, timeout_s, trace)
+
+    # FastAPI reads the body model from the annotation; each pipeline has its own.
+    post.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
+    path = f"/v1/{pipeline.name}"
+    summary = pipeline.summary or pipeline.name
+    app.add_api_route(
+        path,
+        post,
+        methods=["POST"],
+        summary=summary,
+        tags=["pipelines"],
+        name=f"post_{pipeline.name}",
+        responses=declared([*edge, *BODY_ERRORS, *RESULT_ERRORS]),
+    )
+    if len(pipeline.steps) == 1 and pipeline.entry.stage.streaming:
+        _add_stream_route(app, gw, pipeline, edge)
+    field = query_field(pipeline.input_model)
+    if field is None:
+        return
+
+    async def get(**kwargs: Any) -> Response:
+        try:
+            payload = pipeline.input_model.model_validate({field: kwargs[field]})
+        except ValidationError as exc:
+            issues = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]
+            return _json({"detail": validation_issues(issues)}, 422)
+        return await run(payload, kwargs["timeout_s"], kwargs["trace"])
+
+    # The query parameter is named after the model's field (``text``, ``search_term``).
+    kw = inspect.Parameter.KEYWORD_ONLY
+    get.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter(field, kw, annotation=Annotated[str, Query(min_length=1)]),
+            inspect.Parameter("timeout_s", kw, default=None, annotation=Timeout),
+            inspect.Parameter("trace", kw, default=None, annotation=Trace),
+        ]
+    )
+    app.add_api_route(
+        path,
+        get,
+        methods=["GET"],
+        summary=f"{summary} (?{field}=)",
+        tags=["pipelines"],
+        name=f"get_{pipeline.name}",
+        responses=declared([*edge, 422, *RESULT_ERRORS]),
+    )
+
+
+class EventStream(StreamingResponse):
+    """Server-Sent Events (declares ``text/event-stream`` in the OpenAPI document)."""
+
+    media_type = "text/event-stream"
+
+
+def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
+    async def stream(
+        payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+    ) -> Response:
+        budget = gw.timeout_for(timeout_s)
+        request_id = new_request_id()
+        queue = gw.replies.expect_stream(request_id)
+        try:
+            # Refusals (503) happen here, before the stream starts, as plain HTTP errors.
+            await gw.enqueue(
+                pipeline,
+                payload.model_dump(mode="json"),
+                budget,
+                trace,
+                request_id=request_id,
+                stream=True,
+            )
+        except BaseException:
+            gw.replies.forget(request_id)
+            raise
+        events = _sse_events(gw, queue, request_id, budget)
+        headers = {"X-Request-Id": request_id, "Cache-Control": "no-cache"}
+        return EventStream(events, headers=headers)
+
+    stream.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
+    app.add_api_route(
+        f"/v1/{pipeline.name}/stream",
+        stream,
+        methods=["POST"],
+        tags=["pipelines"],
+        summary=f"{pipeline.summary or pipeline.name} (Server-Sent Events)",
+        name=f"stream_{pipeline.name}",
+        response_class=EventStream,
+        responses=declared([*edge, *BODY_ERRORS, 503]),  # later errors are `error` events
+    )
+
+
+def _sse(event: str, data: Any) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _sse_events(
+    gw: Gateway, queue: asyncio.Queue[Reply], request_id: str, budget: float
+) -> AsyncIterator[bytes]:
+    """``token`` events as text arrives, then ``done`` (the result) or ``error``."""
+    deadline = time.monotonic() + budget
+    try:
+        while True:
+            try:
+                reply = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+            except TimeoutError:
+                yield _sse("error", {"detail": f"no result within {budget:g}s", "status": 504})
+                return
+            if reply.outcome == "partial":
+                yield _sse("token", reply.result)
+            elif reply.outcome == "ok":
+                yield _sse("done", reply.result)
+                return
+            else:
+                status = 504 if reply.outcome == "expired" else reply.status
+                yield _sse("error", {"detail": reply.error, "status": status})
+                return
+    finally:
+        gw.replies.forget(request_id)
