@@ -68,11 +68,16 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args.workload, int(args.child), args.gap_ms / 1000, args.calls)
         print(json.dumps(result))
         return
-    print(f"{args.workload}: median ms of one single-item call, back to back and after "
-          f"{args.gap_ms:g} ms idle, per OpenMP wait policy and torch thread count\n")  # fmt: skip
-    print("| OMP_WAIT_POLICY | GOMP_SPINCOUNT | torch threads | back to back | after idle | "
-          "idle costs |")  # fmt: skip
+    print(
+        f"{args.workload}: median ms of one single-item call, back to back and after "
+        f"{args.gap_ms:g} ms idle, per OpenMP wait policy and torch thread count\n"
+    )
+    print(
+        "| OMP_WAIT_POLICY | GOMP_SPINCOUNT | torch threads | back to back | after idle | "
+        "idle costs |"
+    )
     print("|---|---|---|---|---|---|")
+    flags = ["--workload", args.workload, "--gap-ms", str(args.gap_ms), "--calls", str(args.calls)]
     for threads in (int(t) for t in args.threads.split(",")):
         for policy, spin_count in POLICIES:
             env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
@@ -80,14 +85,15 @@ def main(argv: list[str] | None = None) -> None:
                 env.pop(name, None)
                 if value:
                     env[name] = value
-            command = [sys.executable, "-m", "bench.idle", "--child", str(threads),
-                       "--workload", args.workload, "--gap-ms", str(args.gap_ms),
-                       "--calls", str(args.calls)]  # fmt: skip
+            command = [sys.executable, "-m", "bench.idle", "--child", str(threads), *flags]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
             r = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"| {policy or 'unset (libgomp default)'} | {spin_count or 'unset'} | "
-                  f"{threads} | {r['busy']:.2f} | {r['idle']:.2f} | "
-                  f"{r['idle'] - r['busy']:+.2f} |", flush=True)  # fmt: skip
+            print(
+                f"| {policy or 'unset (libgomp default)'} | {spin_count or 'unset'} | "
+                f"{threads} | {r['busy']:.2f} | {r['idle']:.2f} | "
+                f"{r['idle'] - r['busy']:+.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -104,6 +104,13 @@ def read_raw(path: Path) -> Counter[str]:
     return counts
 
 
+def _record(spy: str, pid: int, seconds: float, output: Path) -> subprocess.Popen[bytes]:
+    """Start py-spy sampling ``pid`` for ``seconds`` at 250 Hz into ``output`` (raw format)."""
+    command = [spy, "record", "--pid", str(pid), "--duration", f"{seconds:g}", "--rate", "250"]
+    command += ["--format", "raw", "--nonblocking", "--output", str(output)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def profile(workload: str, concurrency: int, seconds: float, workdir: Path) -> Scenario:
     """Start conveyor for ``workload``, load it, and sample its gateway and worker."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -124,19 +131,20 @@ def profile(workload: str, concurrency: int, seconds: float, workdir: Path) -> S
                     cpu_before[role] = cpu_seconds([pid])
                     if role == "redis":
                         continue
-                    spies.append(subprocess.Popen(
-                        [spy, "record", "--pid", str(pid), "--duration", f"{seconds:g}",
-                         "--rate", "250", "--format", "raw", "--nonblocking",
-                         "--output", str(outputs[role])],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    ))  # fmt: skip
+                    spies.append(_record(spy, pid, seconds, outputs[role]))
 
         load = asyncio.run(
             closed_loop(
-                HOST, server.port, server.path(workload), bodies(100_000), concurrency,
-                duration=seconds, warmup=1.5, on_measure=begin,
+                HOST,
+                server.port,
+                server.path(workload),
+                bodies(100_000),
+                concurrency,
+                duration=seconds,
+                warmup=1.5,
+                on_measure=begin,
             )
-        )  # fmt: skip
+        )
         cpu_after = {role: cpu_seconds([pid]) for role, pid in pids.items()}
         for proc in spies:
             proc.wait(timeout=seconds + 30)
@@ -199,8 +207,11 @@ def markdown(scenarios: list[Scenario], command: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: ``python -m bench.profile``."""
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
-    parser.add_argument("--scenarios", default="echo:1,echo:64,embed:1,embed:64",
-                        help="workload:clients, comma-separated")  # fmt: skip
+    parser.add_argument(
+        "--scenarios",
+        default="echo:1,echo:64,embed:1,embed:64",
+        help="workload:clients, comma-separated",
+    )
     parser.add_argument("--seconds", type=float, default=8.0, help="sampled time per scenario")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "PROFILE.md")
     args = parser.parse_args(argv)
@@ -216,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     scenarios = []
     for workload, clients in wanted:
         sc = profile(workload, clients, args.seconds, workdir)
-        logger.info("%s c=%d: %.0f req/s, p50 %.1f ms", workload, clients, sc.throughput,
-                    sc.p50_ms)  # fmt: skip
+        logger.info("%s c=%d: %.0f req/s, p50 %.1f ms", workload, clients, sc.throughput, sc.p50_ms)
         scenarios.append(sc)
     command = "python -m bench.profile" + (f" {' '.join(argv)}" if argv else "")
     args.out.write_text(markdown(scenarios, command))

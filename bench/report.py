@@ -44,8 +44,11 @@ DRIFT_WARN = 0.10
 
 def drift(res: Results) -> list[str]:
     """The Machine section's line on how the in-process limits moved during the run."""
-    pairs = [(w, b, res.limits_after[w]) for w, b in res.limits_before.items()
-             if w in res.limits_after and w != "echo"]  # fmt: skip
+    pairs = [
+        (w, b, res.limits_after[w])
+        for w, b in res.limits_before.items()
+        if w in res.limits_after and w != "echo"
+    ]
     if not pairs:
         return []
     moves = [(w, b.throughput, a.throughput, a.throughput / b.throughput - 1) for w, b, a in pairs]

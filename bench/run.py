@@ -184,8 +184,9 @@ class Results:
     def limits(self) -> dict[str, InProcess]:
         """The in-process model, per workload: the stricter of its measurements before
         and after the served systems."""
-        return {w: _stricter(lim, self.limits_after.get(w))
-                for w, lim in self.limits_before.items()}  # fmt: skip
+        return {
+            w: _stricter(lim, self.limits_after.get(w)) for w, lim in self.limits_before.items()
+        }
 
     def row(self, system: str, workload: str, concurrency: int) -> Row | None:
         """The measurement of (system, workload, concurrency), if taken."""
@@ -229,9 +230,17 @@ def measure(server: Server, workload: str, concurrency: int, plan: Plan, workers
     logger.info(
         "%-11s %-9s c=%-3d N=%d  %7.1f req/s  p50 %6.1f ms  p99 %6.1f ms  errors %d  "
         "batch %.1f  cpu %.2f ms/req",
-        row.system, workload, concurrency, workers, load.throughput, load.pct(0.5),
-        load.pct(0.99), load.errors, mean_batch, row.cpu_ms,
-    )  # fmt: skip
+        row.system,
+        workload,
+        concurrency,
+        workers,
+        load.throughput,
+        load.pct(0.5),
+        load.pct(0.99),
+        load.errors,
+        mean_batch,
+        row.cpu_ms,
+    )
     return row
 
 
@@ -249,8 +258,12 @@ def run(plan: Plan) -> Results:
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
     logger.info("process logs under %s", workdir)
     results.wake = wake_latency(workdir)
-    logger.info("loopback PING: %.0f us back to back, %.0f us after %.0f ms idle",
-                results.wake.busy_us, results.wake.idle_us, results.wake.gap_s * 1000)  # fmt: skip
+    logger.info(
+        "loopback PING: %.0f us back to back, %.0f us after %.0f ms idle",
+        results.wake.busy_us,
+        results.wake.idle_us,
+        results.wake.gap_s * 1000,
+    )
     for system in (s for s in STARTERS if s in plan.systems):
         logger.info("starting %s", system)
         with STARTERS[system](plan.workloads, plan.options, workdir) as server:
@@ -287,9 +300,13 @@ def _limits(plan: Plan, when: str) -> dict[str, InProcess]:
         limits[workload] = limit
         logger.info(
             "in-process  %-9s batch %d: %.1f items/s; batch 1: p50 %.2f ms, p99 %.2f ms (%s)",
-            workload, limit.batch, limit.throughput, limit.single_p50_ms,
-            limit.single_p99_ms, when,
-        )  # fmt: skip
+            workload,
+            limit.batch,
+            limit.throughput,
+            limit.single_p50_ms,
+            limit.single_p99_ms,
+            when,
+        )
     return limits
 
 
@@ -300,9 +317,12 @@ def _stricter(a: InProcess, b: InProcess | None) -> InProcess:
         return a
     single = min(a, b, key=lambda lim: lim.single_p50_ms)
     return InProcess(
-        a.workload, a.batch, max(a.throughput, b.throughput),
-        single.single_p50_ms, single.single_p99_ms,
-    )  # fmt: skip
+        a.workload,
+        a.batch,
+        max(a.throughput, b.throughput),
+        single.single_p50_ms,
+        single.single_p99_ms,
+    )
 
 
 def _scaling(plan: Plan, workdir: Path) -> list[Row]:
@@ -323,11 +343,21 @@ def _scaling(plan: Plan, workdir: Path) -> list[Row]:
 def _embed_at(threads: int, plan: Plan, workdir: Path) -> tuple[int, InProcess, Row]:
     """embed with torch held to ``threads``, in this process and on conveyor's worker."""
     batch = plan.options.max_batch
-    limit = in_process("embed", batch=batch, total=max(plan.requests, 4 * batch),
-                       singles=plan.requests, seconds=min(plan.seconds, 10.0),
-                       device=plan.options.device, threads=threads)  # fmt: skip
-    logger.info("in-process  embed     batch %d at %d thread(s): %.1f items/s",
-                batch, threads, limit.throughput)  # fmt: skip
+    limit = in_process(
+        "embed",
+        batch=batch,
+        total=max(plan.requests, 4 * batch),
+        singles=plan.requests,
+        seconds=min(plan.seconds, 10.0),
+        device=plan.options.device,
+        threads=threads,
+    )
+    logger.info(
+        "in-process  embed     batch %d at %d thread(s): %.1f items/s",
+        batch,
+        threads,
+        limit.throughput,
+    )
     env = {**plan.options.env, "CONVEYOR_THREADS": str(threads)}
     options = replace(plan.options, env=env)
     top = max(plan.concurrencies)
@@ -347,8 +377,12 @@ def _overload(plan: Plan, workdir: Path, deadline_s: float = 2.0) -> Overload:
         capacity = measure(server, "synthetic", plan.scale_clients_per_worker, plan)
         rate = 2 * capacity.load.throughput
         count = max(20, int(rate * plan.seconds))
-        logger.info("overload: capacity %.1f/s, offering %.1f/s for %d requests",
-                    capacity.load.throughput, rate, count)  # fmt: skip
+        logger.info(
+            "overload: capacity %.1f/s, offering %.1f/s for %d requests",
+            capacity.load.throughput,
+            rate,
+            count,
+        )
         header = f"X-Conveyor-Timeout: {deadline_s:g}\r\n"
         got = asyncio.run(
             open_loop(HOST, server.port, server.path("synthetic"), bodies(count), rate, header)

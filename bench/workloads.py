@@ -25,13 +25,11 @@ from pipelines.model import Item, Model
 
 WORKLOADS = ("echo", "embed", "synthetic")
 
-# fmt: off
-_WORDS = [
-    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "queues",
-    "hold", "requests", "and", "workers", "batch", "them", "for", "the", "model", "which",
-    "embeds", "every", "sentence", "into", "a", "vector", "of", "floats",
-]
-# fmt: on
+_SENTENCE = (
+    "the quick brown fox jumps over a lazy dog while queues hold requests and workers batch them "
+    "for the model which embeds every sentence into a vector of floats"
+)
+_WORDS = _SENTENCE.split()
 
 
 def texts(n: int) -> list[str]:

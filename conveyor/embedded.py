@@ -54,17 +54,19 @@ def start_redis(port: int, workdir: Path, *, appendonly: bool = False) -> subpro
         ConfigError: it exited or did not accept connections within 20 s.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    args = [
-        find_redis_server(),
-        "--bind", "127.0.0.1",
-        "--port", str(port),
-        "--dir", str(workdir),
-        "--save", "",
-        "--appendonly", "yes" if appendonly else "no",
-        "--appendfsync", "always",
-        "--maxmemory-policy", "noeviction",
-        "--protected-mode", "yes",
-    ]  # fmt: skip
+    config = {  # redis.conf directives, each given as --name value
+        "bind": "127.0.0.1",
+        "port": str(port),
+        "dir": str(workdir),
+        "save": "",
+        "appendonly": "yes" if appendonly else "no",
+        "appendfsync": "always",
+        "maxmemory-policy": "noeviction",
+        "protected-mode": "yes",
+    }
+    args = [find_redis_server()]
+    for name, value in config.items():
+        args += [f"--{name}", value]
     with (workdir / "redis.log").open("wb") as log:  # the child keeps its own handle
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     give_up = time.monotonic() + 20

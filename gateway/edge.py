@@ -186,8 +186,8 @@ class EdgeMiddleware:
             who = self._authenticate(scope)
             if who is None:
                 status = 401
-                await _send_json(send, 401, {"detail": "a valid API key is required"},
-                                 [(b"www-authenticate", b"Bearer")])  # fmt: skip
+                challenge = [(b"www-authenticate", b"Bearer")]
+                await _send_json(send, 401, {"detail": "a valid API key is required"}, challenge)
                 return
             scope["state"] = {**scope.get("state", {}), "principal": who}
             declared = dict(scope["headers"]).get(b"content-length")
@@ -238,8 +238,13 @@ async def _send_json(
 
 def _raw_response(status: bytes, detail: str) -> bytes:
     body = orjson.dumps({"detail": detail})
-    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)  # fmt: skip
+    head = (
+        b"HTTP/1.1 %s\r\n"
+        b"content-type: application/json\r\n"
+        b"content-length: %d\r\n"
+        b"connection: close\r\n\r\n"
+    )
+    return head % (status, len(body)) + body
 
 
 def header_deadline_protocol(

@@ -116,8 +116,10 @@ def validation_issues(errors: Sequence[Any], limit: int = 32) -> list[dict[str, 
             "msg": _clip(str(error["msg"]), 300),
             "type": str(error["type"]),
         }
-        ctx = {k: v if isinstance(v, int | float | bool) else _clip(str(v)) for k, v in
-               (error.get("ctx") or {}).items()}  # fmt: skip
+        ctx = {
+            k: v if isinstance(v, int | float | bool) else _clip(str(v))
+            for k, v in (error.get("ctx") or {}).items()
+        }
         if ctx and len(orjson.dumps(ctx)) <= 200:
             issue["ctx"] = ctx
         out.append(issue)

@@ -111,6 +111,15 @@ def builtin_pipelines() -> list[Pipeline]:
     ]
 
 
-DEFAULT_UP = ("embed", "sentiment", "ner", "summarize", "generate", "chain", "broadcast",
-              "hello", "wiki-summary")  # fmt: skip
+DEFAULT_UP = (
+    "embed",
+    "sentiment",
+    "ner",
+    "summarize",
+    "generate",
+    "chain",
+    "broadcast",
+    "hello",
+    "wiki-summary",
+)
 """What ``conveyor up`` serves without ``--pipelines``: every built-in but ``echo``."""

@@ -63,28 +63,32 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "redis": CommonSettings,
 }
 
+
+def words(*lines: str) -> set[str]:
+    """The space-separated words of ``lines``, as a set."""
+    return {word for line in lines for word in line.split()}
+
+
 # Commands the code sends (read from gateway/, workers/, pipelines/, the script in
 # workers/publish.py included); the live test below proves the rules suffice by running the
 # real processes, a join pipeline included.
 NEEDS = {
-    "gateway": {
-        "ping", "time", "multi", "exec", "xadd", "hset", "expire", "xread", "del", "hgetall",
-        "xlen", "xrange", "xinfo|groups", "xinfo|consumers", "smembers",
-    },
-    "worker": {
-        "ping", "time", "xgroup|create", "xreadgroup", "multi", "exec", "xadd", "expire",
-        "hset", "hexists", "hgetall", "eval", "evalsha", "exists", "xack", "hincrby",
-        "hincrbyfloat", "sadd", "set", "del",
-    },
-    "keda": {"info", "xinfo|groups", "xpending", "xlen"},
-}  # fmt: skip
+    "gateway": words(
+        "ping time multi exec xadd hset expire xread del hgetall xlen xrange xinfo|groups",
+        "xinfo|consumers smembers",
+    ),
+    "worker": words(
+        "ping time xgroup|create xreadgroup multi exec xadd expire hset hexists hgetall eval",
+        "evalsha exists xack hincrby hincrbyfloat sadd set del",
+    ),
+    "keda": words("info xinfo|groups xpending xlen"),
+}
 # Nobody gets these (whole command or any subcommand).
-FORBIDDEN = {
-    "config", "flushall", "flushdb", "keys", "scan", "debug", "shutdown", "module", "acl",
-    "monitor", "replicaof", "slaveof", "save", "bgsave", "bgrewriteaof", "swapdb", "migrate",
-    "restore", "cluster", "failover", "sync", "psync", "function", "script", "client|kill",
-    "client|list", "client|pause", "object", "dump", "select", "move", "lastsave",
-}  # fmt: skip
+FORBIDDEN = words(
+    "config flushall flushdb keys scan debug shutdown module acl monitor replicaof slaveof",
+    "save bgsave bgrewriteaof swapdb migrate restore cluster failover sync psync function",
+    "script client|kill client|list client|pause object dump select move lastsave",
+)
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 DRAIN_S = 30.0
@@ -313,14 +317,8 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory, rendered_acl: Path) -> I
     acl = workdir / "users.acl"
     acl.write_text(rendered_acl.read_text() + f"user {ADMIN[0]} on >{ADMIN[1]} ~* &* +@all\n")
     port = free_port()
-    args = [
-        find_redis_server(),
-        str(REDIS_DIR / "redis.conf"),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--aclfile", str(acl),
-        "--daemonize", "no",
-    ]  # fmt: skip
+    args = [find_redis_server(), str(REDIS_DIR / "redis.conf")]  # the shipped config, then:
+    args += ["--port", str(port), "--bind", "127.0.0.1", "--aclfile", str(acl), "--daemonize", "no"]
     with (workdir / "redis.log").open("wb") as log:
         proc = subprocess.Popen(args, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
     server = AclRedis(port, ())
@@ -624,12 +622,26 @@ def test_live_acl_dry_run_of_admin_commands(acl_redis: AclRedis) -> None:
     if acl_redis.version < (7,):
         pytest.skip("ACL DRYRUN needs Redis 7")
     attempts = [
-        ["CONFIG", "GET", "*"], ["CONFIG", "SET", "appendonly", "no"], ["FLUSHALL"],
-        ["FLUSHDB"], ["KEYS", "*"], ["SCAN", "0"], ["DEBUG", "SLEEP", "0"], ["SHUTDOWN"],
-        ["MODULE", "LIST"], ["ACL", "LIST"], ["MONITOR"], ["REPLICAOF", "NO", "ONE"],
-        ["SAVE"], ["BGREWRITEAOF"], ["SWAPDB", "0", "1"], ["SCRIPT", "FLUSH"],
-        ["FUNCTION", "LIST"], ["CLIENT", "LIST"], ["CLIENT", "KILL", "ID", "1"],
-    ]  # fmt: skip
+        ["CONFIG", "GET", "*"],
+        ["CONFIG", "SET", "appendonly", "no"],
+        ["FLUSHALL"],
+        ["FLUSHDB"],
+        ["KEYS", "*"],
+        ["SCAN", "0"],
+        ["DEBUG", "SLEEP", "0"],
+        ["SHUTDOWN"],
+        ["MODULE", "LIST"],
+        ["ACL", "LIST"],
+        ["MONITOR"],
+        ["REPLICAOF", "NO", "ONE"],
+        ["SAVE"],
+        ["BGREWRITEAOF"],
+        ["SWAPDB", "0", "1"],
+        ["SCRIPT", "FLUSH"],
+        ["FUNCTION", "LIST"],
+        ["CLIENT", "LIST"],
+        ["CLIENT", "KILL", "ID", "1"],
+    ]
     admin = acl_redis.admin()
     try:
         stream = Keys("conveyor").stage_stream("z")
@@ -719,16 +731,15 @@ def test_k8s_manifests_match_the_kubernetes_schemas() -> None:
 
 
 def test_keda_objects_are_well_formed() -> None:
-    redis_streams_keys = {
-        "address", "host", "port", "addressFromEnv", "hostFromEnv", "portFromEnv",
-        "stream", "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount",
-        "activationLagCount", "enableTLS", "unsafeSsl", "databaseIndex",
-    }  # fmt: skip
-    spec_keys = {
-        "scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
-        "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "fallback", "advanced",
-        "triggers",
-    }  # fmt: skip
+    redis_streams_keys = words(
+        "address host port addressFromEnv hostFromEnv portFromEnv stream consumerGroup",
+        "pendingEntriesCount streamLength lagCount activationLagCount enableTLS unsafeSsl",
+        "databaseIndex",
+    )
+    spec_keys = words(
+        "scaleTargetRef pollingInterval cooldownPeriod initialCooldownPeriod idleReplicaCount",
+        "minReplicaCount maxReplicaCount fallback advanced triggers",
+    )
     auths = by_kind("TriggerAuthentication")
     secret = by_kind("Secret")["conveyor-redis"]["stringData"]
     for auth in auths.values():

@@ -130,8 +130,8 @@ class Lab:
         for host in HOSTS:
             ns, port = self.ns(host), f"to-{host}"
             self._add_ns(ns)
-            ip("-n", self.switch, "link", "add", port, "type", "veth",
-               "peer", "name", "eth0", "netns", ns)  # fmt: skip
+            veth_pair = ("type", "veth", "peer", "name", "eth0", "netns", ns)  # far end: ns's eth0
+            ip("-n", self.switch, "link", "add", port, *veth_pair)
             ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
             ip("-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
@@ -145,9 +145,8 @@ class Lab:
         self._logs.append(log)
         popen.setdefault("stdout", log)
         proc: subprocess.Popen[bytes] = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns(host), *argv],
-            env=env, cwd=REPO, stderr=log, **popen,
-        )  # fmt: skip
+            ["ip", "netns", "exec", self.ns(host), *argv], env=env, cwd=REPO, stderr=log, **popen
+        )
         self.procs[name] = proc
         return proc
 
@@ -160,8 +159,8 @@ class Lab:
 
     def pids(self, host: str) -> list[int]:
         """Every process living in ``host``'s namespace."""
-        done = subprocess.run(["ip", "netns", "pids", self.ns(host)],
-                              capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+        command = ["ip", "netns", "pids", self.ns(host)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True)
         return [int(p) for p in done.stdout.split()]
 
     def kill_host(self, host: str) -> list[int]:
@@ -201,8 +200,9 @@ class Lab:
         """Kill every process, then delete the namespaces (their veths and the bridge go
         with them)."""
         for ns in self.made:
-            done = subprocess.run(["ip", "netns", "pids", ns],
-                                  capture_output=True, text=True, timeout=10)  # fmt: skip
+            done = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10
+            )
             for pid in done.stdout.split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
@@ -271,31 +271,38 @@ def test_a_worker_host_dies_under_load_and_nothing_is_lost_or_doubled(tmp_path: 
     env = base_env() | {"CONVEYOR_REDIS_URL": redis_url}
     try:
         lab.build()
-        lab.start("redis", "redis", [
-            redis_server, "--bind", lab.addr("redis"), "--port", "6379",
-            "--requirepass", password, "--dir", str(tmp_path), "--save", "", "--appendonly", "no",
-        ], env)  # fmt: skip
+        redis_argv = [redis_server, "--bind", lab.addr("redis"), "--port", "6379"]
+        redis_argv += ["--requirepass", password, "--dir", str(tmp_path)]
+        redis_argv += ["--save", "", "--appendonly", "no"]
+        lab.start("redis", "redis", redis_argv, env)
         lab.wait_for_log("redis", "Ready to accept connections")
-        lab.start("gw", "gateway", [sys.executable, "-m", "gateway"], env | {
-            "CONVEYOR_HOST": lab.addr("gw"), "CONVEYOR_PORT": "8000",
-            "CONVEYOR_PIPELINES": "slow", "CONVEYOR_REPLY_BLOCK_MS": "100",
-        })  # fmt: skip
+        gateway_env = {
+            "CONVEYOR_HOST": lab.addr("gw"),
+            "CONVEYOR_PORT": "8000",
+            "CONVEYOR_PIPELINES": "slow",
+            "CONVEYOR_REPLY_BLOCK_MS": "100",
+        }
+        lab.start("gw", "gateway", [sys.executable, "-m", "gateway"], env | gateway_env)
         consumers = []
         for host in WORKER_HOSTS:
             for i in range(WORKERS_PER_HOST):
                 name = f"{host}-{i}"  # the consumer name too: which host held what
-                lab.start(host, name, [sys.executable, "-m", "workers", "slow"],
-                          env | WORKER_ENV | {"CONVEYOR_CONSUMER_NAME": name})  # fmt: skip
+                worker_env = env | WORKER_ENV | {"CONVEYOR_CONSUMER_NAME": name}
+                lab.start(host, name, [sys.executable, "-m", "workers", "slow"], worker_env)
                 consumers.append(name)
         doomed_workers = {lab.procs[n].pid for n in consumers if n.startswith(DOOMED)}
-        config = {"gateway": gateway_url, "redis_url": redis_url, "namespace": NAMESPACE,
-                  "consumers": consumers, "doomed": DOOMED}  # fmt: skip
+        config = {
+            "gateway": gateway_url,
+            "redis_url": redis_url,
+            "namespace": NAMESPACE,
+            "consumers": consumers,
+            "doomed": DOOMED,
+        }
+        code = "from tests.deploy.test_multihost import main; main()"
+        driver_argv = [sys.executable, "-c", code, json.dumps(config)]
         driver = lab.start(
-            "client", "client",
-            [sys.executable, "-c", "from tests.deploy.test_multihost import main; main()",
-             json.dumps(config)],
-            env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        )  # fmt: skip
+            "client", "client", driver_argv, env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         assert driver.stdin is not None
         lines = lab.lines(driver)
         budget = started + 80  # the whole scenario, start-up to the last answer
@@ -334,8 +341,11 @@ def test_a_worker_host_dies_under_load_and_nothing_is_lost_or_doubled(tmp_path: 
     assert result["dlq_entries"] == 0
     assert result["pending"] == 0  # the dead host's entries were all reclaimed and acked
     assert all(c["pending"] == 0 for c in result["consumers"])
-    http = [s for s in parse_metrics(result["metrics"])
-            if s[0] == "conveyor_http_requests_total" and s[1]["route"] == "/v1/slow"]  # fmt: skip
+    http = [
+        s
+        for s in parse_metrics(result["metrics"])
+        if s[0] == "conveyor_http_requests_total" and s[1]["route"] == "/v1/slow"
+    ]
     assert [(s[1]["status"], s[2]) for s in http] == [("200", REQUESTS)]
     assert elapsed < 90
 
@@ -406,10 +416,10 @@ async def drive(
             async def closed_loop() -> None:  # one client: next request after each answer
                 for v in values:
                     try:
-                        resp = await http.post("/v1/slow", json={"value": v},
-                                               headers={"X-Trace-Id": f"mh-{v}"})  # fmt: skip
-                        answers.append([v, resp.status_code, resp.json(),
-                                        resp.headers.get("x-request-id")])  # fmt: skip
+                        trace = {"X-Trace-Id": f"mh-{v}"}
+                        resp = await http.post("/v1/slow", json={"value": v}, headers=trace)
+                        request_id = resp.headers.get("x-request-id")
+                        answers.append([v, resp.status_code, resp.json(), request_id])
                     except (httpx.HTTPError, ValueError) as exc:  # no answer, or not JSON
                         answers.append([v, 0, repr(exc), None])
 
@@ -420,8 +430,8 @@ async def drive(
             async def doomed_host_busy() -> bool:
                 nonlocal held
                 rows = await client.xinfo_consumers(stream, GROUP)
-                held = {text(c["name"]): int(c["pending"]) for c in rows
-                        if text(c["name"]) in doomed_names}  # fmt: skip
+                pending = {text(c["name"]): int(c["pending"]) for c in rows}
+                held = {name: n for name, n in pending.items() if name in doomed_names}
                 return len(answers) >= REQUESTS // 4 and sum(held.values()) > 0
 
             await _until("the doomed host held work", doomed_host_busy, 30)

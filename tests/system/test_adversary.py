@@ -35,6 +35,8 @@ from tests.helpers import Doubler, Harness, NumberIn, conveyor, number_stage, un
 from workers.models.hf_text import Generator
 
 REPO = Path(__file__).resolve().parents[2]
+FAULT_APP_ENV = {"CONVEYOR_APP": "tests.faultapp:pipelines", "PYTHONPATH": str(REPO)}
+"""What a process needs to serve tests/faultapp.py's stages from this checkout."""
 
 
 # --------------------------------------------------------------------------------------
@@ -126,10 +128,8 @@ def test_up_refuses_an_impossible_port_before_starting_anything(cache_dir: Path)
     env |= {"CONVEYOR_CACHE_DIR": str(cache_dir)}
     full = env | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     code = "import sys; from conveyor.cli import main; main(sys.argv[1:])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, "up", "--port", "99999999", "--pipelines", "echo"],
-        cwd=REPO, env=full, capture_output=True, text=True, timeout=90,
-    )  # fmt: skip
+    argv = [sys.executable, "-c", code, "up", "--port", "99999999", "--pipelines", "echo"]
+    done = subprocess.run(argv, cwd=REPO, env=full, capture_output=True, text=True, timeout=90)
     assert "gateway on http://" not in done.stdout, done.stdout
     assert "embedded redis" not in done.stdout, done.stdout
     assert done.returncode == 2, (done.returncode, done.stdout[-300:], done.stderr[-300:])
@@ -304,11 +304,11 @@ async def test_streamed_tokens_add_up_to_the_final_text(harness: Harness) -> Non
 
 
 def _spawn_worker(stage: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    full = dict(os.environ) | {"CONVEYOR_APP": "tests.faultapp:pipelines",
-                               "PYTHONPATH": str(REPO)} | env  # fmt: skip
+    """A real worker process serving ``stage`` of tests/faultapp.py, logging to ``log``."""
+    full = dict(os.environ) | FAULT_APP_ENV | env
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "workers", stage], env=full, cwd=REPO,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        argv = [sys.executable, "-m", "workers", stage]
+        return subprocess.Popen(argv, env=full, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.timeout(115)
@@ -330,8 +330,9 @@ async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing
     # predict; a second worker reclaims and answers it; wait until the done marker
     # expires (~61 s); SIGCONT the first worker.
     (sent,) = await harness.enqueue("slow", [{"value": 21}], deadline_in=2)
-    stalled = _spawn_worker("slow", tmp_path / "w.log", CONVEYOR_TEST_DELAY_S="1.5",
-                            CONVEYOR_BLOCK_MS="100")  # fmt: skip
+    stalled = _spawn_worker(
+        "slow", tmp_path / "w.log", CONVEYOR_TEST_DELAY_S="1.5", CONVEYOR_BLOCK_MS="100"
+    )
     replies = harness.keys.reply_stream("test")
     marker = harness.keys.done(sent.id, "slow")
     try:
@@ -509,8 +510,9 @@ async def test_dlq_replay_skips_an_undecodable_letter_and_replays_the_rest(
     stage = number_stage(batch_wait_ms=0)
     stream = harness.keys.stage_stream("double")
     dlq = harness.keys.dead_letters("double")
-    worker = harness.worker(stage, Doubler(), max_deliveries=1, min_idle_ms=10,
-                            reclaim_interval_ms=10)  # fmt: skip
+    worker = harness.worker(
+        stage, Doubler(), max_deliveries=1, min_idle_ms=10, reclaim_interval_ms=10
+    )
     await worker.start()
     await redis.xadd(stream, {"e": b"not json"})
     await worker.run(max_batches=1, burst=True)
@@ -563,8 +565,12 @@ def test_a_fan_out_without_a_join_is_refused_when_built() -> None:
     # Refused when built (the running half of this test, which counted the answers
     # after a sleep, is gone with the break: nothing of this graph can run).
     with pytest.raises(ConfigError, match="step 'a' fans out to \\['b', 'c'\\]"):
-        Pipeline("fan", NumberIn, (
-            function("a", lambda p: p, then=("b", "c")),
-            function("b", _first),
-            function("c", _second),
-        ))  # fmt: skip
+        Pipeline(
+            "fan",
+            NumberIn,
+            (
+                function("a", lambda p: p, then=("b", "c")),
+                function("b", _first),
+                function("c", _second),
+            ),
+        )

@@ -57,8 +57,9 @@ async def test_an_accepted_job_is_never_dropped_by_enqueue_by(
     # repeatedly (CLIENT PAUSE 300 WRITE every 0.32 s: fsync/fork stalls); ~200 jobs
     # submitted 10 ms apart.
     stage = number_stage(batch_wait_ms=0)
-    http = await harness.gateway([stage], redis_timeout_s=0.5, redis_max_connections=2,
-                                 admission_refresh_ms=600_000)  # fmt: skip
+    http = await harness.gateway(
+        [stage], redis_timeout_s=0.5, redis_max_connections=2, admission_refresh_ms=600_000
+    )
     assert (await http.post("/v1/jobs/double", json={"value": 0})).status_code == 202
     stop = asyncio.Event()
 
@@ -71,8 +72,9 @@ async def test_an_accepted_job_is_never_dropped_by_enqueue_by(
 
     async def submit(i: int) -> httpx.Response:
         await asyncio.sleep(i * 0.01)
-        return await http.post("/v1/jobs/double", json={"value": i},
-                               headers={"X-Conveyor-Timeout": "30"})  # fmt: skip
+        return await http.post(
+            "/v1/jobs/double", json={"value": i}, headers={"X-Conveyor-Timeout": "30"}
+        )
 
     try:
         answers = await asyncio.gather(*(submit(i) for i in range(1, 200)))
@@ -106,9 +108,11 @@ async def test_an_accepted_job_is_never_dropped_by_enqueue_by(
     for job_id in accepted:
         statuses[job_id] = (await http.get(f"/v1/jobs/{job_id}")).json()["status"]
     lost = sorted(j for j, s in statuses.items() if s != "done")
-    assert not lost, (f"{len(lost)} of {len(accepted)} accepted jobs never ran "
-                      f"({len(late)} landed past their enqueue_by): "
-                      f"{[statuses[j] for j in lost][:5]}")  # fmt: skip
+    assert not lost, (
+        f"{len(lost)} of {len(accepted)} accepted jobs never ran "
+        f"({len(late)} landed past their enqueue_by): "
+        f"{[statuses[j] for j in lost][:5]}"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -158,8 +162,9 @@ async def test_a_gateway_started_during_a_redis_outage_serves_on_the_redis_clock
     worker = harness.worker(stage, Doubler())
     await worker.start()
     harness.run(worker)
-    resp = await http.post("/v1/double", json={"value": 1},
-                           headers={"X-Conveyor-Timeout": "3"}, timeout=10)  # fmt: skip
+    resp = await http.post(
+        "/v1/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "3"}, timeout=10
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json() == {"value": 2}
 
@@ -219,12 +224,16 @@ def _both(branches: dict[str, Any]) -> dict[str, Any]:
     return {"left": branches["left"]["value"], "right": branches["right"]["value"]}
 
 
-RJ = Pipeline("rj", NumberIn, (
-    function("start", _same, then=("left", "right")),
-    function("left", _same, then="join"),
-    function("right", _same, then="join"),
-    function("join", _both, join=("left", "right")),
-))  # fmt: skip
+RJ = Pipeline(
+    "rj",
+    NumberIn,
+    (
+        function("start", _same, then=("left", "right")),
+        function("left", _same, then="join"),
+        function("right", _same, then="join"),
+        function("join", _both, join=("left", "right")),
+    ),
+)
 """The pipeline of the replay test (module level, so the CLI can load it by CONVEYOR_APP)."""
 
 
@@ -264,8 +273,13 @@ async def test_replaying_a_dead_lettered_join_branch_answers_its_job(
 
     await until(branch_arrived, 20)
     await redis.xreadgroup(GROUP, "crashed-worker", {left_stream: ">"})  # a worker that died
-    left = harness.worker(registry.stage("rj.left"), registry=registry, max_deliveries=1,
-                          min_idle_ms=10, reclaim_interval_ms=10)  # fmt: skip
+    left = harness.worker(
+        registry.stage("rj.left"),
+        registry=registry,
+        max_deliveries=1,
+        min_idle_ms=10,
+        reclaim_interval_ms=10,
+    )
     await left.start()
     harness.run(left)
 
@@ -343,14 +357,14 @@ async def test_a_pipelined_request_over_the_header_bound_gets_431_and_harms_no_o
     port = int(base.rsplit(":", 1)[1])
     body = b'{"value": 1}'
     head = b"POST /v1/double HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-    good = head + b"content-length: %d\r\n\r\n%s" % (len(body), body)
-    huge = head + b"x-big: " + b"a" * 200_000 + b"\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(body), body)  # fmt: skip
+    tail = b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    good = head + tail
+    huge = head + b"x-big: " + b"a" * 200_000 + b"\r\n" + tail
     wire = await asyncio.to_thread(_exchange, port, good + huge)
     statuses = [part.split(b"\r\n", 1)[0] for part in wire.split(b"HTTP/1.1 ")[1:]]
     ran = (await harness.stats("double")).get("items:ok", 0)
-    assert statuses == [b"200 OK", b"431 Request Header Fields Too Large"], (
-        statuses, f"items:ok={ran}")  # fmt: skip
+    expected = [b"200 OK", b"431 Request Header Fields Too Large"]
+    assert statuses == expected, (statuses, f"items:ok={ran}")
 
 
 # --------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ from tests.faultapp import SLOW
 from tests.helpers import Doubler, Harness, number_stage, until, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
+FAULT_APP_ENV = {"CONVEYOR_APP": "tests.faultapp:pipelines", "PYTHONPATH": str(REPO)}
+"""What a process needs to serve tests/faultapp.py's stages from this checkout."""
 
 
 class Server:
@@ -85,11 +87,15 @@ async def admin(server: Server) -> AsyncIterator[aioredis.Redis]:
 def spawn(module: str, *args: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
     """A real process (``python -m module``) with the test's environment, logging to
     ``log``; the stages are tests/faultapp.py's."""
-    full = dict(os.environ) | {"CONVEYOR_APP": "tests.faultapp:pipelines",
-                               "PYTHONPATH": str(REPO)} | env  # fmt: skip
+    full = dict(os.environ) | FAULT_APP_ENV | env
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", module, *args], env=full, cwd=REPO,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        argv = [sys.executable, "-m", module, *args]
+        return subprocess.Popen(argv, env=full, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+
+
+def slow_worker(workdir: Path, **env: str) -> subprocess.Popen[bytes]:
+    """A real worker of the ``slow`` stage, logging to ``workdir``/worker.log."""
+    return spawn("workers", "slow", log=workdir / "worker.log", **env)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -142,9 +148,13 @@ async def test_first_publish_after_a_redis_restart_needs_no_reclaim(
     server: Server, harness: Harness, tmp_path: Path
 ) -> None:
     # A batch whose publish failed would be answered only by a reclaim, ten minutes away.
-    worker = spawn("workers", "slow", log=tmp_path / "worker.log", CONVEYOR_TEST_DELAY_S="0.02",
-                   CONVEYOR_MAX_BATCH_SIZE="4", CONVEYOR_BLOCK_MS="100",
-                   CONVEYOR_MIN_IDLE_MS="600000")  # fmt: skip
+    worker = slow_worker(
+        tmp_path,
+        CONVEYOR_TEST_DELAY_S="0.02",
+        CONVEYOR_MAX_BATCH_SIZE="4",
+        CONVEYOR_BLOCK_MS="100",
+        CONVEYOR_MIN_IDLE_MS="600000",
+    )
     reply_stream = harness.keys.reply_stream("test")
     try:
         # Load first: two batches in flight leave several connections in the worker's pool.
@@ -171,8 +181,8 @@ async def test_first_requests_after_a_redis_restart_are_not_refused(
     # Every connection of the gateway's pool died with the server; each used to fail its
     # next command, so the first requests after a restart got 503 "unreachable".
     http = await harness.gateway([number_stage(batch_wait_ms=0)], redis_max_connections=4)
-    first = await asyncio.gather(*(http.post("/v1/jobs/double", json={"value": v})
-                                   for v in range(8)))  # fmt: skip
+    posts = (http.post("/v1/jobs/double", json={"value": v}) for v in range(8))
+    first = await asyncio.gather(*posts)
     assert {r.status_code for r in first} == {202}
     server.kill()
     server.restart()
@@ -190,8 +200,7 @@ async def test_paused_worker_resumed_doubles_no_reply_and_no_count(
     harness: Harness, redis: aioredis.Redis, tmp_path: Path
 ) -> None:
     sent = await harness.enqueue("slow", [{"value": i} for i in range(32)])
-    paused = spawn("workers", "slow", log=tmp_path / "worker.log", CONVEYOR_TEST_DELAY_S="4",
-                   CONVEYOR_BLOCK_MS="100")  # fmt: skip
+    paused = slow_worker(tmp_path, CONVEYOR_TEST_DELAY_S="4", CONVEYOR_BLOCK_MS="100")
     stream, reply_stream = harness.keys.stage_stream("slow"), harness.keys.reply_stream("test")
     try:
 
@@ -223,9 +232,14 @@ async def test_paused_worker_resumed_doubles_no_reply_and_no_count(
 async def test_redis_kill_9_under_job_load_completes_every_job_and_admits_again(
     server: Server, harness: Harness, tmp_path: Path
 ) -> None:
-    worker = spawn("workers", "slow", log=tmp_path / "worker.log", CONVEYOR_TEST_DELAY_S="0.01",
-                   CONVEYOR_BLOCK_MS="100", CONVEYOR_MIN_IDLE_MS="1000",
-                   CONVEYOR_RECLAIM_INTERVAL_MS="200", CONVEYOR_TRIM_INTERVAL_S="0.5")  # fmt: skip
+    worker = slow_worker(
+        tmp_path,
+        CONVEYOR_TEST_DELAY_S="0.01",
+        CONVEYOR_BLOCK_MS="100",
+        CONVEYOR_MIN_IDLE_MS="1000",
+        CONVEYOR_RECLAIM_INTERVAL_MS="200",
+        CONVEYOR_TRIM_INTERVAL_S="0.5",
+    )
     http = await harness.gateway([SLOW], redis_timeout_s=0.5)
     accepted: list[tuple[int, str]] = []
     refused: list[str] = []
@@ -288,8 +302,7 @@ async def test_gateway_kill_9_under_load_completes_jobs_and_orphans_no_key(
     port = free_port()
     log = tmp_path / "gateway.log"
     gateway = spawn("gateway", log=log, CONVEYOR_PORT=str(port), CONVEYOR_REPLY_BLOCK_MS="100")
-    worker = spawn("workers", "slow", log=tmp_path / "worker.log", CONVEYOR_TEST_DELAY_S="0.02",
-                   CONVEYOR_BLOCK_MS="100")  # fmt: skip
+    worker = slow_worker(tmp_path, CONVEYOR_TEST_DELAY_S="0.02", CONVEYOR_BLOCK_MS="100")
     base = f"http://127.0.0.1:{port}"
     accepted: list[str] = []
     try:
