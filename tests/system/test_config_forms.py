@@ -14,7 +14,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any, get_origin
 
 import pytest
@@ -24,16 +23,18 @@ from pydantic_settings import BaseSettings
 from conveyor.autoscale import AutoscaleSettings
 from conveyor.embedded import free_port
 from gateway.settings import GatewaySettings
+from pipelines.builtin.wikisummary import WikiSettings
 from pipelines.settings import CommonSettings
+from tests.helpers import REPO as ROOT
 from tests.helpers import wait_ready
 from workers.settings import WorkerSettings
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCS = (ROOT / "README.md", ROOT / "deploy" / "README.md")
 SETTINGS: tuple[type[BaseSettings], ...] = (
     GatewaySettings,
     WorkerSettings,
     AutoscaleSettings,
+    WikiSettings,
     CommonSettings,
 )
 CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
