@@ -224,7 +224,7 @@ async def _status_async() -> int:
         print(f"{'stage':<24}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}  idle")
         for name in sorted(known):
             st = await stage_status(client, settings.keys, name)
-            idle = ", ".join(f"{c['name']}={c['idle_ms']}ms" for c in st.consumers) or "-"
+            idle = ", ".join(f"{c.name}={c.idle_ms}ms" for c in st.consumers) or "-"
             print(
                 f"{name:<24}{st.length:>8}{st.lag:>8}{st.pending:>9}{len(st.consumers):>11}  {idle}"
             )
