@@ -29,25 +29,12 @@ COST_A = "cost:a"
 COST_B = "cost:b"
 """Stats-hash field: a stage's learned seconds per item."""
 
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
 BUCKETS: dict[str, tuple[float, ...]] = {
     "batch_size": (1, 2, 4, 8, 16, 32, 64, 128, 256),
-    "queue_wait_seconds": (
-        0.001,
-        0.0025,
-        0.005,
-        0.01,
-        0.025,
-        0.05,
-        0.1,
-        0.25,
-        0.5,
-        1,
-        2.5,
-        5,
-        10,
-        30,
-    ),
-    "run_seconds": (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    "queue_wait_seconds": _SECONDS,
+    "run_seconds": _SECONDS,
 }
 
 
