@@ -37,7 +37,8 @@ class AutoscaleSettings(BaseSettings):
     Attributes:
         min_workers: fewest worker processes per model stage (0: none while idle).
         max_workers: most worker processes per model stage.
-        target_backlog: undelivered + in-flight entries per worker (unset: max_batch_size).
+        target_backlog: backlog (undelivered + in-flight entries) per worker (unset:
+            max_batch_size).
         interval_s: how often the queues are read.
         up_cooldown_s: a stage grows at most this often.
         down_cooldown_s: a stage loses one worker once its backlog asked for fewer this long.
@@ -81,22 +82,24 @@ class AutoscaleSettings(BaseSettings):
         Args:
             stage: the model stage.
         """
-        return Scaler(self.min_workers, self.max_workers, self.target_backlog or
-                      stage.max_batch_size, self.up_cooldown_s, self.down_cooldown_s)  # fmt: skip
+        target = self.target_backlog or stage.max_batch_size
+        return Scaler(
+            self.min_workers, self.max_workers, target, self.up_cooldown_s, self.down_cooldown_s
+        )
 
 
-def desired(lag: int, pending: int, *, target: int, min_n: int, max_n: int) -> int:
-    """Workers a stage's backlog calls for: ``ceil((lag + pending) / target)`` within
+def desired(backlog: int, *, target: int, min_n: int, max_n: int) -> int:
+    """Workers a stage's backlog calls for: ``ceil(backlog / target)`` within
     ``[min_n, max_n]``, so at least one whenever anything waits (a stage at zero wakes).
 
     Args:
-        lag: entries not yet delivered to any worker.
-        pending: entries delivered and not yet acknowledged (in flight).
+        backlog: the stage's :attr:`~pipelines.stats.StageStatus.backlog` (undelivered
+            plus in flight).
         target: backlog one worker should hold.
         min_n: fewest workers.
         max_n: most workers.
     """
-    return max(min_n, min(max_n, math.ceil((lag + pending) / target)))
+    return max(min_n, min(max_n, math.ceil(backlog / target)))
 
 
 @dataclass
@@ -119,16 +122,15 @@ class Scaler:
     last_up: float = -math.inf
     low_since: float | None = None  # since when desired() has stayed below the count
 
-    def decide(self, current: int, lag: int, pending: int, now: float) -> int:
+    def decide(self, current: int, backlog: int, now: float) -> int:
         """The worker count to have now (from zero: ``min_n`` at once).
 
         Args:
             current: workers running (draining ones not counted).
-            lag: the stage's undelivered entries.
-            pending: the stage's in-flight entries.
+            backlog: the stage's :attr:`~pipelines.stats.StageStatus.backlog`.
             now: monotonic time, seconds.
         """
-        want = desired(lag, pending, target=self.target, min_n=self.min_n, max_n=self.max_n)
+        want = desired(backlog, target=self.target, min_n=self.min_n, max_n=self.max_n)
         if not self.min_n <= current <= self.max_n:  # bounds hold whatever the cool-down
             return max(self.min_n, min(self.max_n, current))
         if want >= current:
@@ -171,11 +173,17 @@ class Autoscaler:
         for stage, scaler in self.scalers.items():
             st = statuses[stage]
             current = len(self.running.get(stage, []))
-            new = scaler.decide(current, st.lag, st.pending, now)
+            new = scaler.decide(current, st.backlog, now)
             if new != current:
-                logger.info("stage %s: %d -> %d worker(s) (lag %d, pending %d, "
-                            "target %d each)", stage, current, new, st.lag, st.pending,
-                            scaler.target)  # fmt: skip
+                logger.info(
+                    "stage %s: %d -> %d worker(s) (lag %d, pending %d, target %d each)",
+                    stage,
+                    current,
+                    new,
+                    st.lag,
+                    st.pending,
+                    scaler.target,
+                )
                 self._resize(stage, new, now)
 
     def _resize(self, stage: str, n: int, now: float) -> None:

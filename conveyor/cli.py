@@ -1,8 +1,9 @@
 """The ``conveyor`` command: ``up``, ``gateway``, ``worker``, ``status``, ``graph``, ``dlq``.
 
 ``up`` supervises separate processes (an embedded redis-server, one gateway, the
-workers) exactly as a deployment runs them; ``gateway`` and ``worker`` run one process
-each. This module starts them by module name, so it imports neither side.
+workers) exactly as a deployment runs them (:mod:`conveyor.supervisor`); ``gateway`` and
+``worker`` run one process each. Both start them by module name, so neither imports the
+gateway or the workers.
 """
 
 from __future__ import annotations
@@ -13,34 +14,23 @@ import math
 import os
 import re
 import runpy
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
-from types import FrameType
 from typing import Any, cast
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from conveyor.embedded import free_port, start_redis
+from conveyor import supervisor
 from pipelines.envelope import decode_request, encode
 from pipelines.errors import ConfigError, ConveyorError, EnvelopeError
 from pipelines.redisio import RedisClock, connect, text
-from pipelines.registry import Registry, load_registry
+from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
-from pipelines.stages import Stage
 from pipelines.stats import stage_status
 
 _STREAM_ID = re.compile(r"^[0-9]+(-[0-9]+)?$")
-
-
-class _Stop(Exception):
-    """Raised by the signal handler to end ``up``'s wait."""
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -88,132 +78,6 @@ def _run_module(module: str, argv: list[str], env: dict[str, str]) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-def worker_groups(registry: Registry, replicas: int | None) -> list[tuple[str, int]]:
-    """The worker processes ``up`` starts: (comma-separated stages, copies).
-
-    Each model stage gets its own processes (its ``replicas``, or ``replicas`` when
-    given); the function stages, light by nature, share one group.
-    """
-    model_stages = [s for s in registry.stages.values() if not _is_function(s)]
-    groups = [(s.name, replicas or s.replicas) for s in model_stages]
-    functions = [s.name for s in registry.stages.values() if _is_function(s)]
-    if functions:
-        groups.append((",".join(functions), replicas or 1))
-    return groups
-
-
-def _is_function(stage: Stage) -> bool:
-    return stage.runner == "workers.models.function:FunctionRunner"
-
-
-def _up(args: argparse.Namespace) -> int:
-    from conveyor import autoscale
-
-    env = dict(os.environ)
-    env["CONVEYOR_HOST"] = args.host
-    env["CONVEYOR_PORT"] = str(args.port)
-    if args.app:
-        env["CONVEYOR_APP"] = args.app
-    if args.pipelines:
-        env["CONVEYOR_PIPELINES"] = args.pipelines
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
-    children: list[tuple[str, subprocess.Popen[bytes]]] = []
-    autoscaler: autoscale.Autoscaler | None = None
-    flags = (args.min_workers, args.max_workers, args.target_backlog)
-    if not args.autoscale and any(f is not None for f in flags):
-        raise ConfigError("--min-workers, --max-workers and --target-backlog need --autoscale")
-    if args.autoscale:
-        import logging
-
-        scaling = autoscale.AutoscaleSettings.from_flags(
-            min_workers=args.min_workers,
-            max_workers=args.max_workers,
-            target_backlog=args.target_backlog,
-        )
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-    redis_proc = None
-    if not env.get("CONVEYOR_REDIS_URL"):
-        port = free_port()
-        workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
-        redis_proc = start_redis(port, workdir)
-        env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
-        print(f"conveyor: embedded redis on 127.0.0.1:{port} ({workdir})", flush=True)
-
-    def _stop(signum: int, frame: FrameType | None) -> None:
-        raise _Stop
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    code = 0
-    try:
-        py = sys.executable
-        children.append(("gateway", subprocess.Popen([py, "-m", "gateway"], env=env)))
-        scaled = [s for s in registry.stages.values() if args.autoscale and not _is_function(s)]
-        for group, copies in worker_groups(registry, args.replicas):
-            if group in {s.name for s in scaled}:
-                continue  # the autoscaler starts these
-            for i in range(copies):
-                cmd = [py, "-m", "workers", group]
-                children.append((f"worker {group}#{i}", subprocess.Popen(cmd, env=env)))
-        if scaled:
-            autoscaler = autoscale.Autoscaler(
-                {s.name: scaling.scaler(s) for s in scaled},
-                lambda stage: subprocess.Popen([py, "-m", "workers", stage], env=env),
-                scaling.drain_timeout_s,
-            )
-        autoscaled = (
-            f"; autoscaling {', '.join(s.name for s in scaled)} "
-            f"({scaling.min_workers} to {scaling.max_workers} workers each)"
-            if scaled
-            else ""
-        )
-        print(
-            f"conveyor: gateway on http://{args.host}:{args.port} serving "
-            f"{', '.join(registry.pipelines)}; {len(children) - 1} worker process(es)"
-            f"{autoscaled}; Ctrl-C stops",
-            flush=True,
-        )
-        if autoscaler is None:
-            # Sleep until any child exits (WNOWAIT leaves reaping to Popen) or a signal.
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
-            name = next((n for n, p in children if info and p.pid == info.si_pid), "redis-server")
-            why: str | None = f"{name} exited ({info.si_status if info else '?'})"
-        else:
-            watched = children + ([("redis-server", redis_proc)] if redis_proc else [])
-            why = asyncio.run(
-                autoscaler.run(
-                    CommonSettings(redis_url=env["CONVEYOR_REDIS_URL"]),
-                    interval_s=scaling.interval_s,
-                    watch=lambda: next((n for n, p in watched if p.poll() is not None), None),
-                )
-            )
-        if why is not None:  # None: the autoscaler was stopped by Ctrl-C or SIGTERM
-            print(f"conveyor: {why}; stopping", flush=True)
-            code = 1
-    except _Stop:
-        pass
-    finally:
-        if autoscaler is not None:
-            children += autoscaler.processes()  # the draining ones too
-        for _, proc in children:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for _, proc in children:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait(timeout=10)
-    return code
-
-
 async def _status_async() -> int:
     settings = CommonSettings()
     client = connect(settings)
@@ -224,7 +88,7 @@ async def _status_async() -> int:
         print(f"{'stage':<24}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}  idle")
         for name in sorted(known):
             st = await stage_status(client, settings.keys, name)
-            idle = ", ".join(f"{c['name']}={c['idle_ms']}ms" for c in st.consumers) or "-"
+            idle = ", ".join(f"{c.name}={c.idle_ms}ms" for c in st.consumers) or "-"
             print(
                 f"{name:<24}{st.length:>8}{st.lag:>8}{st.pending:>9}{len(st.consumers):>11}  {idle}"
             )
@@ -367,7 +231,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            sys.exit(_up(args))
+            options = supervisor.UpOptions(
+                host=args.host,
+                port=args.port,
+                app=args.app,
+                pipelines=args.pipelines,
+                replicas=args.replicas,
+                autoscale=args.autoscale,
+                min_workers=args.min_workers,
+                max_workers=args.max_workers,
+                target_backlog=args.target_backlog,
+            )
+            sys.exit(supervisor.up(options))
         elif args.command == "gateway":
             env = {
                 k: str(v)

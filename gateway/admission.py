@@ -2,8 +2,8 @@
 
 Two tests, on a view of each stage refreshed at most every ``refresh_s``:
 
-- the backlog bound: a stage holding ``max_backlog`` items (undelivered + in flight)
-  takes no more;
+- the backlog bound: a stage holding ``max_backlog`` items (its
+  :attr:`~pipelines.stats.StageStatus.backlog`: undelivered + in flight) takes no more;
 - the deadline: from the backlog, the live workers and their learned batch cost
   (``a + b·n``, published by the workers), the time a new request would wait and run is
   predicted; one that would miss its deadline is refused now (503 + Retry-After) instead
@@ -30,40 +30,36 @@ import redis.asyncio as aioredis
 from pipelines.errors import Overloaded
 from pipelines.keys import Keys
 from pipelines.redisio import REDIS_DOWN
-from pipelines.stats import stage_load
+from pipelines.stats import StageStatus, stage_status
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class StageView:
-    """What admission knows of a stage.
+class Reading:
+    """A stage's state as admission measured it, and when.
 
     Attributes:
         at: when it was measured (monotonic seconds).
-        backlog: items undelivered or in flight.
-        workers: consumers seen active recently.
-        a: learned fixed seconds per batch (0 if unknown).
-        b: learned seconds per item (0 if unknown).
+        state: what was measured.
         counted: how many requests this process had admitted when the measurement
-            began; those admitted since are added to ``backlog``.
+            began; those admitted since are added to the state's backlog.
     """
 
     at: float
-    backlog: int
-    workers: int
-    a: float
-    b: float
+    state: StageStatus
     counted: int = 0
 
     def predicted_s(self, extra: int, max_batch: int) -> float | None:
         """Seconds until a new request, ``extra`` places behind the backlog, is done;
-        None when it cannot be predicted."""
-        if self.workers == 0 or self.a + self.b <= 0:
+        None when it cannot be predicted: no live worker, no learned cost, or an empty
+        stage (whatever its cost, the next request goes first)."""
+        state = self.state
+        if state.backlog == 0 or state.workers == 0 or state.a + state.b <= 0:
             return None
-        per_batch = self.a + self.b * max_batch
-        rate = self.workers * max_batch / per_batch  # items per second, full batches
-        return (self.backlog + extra) / rate + self.a + self.b
+        per_batch = state.a + state.b * max_batch
+        rate = state.workers * max_batch / per_batch  # items per second, full batches
+        return (state.backlog + extra) / rate + state.a + state.b
 
 
 class Admission:
@@ -91,11 +87,11 @@ class Admission:
         self.keys = keys
         self.refresh_s = refresh_s
         self.retry_after_s = retry_after_s
-        self._views: dict[str, StageView] = {}
+        self._views: dict[str, Reading] = {}
         self._admitted: dict[str, int] = {}
-        self._refreshing: dict[str, asyncio.Task[StageView]] = {}
+        self._refreshing: dict[str, asyncio.Task[Reading]] = {}
 
-    async def view(self, stage: str) -> StageView:
+    async def view(self, stage: str) -> Reading:
         """The stage's view; the first one is measured now, a stale one is re-measured in
         the background (one refresh at a time per stage) and returned meanwhile."""
         view = self._views.get(stage)
@@ -107,7 +103,7 @@ class Admission:
             task.add_done_callback(lambda t: self._refreshed(stage, t))
         return view
 
-    async def refresh(self, stage: str) -> StageView:
+    async def refresh(self, stage: str) -> Reading:
         """Measure ``stage`` now (joining a refresh already under way) and keep the view."""
         running = self._refreshing.get(stage)
         if running is not None and asyncio.current_task() is not running:
@@ -119,10 +115,10 @@ class Admission:
             self._views[stage] = view
         return view
 
-    def _stale(self, view: StageView) -> bool:
+    def _stale(self, view: Reading) -> bool:
         return time.monotonic() - view.at > self.refresh_s
 
-    def _refreshed(self, stage: str, task: asyncio.Task[StageView]) -> None:
+    def _refreshed(self, stage: str, task: asyncio.Task[Reading]) -> None:
         self._refreshing.pop(stage, None)
         exc = None if task.cancelled() else task.exception()
         if isinstance(exc, REDIS_DOWN):
@@ -131,11 +127,9 @@ class Admission:
         elif exc is not None:
             logger.warning("stage %s: admission could not refresh", stage, exc_info=exc)
 
-    async def _measure(self, stage: str, counted: int) -> StageView:
-        load = await stage_load(self.client, self.keys, stage)
-        # An empty stage predicts nothing: whatever its cost, the next request goes first.
-        workers = load.workers if load.backlog else 0
-        return StageView(time.monotonic(), load.backlog, workers, load.a, load.b, counted)
+    async def _measure(self, stage: str, counted: int) -> Reading:
+        state = await stage_status(self.client, self.keys, stage)
+        return Reading(time.monotonic(), state, counted)
 
     async def admit(self, stage: str, bound: int, timeout_s: float, max_batch: int) -> None:
         """Count one request against ``stage``, or refuse it.
@@ -162,10 +156,10 @@ class Admission:
         self._admitted[stage] = self._admitted.get(stage, 0) + 1
 
     def _refusal(
-        self, view: StageView, stage: str, bound: int, timeout_s: float, max_batch: int
+        self, view: Reading, stage: str, bound: int, timeout_s: float, max_batch: int
     ) -> Overloaded | None:
         extra = self._admitted.get(stage, 0) - view.counted
-        current = view.backlog + extra
+        current = view.state.backlog + extra
         if current >= bound:
             return Overloaded(
                 f"stage {stage!r} is at capacity ({current} waiting, bound {bound}); "

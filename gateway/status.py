@@ -1,10 +1,11 @@
 """``GET /status``: a live page of every routed stage; ``GET /status.json``: what it polls.
 
-The page shows per stage the backlog, pending entries, the workers in the consumer group
-and how long each has been silent, the batch-size distribution, item outcomes, dead
-letters, and a throughput chart the browser computes from the cumulative item counters
-of successive snapshots. Everything it shows is already in ``/metrics`` or ``conveyor
-status``: queue depths, counters and consumer names, never settings or credentials.
+The page shows per stage the lag (entries no worker has read yet), pending entries, the
+workers in the consumer group and how long each has been silent, the batch-size
+distribution, item outcomes, dead letters, and a throughput chart the browser computes
+from the cumulative item counters of successive snapshots. Everything it shows is already
+in ``/metrics`` or ``conveyor status``: queue depths, counters and consumer names, never
+settings or credentials.
 
 The page is one self-contained HTML file (``status.html``, shipped as package data): no
 external scripts, styles or fonts, so it works on a machine with no network.
@@ -13,6 +14,7 @@ external scripts, styles or fonts, so it works on a machine with no network.
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from importlib.resources import files
 from typing import TypedDict
 
@@ -24,14 +26,20 @@ from fastapi.routing import APIRoute
 from gateway.service import Gateway
 from pipelines.graph import Pipeline
 from pipelines.redisio import REDIS_DOWN
-from pipelines.stats import ALIVE_IDLE_MS, BUCKETS, OUTCOMES, read_stats, stage_status
-
-STALE_AFTER_MS = ALIVE_IDLE_MS
+from pipelines.stats import (
+    ALIVE_IDLE_MS,
+    BUCKETS,
+    OUTCOMES,
+    StageStatus,
+    le_label,
+    read_stats,
+    stage_status,
+)
 
 PIPELINES_MARK = "<!--pipelines-->"
 
 
-class ConsumerView(TypedDict):
+class ConsumerRow(TypedDict):
     """One worker in a stage's consumer group."""
 
     name: str
@@ -46,26 +54,48 @@ class BatchSizes(TypedDict):
     buckets: list[tuple[str, int]]
 
 
-class StageView(TypedDict):
-    """One stage's row of ``/status.json``."""
+class StageRow(TypedDict):
+    """One stage's row of ``/status.json``: its :class:`~pipelines.stats.StageStatus`
+    (the queue part) and its counters."""
 
     stage: str
     lag: int
     pending: int
-    consumers: list[ConsumerView]
+    consumers: list[ConsumerRow]
     items: dict[str, int]
     dead_letters: int
     batch_size: BatchSizes
     batches: int
 
 
-def _le(bound: float) -> str:
-    # The stats hash names buckets as the Prometheus exposition does: "%g", then "+Inf".
-    return "+Inf" if bound == float("inf") else f"{bound:g}"
+def stage_row(status: StageStatus, stats: Mapping[str, float], dead_letters: int) -> StageRow:
+    """The ``/status.json`` row of a stage.
+
+    Args:
+        status: the stage's state.
+        stats: its stats hash (:func:`~pipelines.stats.read_stats`).
+        dead_letters: entries in its dead-letter stream.
+    """
+    consumers: list[ConsumerRow] = [
+        {"name": c.name, "pending": c.pending, "idle_ms": c.idle_ms, "alive": c.alive}
+        for c in status.consumers
+    ]
+    bounds = (*BUCKETS["batch_size"], float("inf"))
+    buckets = [(le_label(b), int(stats.get(f"h:batch_size:{le_label(b)}", 0))) for b in bounds]
+    return {
+        "stage": status.stage,
+        "lag": status.lag,
+        "pending": status.pending,
+        "consumers": consumers,
+        "items": {outcome: int(stats.get(f"items:{outcome}", 0)) for outcome in OUTCOMES},
+        "dead_letters": dead_letters,
+        "batch_size": {"buckets": buckets},
+        "batches": int(stats.get("batches", 0)),
+    }
 
 
-async def stage_view(gw: Gateway, stage: str) -> StageView:
-    """A stage's queue state and counters, read from Redis.
+async def read_stage_row(gw: Gateway, stage: str) -> StageRow:
+    """A stage's row, read from Redis.
 
     Args:
         gw: the gateway (its Redis client and key names).
@@ -76,28 +106,7 @@ async def stage_view(gw: Gateway, stage: str) -> StageView:
     """
     status = await stage_status(gw.client, gw.keys, stage)
     stats = await read_stats(gw.client, gw.keys, stage)
-    dead_letters = int(await gw.client.xlen(gw.keys.dead_letters(stage)))
-    consumers: list[ConsumerView] = [
-        {
-            "name": c["name"],
-            "pending": c["pending"],
-            "idle_ms": c["idle_ms"],
-            "alive": c["idle_ms"] <= STALE_AFTER_MS,
-        }
-        for c in status.consumers
-    ]
-    bounds = (*BUCKETS["batch_size"], float("inf"))
-    buckets = [(_le(b), int(stats.get(f"h:batch_size:{_le(b)}", 0))) for b in bounds]
-    return {
-        "stage": stage,
-        "lag": status.lag,
-        "pending": status.pending,
-        "consumers": consumers,
-        "items": {outcome: int(stats.get(f"items:{outcome}", 0)) for outcome in OUTCOMES},
-        "dead_letters": dead_letters,
-        "batch_size": {"buckets": buckets},
-        "batches": int(stats.get("batches", 0)),
-    }
+    return stage_row(status, stats, int(await gw.client.xlen(gw.keys.dead_letters(stage))))
 
 
 def pipelines_html(pipelines: list[Pipeline], docs_url: str | None, ops: dict[str, str]) -> str:
@@ -149,14 +158,14 @@ def status_router(gw: Gateway) -> APIRouter:
         batch sizes; ``time`` is the server's clock in seconds (for rates). 503 when
         Redis cannot be reached."""
         try:
-            stages = [await stage_view(gw, name) for name in gw.registry.stages]
+            stages = [await read_stage_row(gw, name) for name in gw.registry.stages]
         except REDIS_DOWN:
             down = {"detail": "redis unreachable", "time": gw.clock.now()}
             return _no_store(down, 503, {"Retry-After": "1"})
         # The Redis clock, not this host's: rates stay right when successive polls are
         # answered by different gateways behind a load balancer.
         return _no_store(
-            {"time": gw.clock.now(), "stale_after_ms": STALE_AFTER_MS, "stages": stages}
+            {"time": gw.clock.now(), "stale_after_ms": ALIVE_IDLE_MS, "stages": stages}
         )
 
     @router.get("/status", response_class=HTMLResponse)

@@ -12,11 +12,8 @@ function stage (plain sync or async Python, private to its pipeline). Edges:
   ``routes_to`` lists the names it may return, so the graph can be checked and drawn.
 
 A request ends exactly once, so the graph is held to one rule, checked when the pipeline
-is built: a step hands over to one step, or fans out to exactly the branches of one join
-(then every branch leads to that join and nowhere else, by ``then``, never by a route
-that could end the request on the side). A route picks one of ``routes_to``, or all of one
-join's branches at once (a fan-out): ``routes_to`` holds every branch of a join it names,
-and a choice that is neither one step nor one join's branches fails the request.
+is built (:mod:`pipelines.topology`): a step hands over to one step, or fans out to
+exactly the branches of one join.
 
 A step's input is built from the request's context: ``ctx["input"]`` is the validated
 request and ``ctx[step]`` each finished step's output. By default a step takes the
@@ -36,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pipelines import topology
 from pipelines.errors import ConfigError, UnknownStage
 from pipelines.stages import AnyIn, Stage
 
@@ -133,6 +131,7 @@ def function(
         batch_wait_ms=batch_wait_ms,
         max_backlog=max_backlog,
         summary=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else name,
+        kind="function",
     )
     return Step(name, stage, input, _names(then), route, tuple(routes_to), tuple(join))
 
@@ -151,7 +150,7 @@ class Pipeline:
         ConfigError: at construction, naming the step, for an unknown successor, a
             cycle, a join whose branches do not all lead to it (and only to it), a
             fan-out that is not exactly one join's branches, or a step that cannot be
-            reached (see the module doc).
+            reached (see :mod:`pipelines.topology`).
     """
 
     name: str
@@ -166,11 +165,9 @@ class Pipeline:
         Stage(self.name, AnyIn, runner="-")  # the same naming rule as stages
         steps = []
         for step in self.steps:
-            if step.stage.runner == "workers.models.function:FunctionRunner":
+            if step.stage.kind == "function":
                 # Function stages belong to their pipeline: one stream per pipeline step.
-                stage = replace(step.stage, name=f"{self.name}.{step.name}")
-                step = Step(step.name, stage, step.input, step.then, step.route,
-                            step.routes_to, step.join)  # fmt: skip
+                step = replace(step, stage=replace(step.stage, name=f"{self.name}.{step.name}"))
             steps.append(step)
         object.__setattr__(self, "steps", tuple(steps))
         by_name: dict[str, Step] = {}
@@ -179,7 +176,7 @@ class Pipeline:
                 raise ConfigError(f"pipeline {self.name!r}: step name {step.name!r} is taken")
             by_name[step.name] = step
         object.__setattr__(self, "by_name", by_name)
-        self._validate()
+        topology.validate(f"pipeline {self.name!r}", by_name)
 
     @property
     def entry(self) -> Step:
@@ -193,131 +190,11 @@ class Pipeline:
         except KeyError:
             raise UnknownStage(f"pipeline {self.name!r} has no step {name!r}") from None
 
-    def _validate(self) -> None:
-        where = f"pipeline {self.name!r}"
-        for step in self.steps:
-            for succ in step.successors:
-                if succ not in self.by_name:
-                    raise ConfigError(f"{where}: step {step.name!r} leads to unknown {succ!r}")
-            if step.route is None and step.routes_to:
-                raise ConfigError(f"{where}: step {step.name!r} has routes_to but no route")
-            if step.route is not None and step.then:
-                raise ConfigError(
-                    f"{where}: step {step.name!r} has both then and route; "
-                    "its route picks the next step (list them in routes_to)"
-                )
-            if len(set(step.join)) != len(step.join):
-                raise ConfigError(f"{where}: join {step.name!r} names a branch twice")
-            for branch in step.join:
-                if branch not in self.by_name:
-                    raise ConfigError(f"{where}: join {step.name!r} waits for unknown {branch!r}")
-                if self.by_name[branch].then != (step.name,) or self.by_name[branch].route:
-                    raise ConfigError(
-                        f"{where}: join {step.name!r} waits for {branch!r}, "
-                        f"which must lead to {step.name!r} and nowhere else (by then=, "
-                        "not a route: ending the request there would answer it twice)"
-                    )
-            feeders = {s.name for s in self.steps if step.name in s.successors}
-            if step.join and feeders != set(step.join):
-                raise ConfigError(
-                    f"{where}: join {step.name!r} is fed by {sorted(feeders)}, "
-                    f"but waits for {sorted(step.join)}"
-                )
-        for step in self.steps:
-            self._check_hand_over(where, step)
-        self._check_acyclic_and_reachable(where)
-
-    def _join_of(self, branch: str) -> Step | None:
-        """The join that ``branch`` is a branch of, if any."""
-        return next((s for s in self.steps if branch in s.join), None)
-
     def branch_end(self, name: str) -> tuple[Step, str] | None:
         """Where the chain of steps starting at ``name`` meets a join: the join and the
-        branch step that feeds it; None when it meets none. A branch may be several
-        steps long (``b -> b2 -> join``), each handing over to one step by ``then``."""
-        seen: set[str] = set()
-        while name not in seen and name in self.by_name:
-            seen.add(name)
-            join = self._join_of(name)
-            if join is not None:
-                return join, name
-            step = self.by_name[name]
-            if step.route is not None or len(step.then) != 1:
-                return None
-            name = step.then[0]
-        return None
-
-    def _fans_out_to_one_join(self, names: tuple[str, ...]) -> bool:
-        ends = [self.branch_end(n) for n in names]
-        if not ends or any(e is None for e in ends):
-            return False
-        joins = {e[0].name for e in ends if e is not None}
-        join = self.by_name[joins.pop()] if len(joins) == 1 else None
-        return join is not None and sorted(e[1] for e in ends if e) == sorted(join.join)
-
-    def _in_a_branch(self, name: str) -> bool:
-        """Whether ``name`` is a step of some fan-out's branch (reached from a ``then``
-        fan-out by single hand-overs; a route fans out to a join's branches only)."""
-        for step in self.steps:
-            fan = step.then if step.route is None else ()
-            if len(fan) > 1 and self._fans_out_to_one_join(fan):
-                for start in fan:
-                    current: str | None = start
-                    while current is not None and self._join_of(current) is None:
-                        if current == name:
-                            return True
-                        nxt = self.by_name[current].then
-                        current = nxt[0] if len(nxt) == 1 else None
-        return False
-
-    def _check_hand_over(self, where: str, step: Step) -> None:
-        """A request ends once: a step hands over to one step, or to exactly the
-        branches of one join (each of which meets the others there)."""
-        if step.route is None:
-            inside = len(step.then) == 1 and self._in_a_branch(step.name)
-            split = len(step.then) > 1 or any(self._join_of(n) for n in step.then)
-            if split and not inside and not self._fans_out_to_one_join(step.then):
-                if len(step.then) == 1:
-                    join = self._join_of(step.then[0])
-                    assert join is not None
-                    raise ConfigError(
-                        f"{where}: step {step.name!r} leads to {step.then[0]!r} alone, a "
-                        f"branch of join {join.name!r}, which would wait forever for the "
-                        f"others; fan out to all of {list(join.join)}"
-                    )
-                raise ConfigError(
-                    f"{where}: step {step.name!r} fans out to {list(step.then)}, which must "
-                    "be exactly the branches of one join (join=...): each branch that "
-                    "finished on its own would answer the request again"
-                )
-            return
-        for name in step.routes_to:
-            join = self._join_of(name)
-            if join is not None and not set(join.join) <= set(step.routes_to):
-                raise ConfigError(
-                    f"{where}: route of {step.name!r} may choose {name!r}, a branch of join "
-                    f"{join.name!r}, so its routes_to must hold all of {list(join.join)} "
-                    "(chosen together, as a fan-out)"
-                )
-
-    def _check_acyclic_and_reachable(self, where: str) -> None:
-        state: dict[str, int] = {}  # 1: on the current path, 2: done
-
-        def visit(name: str, path: list[str]) -> None:
-            if state.get(name) == 1:
-                cycle = " -> ".join([*path[path.index(name) :], name])
-                raise ConfigError(f"{where}: cycle {cycle}")
-            if state.get(name) == 2:
-                return
-            state[name] = 1
-            for succ in self.by_name[name].successors:
-                visit(succ, [*path, name])
-            state[name] = 2
-
-        visit(self.entry.name, [])
-        unreachable = [s.name for s in self.steps if s.name not in state]
-        if unreachable:
-            raise ConfigError(f"{where}: steps {unreachable} cannot be reached from the entry")
+        branch step that feeds it; None when it meets none (see
+        :func:`pipelines.topology.branch_end`)."""
+        return topology.branch_end(self.by_name, name)
 
     def stages(self) -> list[Stage]:
         """The stages this pipeline's steps run on, each once."""
@@ -357,25 +234,13 @@ class Pipeline:
         if isinstance(choice, End):
             return choice
         names = _names(choice)
-        unknown = [n for n in names if n not in step.routes_to]
-        if unknown:
-            raise ConfigError(
-                f"pipeline {self.name!r}: route of {step.name!r} chose {unknown}, "
-                f"not among routes_to {list(step.routes_to)}"
-            )
-        single = len(names) == 1 and self._join_of(names[0]) is None
-        if names and not single and not self._fans_out_to_one_join(names):
-            raise ConfigError(
-                f"pipeline {self.name!r}: route of {step.name!r} chose {list(names)}: "
-                "a route picks one step, or all the branches of one join at once"
-            )
+        topology.check_choice(f"pipeline {self.name!r}", self.by_name, step, names)
         return names
 
     def describe(self) -> str:
         """A text drawing of the graph, one line per step."""
         lines = [f"pipeline {self.name} (input: {self.input_model.__name__})"]
         for step in self.steps:
-            kind = "function" if step.stage.name.startswith(self.name + ".") else "model"
             edges = []
             if step.then:
                 edges.append(
@@ -388,7 +253,7 @@ class Pipeline:
             if not step.successors:
                 edges.append("-> response")
             lines.append(
-                f"  {step.name:<12} [{kind} stage {step.stage.name}, batch<="
+                f"  {step.name:<12} [{step.stage.kind} stage {step.stage.name}, batch<="
                 f"{step.stage.max_batch_size}]  " + "; ".join(edges)
             )
         return "\n".join(lines)

@@ -24,6 +24,10 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,100}$")
 
 Profile = Literal["offline", "hub"]
 
+Kind = Literal["model", "function"]
+"""A model stage is shared by every pipeline naming it and served by its own workers; a
+function stage runs one pipeline step's plain Python and belongs to that pipeline."""
+
 
 class TextIn(BaseModel):
     """Input of the single-text built-ins."""
@@ -61,10 +65,13 @@ class Stage:
         options: extra keyword arguments for the runner.
         max_batch_size: at most this many items per model call.
         batch_wait_ms: a batch waits at most this long after its oldest item arrived.
-        max_backlog: the gateway refuses new requests (503) above this many waiting items.
+        max_backlog: the gateway refuses new requests (503) once the stage's backlog
+            (undelivered + in flight, :attr:`pipelines.stats.StageStatus.backlog`) is this.
         summary: one line for the API docs.
         replicas: worker processes ``conveyor up`` starts for it.
         streaming: its runner can stream output (``/v1/{name}/stream`` is offered).
+        kind: ``"function"`` for a pipeline's function step (set by
+            :func:`pipelines.graph.function`), else ``"model"``.
     """
 
     name: str
@@ -80,6 +87,7 @@ class Stage:
     summary: str = ""
     replicas: int = 1
     streaming: bool = False
+    kind: Kind = "model"
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -94,12 +102,8 @@ class Stage:
             raise ConfigError(f"stage {self.name!r}: replicas must be >= 1")
         if self.max_backlog < 1:
             raise ConfigError(f"stage {self.name!r}: max_backlog must be >= 1")
-
-    @property
-    def single_text(self) -> bool:
-        """Whether ``GET /v1/{name}?text=...`` can build this stage's input."""
-        required = {n for n, f in self.input_model.model_fields.items() if f.is_required()}
-        return required == {"text"}
+        if self.kind not in ("model", "function"):
+            raise ConfigError(f"stage {self.name!r}: kind must be 'model' or 'function'")
 
     def model_for(self, profile: Profile) -> str:
         """The model spec to load under ``profile``."""

@@ -29,29 +29,17 @@ COST_A = "cost:a"
 COST_B = "cost:b"
 """Stats-hash field: a stage's learned seconds per item."""
 
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
 BUCKETS: dict[str, tuple[float, ...]] = {
     "batch_size": (1, 2, 4, 8, 16, 32, 64, 128, 256),
-    "queue_wait_seconds": (
-        0.001,
-        0.0025,
-        0.005,
-        0.01,
-        0.025,
-        0.05,
-        0.1,
-        0.25,
-        0.5,
-        1,
-        2.5,
-        5,
-        10,
-        30,
-    ),
-    "run_seconds": (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    "queue_wait_seconds": _SECONDS,
+    "run_seconds": _SECONDS,
 }
 
 
-def _le(value: float) -> str:
+def le_label(value: float) -> str:
+    """A bucket bound as the stats hash and the exposition name it: ``%g``, or ``+Inf``."""
     return "+Inf" if value == float("inf") else f"{value:g}"
 
 
@@ -77,7 +65,7 @@ class Histogram:
         out: dict[str, float] = {}
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             if count:
-                out[f"h:{name}:{_le(bound)}"] = count
+                out[f"h:{name}:{le_label(bound)}"] = count
         out[f"h:{name}:sum"] = self.sum
         out[f"h:{name}:count"] = sum(self.counts)
         return out
@@ -133,7 +121,7 @@ def histogram_lines(
     running = 0.0
     for bound, count in zip((*bounds, float("inf")), per_bucket, strict=True):
         running += count
-        lines.append(f"{metric}_bucket{labels(**lab, le=_le(bound))} {running:g}")
+        lines.append(f"{metric}_bucket{labels(**lab, le=le_label(bound))} {running:g}")
     lines.append(f"{metric}_sum{labels(**lab)} {total:g}")
     lines.append(f"{metric}_count{labels(**lab)} {running:g}")
     return lines
@@ -145,28 +133,67 @@ async def read_stats(client: aioredis.Redis, keys: Keys, stage: str) -> dict[str
     return {text(k): float(v) for k, v in raw.items()}
 
 
+@dataclass(frozen=True)
+class Consumer:
+    """One worker in a stage's consumer group.
+
+    Attributes:
+        name: the consumer name (host-pid-random).
+        pending: entries delivered to it and not yet acknowledged.
+        idle_ms: since its last read or touch, milliseconds.
+    """
+
+    name: str
+    pending: int
+    idle_ms: int
+
+    @property
+    def alive(self) -> bool:
+        """Whether it was heard from within :data:`ALIVE_IDLE_MS`."""
+        return self.idle_ms < ALIVE_IDLE_MS
+
+
 @dataclass
 class StageStatus:
-    """Queue state of one stage.
+    """The state of one stage: its queue, its workers and their learned cost.
+
+    The one description of a stage's state: admission, ``/status.json``, ``/metrics``,
+    ``conveyor status`` and the autoscaler all read it (see :func:`stage_status`).
 
     Attributes:
         stage: the stage name.
         length: entries in the stream (trimmed ones excluded).
         lag: entries not yet delivered to any worker.
-        pending: delivered but not yet acknowledged.
-        consumers: per consumer: name, pending, idle_ms.
+        pending: delivered but not yet acknowledged (in flight).
+        consumers: the consumer group's workers, live or not.
+        a: the workers' learned fixed seconds per batch (0: not learned yet).
+        b: their learned seconds per item (0: not learned yet).
     """
 
     stage: str
     length: int = 0
     lag: int = 0
     pending: int = 0
-    consumers: list[dict[str, Any]] = field(default_factory=list)
+    consumers: list[Consumer] = field(default_factory=list)
+    a: float = 0.0
+    b: float = 0.0
 
     @property
     def backlog(self) -> int:
-        """Work admitted but not finished: undelivered plus in flight."""
+        """Entries the stage holds and has not finished: ``lag + pending``, the undelivered
+        plus the delivered and not yet acknowledged.
+
+        What ``max_backlog`` bounds (admission's 503) and ``--target-backlog`` divides
+        (the autoscaler). Not what the gauge ``conveyor_stage_backlog`` reports: that
+        metric, named before this property and read so by dashboards, is the ``lag``
+        alone (KEDA's ``lagCount``); ``conveyor_stage_pending`` is the rest.
+        """
         return self.lag + self.pending
+
+    @property
+    def workers(self) -> int:
+        """Consumers heard from within :data:`ALIVE_IDLE_MS`."""
+        return sum(1 for c in self.consumers if c.alive)
 
 
 async def _group_counts(
@@ -216,28 +243,18 @@ def _queue_answers(answers: list[Any]) -> tuple[int, list[Any] | None, list[Any]
     return int(length), groups, consumers
 
 
-@dataclass
-class Load:
-    """What admission needs of a stage (see :func:`stage_load`).
-
-    Attributes:
-        backlog: items admitted and not finished (undelivered + in flight).
-        workers: consumers active within ``ALIVE_IDLE_MS``.
-        a: the workers' learned fixed seconds per batch (0: not learned yet).
-        b: their learned seconds per item.
-    """
-
-    backlog: int
-    workers: int
-    a: float
-    b: float
-
-
-async def stage_load(
+async def stage_status(
     client: aioredis.Redis, keys: Keys, stage: str, *, lag_cap: int = 100_000
-) -> Load:
-    """A stage's backlog, live workers and learned cost, in one round trip (two when the
-    lag must be counted, see :func:`_group_counts`)."""
+) -> StageStatus:
+    """A stage's state, in one round trip (two when the lag must be counted).
+
+    Args:
+        client: Redis client.
+        keys: key names.
+        stage: the stage.
+        lag_cap: where the lag must be counted (see :func:`_group_counts`), a range read
+            of at most this many entries.
+    """
     stream = keys.stage_stream(stage)
     # One transaction: the lag is checked against the length, so both describe one moment.
     pipe = client.pipeline(transaction=True)
@@ -250,52 +267,32 @@ async def stage_load(
     if isinstance(answers[3], Exception):
         raise answers[3]
     a, b = answers[3]
-    counts = (
-        None if groups is None else await _group_counts(client, stream, lag_cap, length, groups)
-    )
-    return Load(
-        backlog=length if counts is None else sum(counts),
-        workers=sum(1 for c in consumers if int(c["idle"]) < ALIVE_IDLE_MS),
+    status = StageStatus(
+        stage,
+        length=length,
+        lag=length,
         a=float(text(a)) if a else 0.0,
         b=float(text(b)) if b else 0.0,
     )
-
-
-async def stage_status(
-    client: aioredis.Redis, keys: Keys, stage: str, *, lag_cap: int = 100_000
-) -> StageStatus:
-    """Length, lag, pending and consumers of a stage's stream.
-
-    Args:
-        client: Redis client.
-        keys: key names.
-        stage: the stage.
-        lag_cap: where the lag must be counted (see :func:`_group_counts`), a range read
-            of at most this many entries.
-    """
-    stream = keys.stage_stream(stage)
-    pipe = client.pipeline(transaction=True)
-    pipe.xlen(stream)
-    pipe.xinfo_groups(stream)
-    pipe.xinfo_consumers(stream, GROUP)
-    length, groups, consumers = _queue_answers(await pipe.execute(raise_on_error=False))
-    status = StageStatus(stage, length=length)
     counts = (
         None if groups is None else await _group_counts(client, stream, lag_cap, length, groups)
     )
-    if counts is None:
-        status.lag = status.length
-        return status
-    status.lag, status.pending = counts
-    for c in consumers:
-        status.consumers.append(
-            {"name": text(c["name"]), "pending": int(c["pending"]), "idle_ms": int(c["idle"])}
-        )
+    if counts is not None:
+        status.lag, status.pending = counts
+        status.consumers = [
+            Consumer(text(c["name"]), int(c["pending"]), int(c["idle"])) for c in consumers
+        ]
     return status
 
 
 async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Iterable[str]) -> str:
-    """Prometheus text for the counters, histograms and queue gauges of ``stages``."""
+    """Prometheus text for the counters, histograms and queue gauges of ``stages``.
+
+    The queue gauges: ``conveyor_stage_backlog`` is :attr:`StageStatus.lag` (entries no
+    worker has read yet; not :attr:`StageStatus.backlog`, which adds the pending ones),
+    ``conveyor_stage_pending`` is :attr:`StageStatus.pending`, ``conveyor_stage_consumers``
+    is :attr:`StageStatus.workers`.
+    """
     out: list[str] = [
         "# TYPE conveyor_stage_items_total counter",
         "# TYPE conveyor_stage_batches_total counter",
@@ -319,13 +316,13 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         dead = stats.get("dead_letters", 0)
         out.append(f"conveyor_stage_dead_letters_total{labels(stage=stage)} {dead:g}")
         for name, bounds in BUCKETS.items():
-            per = [stats.get(f"h:{name}:{_le(b)}", 0.0) for b in (*bounds, float("inf"))]
+            per = [stats.get(f"h:{name}:{le_label(b)}", 0.0) for b in (*bounds, float("inf"))]
             out += histogram_lines(
                 f"conveyor_stage_{name}", bounds, per, stats.get(f"h:{name}:sum", 0.0), stage=stage
             )
         st = await stage_status(client, keys, stage)
+        # The lag, not st.backlog: the gauge's name predates the property (see above).
         out.append(f"conveyor_stage_backlog{labels(stage=stage)} {st.lag}")
         out.append(f"conveyor_stage_pending{labels(stage=stage)} {st.pending}")
-        alive = sum(1 for c in st.consumers if c["idle_ms"] < ALIVE_IDLE_MS)
-        out.append(f"conveyor_stage_consumers{labels(stage=stage)} {alive}")
+        out.append(f"conveyor_stage_consumers{labels(stage=stage)} {st.workers}")
     return "\n".join(out) + "\n"

@@ -59,63 +59,65 @@ STAGE = SYNTHETIC.name  # batches of 8, each costing 0.1 s + 0.02 s per item
 def test_desired_is_the_backlog_over_the_target_within_bounds(
     lag: int, pending: int, min_n: int, max_n: int, want: int
 ) -> None:
-    assert desired(lag, pending, target=8, min_n=min_n, max_n=max_n) == want
+    backlog = StageStatus("s", lag=lag, pending=pending).backlog
+    assert desired(backlog, target=8, min_n=min_n, max_n=max_n) == want
 
 
 def test_scales_up_at_once_to_what_the_backlog_needs() -> None:
     s = Scaler(1, 4, 8, up_cooldown_s=5, down_cooldown_s=30)
-    assert s.decide(1, 400, 0, now=100.0) == 4
+    assert s.decide(1, 400, now=100.0) == 4
 
 
 def test_a_scale_up_waits_out_the_up_cool_down() -> None:
     s = Scaler(1, 8, 8, up_cooldown_s=5, down_cooldown_s=30)
-    assert s.decide(1, 16, 0, now=100.0) == 2
-    assert s.decide(2, 64, 0, now=104.9) == 2
-    assert s.decide(2, 64, 0, now=105.0) == 8
+    assert s.decide(1, 16, now=100.0) == 2
+    assert s.decide(2, 64, now=104.9) == 2
+    assert s.decide(2, 64, now=105.0) == 8
 
 
 def test_scales_down_slowly_and_one_worker_at_a_time() -> None:
     s = Scaler(1, 4, 8, up_cooldown_s=5, down_cooldown_s=30)
-    assert s.decide(1, 400, 0, now=0.0) == 4
-    assert s.decide(4, 0, 0, now=10.0) == 4  # the backlog is gone: the wait starts
-    assert s.decide(4, 0, 0, now=39.9) == 4
-    assert s.decide(4, 0, 0, now=40.0) == 3
-    assert s.decide(3, 0, 0, now=69.9) == 3  # each step waits a whole cool-down
-    assert s.decide(3, 0, 0, now=70.0) == 2
-    assert s.decide(2, 0, 0, now=100.0) == 1
-    assert s.decide(1, 0, 0, now=1000.0) == 1  # never below the floor
+    assert s.decide(1, 400, now=0.0) == 4
+    assert s.decide(4, 0, now=10.0) == 4  # the backlog is gone: the wait starts
+    assert s.decide(4, 0, now=39.9) == 4
+    assert s.decide(4, 0, now=40.0) == 3
+    assert s.decide(3, 0, now=69.9) == 3  # each step waits a whole cool-down
+    assert s.decide(3, 0, now=70.0) == 2
+    assert s.decide(2, 0, now=100.0) == 1
+    assert s.decide(1, 0, now=1000.0) == 1  # never below the floor
 
 
 def test_a_backlog_blip_restarts_the_scale_down_wait() -> None:
     s = Scaler(1, 4, 8, up_cooldown_s=5, down_cooldown_s=30)
-    assert s.decide(4, 0, 0, now=0.0) == 4
-    assert s.decide(4, 30, 2, now=20.0) == 4  # all four needed again
-    assert s.decide(4, 0, 0, now=21.0) == 4
-    assert s.decide(4, 0, 0, now=50.9) == 4
-    assert s.decide(4, 0, 0, now=51.0) == 3
+    assert s.decide(4, 0, now=0.0) == 4
+    blip = StageStatus("s", lag=30, pending=2).backlog
+    assert s.decide(4, blip, now=20.0) == 4  # all four needed again
+    assert s.decide(4, 0, now=21.0) == 4
+    assert s.decide(4, 0, now=50.9) == 4
+    assert s.decide(4, 0, now=51.0) == 3
 
 
 def test_scales_down_only_as_far_as_the_backlog_allows() -> None:
     s = Scaler(1, 4, 8, up_cooldown_s=5, down_cooldown_s=30)
-    assert s.decide(4, 20, 0, now=0.0) == 4  # 20 entries need 3 workers
-    assert s.decide(4, 20, 0, now=30.0) == 3
-    assert s.decide(3, 20, 0, now=1000.0) == 3
+    assert s.decide(4, 20, now=0.0) == 4  # 20 entries need 3 workers
+    assert s.decide(4, 20, now=30.0) == 3
+    assert s.decide(3, 20, now=1000.0) == 3
 
 
 def test_scales_from_zero_and_back_to_zero() -> None:
     s = Scaler(0, 4, 8, up_cooldown_s=5, down_cooldown_s=30)
-    assert s.decide(0, 0, 0, now=0.0) == 0
-    assert s.decide(0, 3, 0, now=1.0) == 1
-    assert s.decide(1, 0, 3, now=2.0) == 1
-    assert s.decide(1, 0, 0, now=3.0) == 1
-    assert s.decide(1, 0, 0, now=33.0) == 0
+    assert s.decide(0, 0, now=0.0) == 0
+    assert s.decide(0, 3, now=1.0) == 1
+    assert s.decide(1, StageStatus("s", pending=3).backlog, now=2.0) == 1  # in flight
+    assert s.decide(1, 0, now=3.0) == 1
+    assert s.decide(1, 0, now=33.0) == 0
 
 
 def test_bounds_hold_at_once_and_the_start_does_not_delay_a_scale_up() -> None:
     s = Scaler(2, 3, 8, up_cooldown_s=5, down_cooldown_s=30)
-    assert s.decide(0, 0, 0, now=0.0) == 2  # the start: the floor
-    assert s.decide(2, 400, 0, now=0.1) == 3
-    assert s.decide(5, 0, 0, now=0.2) == 3  # above the ceiling
+    assert s.decide(0, 0, now=0.0) == 2  # the start: the floor
+    assert s.decide(2, 400, now=0.1) == 3
+    assert s.decide(5, 0, now=0.2) == 3  # above the ceiling
 
 
 def test_settings_come_from_flags_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,8 +222,11 @@ async def autoscaling(
 ) -> AsyncIterator[tuple[Autoscaler, asyncio.Task[str | None]]]:
     """An autoscaler of tests/scaleapp.py's stage, running real workers, ticking every
     0.2 s; everything it started is stopped afterwards."""
-    env = dict(os.environ) | {"CONVEYOR_APP": "tests.scaleapp:pipelines",
-                              "PYTHONPATH": str(REPO), "CONVEYOR_BLOCK_MS": "200"}  # fmt: skip
+    env = dict(os.environ) | {
+        "CONVEYOR_APP": "tests.scaleapp:pipelines",
+        "PYTHONPATH": str(REPO),
+        "CONVEYOR_BLOCK_MS": "200",
+    }
 
     def spawn(stage: str) -> Popen[bytes]:
         with log.open("ab") as out:
@@ -301,8 +306,10 @@ async def test_a_burst_scales_the_stage_out_and_back_in(
         st = await stage_status(redis, keys, STAGE)
     print(f"\nanswered in {done_s:.2f} s, back to one worker at {back_s:.2f} s")
     print("(s, running, draining, backlog):", samples)
-    print("decisions (s, from, to, backlog):",
-          [(round(t - wall0, 2), *rest) for t, *rest in decisions(caplog)])  # fmt: skip
+    print(
+        "decisions (s, from, to, backlog):",
+        [(round(t - wall0, 2), *rest) for t, *rest in decisions(caplog)],
+    )
 
     got = await answers(redis, replies)
     assert len(got) == 400  # none doubled
@@ -381,12 +388,16 @@ async def test_up_autoscale_scales_a_model_stage_and_stops_everything_on_ctrl_c(
 ) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env |= {"CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": namespace,
-            "CONVEYOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO),
-            "CONVEYOR_AUTOSCALE_INTERVAL_S": "0.2"}  # fmt: skip
+    env |= {
+        "CONVEYOR_REDIS_URL": redis_url,
+        "CONVEYOR_NAMESPACE": namespace,
+        "CONVEYOR_CACHE_DIR": str(cache_dir),
+        "PYTHONPATH": str(REPO),
+        "CONVEYOR_AUTOSCALE_INTERVAL_S": "0.2",
+    }
     log = tmp_path / "up.log"
-    cmd = [CONVEYOR, "up", "--port", str(port), "--app", "tests.scaleapp:pipelines",
-           "--autoscale", "--max-workers", "2"]  # fmt: skip
+    app = ["--app", "tests.scaleapp:pipelines"]
+    cmd = [CONVEYOR, "up", "--port", str(port), *app, "--autoscale", "--max-workers", "2"]
     proc = _start_up(cmd, env, log)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -14,6 +14,9 @@ import pytest
 
 from conveyor.cli import main
 from conveyor.embedded import free_port
+from conveyor.supervisor import worker_groups
+from pipelines.builtin import builtin_pipelines
+from pipelines.registry import Registry
 from tests.helpers import wait_ready
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
@@ -112,8 +115,13 @@ def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Pa
     env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(repo)}
     graph = subprocess.run(
         [CONVEYOR, "graph", "wordcount", "--app", "tests.userapp:pipelines"],
-        env=env, cwd=repo, capture_output=True, text=True, timeout=30, check=True,
-    ).stdout  # fmt: skip
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     assert "split" in graph
     assert "-> count" in graph
     port = free_port()
@@ -121,8 +129,11 @@ def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Pa
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [CONVEYOR, "up", "--port", str(port), "--app", "tests.userapp:pipelines"],
-            env=env, cwd=repo, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            env=env,
+            cwd=repo,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, {"conveyor up": proc}, lambda _: log.read_text())
@@ -134,3 +145,10 @@ def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Pa
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
     assert code == 0, log.read_text()
+
+
+def test_up_starts_each_model_stage_alone_and_the_function_stages_together() -> None:
+    registry = Registry(builtin_pipelines()).select(("chain", "hello"))
+    functions = "hello.detect,hello.spanish,hello.french"
+    assert worker_groups(registry, None) == [("adder", 1), ("multiplier", 1), (functions, 1)]
+    assert worker_groups(registry, 3) == [("adder", 3), ("multiplier", 3), (functions, 3)]

@@ -80,11 +80,20 @@ class Chromium:
     so no debugging port is opened. Answers and events are NUL-terminated JSON."""
 
     ARGS = (
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-extensions", "--disable-dev-shm-usage", "--no-proxy-server",
-        "--remote-debugging-pipe", "--window-size=1200,900",
-    )  # fmt: skip
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-extensions",
+        "--disable-dev-shm-usage",
+        "--no-proxy-server",
+        "--remote-debugging-pipe",
+        "--window-size=1200,900",
+    )
 
     def __init__(
         self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader, commands: int
@@ -106,10 +115,16 @@ class Chromium:
         args = (*cls.ARGS, f"--user-data-dir={profile}", "about:blank")
         with log.open("wb") as err:
             proc = await asyncio.create_subprocess_exec(
-                "/bin/bash", "-c", shell, str(CHROMIUM), *args,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=err, pass_fds=(cmd_r, out_w),
-            )  # fmt: skip
+                "/bin/bash",
+                "-c",
+                shell,
+                str(CHROMIUM),
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=err,
+                pass_fds=(cmd_r, out_w),
+            )
         os.close(cmd_r)
         os.close(out_w)
         reader = asyncio.StreamReader(limit=1 << 26)  # screenshots arrive as one message
@@ -254,10 +269,17 @@ async def test_status_page_refreshes_live_in_headless_chromium(
         try:
             session = await open_page(browser, f"{base}/status")
             state = await wait_for(
-                browser, session, "live refreshes with throughput", 20,
-                lambda s: s["state"] == "ok" and int(s["refreshes"]) >= 4
-                and int(s["points"]) >= 2 and float(s["throughput"]) > 0,
-            )  # fmt: skip
+                browser,
+                session,
+                "live refreshes with throughput",
+                20,
+                lambda s: (
+                    s["state"] == "ok"
+                    and int(s["refreshes"]) >= 4
+                    and int(s["points"]) >= 2
+                    and float(s["throughput"]) > 0
+                ),
+            )
             ARTIFACTS.mkdir(exist_ok=True)
             shot = await browser.call("Page.captureScreenshot", session, format="png")
             (ARTIFACTS / "status.png").write_bytes(base64.b64decode(shot["data"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -122,19 +123,29 @@ async def test_both_branches_failing_answer_the_request_once(
 ) -> None:
     # Each failing branch ends the request; between them they answer it once (the first
     # to publish), and each stage counts the error it had: one items:error per stage.
-    registry = Registry([Pipeline("doomed", ValueIn, (
+    steps = (
         function("start", lambda p: p, then=("left", "right")),
         function("left", _boom, then="join"),
         function("right", _boom_too, then="join"),
         function("join", lambda p: p, join=("left", "right")),
-    ))])  # fmt: skip
+    )
+    registry = Registry([Pipeline("doomed", ValueIn, steps)])
     replies = harness.keys.reply_stream("test")
-    req = Request(id=uuid.uuid4().hex, pipeline="doomed", stage="doomed.start", step="start",
-                  payload={"value": 1}, state={"input": {"value": 1}},
-                  deadline=time.time() + 60, reply_to=replies)  # fmt: skip
+    req = Request(
+        id=uuid.uuid4().hex,
+        pipeline="doomed",
+        stage="doomed.start",
+        step="start",
+        payload={"value": 1},
+        state={"input": {"value": 1}},
+        deadline=time.time() + 60,
+        reply_to=replies,
+    )
     await redis.xadd(harness.keys.stage_stream("doomed.start"), encode(req))
-    workers = {step: harness.worker(registry.stage(f"doomed.{step}"), registry=registry)
-               for step in ("start", "left", "right")}  # fmt: skip
+    workers = {
+        step: harness.worker(registry.stage(f"doomed.{step}"), registry=registry)
+        for step in ("start", "left", "right")
+    }
     await workers["start"].run(burst=True)
     (right,) = await redis.xrange(harness.keys.stage_stream("doomed.right")) or []
     await workers["left"].run(burst=True)
@@ -181,9 +192,17 @@ async def test_join_fires_exactly_once_under_concurrent_arrivals(
         out = Outbox()
         router.succeed(out, req, {"value": 0}, now=0.0)
         assert [len(e.joins) for e in out.effects.values()] == [1]
-        await publish(client, out, stream="unused", entry_ids=[], stats_key="unused-stats",
-                      stats={}, reply_maxlen=1000, reply_ttl_s=60,
-                      token_key=harness.keys.publish_token(uuid.uuid4().hex))  # fmt: skip
+        await publish(
+            client,
+            out,
+            stream="unused",
+            entry_ids=[],
+            stats_key="unused-stats",
+            stats={},
+            reply_maxlen=1000,
+            reply_ttl_s=60,
+            token_key=harness.keys.publish_token(uuid.uuid4().hex),
+        )
 
     # both branches of each request land at the same moment, over two connections
     await asyncio.gather(*(arrive(r, clients[i % 2]) for i, r in enumerate(requests)))
@@ -302,13 +321,14 @@ def _one_branch(output: dict[str, Any], ctx: dict[str, Any]) -> str | tuple[str,
 
 
 def test_a_route_picks_one_step_or_one_joins_branches_together() -> None:
-    pipeline = Pipeline("p", ValueIn, (
+    steps = (
         function("a", lambda p: p, route=_one_branch, routes_to=("b", "c", "d")),
         function("b", lambda p: p, then="j"),
         function("c", lambda p: p, then="j"),
         function("d", lambda p: p),
         function("j", lambda p: p, join=("b", "c")),
-    ))  # fmt: skip
+    )
+    pipeline = Pipeline("p", ValueIn, steps)
     a = pipeline.step("a")
     for pick in ("d", ("c", "b"), ()):
         assert pipeline.after(a, {}, {"input": {"pick": pick}}) in (("d",), ("c", "b"), ())
@@ -381,9 +401,17 @@ async def test_publish_acks_more_entries_than_one_script_command_can_take(
     read: Any = await redis.xreadgroup(GROUP, "c1", {stream: ">"}, count=5000)
     assert len(read[0][1]) == 4096
     stats = harness.keys.stage_stats("big")
-    await publish(redis, Outbox(), stream=stream, entry_ids=ids, stats_key=stats,
-                  stats={"batches": 1, "run_seconds:sum": 0.25}, reply_maxlen=1000,
-                  reply_ttl_s=60, token_key=harness.keys.publish_token("big"))  # fmt: skip
+    await publish(
+        redis,
+        Outbox(),
+        stream=stream,
+        entry_ids=ids,
+        stats_key=stats,
+        stats={"batches": 1, "run_seconds:sum": 0.25},
+        reply_maxlen=1000,
+        reply_ttl_s=60,
+        token_key=harness.keys.publish_token("big"),
+    )
     assert (await redis.xpending(stream, GROUP))["pending"] == 0
     assert await redis.hget(stats, "batches") == b"1"
     assert await redis.hget(stats, "run_seconds:sum") == b"0.25"
@@ -391,15 +419,31 @@ async def test_publish_acks_more_entries_than_one_script_command_can_take(
 
 async def test_a_branch_of_several_steps_still_meets_its_join(harness: Harness) -> None:
     # Review found the exactly-once graph rule refusing b -> b2 -> join, which ran before.
-    pipeline = Pipeline("long", ValueIn, (
+    steps = (
         function("a", lambda p: p, then=("b", "c")),
         function("b", lambda p: {"value": p["value"] + 1}, then="b2"),
         function("b2", lambda p: {"value": p["value"] * 10}, then="j"),
         function("c", lambda p: p, then="j"),
-        function("j", lambda branches: {"b2": branches["b2"], "c": branches["c"]},
-                 join=("b2", "c")),
-    ))  # fmt: skip
+        function("j", lambda both: {"b2": both["b2"], "c": both["c"]}, join=("b2", "c")),
+    )
+    pipeline = Pipeline("long", ValueIn, steps)
     assert pipeline.branch_end("b") == (pipeline.step("j"), "b2")
     http = await harness.serve(Registry([pipeline]))
     resp = await http.post("/v1/long", json={"value": 1})
     assert resp.json() == {"b2": {"value": 20.0}, "c": {"value": 1.0}}, resp.text
+
+
+def test_a_function_step_runs_on_its_pipelines_function_stage() -> None:
+    shared = replace(ADDER, name="p.shared")  # a model stage, whatever its name looks like
+    steps = (model("add", ADDER, then="f"), function("f", lambda p: p, then="m"))
+    pipeline = Pipeline("p", ValueIn, (*steps, model("m", shared)))
+    kinds = {s.name: (s.stage.kind, s.stage.name) for s in pipeline.steps}
+    assert kinds == {
+        "add": ("model", "adder"),
+        "f": ("function", "p.f"),
+        "m": ("model", "p.shared"),
+    }
+    drawn = pipeline.describe()
+    assert "[model stage adder," in drawn
+    assert "[function stage p.f," in drawn
+    assert "[model stage p.shared," in drawn

@@ -1,0 +1,260 @@
+"""``conveyor up``: an embedded redis-server, one gateway and the workers, supervised.
+
+Each runs as its own process, started by module name exactly as a deployment runs it (so
+this module imports neither side). :func:`up` takes the steps in order: start Redis
+(unless ``CONVEYOR_REDIS_URL`` names one), the gateway, the worker groups; then supervise
+until Ctrl-C, SIGTERM or a process exiting unasked; then stop everything, workers and
+gateway first (each drains on SIGTERM), Redis last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from conveyor.autoscale import Autoscaler, AutoscaleSettings
+from conveyor.embedded import free_port, start_redis
+from pipelines.errors import ConfigError
+from pipelines.registry import Registry, load_registry
+from pipelines.settings import CommonSettings
+from pipelines.stages import Stage
+
+STOP_GRACE_S = 15.0
+"""A process still running this long after SIGTERM is killed."""
+
+Process = subprocess.Popen[bytes]
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """``conveyor up``'s flags.
+
+    Attributes:
+        host: the gateway's listen address.
+        port: the gateway's port.
+        app: ``module:attribute`` of the user's pipeline(s).
+        pipelines: comma-separated pipelines to serve.
+        replicas: worker processes per model stage (with ``autoscale``: of the function
+            stages).
+        autoscale: grow and shrink each model stage's workers with its backlog.
+        min_workers: autoscale: fewest per model stage.
+        max_workers: autoscale: most per model stage.
+        target_backlog: autoscale: backlog per worker.
+    """
+
+    host: str
+    port: int
+    app: str | None = None
+    pipelines: str | None = None
+    replicas: int | None = None
+    autoscale: bool = False
+    min_workers: int | None = None
+    max_workers: int | None = None
+    target_backlog: int | None = None
+
+
+class _Stop(Exception):
+    """Raised by the signal handler to end ``up``'s wait."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop
+
+
+def worker_groups(registry: Registry, replicas: int | None) -> list[tuple[str, int]]:
+    """The worker processes ``up`` starts: (comma-separated stages, copies).
+
+    Each model stage gets its own processes (its ``replicas``, or ``replicas`` when
+    given); the function stages, light by nature, share one group.
+
+    Args:
+        registry: the pipelines served.
+        replicas: copies of each group (None: each model stage's own, one of the rest).
+    """
+    stages = registry.stages.values()
+    groups = [(s.name, replicas or s.replicas) for s in stages if s.kind == "model"]
+    functions = [s.name for s in stages if s.kind == "function"]
+    if functions:
+        groups.append((",".join(functions), replicas or 1))
+    return groups
+
+
+def _child_env(options: UpOptions) -> dict[str, str]:
+    """This process's environment with ``up``'s flags, for every child."""
+    env = dict(os.environ)
+    env["CONVEYOR_HOST"] = options.host
+    env["CONVEYOR_PORT"] = str(options.port)
+    if options.app:
+        env["CONVEYOR_APP"] = options.app
+    if options.pipelines:
+        env["CONVEYOR_PIPELINES"] = options.pipelines
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _autoscale_settings(options: UpOptions) -> AutoscaleSettings | None:
+    """The autoscaler's settings (None without ``--autoscale``); raises
+    :class:`ConfigError` for an autoscale flag without it, or a value out of range."""
+    flags = (options.min_workers, options.max_workers, options.target_backlog)
+    if not options.autoscale:
+        if any(f is not None for f in flags):
+            raise ConfigError("--min-workers, --max-workers and --target-backlog need --autoscale")
+        return None
+    scaling = AutoscaleSettings.from_flags(
+        min_workers=options.min_workers,
+        max_workers=options.max_workers,
+        target_backlog=options.target_backlog,
+    )
+    # The autoscaler logs each decision.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return scaling
+
+
+@dataclass
+class Supervisor:
+    """The processes of one ``up``: started one step at a time, stopped together.
+
+    Args:
+        env: every child's environment (``start_redis`` adds ``CONVEYOR_REDIS_URL``).
+    """
+
+    env: dict[str, str]
+    children: list[tuple[str, Process]] = field(default_factory=list)  # gateway, workers
+    redis: Process | None = None
+    autoscaler: Autoscaler | None = None
+    interval_s: float = 1.0  # between the autoscaler's ticks
+
+    def start_redis(self) -> None:
+        """An embedded redis-server on a free port, unless ``CONVEYOR_REDIS_URL`` is set."""
+        if self.env.get("CONVEYOR_REDIS_URL"):
+            return
+        port = free_port()
+        workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
+        self.redis = start_redis(port, workdir)
+        self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+        print(f"conveyor: embedded redis on 127.0.0.1:{port} ({workdir})", flush=True)
+
+    def _spawn(self, module: str, *argv: str) -> Process:
+        return subprocess.Popen([sys.executable, "-m", module, *argv], env=self.env)
+
+    def start_gateway(self) -> None:
+        """The gateway process."""
+        self.children.append(("gateway", self._spawn("gateway")))
+
+    def start_workers(self, groups: list[tuple[str, int]]) -> None:
+        """``copies`` worker processes of each group of stages.
+
+        Args:
+            groups: (comma-separated stages, copies), as :func:`worker_groups` gives.
+        """
+        for group, copies in groups:
+            for i in range(copies):
+                self.children.append((f"worker {group}#{i}", self._spawn("workers", group)))
+
+    def start_autoscaler(self, stages: list[Stage], scaling: AutoscaleSettings) -> None:
+        """An autoscaler for ``stages``; it starts their workers on its first tick.
+
+        Args:
+            stages: the model stages it scales.
+            scaling: its settings.
+        """
+        self.autoscaler = Autoscaler(
+            {s.name: scaling.scaler(s) for s in stages},
+            lambda stage: self._spawn("workers", stage),
+            scaling.drain_timeout_s,
+        )
+        self.interval_s = scaling.interval_s
+
+    def supervise(self) -> str | None:
+        """Wait until a process exits unasked and say which; None: the autoscaler was
+        stopped by Ctrl-C or SIGTERM (without one, those raise out of the wait)."""
+        if self.autoscaler is None:
+            # Sleep until any child exits (WNOWAIT leaves reaping to Popen) or a signal.
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+            pid = info.si_pid if info else None
+            name = next((n for n, p in self.children if p.pid == pid), "redis-server")
+            return f"{name} exited ({info.si_status if info else '?'})"
+        watched = self.children + ([("redis-server", self.redis)] if self.redis else [])
+        return asyncio.run(
+            self.autoscaler.run(
+                CommonSettings(redis_url=self.env["CONVEYOR_REDIS_URL"]),
+                interval_s=self.interval_s,
+                watch=lambda: next((n for n, p in watched if p.poll() is not None), None),
+            )
+        )
+
+    def stop(self) -> None:
+        """SIGTERM to every child (the autoscaler's draining ones too), a kill for one
+        still running after :data:`STOP_GRACE_S`; then Redis."""
+        children = self.children + (self.autoscaler.processes() if self.autoscaler else [])
+        for _, proc in children:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for _, proc in children:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.redis is not None:
+            self.redis.terminate()
+            self.redis.wait(timeout=10)
+
+
+def up(options: UpOptions) -> int:
+    """Run ``conveyor up`` until Ctrl-C or SIGTERM (exit status 0) or until a process
+    exits unasked (1); raises :class:`ConfigError` before anything starts for an unknown
+    pipeline or a bad flag.
+
+    Args:
+        options: the command's flags.
+    """
+    env = _child_env(options)
+    registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
+    scaling = _autoscale_settings(options)
+    supervisor = Supervisor(env)
+    supervisor.start_redis()
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    code = 0
+    try:
+        supervisor.start_gateway()
+        models = [s for s in registry.stages.values() if s.kind == "model"]
+        scaled = models if scaling is not None else []
+        names = [s.name for s in scaled]  # the autoscaler starts these
+        groups = worker_groups(registry, options.replicas)
+        supervisor.start_workers([g for g in groups if g[0] not in names])
+        autoscaled = ""
+        if scaling is not None and scaled:
+            supervisor.start_autoscaler(scaled, scaling)
+            autoscaled = (
+                f"; autoscaling {', '.join(names)} "
+                f"({scaling.min_workers} to {scaling.max_workers} workers each)"
+            )
+        print(
+            f"conveyor: gateway on http://{options.host}:{options.port} serving "
+            f"{', '.join(registry.pipelines)}; {len(supervisor.children) - 1} worker "
+            f"process(es){autoscaled}; Ctrl-C stops",
+            flush=True,
+        )
+        why = supervisor.supervise()
+        if why is not None:
+            print(f"conveyor: {why}; stopping", flush=True)
+            code = 1
+    except _Stop:
+        pass
+    finally:
+        supervisor.stop()
+    return code
