@@ -207,7 +207,7 @@ def reply_response(reply: Reply, request_id: str) -> Response:
         raise DeadlineExceeded("deadline passed before the request finished", request_id=request_id)
     raise ItemFailed(
         f"step {reply.stage!r} failed: {reply.error}",
-        status=reply.status,
+        status=reply.http_status,
         request_id=request_id,
         retry_after=reply.retry_after,
     )
@@ -341,8 +341,7 @@ async def _sse_events(
                 yield _sse("done", reply.result)
                 return
             else:
-                status = 504 if reply.outcome == "expired" else reply.status
-                yield _sse("error", {"detail": reply.error, "status": status})
+                yield _sse("error", {"detail": reply.error, "status": reply.http_status})
                 return
     finally:
         gw.replies.forget(request_id)
