@@ -12,25 +12,21 @@ import argparse
 import asyncio
 import math
 import os
-import re
 import runpy
 import sys
 from collections.abc import Callable
-from typing import Any, cast
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor import supervisor
-from pipelines.envelope import decode_request, encode
-from pipelines.errors import ConfigError, ConveyorError, EnvelopeError
-from pipelines.redisio import RedisClock, connect, text
+from conveyor.dlq import dlq_command
+from pipelines.errors import ConveyorError
+from pipelines.redisio import connect, text
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
 from pipelines.stats import stage_status
-
-_STREAM_ID = re.compile(r"^[0-9]+(-[0-9]+)?$")
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -61,17 +57,6 @@ def _seconds(raw: str) -> float:
     return value
 
 
-def _stream_id(raw: str | None) -> str | None:
-    """``--id`` of ``dlq``, checked before Redis sees it: a stream entry id
-    (``<ms>-<seq>`` or ``<ms>``), as ``dlq list`` prints them."""
-    if raw is not None and not _STREAM_ID.match(raw):
-        raise ConfigError(
-            f"--id {raw!r} is not a stream entry id (<ms>-<seq>, as `conveyor dlq list` "
-            "prints them)"
-        )
-    return raw
-
-
 def _run_module(module: str, argv: list[str], env: dict[str, str]) -> None:
     os.environ.update(env)
     sys.argv = [module, *argv]
@@ -92,85 +77,6 @@ async def _status_async() -> int:
             print(
                 f"{name:<24}{st.length:>8}{st.lag:>8}{st.pending:>9}{len(st.consumers):>11}  {idle}"
             )
-    finally:
-        await client.aclose()
-    return 0
-
-
-async def _dlq_async(action: str, stage: str, entry_id: str | None, timeout_s: float) -> int:
-    entry_id = _stream_id(entry_id)
-    settings = CommonSettings()
-    keys = settings.keys
-    client = connect(settings)
-    dlq = keys.dead_letters(stage)
-    try:
-        raw = await client.xrange(dlq, min=entry_id or "-", max=entry_id or "+") or []
-        entries: list[tuple[bytes, dict[bytes, bytes]]] = cast(list[Any], raw)
-        if action == "list":
-            for eid, fields in entries:
-                info = {text(k): text(v) for k, v in fields.items() if k.startswith(b"dlq:")}
-                try:
-                    req = decode_request(fields)
-                    what = f"request {req.id} pipeline {req.pipeline} step {req.step}"
-                except EnvelopeError as exc:
-                    what = f"undecodable entry ({exc})"
-                print(f"{text(eid)}  {what}  deliveries={info.get('dlq:deliveries')}  "
-                      f"{info.get('dlq:error', '')}")  # fmt: skip
-            print(f"{len(entries)} dead letter(s) in {dlq}")
-        elif action == "replay":
-            clock = RedisClock()
-            await clock.calibrate(client)
-            replayed = 0
-            skipped: list[str] = []
-            branches: list[str] = []
-            registry = load_registry(settings.app, settings.pipelines)
-            for eid, fields in entries:
-                try:
-                    req = decode_request(fields)
-                except EnvelopeError:  # nothing to run: left where it is, reported below
-                    skipped.append(text(eid))
-                    continue
-                pipeline = registry.pipelines.get(req.pipeline)
-                if (
-                    pipeline is not None
-                    and req.step in pipeline.by_name
-                    and (pipeline.branch_end(req.step) is not None)
-                ):
-                    # Its join was marked failed when it was dead-lettered and never fires:
-                    # run alone, it would answer nothing. The request must be sent again.
-                    branches.append(text(eid))
-                    continue
-                again = req.model_copy(
-                    update={
-                        "attempt": req.attempt + 1,
-                        "deadline": clock.now() + timeout_s,
-                        "enqueue_by": None,
-                    }
-                )
-                pipe = client.pipeline(transaction=True)
-                pipe.xadd(keys.stage_stream(stage), encode(again))
-                pipe.xdel(dlq, eid)
-                # Dead-lettering published the request's error; a replay may publish again.
-                pipe.delete(keys.done(req.id, req.step))
-                await pipe.execute()
-                replayed += 1
-            print(f"replayed {replayed} dead letter(s) to {keys.stage_stream(stage)}")
-            if branches:
-                print(
-                    f"conveyor: skipped {len(branches)} dead letter(s) of a join's branch, "
-                    f"left in {dlq}: their join has failed, so they cannot complete alone; "
-                    f"send those requests again: {', '.join(branches)}",
-                    file=sys.stderr,
-                )
-            if skipped:
-                print(
-                    f"conveyor: skipped {len(skipped)} undecodable dead letter(s), left in "
-                    f"{dlq} (`conveyor dlq list {stage}` shows why): {', '.join(skipped)}",
-                    file=sys.stderr,
-                )
-        else:
-            removed = await client.xdel(dlq, *[eid for eid, _ in entries]) if entries else 0
-            print(f"purged {removed} dead letter(s) from {dlq}")
     finally:
         await client.aclose()
     return 0
@@ -226,8 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     dlq.add_argument("action", choices=["list", "replay", "purge"])
     dlq.add_argument("stage")
     dlq.add_argument("--id", help="only this dead-letter entry")
-    dlq.add_argument("--timeout", type=_seconds, default=300.0,
-                     help="deadline of a replayed request, seconds from now")  # fmt: skip
+    dlq.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=300.0,
+        help="deadline of a replayed request, seconds from now",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
@@ -256,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             app = args.app or os.environ.get("CONVEYOR_APP")
             print(load_registry(app, args.name).pipeline(args.name).describe())
         elif args.command == "dlq":
-            sys.exit(asyncio.run(_dlq_async(args.action, args.stage, args.id, args.timeout)))
+            sys.exit(asyncio.run(dlq_command(args.action, args.stage, args.id, args.timeout)))
         else:
             sys.exit(asyncio.run(_status_async()))
     except ConveyorError as exc:

@@ -19,6 +19,8 @@ from urllib.parse import quote
 import httpx
 from tqdm import tqdm
 
+from pipelines.records import DONE, EXPIRED, FAILED, JobField
+
 MAX_RETRY_WAIT_S = 5.0  # no wait between retries is longer, whatever Retry-After says
 BACKOFF_S = 0.25  # the first wait after a refused connection (or a bare 503); it doubles
 DEADLINE_SLACK_S = 5.0  # past a call's deadline, so that the gateway's 504 comes first
@@ -73,8 +75,13 @@ def _error(resp: httpx.Response) -> ConveyorHTTPError:
         retry_after = max(0.0, float(resp.headers["Retry-After"]))
     except (KeyError, ValueError):  # absent, or an HTTP date (the gateway sends seconds)
         retry_after = None
-    return ConveyorHTTPError(resp.status_code, detail, path=resp.request.url.path,
-                             request_id=request_id, retry_after=retry_after)  # fmt: skip
+    return ConveyorHTTPError(
+        resp.status_code,
+        detail,
+        path=resp.request.url.path,
+        request_id=request_id,
+        retry_after=retry_after,
+    )
 
 
 def _retry_in(failed: httpx.Response | httpx.TransportError, attempt: int, retries: int) -> float:
@@ -94,13 +101,13 @@ def _retry_in(failed: httpx.Response | httpx.TransportError, attempt: int, retri
 
 def _job_result(job: Json) -> Json | None:
     """A done job's result; raises for a failed or expired one; None while it is queued."""
-    if job["status"] == "done":
-        return dict(job["result"])
-    if job["status"] not in ("failed", "expired"):
+    status, job_id = job[JobField.STATUS], job[JobField.ID]
+    if status == DONE:
+        return dict(job[JobField.RESULT])
+    if status not in (FAILED, EXPIRED):
         return None
-    status = int(job.get("http_status", 504 if job["status"] == "expired" else 500))
-    detail, path = str(job.get("error", job["status"])), f"/v1/jobs/{job['id']}"
-    raise ConveyorHTTPError(status, detail, path=path, request_id=job["id"])
+    detail, path = str(job.get(JobField.ERROR, status)), f"/v1/jobs/{job_id}"
+    raise ConveyorHTTPError(int(job[JobField.HTTP_STATUS]), detail, path=path, request_id=job_id)
 
 
 def _event(line: str, pending: list[str], resp: httpx.Response) -> Event | None:
@@ -134,8 +141,14 @@ class _Base:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
         self._options: dict[str, Any] = dict(base_url=base_url, timeout=timeout, headers=headers)
 
-    def _post(self, path: str, payload: Payload | None, fields: Payload, deadline: float | None,
-              trace_id: str | None) -> httpx.Request:  # fmt: skip
+    def _post(
+        self,
+        path: str,
+        payload: Payload | None,
+        fields: Payload,
+        deadline: float | None,
+        trace_id: str | None,
+    ) -> httpx.Request:
         headers = {"X-Conveyor-Timeout": f"{deadline:g}"} if deadline is not None else {}
         if trace_id is not None:
             headers["X-Trace-Id"] = trace_id
@@ -167,9 +180,15 @@ class Client(_Base):
 
     _http: httpx.Client
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, timeout: float = 60,
-                 api_key: str | None = None, retries: int = 3,
-                 transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        timeout: float = 60,
+        api_key: str | None = None,
+        retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         super().__init__(base_url, timeout, api_key, retries)
         self._http = httpx.Client(transport=transport, **self._options)
 
@@ -198,14 +217,30 @@ class Client(_Base):
                 time.sleep(_retry_in(resp, attempt, self.retries))
             attempt += 1
 
-    def call(self, name: str, payload: Payload | None = None, /, *, timeout: float | None = None,
-             trace_id: str | None = None, **fields: Any) -> Json:  # fmt: skip
+    def call(
+        self,
+        name: str,
+        payload: Payload | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> Json:
         """Run pipeline ``name`` on one input and return its result."""
         request = self._post(f"/v1/{name}", payload, fields, timeout, trace_id)
         return dict(self._send(request).json())
 
-    def submit(self, name: str, payload: Payload | None = None, /, *, timeout: float | None = None,
-               trace_id: str | None = None, **fields: Any) -> str:  # fmt: skip
+    def submit(
+        self,
+        name: str,
+        payload: Payload | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> str:
         """Submit an async job (``POST /v1/jobs/{name}``); returns its id, for :meth:`wait`."""
         request = self._post(f"/v1/jobs/{name}", payload, fields, timeout, trace_id)
         return str(self._send(request).json()["id"])
@@ -225,18 +260,34 @@ class Client(_Base):
             time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
         return result
 
-    def stream(self, name: str, payload: Payload | None = None, /, *, timeout: float | None = None,
-               trace_id: str | None = None, **fields: Any) -> Iterator[str]:  # fmt: skip
+    def stream(
+        self,
+        name: str,
+        payload: Payload | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> Iterator[str]:
         """The text of a streamed generation (``POST /v1/{name}/stream``), piece by piece as
         it grows; for the final result as well, iterate :meth:`stream_events`."""
-        for kind, data in self.stream_events(name, payload, timeout=timeout, trace_id=trace_id,
-                                             **fields):  # fmt: skip
+        for kind, data in self.stream_events(
+            name, payload, timeout=timeout, trace_id=trace_id, **fields
+        ):
             if kind == "token":
                 yield str(data["text"])
 
-    def stream_events(self, name: str, payload: Payload | None = None, /, *,
-                      timeout: float | None = None, trace_id: str | None = None,
-                      **fields: Any) -> Iterator[Event]:  # fmt: skip
+    def stream_events(
+        self,
+        name: str,
+        payload: Payload | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> Iterator[Event]:
         """A streamed generation's events: ``("token", {"text": new_text})`` as the text grows,
         then ``("done", result)``. A refusal (422; 503 once retries are spent) or an ``error``
         event raises :class:`ConveyorHTTPError`."""
@@ -252,9 +303,16 @@ class Client(_Base):
             resp.close()
         raise _stream_error(resp, 502, "the stream ended without a result")
 
-    def map(self, name: str, inputs: Iterable[Payload], *, concurrency: int = 16,
-            progress: bool = True, return_exceptions: bool = False,
-            timeout: float | None = None) -> list[Json | ConveyorHTTPError]:  # fmt: skip
+    def map(
+        self,
+        name: str,
+        inputs: Iterable[Payload],
+        *,
+        concurrency: int = 16,
+        progress: bool = True,
+        return_exceptions: bool = False,
+        timeout: float | None = None,
+    ) -> list[Json | ConveyorHTTPError]:
         """:meth:`call` ``name`` on each of ``inputs``; the results in their order.
 
         Args:
@@ -286,9 +344,15 @@ class AsyncClient(_Base):
 
     _http: httpx.AsyncClient
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, timeout: float = 60,
-                 api_key: str | None = None, retries: int = 3,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        timeout: float = 60,
+        api_key: str | None = None,
+        retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         super().__init__(base_url, timeout, api_key, retries)
         self._http = httpx.AsyncClient(transport=transport, **self._options)
 
@@ -317,16 +381,30 @@ class AsyncClient(_Base):
                 await asyncio.sleep(_retry_in(resp, attempt, self.retries))
             attempt += 1
 
-    async def call(self, name: str, payload: Payload | None = None, /, *,
-                   timeout: float | None = None, trace_id: str | None = None,
-                   **fields: Any) -> Json:  # fmt: skip
+    async def call(
+        self,
+        name: str,
+        payload: Payload | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> Json:
         """:meth:`Client.call`."""
         request = self._post(f"/v1/{name}", payload, fields, timeout, trace_id)
         return dict((await self._send(request)).json())
 
-    async def submit(self, name: str, payload: Payload | None = None, /, *,
-                     timeout: float | None = None, trace_id: str | None = None,
-                     **fields: Any) -> str:  # fmt: skip
+    async def submit(
+        self,
+        name: str,
+        payload: Payload | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> str:
         """:meth:`Client.submit`."""
         request = self._post(f"/v1/jobs/{name}", payload, fields, timeout, trace_id)
         return str((await self._send(request)).json()["id"])
@@ -345,18 +423,33 @@ class AsyncClient(_Base):
             await asyncio.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
         return result
 
-    async def stream(self, name: str, payload: Payload | None = None, /, *,
-                     timeout: float | None = None, trace_id: str | None = None,
-                     **fields: Any) -> AsyncIterator[str]:  # fmt: skip
+    async def stream(
+        self,
+        name: str,
+        payload: Payload | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> AsyncIterator[str]:
         """:meth:`Client.stream`: ``async for`` it."""
-        async for kind, data in self.stream_events(name, payload, timeout=timeout,
-                                                   trace_id=trace_id, **fields):  # fmt: skip
+        async for kind, data in self.stream_events(
+            name, payload, timeout=timeout, trace_id=trace_id, **fields
+        ):
             if kind == "token":
                 yield str(data["text"])
 
-    async def stream_events(self, name: str, payload: Payload | None = None, /, *,
-                            timeout: float | None = None, trace_id: str | None = None,
-                            **fields: Any) -> AsyncIterator[Event]:  # fmt: skip
+    async def stream_events(
+        self,
+        name: str,
+        payload: Payload | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> AsyncIterator[Event]:
         """:meth:`Client.stream_events`: ``async for`` it."""
         request = self._post(f"/v1/{name}/stream", payload, fields, timeout, trace_id)
         resp, pending = await self._send(request, stream=True), list[str]()
@@ -370,9 +463,16 @@ class AsyncClient(_Base):
             await resp.aclose()
         raise _stream_error(resp, 502, "the stream ended without a result")
 
-    async def map(self, name: str, inputs: Iterable[Payload], *, concurrency: int = 16,
-                  progress: bool = True, return_exceptions: bool = False,
-                  timeout: float | None = None) -> list[Json | ConveyorHTTPError]:  # fmt: skip
+    async def map(
+        self,
+        name: str,
+        inputs: Iterable[Payload],
+        *,
+        concurrency: int = 16,
+        progress: bool = True,
+        return_exceptions: bool = False,
+        timeout: float | None = None,
+    ) -> list[Json | ConveyorHTTPError]:
         """:meth:`Client.map`, with at most ``concurrency`` calls in flight (a semaphore)."""
         gate = asyncio.Semaphore(concurrency)
 

@@ -54,11 +54,6 @@ class ReplyDispatcher:
         self._waiters.pop(request_id, None)
         self._streams.pop(request_id, None)
 
-    @property
-    def waiting(self) -> int:
-        """Requests this process is waiting on."""
-        return len(self._waiters) + len(self._streams)
-
     def stop(self) -> None:
         """Ask :meth:`run` to return after its current read (at most ``block_ms``).
 

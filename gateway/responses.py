@@ -12,6 +12,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 from pydantic.json_schema import SkipJsonSchema
 
+from pipelines.records import JobStatus
+
 SCHEMAS = "#/components/schemas/"
 
 
@@ -71,7 +73,7 @@ class JobView(BaseModel):
 
     id: str
     pipeline: str
-    status: Literal["queued", "done", "failed", "expired"]
+    status: JobStatus
     result: Any = None
     error: str | SkipJsonSchema[None] = Field(default=None, json_schema_extra=_optional)
     http_status: int | SkipJsonSchema[None] = Field(default=None, json_schema_extra=_optional)

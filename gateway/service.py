@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import os
@@ -11,27 +10,26 @@ import secrets
 import socket
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.typing import EncodableT, FieldT
 
 from gateway.admission import Admission
 from gateway.body import problem_detail
 from gateway.edge import ANONYMOUS, RequestMetrics
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
-from pipelines.envelope import Reply, Request, encode, new_request_id, wire_problem
+from pipelines.envelope import Reply, Request, new_request_id, wire_problem
 from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound
 from pipelines.graph import Pipeline
+from pipelines.records import JobRecord, create_job
 from pipelines.redisio import (
     REDIS_DOWN,
     PoolExhausted,
     RedisClock,
     connect,
+    enqueue,
     on_live_connection,
     refusal,
-    text,
 )
 from pipelines.registry import Registry
 
@@ -93,8 +91,11 @@ class Gateway:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
         if self._withdrawals:
-            logger.warning("%d refused request(s) left unwithdrawn at stop; their writes may "
-                           "still take effect", len(self._withdrawals))  # fmt: skip
+            logger.warning(
+                "%d refused request(s) left unwithdrawn at stop; their writes may still take "
+                "effect",
+                len(self._withdrawals),
+            )
         for task in [*self._withdrawals, *filter(None, [self._calibrating])]:
             task.cancel()
         await asyncio.gather(*self._withdrawals, return_exceptions=True)
@@ -183,22 +184,16 @@ class Gateway:
             stream=stream,
             enqueue_by=self._enqueue_by(),
         )
-        stage_stream = self.keys.stage_stream(entry.stage.name)
 
         async def write() -> None:
             if job:
                 # The record and the request appear together: a job id handed out exists.
-                # A repeated write (see below) must not turn a finished job back to queued.
-                record: dict[FieldT, EncodableT] = {"owner": owner, "pipeline": pipeline.name,
-                                                    "deadline": repr(request.deadline)}  # fmt: skip
                 pipe = self.client.pipeline(transaction=True)
-                pipe.hsetnx(reply_to, "status", "queued")
-                pipe.hset(reply_to, mapping=record)
-                pipe.expire(reply_to, self.settings.job_ttl_s)
-                pipe.xadd(stage_stream, encode(request))
+                create_job(pipe, request, owner, self.settings.job_ttl_s)
+                enqueue(pipe, self.keys, request)
                 await pipe.execute()
             else:
-                await self.client.xadd(stage_stream, encode(request))
+                await enqueue(self.client, self.keys, request)
 
         try:
             # Safe to repeat (see on_live_connection): a request enqueued twice runs once.
@@ -241,8 +236,11 @@ class Gateway:
         the entry step's done marker set, which also stops a publish (workers/publish.py)
         should the write have landed just before the gateway gave up."""
         if len(self._withdrawals) >= MAX_WITHDRAWALS:
-            logger.warning("request %s refused but not withdrawn: %d withdrawals pending",
-                           request.id, len(self._withdrawals))  # fmt: skip
+            logger.warning(
+                "request %s refused but not withdrawn: %d withdrawals pending",
+                request.id,
+                len(self._withdrawals),
+            )
             return
         # Only what the withdrawal needs is kept, not the request (its payload can be a MiB).
         rid, marker = request.id, self.keys.done(request.id, request.step)
@@ -322,25 +320,10 @@ class Gateway:
             )
         except REDIS_DOWN as exc:
             raise refusal(exc) from exc
-        record = {text(k): text(v) for k, v in raw.items()}
-        # A record with a pipeline and no owner was written before jobs had owners: it
-        # stays readable as it was (for at most job_ttl_s). One with neither is a worker's
-        # late write after the record expired: nobody's.
-        holder = record.get("owner", owner if "pipeline" in record else "")
-        if not hmac.compare_digest(holder.encode(), owner.encode()):
+        record = JobRecord.parse(raw)
+        if not record.readable_by(owner):
             raise NotFound(f"no job {job_id!r} (never submitted, or expired)")
-        out: dict[str, Any] = {"id": job_id, "pipeline": record["pipeline"]}
-        status = record["status"]
-        if status == "queued" and float(record["deadline"]) < self.clock.now():
-            status = "expired"
-            record.update(error="deadline passed before the job finished", http_status="504")
-        out["status"] = status
-        if status == "done":
-            out["result"] = orjson.loads(record["result"])
-        elif status != "queued":
-            out["error"] = record.get("error", "")
-            out["http_status"] = int(record.get("http_status", "500"))
-        return out
+        return record.view(job_id, self.clock.now())
 
 
 def _surface(task: asyncio.Task[None]) -> None:

@@ -20,7 +20,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.typing import EncodableT, FieldT
 
-from pipelines.errors import EnvelopeError
+from pipelines.errors import DeadlineExceeded, EnvelopeError
 
 FIELD = b"e"
 """The stream-entry field that holds the encoded envelope."""
@@ -80,14 +80,16 @@ def wire_problem(value: object, loc: tuple[str | int, ...] = ()) -> WireProblem 
                 stack.extend((child, (*where, i), depth + 1) for i, child in enumerate(item))
         elif isinstance(item, str):
             if not _utf8(item):
-                return WireProblem(where, "string is not valid Unicode (lone surrogate)",
-                                   "lone_surrogate")  # fmt: skip
+                return WireProblem(
+                    where, "string is not valid Unicode (lone surrogate)", "lone_surrogate"
+                )
         elif isinstance(item, bool) or item is None:
             continue
         elif isinstance(item, int):
             if not INT_RANGE[0] <= item <= INT_RANGE[1]:
-                return WireProblem(where, f"integer outside [{INT_RANGE[0]}, {INT_RANGE[1]}]",
-                                   "int_range")  # fmt: skip
+                return WireProblem(
+                    where, f"integer outside [{INT_RANGE[0]}, {INT_RANGE[1]}]", "int_range"
+                )
         elif isinstance(item, float):
             if not math.isfinite(item):
                 return WireProblem(where, "number is not finite (NaN or infinity)", "non_finite")
@@ -190,6 +192,15 @@ class Reply(BaseModel):
     status: int = 200
     retry_after: float | None = None
     trace_id: str = ""
+
+    @property
+    def http_status(self) -> int:
+        """The HTTP status this reply answers its request with: 200 when ``ok``, 504 when
+        ``expired`` (:class:`~pipelines.errors.DeadlineExceeded`), else ``status``, what
+        the worker mapped the failure to."""
+        if self.outcome == "ok":
+            return 200
+        return DeadlineExceeded.status if self.outcome == "expired" else self.status
 
 
 def new_request_id() -> str:

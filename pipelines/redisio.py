@@ -1,4 +1,4 @@
-"""Redis connections, consumer-group setup and the shared clock."""
+"""Redis connections, consumer-group setup, enqueueing a request and the shared clock."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipelines.envelope import Request, encode
 from pipelines.errors import ConveyorError, Overloaded, Unavailable
-from pipelines.keys import GROUP
+from pipelines.keys import GROUP, Keys
 from pipelines.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,21 @@ def group_missing(exc: ResponseError) -> bool:
     (deleted, evicted, or lost in a restart without persistence): re-create and go on."""
     message = str(exc)
     return message.startswith("NOGROUP") or "no longer exists" in message
+
+
+def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[bytes | str]:
+    """XADD ``request`` to its stage's stream (``Keys.stage_stream(request.stage)``).
+
+    The one way a request is put on a stream from outside a worker (the gateway, a
+    replayed dead letter, the tests); a worker's hand-overs go through its publish script.
+
+    Args:
+        redis: a client, whose command is returned to be awaited; or a pipeline or
+            transaction, on which the command is queued with the rest.
+        keys: the namespace's key names.
+        request: what to enqueue.
+    """
+    return redis.xadd(keys.stage_stream(request.stage), encode(request))
 
 
 class RedisClock:

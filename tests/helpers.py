@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict
 from gateway.app import create_app
 from gateway.edge import header_deadline_protocol
 from gateway.settings import GatewaySettings
-from pipelines.envelope import Request, encode, new_request_id
+from pipelines.envelope import Request, new_request_id
 from pipelines.graph import single
 from pipelines.model import Item, Model, Result
-from pipelines.redisio import text
+from pipelines.redisio import enqueue, text
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
@@ -216,7 +216,7 @@ class Harness:
         ]
         pipe = self.redis.pipeline(transaction=False)
         for r in requests:
-            pipe.xadd(self.keys.stage_stream(stage), encode(r))
+            enqueue(pipe, self.keys, r)
         await pipe.execute()
         return requests
 
@@ -255,5 +255,5 @@ def conveyor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """The ``conveyor`` console script, run from this worktree's code."""
     full = dict(os.environ) | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"} | env
     code = "import sys; from conveyor.cli import main; main(sys.argv[1:])"
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=full,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    command = [sys.executable, "-c", code, *args]
+    return subprocess.run(command, cwd=REPO, env=full, capture_output=True, text=True, timeout=60)

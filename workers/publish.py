@@ -22,8 +22,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import BRANCH, FIELD, Reply, dumps
+from pipelines.envelope import BRANCH, FIELD, encode
 from pipelines.keys import GROUP
+from pipelines.records import job_finished
 from pipelines.redisio import on_live_connection
 from workers.route import Effects, Outbox
 
@@ -162,19 +163,6 @@ class Plan:
         return [orjson.dumps(plan), *self.values]
 
 
-def job_fields(reply: Reply) -> dict[FieldT, EncodableT]:
-    """A job hash's fields once its request has finished with ``reply``."""
-    if reply.outcome == "ok":
-        return {
-            "status": "done",
-            "result": orjson.dumps(reply.result).decode(),
-            "http_status": "200",
-        }
-    status = "expired" if reply.outcome == "expired" else "failed"
-    code = 504 if reply.outcome == "expired" else reply.status
-    return {"status": status, "error": reply.error or "", "http_status": str(code)}
-
-
 async def publish(
     client: aioredis.Redis,
     out: Outbox,
@@ -230,8 +218,9 @@ async def publish(
         group.append(["HINCRBY", plan.key(stats_key), f"items:{effects.outcome()}", "1"])
         plan.groups.append(group)
     for marker in dropped:
-        plan.groups.append([plan.key(marker), str(DROPPED_TTL_S),
-                            ["HINCRBY", plan.key(stats_key), "items:error", "1"]])  # fmt: skip
+        dropped_group: list[object] = [plan.key(marker), str(DROPPED_TTL_S)]
+        dropped_group.append(["HINCRBY", plan.key(stats_key), "items:error", "1"])
+        plan.groups.append(dropped_group)
     for reply_to in sorted(streams):
         plan.always.append(["EXPIRE", plan.key(reply_to), str(reply_ttl_s)])
     for dlq, fields in dead_letters:
@@ -284,22 +273,23 @@ def _commands(
     for reply_to, reply in effects.replies:
         if job_prefix and reply_to.startswith(job_prefix):
             job = plan.key(reply_to)
-            commands.append(["HSET", job, *_pairs(plan, job_fields(reply))])
+            commands.append(["HSET", job, *_pairs(plan, job_finished(reply))])
             commands.append(["EXPIRE", job, str(job_ttl_s)])
         else:
-            commands.append(["XADD", plan.key(reply_to), "MAXLEN", "~", str(reply_maxlen), "*",
-                             plan.value(FIELD), plan.value(dumps(reply))])  # fmt: skip
+            capped = ["MAXLEN", "~", str(reply_maxlen)]
+            commands.append(
+                ["XADD", plan.key(reply_to), *capped, "*", *_pairs(plan, encode(reply))]
+            )
             streams.add(reply_to)
     for target, request in effects.forwards:
-        commands.append(["XADD", plan.key(target), "*", plan.value(FIELD),
-                         plan.value(dumps(request))])  # fmt: skip
+        commands.append(["XADD", plan.key(target), "*", *_pairs(plan, encode(request))])
     for join_key, ttl in effects.failed_joins:
         commands.append(["FAILJOIN", plan.key(join_key), str(ttl)])
     if effects.answer_marker is not None:  # the branches of a join answer once between them
         once = ["ONCE", plan.key(effects.answer_marker), str(effects.marker_ttl_s)]
         commands = [[*once, *commands]]
     for j in effects.joins:
-        commands.append(["JOIN", plan.key(j.key), plan.key(j.stream), plan.value(j.branch),
-                         plan.value(j.output), str(j.expected), plan.value(j.envelope),
-                         str(j.ttl_s), plan.value(FIELD), plan.value(BRANCH)])  # fmt: skip
+        where = [plan.key(j.key), plan.key(j.stream), plan.value(j.branch)]
+        arrival = [plan.value(j.output), str(j.expected), plan.value(j.envelope), str(j.ttl_s)]
+        commands.append(["JOIN", *where, *arrival, plan.value(FIELD), plan.value(BRANCH)])
     return commands

@@ -22,6 +22,7 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
 from pipelines.keys import GROUP
+from pipelines.records import DeadLetter
 from pipelines.redisio import REDIS_DOWN, group_missing, text
 
 logger = logging.getLogger(__name__)
@@ -193,5 +194,5 @@ def letter(
     """A dead-letter entry: the original fields (envelope untouched, so it can be
     replayed) plus where it came from, how often it was delivered, and why it stopped."""
     out: dict[FieldT, EncodableT] = {k: v for k, v in fields.items()}
-    out.update({b"dlq:entry": entry_id, b"dlq:deliveries": deliveries, b"dlq:error": error})
+    out.update(DeadLetter(entry_id, deliveries, error).fields())
     return out

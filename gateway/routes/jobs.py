@@ -11,6 +11,7 @@ from gateway.responses import JobAccepted, JobView, declared
 from gateway.routes import BODY_ERRORS, Timeout, Trace, json_response
 from gateway.service import Gateway
 from pipelines.graph import Pipeline
+from pipelines.records import QUEUED, JobField
 
 
 def add_job_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
@@ -47,7 +48,7 @@ def _add_submit_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[
         owner = principal(http.scope)
         request = await gw.enqueue(pipeline, data, budget, trace, job=True, owner=owner)
         location = f"/v1/jobs/{request.id}"
-        body = {"id": request.id, "status": "queued", "url": location}
+        body = {JobField.ID: request.id, JobField.STATUS: QUEUED, "url": location}
         return json_response(body, 202, {"Location": location, "X-Request-Id": request.id})
 
     submit.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]

@@ -14,8 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from gateway.responses import declared, validation_issues
-from gateway.routes import BODY_ERRORS, Timeout, Trace
-from gateway.routes import json_response as _json
+from gateway.routes import BODY_ERRORS, Timeout, Trace, json_response
 from gateway.service import Gateway
 from pipelines.envelope import Reply, new_request_id
 from pipelines.errors import DeadlineExceeded, ItemFailed
@@ -39,12 +38,12 @@ def add_pipeline_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
 def reply_response(reply: Reply, request_id: str) -> Response:
     """The HTTP response for a request's final reply (errors raise, mapped in one place)."""
     if reply.outcome == "ok":
-        return _json(reply.result, 200, {"X-Request-Id": request_id})
+        return json_response(reply.result, 200, {"X-Request-Id": request_id})
     if reply.outcome == "expired":
         raise DeadlineExceeded("deadline passed before the request finished", request_id=request_id)
     raise ItemFailed(
         f"step {reply.stage!r} failed: {reply.error}",
-        status=reply.status,
+        status=reply.http_status,
         request_id=request_id,
         retry_after=reply.retry_after,
     )
@@ -91,7 +90,7 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
             payload = pipeline.input_model.model_validate({field: kwargs[field]})
         except ValidationError as exc:
             issues = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]
-            return _json({"detail": validation_issues(issues)}, 422)
+            return json_response({"detail": validation_issues(issues)}, 422)
         return await run(payload, kwargs["timeout_s"], kwargs["trace"])
 
     # The query parameter is named after the model's field (``text``, ``search_term``).
@@ -179,8 +178,7 @@ async def _sse_events(
                 yield _sse("done", reply.result)
                 return
             else:
-                status = 504 if reply.outcome == "expired" else reply.status
-                yield _sse("error", {"detail": reply.error, "status": status})
+                yield _sse("error", {"detail": reply.error, "status": reply.http_status})
                 return
     finally:
         gw.replies.forget(request_id)

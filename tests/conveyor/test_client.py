@@ -223,6 +223,18 @@ async def test_a_failed_job_raises_its_status_and_error(harness: Harness) -> Non
     assert failed.value.request_id == job_id
 
 
+async def test_an_expired_job_raises_the_status_its_record_holds(harness: Harness) -> None:
+    base = await harness.http_server([number_stage()])  # no worker: the job never runs
+    async with AsyncClient(base) as client:
+        job_id = await client.submit("double", {"value": 1}, timeout=0.2)
+        with pytest.raises(ConveyorHTTPError) as expired:
+            await client.wait(job_id, timeout=10, poll_s=0.05)
+        record = await client.job(job_id)
+    assert expired.value.status == record["http_status"] == 504
+    assert str(expired.value.detail) == record["error"]
+    assert expired.value.request_id == job_id
+
+
 async def test_stream_tokens_add_up_to_the_final_result(harness: Harness) -> None:
     stage = BUILTIN["generate"]
     worker = harness.worker(stage, device="cpu", batch_wait_ms=0)

@@ -6,6 +6,7 @@ import httpx
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
+from pipelines.records import DONE, QUEUED, JobField
 from pipelines.redisio import text
 from tests.helpers import Doubler, Harness, number_stage, until
 
@@ -79,7 +80,8 @@ async def test_a_record_without_an_owner_is_nobodys(
 ) -> None:
     # e.g. a worker's late result recreating a record that had expired
     http = await harness.gateway([number_stage()])
-    await redis.hset(harness.keys.job("orphan"), mapping={"status": "done", "result": "1"})
+    late: dict[FieldT, EncodableT] = {JobField.STATUS: DONE, JobField.RESULT: "1"}
+    await redis.hset(harness.keys.job("orphan"), mapping=late)
     resp = await http.get("/v1/jobs/orphan")
     assert resp.status_code == 404, resp.text
 
@@ -90,8 +92,11 @@ async def test_a_job_written_before_owners_stays_readable(
     # A record from before jobs had owners (it lives job_ttl_s): readable as it was, so a
     # deploy does not strand the jobs in flight.
     http = await harness.gateway([number_stage()], api_keys=["k1"])
-    record: dict[FieldT, EncodableT] = {"status": "queued", "pipeline": "double",
-                                        "deadline": "9999999999"}  # fmt: skip
+    record: dict[FieldT, EncodableT] = {
+        JobField.STATUS: QUEUED,
+        JobField.PIPELINE: "double",
+        JobField.DEADLINE: "9999999999",
+    }
     await redis.hset(harness.keys.job("legacy"), mapping=record)
     resp = await http.get("/v1/jobs/legacy", headers={"X-API-Key": "k1"})
     assert resp.status_code == 200, resp.text

@@ -58,9 +58,16 @@ def deep(depth: int, leaf: Any) -> Any:
 
 
 def envelope(payload: dict[str, Any]) -> Request:
-    return Request(id="r", pipeline="p", stage="s", step="s", payload=payload,
-                   state={"input": payload, "previous": payload}, deadline=1.0,
-                   reply_to="reply")  # fmt: skip
+    return Request(
+        id="r",
+        pipeline="p",
+        stage="s",
+        step="s",
+        payload=payload,
+        state={"input": payload, "previous": payload},
+        deadline=1.0,
+        reply_to="reply",
+    )
 
 
 def same(a: Any, b: Any) -> bool:
@@ -130,3 +137,12 @@ def test_a_newer_envelope_with_added_fields_still_decodes() -> None:
     newer = orjson.loads(dumps(envelope({"x": 1}))) | {"v": 2}
     with pytest.raises(EnvelopeError):  # an incompatible version is refused
         decode_request({FIELD: orjson.dumps(newer)})
+
+
+def test_a_reply_answers_with_the_status_its_outcome_maps_to() -> None:
+    # The one mapping the sync route, the SSE error event and a job's record all use.
+    assert Reply(id="r", stage="s", outcome="ok", result={}).http_status == 200
+    assert Reply(id="r", stage="s", outcome="error", error="x", status=422).http_status == 422
+    assert Reply(id="r", stage="s", outcome="expired", error="late").http_status == 504
+    assert Reply(id="r", stage="s", outcome="ok", status=500).http_status == 200
+    assert "http_status" not in orjson.loads(dumps(Reply(id="r", stage="s", outcome="ok")))

@@ -7,7 +7,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from pipelines.envelope import Reply
-from pipelines.keys import GROUP
+from pipelines.keys import GROUP, Keys
+from pipelines.records import DONE, EXPIRED, FAILED, JobRecord
 from pipelines.redisio import ensure_group
 from tests.helpers import Harness
 from workers.publish import publish
@@ -18,8 +19,10 @@ def outbox(harness: Harness, ids: list[str], outcome: str = "ok") -> Outbox:
     """One answered request per id, each under its done marker."""
     out = Outbox()
     for rid in ids:
-        reply = Reply(id=rid, stage="s", outcome="ok", result={"v": 1}) if outcome == "ok" else (
-            Reply(id=rid, stage="s", outcome="error", error="boom", status=500))  # fmt: skip
+        if outcome == "ok":
+            reply = Reply(id=rid, stage="s", outcome="ok", result={"v": 1})
+        else:
+            reply = Reply(id=rid, stage="s", outcome="error", error="boom", status=500)
         effects = Effects(marker_ttl_s=60, replies=[(harness.keys.reply_stream("t"), reply)])
         out.effects[harness.keys.done(rid, "s")] = effects
     return out
@@ -33,28 +36,55 @@ async def read_batch(redis: aioredis.Redis, stream: str, n: int) -> list[bytes]:
     return [eid for eid, _ in read[0][1]]
 
 
+async def publish_batch(
+    redis: aioredis.Redis,
+    keys: Keys,
+    out: Outbox,
+    ids: list[bytes],
+    token: str,
+    model_items: int,
+    **extra: Any,
+) -> int:
+    """Publish ``out`` as one batch of stage ``s`` over the entries ``ids`` (acked), the
+    model having run ``model_items``; ``extra``: more of publish()'s arguments."""
+    return await publish(
+        redis,
+        out,
+        stream=keys.stage_stream("s"),
+        entry_ids=ids,
+        stats_key=keys.stage_stats("s"),
+        stats={"batches": 1, "model_items": model_items},
+        reply_maxlen=100,
+        reply_ttl_s=60,
+        token_key=keys.publish_token(token),
+        **extra,
+    )
+
+
 async def test_a_repeated_call_is_a_complete_no_op(harness: Harness, redis: aioredis.Redis) -> None:
     # A call Redis ran but whose answer was lost is retried: nothing may happen twice,
     # not even what no done marker guards (batch stats, dead letters).
     keys = harness.keys
-    stream, stats = keys.stage_stream("s"), keys.stage_stats("s")
-    ids = await read_batch(redis, stream, 3)
-    token = keys.publish_token("once")
+    ids = await read_batch(redis, keys.stage_stream("s"), 3)
     out = outbox(harness, ["a", "b"])
     for _ in range(2):
-        skipped = await publish(
-            redis, out, stream=stream, entry_ids=ids, stats_key=stats,
-            stats={"batches": 1, "model_items": 2}, reply_maxlen=100, reply_ttl_s=60,
-            token_key=token, dead_letters=[(keys.dead_letters("s"), {"why": "test"})],
+        skipped = await publish_batch(
+            redis,
+            keys,
+            out,
+            ids,
+            "once",
+            2,
+            dead_letters=[(keys.dead_letters("s"), {"why": "test"})],
             dropped=[keys.dropped("s", ids[2].decode())],
-        )  # fmt: skip
+        )
         assert skipped == 0  # the repeat answers what the first call answered
     assert await redis.xlen(keys.reply_stream("t")) == 2
     assert await redis.xlen(keys.dead_letters("s")) == 1
     got = await harness.stats("s")
-    assert {k: got[k] for k in ("batches", "model_items", "items:ok", "items:error")} == {
-        "batches": 1, "model_items": 2, "items:ok": 2, "items:error": 1}  # fmt: skip
-    assert 0 < await redis.ttl(token) <= 300
+    counted = ("batches", "model_items", "items:ok", "items:error")
+    assert {k: got[k] for k in counted} == dict(zip(counted, (1, 2, 2, 1), strict=True))
+    assert 0 < await redis.ttl(keys.publish_token("once")) <= 300
 
 
 async def test_outcomes_are_counted_once_per_request_answered(
@@ -63,17 +93,35 @@ async def test_outcomes_are_counted_once_per_request_answered(
     # Two workers ran the same entries (one stalled, the other reclaimed them): each
     # request is answered and counted once; the work itself is counted twice.
     keys = harness.keys
-    stream, stats = keys.stage_stream("s"), keys.stage_stats("s")
-    ids = await read_batch(redis, stream, 3)
+    ids = await read_batch(redis, keys.stage_stream("s"), 3)
     for worker in ("first", "second"):
         out = outbox(harness, ["a", "b"])
         out.effects.update(outbox(harness, ["c"], outcome="error").effects)
-        await publish(
-            redis, out, stream=stream, entry_ids=ids, stats_key=stats,
-            stats={"batches": 1, "model_items": 3}, reply_maxlen=100, reply_ttl_s=60,
-            token_key=keys.publish_token(worker),
-        )  # fmt: skip
+        await publish_batch(redis, keys, out, ids, worker, 3)
     got = await harness.stats("s")
     assert (got["items:ok"], got["items:error"]) == (2, 1)  # 4 and 2 before
     assert (got["batches"], got["model_items"]) == (2, 6)
     assert await redis.xlen(keys.reply_stream("t")) == 3
+
+
+async def test_a_jobs_reply_finishes_its_record(harness: Harness, redis: aioredis.Redis) -> None:
+    # A reply addressed to a job is stored in its record (kept job_ttl_s), not streamed,
+    # with the status the synchronous call would have answered.
+    keys = harness.keys
+    ids = await read_batch(redis, keys.stage_stream("s"), 3)
+    replies = {
+        "ok": Reply(id="ok", stage="s", outcome="ok", result={"v": 1}),
+        "failed": Reply(id="failed", stage="s", outcome="error", error="boom", status=422),
+        "expired": Reply(id="expired", stage="s", outcome="expired", error="late", status=504),
+    }
+    out = Outbox()
+    for rid, reply in replies.items():
+        effects = Effects(marker_ttl_s=60, replies=[(keys.job(rid), reply)])
+        out.effects[keys.done(rid, "s")] = effects
+    await publish_batch(redis, keys, out, ids, "jobs", 3, job_prefix=keys.job_prefix, job_ttl_s=90)
+    records = {rid: JobRecord.parse(await redis.hgetall(keys.job(rid))) for rid in replies}
+    assert records["ok"] == JobRecord(status=DONE, result='{"v":1}', http_status=200)
+    assert records["failed"] == JobRecord(status=FAILED, error="boom", http_status=422)
+    assert records["expired"] == JobRecord(status=EXPIRED, error="late", http_status=504)
+    assert 0 < await redis.ttl(keys.job("ok")) <= 90
+    assert await redis.exists(keys.reply_stream("t")) == 0

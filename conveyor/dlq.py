@@ -1,0 +1,136 @@
+"""``conveyor dlq``: a stage's dead letters listed, replayed or purged.
+
+A dead letter (see :class:`~pipelines.records.DeadLetter`) keeps its request's envelope
+untouched, so a replay sends the same request back to its stage with a fresh deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+
+from pipelines.envelope import decode_request
+from pipelines.errors import ConfigError, EnvelopeError
+from pipelines.records import DeadLetter
+from pipelines.redisio import RedisClock, connect, enqueue, text
+from pipelines.registry import load_registry
+from pipelines.settings import CommonSettings
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+_STREAM_ID = re.compile(r"^[0-9]+(-[0-9]+)?$")
+
+
+def stream_id(raw: str | None) -> str | None:
+    """``--id``, checked before Redis sees it: a stream entry id (``<ms>-<seq>`` or
+    ``<ms>``), as ``dlq list`` prints them."""
+    if raw is not None and not _STREAM_ID.match(raw):
+        raise ConfigError(
+            f"--id {raw!r} is not a stream entry id (<ms>-<seq>, as `conveyor dlq list` "
+            "prints them)"
+        )
+    return raw
+
+
+async def dlq_command(action: str, stage: str, entry_id: str | None, timeout_s: float) -> int:
+    """Run ``conveyor dlq ACTION STAGE``; returns the exit status.
+
+    Args:
+        action: ``list``, ``replay`` or ``purge``.
+        stage: the stage whose dead letters these are.
+        entry_id: only this dead letter (``--id``), else all of them.
+        timeout_s: a replayed request's deadline, seconds from now.
+    """
+    entry_id = stream_id(entry_id)
+    settings = CommonSettings()
+    client = connect(settings)
+    dlq = settings.keys.dead_letters(stage)
+    try:
+        raw = await client.xrange(dlq, min=entry_id or "-", max=entry_id or "+") or []
+        entries: list[Entry] = cast(list[Any], raw)
+        if action == "list":
+            _list(dlq, entries)
+        elif action == "replay":
+            await _replay(client, settings, stage, entries, timeout_s)
+        else:
+            removed = await client.xdel(dlq, *[eid for eid, _ in entries]) if entries else 0
+            print(f"purged {removed} dead letter(s) from {dlq}")
+    finally:
+        await client.aclose()
+    return 0
+
+
+def _list(dlq: str, entries: list[Entry]) -> None:
+    for eid, fields in entries:
+        letter = DeadLetter.parse(fields)
+        try:
+            req = decode_request(fields)
+            what = f"request {req.id} pipeline {req.pipeline} step {req.step}"
+        except EnvelopeError as exc:
+            what = f"undecodable entry ({exc})"
+        print(f"{text(eid)}  {what}  deliveries={letter.deliveries}  {letter.error or ''}")
+    print(f"{len(entries)} dead letter(s) in {dlq}")
+
+
+async def _replay(
+    client: aioredis.Redis,
+    settings: CommonSettings,
+    stage: str,
+    entries: list[Entry],
+    timeout_s: float,
+) -> None:
+    keys = settings.keys
+    dlq = keys.dead_letters(stage)
+    clock = RedisClock()
+    await clock.calibrate(client)
+    replayed = 0
+    skipped: list[str] = []
+    branches: list[str] = []
+    registry = load_registry(settings.app, settings.pipelines)
+    for eid, fields in entries:
+        try:
+            req = decode_request(fields)
+        except EnvelopeError:  # nothing to run: left where it is, reported below
+            skipped.append(text(eid))
+            continue
+        pipeline = registry.pipelines.get(req.pipeline)
+        if (
+            pipeline is not None
+            and req.step in pipeline.by_name
+            and (pipeline.branch_end(req.step) is not None)
+        ):
+            # Its join was marked failed when it was dead-lettered and never fires:
+            # run alone, it would answer nothing. The request must be sent again.
+            branches.append(text(eid))
+            continue
+        again = req.model_copy(
+            update={
+                "attempt": req.attempt + 1,
+                "deadline": clock.now() + timeout_s,
+                "enqueue_by": None,
+            }
+        )
+        pipe = client.pipeline(transaction=True)
+        enqueue(pipe, keys, again)
+        pipe.xdel(dlq, eid)
+        # Dead-lettering published the request's error; a replay may publish again.
+        pipe.delete(keys.done(req.id, req.step))
+        await pipe.execute()
+        replayed += 1
+    print(f"replayed {replayed} dead letter(s) to {keys.stage_stream(stage)}")
+    if branches:
+        print(
+            f"conveyor: skipped {len(branches)} dead letter(s) of a join's branch, "
+            f"left in {dlq}: their join has failed, so they cannot complete alone; "
+            f"send those requests again: {', '.join(branches)}",
+            file=sys.stderr,
+        )
+    if skipped:
+        print(
+            f"conveyor: skipped {len(skipped)} undecodable dead letter(s), left in "
+            f"{dlq} (`conveyor dlq list {stage}` shows why): {', '.join(skipped)}",
+            file=sys.stderr,
+        )

@@ -1,0 +1,203 @@
+"""The records gateway and workers both keep in Redis, each with its one schema.
+
+An async job's record is the hash at ``Keys.job(id)``. The gateway creates it with the
+job's request (:func:`create_job`), the worker that answers the request finishes it
+(:func:`job_finished`, written by the publish script), and the gateway reads it back
+(:meth:`JobRecord.parse`) and serves it as JSON (:meth:`JobRecord.view`), which is what
+conveyor's client reads. The hash's fields and the JSON's keys are the same names
+(:class:`JobField`), and so are the statuses (:data:`JobStatus`).
+
+A dead letter is an entry of ``Keys.dead_letters(stage)``: a stage entry's fields (the
+envelope untouched, so it can be replayed) plus what :class:`DeadLetter` adds: where it
+came from, how often it was delivered and why it stopped. A worker writes it,
+``conveyor dlq`` reads it.
+
+This module imports nothing heavy: conveyor's client (an SDK) reads the job JSON with it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
+
+import orjson
+
+from pipelines.errors import DeadlineExceeded
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+    from redis.typing import EncodableT, FieldT
+
+    from pipelines.envelope import Reply, Request
+
+JobStatus = Literal["queued", "done", "failed", "expired"]
+"""Where an async job is: ``queued`` until its request finishes, then ``done`` (with its
+result), ``failed`` or ``expired`` (with its error and HTTP status)."""
+QUEUED: Final = "queued"
+DONE: Final = "done"
+FAILED: Final = "failed"
+EXPIRED: Final = "expired"
+
+EXPIRED_ERROR = "deadline passed before the job finished"
+"""The error of a job still queued when its deadline passed (see :meth:`JobRecord.view`)."""
+
+
+class JobField:
+    """The names of a job record's fields: in its Redis hash, and as keys of the JSON the
+    gateway serves for it (``GET /v1/jobs/{id}``)."""
+
+    ID: Final = "id"
+    """JSON only: the job's id (the hash's key holds it)."""
+    STATUS: Final = "status"
+    """A :data:`JobStatus`."""
+    PIPELINE: Final = "pipeline"
+    """The pipeline the job was submitted to."""
+    OWNER: Final = "owner"
+    """Hash only: who submitted it (the API key's identity), the only one who may read it."""
+    DEADLINE: Final = "deadline"
+    """Hash only: when it expires unless finished (Redis clock, seconds since the epoch)."""
+    RESULT: Final = "result"
+    """Once done: the result (JSON text in the hash)."""
+    ERROR: Final = "error"
+    """Once failed or expired: a client-safe message."""
+    HTTP_STATUS: Final = "http_status"
+    """Once finished: the status the synchronous call would have answered."""
+
+
+def create_job(pipe: aioredis.Redis, request: Request, owner: str, ttl_s: int) -> None:
+    """Queue on ``pipe`` the commands that create the record of the job ``request`` runs
+    (at its ``reply_to``), ``queued``; ``pipe`` is a MULTI that also enqueues the request,
+    so a job id handed out always exists.
+
+    The status is set only where there is none: a repeated write (a retry after a lost
+    answer) must not turn a job a worker has finished since back to queued.
+
+    Args:
+        pipe: the transaction to add the commands to.
+        request: the job's request.
+        owner: who submits the job (the API key's identity).
+        ttl_s: how long the record is kept.
+    """
+    created: dict[FieldT, EncodableT] = {
+        JobField.OWNER: owner,
+        JobField.PIPELINE: request.pipeline,
+        JobField.DEADLINE: repr(request.deadline),
+    }
+    pipe.hsetnx(request.reply_to, JobField.STATUS, QUEUED)
+    pipe.hset(request.reply_to, mapping=created)
+    pipe.expire(request.reply_to, ttl_s)
+
+
+def job_finished(reply: Reply) -> dict[FieldT, EncodableT]:
+    """A job record's fields once its request has finished with ``reply`` (set over the
+    fields :func:`create_job` wrote)."""
+    code = str(reply.http_status)
+    if reply.outcome == "ok":
+        result = orjson.dumps(reply.result).decode()
+        return {JobField.STATUS: DONE, JobField.RESULT: result, JobField.HTTP_STATUS: code}
+    status = EXPIRED if reply.outcome == "expired" else FAILED
+    return {JobField.STATUS: status, JobField.ERROR: reply.error or "", JobField.HTTP_STATUS: code}
+
+
+def _str(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job record as read back from its hash (:class:`JobField` says what each field
+    holds); a field never written is None."""
+
+    status: str | None = None
+    pipeline: str | None = None
+    owner: str | None = None
+    deadline: float | None = None
+    result: str | None = None
+    error: str | None = None
+    http_status: int | None = None
+
+    @classmethod
+    def parse(cls, raw: Mapping[Any, Any]) -> JobRecord:
+        """The record in ``raw`` (what HGETALL answers: empty when there is none)."""
+        fields = {_str(k): _str(v) for k, v in raw.items()}
+        deadline, code = fields.get(JobField.DEADLINE), fields.get(JobField.HTTP_STATUS)
+        return cls(
+            status=fields.get(JobField.STATUS),
+            pipeline=fields.get(JobField.PIPELINE),
+            owner=fields.get(JobField.OWNER),
+            deadline=None if deadline is None else float(deadline),
+            result=fields.get(JobField.RESULT),
+            error=fields.get(JobField.ERROR),
+            http_status=None if code is None else int(code),
+        )
+
+    def readable_by(self, owner: str) -> bool:
+        """Whether ``owner`` (an API key's identity) may read the job: only its owner may.
+
+        A record with a pipeline and no owner was written before jobs had owners: it stays
+        readable as it was (for at most its TTL). One with neither is a worker's late write
+        after the record expired: nobody's.
+        """
+        holder = self.owner
+        if holder is None:
+            holder = owner if self.pipeline is not None else ""
+        return hmac.compare_digest(holder.encode(), owner.encode())
+
+    def view(self, job_id: str, now: float) -> dict[str, Any]:
+        """The JSON served for the job at ``now`` (Redis clock): its status, and its result
+        or its error and HTTP status once finished. A job still queued past its deadline
+        is expired (504), as its synchronous call would have been answered."""
+        status, error, code = self.status, self.error, self.http_status
+        if status == QUEUED and self.deadline is not None and self.deadline < now:
+            status, error, code = EXPIRED, EXPIRED_ERROR, DeadlineExceeded.status
+        out: dict[str, Any] = {JobField.ID: job_id, JobField.PIPELINE: self.pipeline}
+        out[JobField.STATUS] = status
+        if status == DONE:
+            out[JobField.RESULT] = None if self.result is None else orjson.loads(self.result)
+        elif status != QUEUED:
+            out[JobField.ERROR] = error or ""
+            out[JobField.HTTP_STATUS] = 500 if code is None else code
+        return out
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """What a dead letter adds to its stage entry's fields; a field never written is None.
+
+    Attributes:
+        entry: the entry's id in its stage stream.
+        deliveries: how many times it was delivered.
+        error: why it stopped.
+    """
+
+    PREFIX: ClassVar[bytes] = b"dlq:"
+    """Every added field's name starts so; the entry's own fields never do."""
+    ENTRY: ClassVar[bytes] = PREFIX + b"entry"
+    DELIVERIES: ClassVar[bytes] = PREFIX + b"deliveries"
+    ERROR: ClassVar[bytes] = PREFIX + b"error"
+
+    entry: bytes | str | None = None
+    deliveries: int | None = None
+    error: str | None = None
+
+    def fields(self) -> dict[FieldT, EncodableT]:
+        """The fields to add to the entry's (those given)."""
+        named: dict[FieldT, EncodableT | None] = {
+            self.ENTRY: self.entry,
+            self.DELIVERIES: self.deliveries,
+            self.ERROR: self.error,
+        }
+        return {name: value for name, value in named.items() if value is not None}
+
+    @classmethod
+    def parse(cls, fields: Mapping[Any, Any]) -> DeadLetter:
+        """What the dead letter ``fields`` (as XRANGE answers them) say beyond the entry."""
+        deliveries = fields.get(cls.DELIVERIES)
+        error = fields.get(cls.ERROR)
+        return cls(
+            entry=fields.get(cls.ENTRY),
+            deliveries=None if deliveries is None else int(deliveries),
+            error=None if error is None else _str(error),
+        )
