@@ -1,10 +1,13 @@
-"""The batch contract: n items in, n results out, and a failing item fails alone."""
+"""The batch contract (n items in, n results out, a failing item fails alone) and the
+thread the model runs it in."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +16,15 @@ import orjson
 from pipelines.envelope import wire_problem
 from pipelines.errors import BatchContractError, InvalidInput
 from pipelines.model import Item, Model, Result, StreamingModel
+from pipelines.stages import Stage
+from workers.build import build_model
+from workers.settings import WorkerSettings
+
+Entry = tuple[bytes, dict[bytes, bytes]]
+"""A stream entry as redis-py reads it: its id and its fields."""
+
+Emit = Callable[[int, str], None]
+"""Streamed output from the model thread: row ``index`` now reads ``text``."""
 
 
 def contract(items: list[Item], results: object) -> list[Result | BaseException]:
@@ -43,7 +55,7 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
 
 
 def timed_run(
-    model: Model, items: list[Item], emit: Callable[[int, str], None] | None
+    model: Model, items: list[Item], emit: Emit | None
 ) -> tuple[list[Result | BaseException], float]:
     # Timed in the model thread, so time spent queued behind another batch is excluded.
     started = time.perf_counter()
@@ -57,6 +69,53 @@ def timed_run(
     if results is None:
         results = run_isolating(model, items)
     return results, time.perf_counter() - started
+
+
+class Runner:
+    """The stage's model and the one thread it runs in, a batch at a time.
+
+    Args:
+        stage: the stage served.
+        settings: the worker's settings (how its model is built).
+        model: an already-built model (tests, embedding); built by :meth:`load` if None.
+
+    Attributes:
+        busy: batches handed to the model thread and not yet finished.
+        last_run_s: the model time of the last batch.
+    """
+
+    def __init__(self, stage: Stage, settings: WorkerSettings, model: Model | None) -> None:
+        self.stage, self.settings, self.model = stage, settings, model
+        self.busy = 0
+        self.last_run_s = 0.0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{stage.name}")
+
+    async def load(self) -> None:
+        """Build the stage's model (in the model thread) unless there is one."""
+        if self.model is None:
+            loop = asyncio.get_running_loop()
+            args = (self.stage, self.settings)
+            self.model = await loop.run_in_executor(self._executor, build_model, *args)
+
+    async def run(
+        self, items: list[Item], emit: Emit | None
+    ) -> tuple[list[Result | BaseException], float]:
+        """Each item's result or error, and the model time (see :func:`timed_run`)."""
+        assert self.model is not None
+        self.busy += 1
+        try:
+            loop = asyncio.get_running_loop()
+            results, run_s = await loop.run_in_executor(
+                self._executor, timed_run, self.model, items, emit
+            )
+        finally:
+            self.busy -= 1
+        self.last_run_s = run_s
+        return results, run_s
+
+    def close(self) -> None:
+        """Let the model thread go (a batch still in it finishes on its own)."""
+        self._executor.shutdown(wait=False)
 
 
 @dataclass

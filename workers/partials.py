@@ -73,10 +73,15 @@ class Partials:
                     continue
                 self.sent[index] = len(text)
                 req = self.requests[index]
-                partial = Reply(id=req.id, stage=req.stage, outcome="partial",
-                                result={"text": delta}, trace_id=req.trace_id)  # fmt: skip
-                pipe.xadd(req.reply_to, encode(partial), maxlen=self.settings.reply_maxlen,
-                          approximate=True)  # fmt: skip
+                partial = Reply(
+                    id=req.id,
+                    stage=req.stage,
+                    outcome="partial",
+                    result={"text": delta},
+                    trace_id=req.trace_id,
+                )
+                maxlen = self.settings.reply_maxlen
+                pipe.xadd(req.reply_to, encode(partial), maxlen=maxlen, approximate=True)
             try:
                 await pipe.execute()
             except REDIS_DOWN as exc:

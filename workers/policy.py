@@ -63,11 +63,6 @@ class CostModel:
             return 0.0, self.snt / self.snn
         return a, b
 
-    def predict(self, n: int) -> float:
-        """Expected seconds to run a batch of ``n``."""
-        a, b = self.coefficients()
-        return a + b * n
-
 
 class ArrivalRate:
     """Items per second over the last ``horizon_s``, from arrival timestamps.

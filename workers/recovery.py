@@ -2,55 +2,52 @@
 cap, dead letters, and trimming a stream without losing anything.
 
 - A worker that dies leaves its entries pending; after ``min_idle_ms`` another worker
-  (or the same one, restarted) takes them with XAUTOCLAIM.
-- A worker still running a long batch touches its entries (XCLAIM JUSTID, only those it
-  still owns, atomically) so they never look idle: a slow worker is not robbed.
+  (or the same one, restarted) takes them with XAUTOCLAIM, one at a time, and runs each
+  alone (a "suspect": it may be what killed its worker). A worker restarted under a
+  stable consumer name first takes back its own pending.
+- A worker still running a long batch touches its entries so they never look idle: a
+  slow worker is not robbed (:mod:`workers.heartbeat`).
 - An entry delivered more than ``max_deliveries`` times goes to the stage's dead-letter
-  stream instead of running again; its client is told at once.
+  stream instead of running again; its client is told at once. So does an entry that
+  does not decode.
 - The stream is trimmed below the oldest entry still pending or not yet delivered, so
   trimming never deletes work.
+
+:class:`Recovery` does these for one worker; trimming and reclaiming are each due on
+their own interval (:class:`Every`), looked at before every read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
+from pipelines.envelope import decode_request, sender
+from pipelines.errors import EnvelopeError
 from pipelines.keys import GROUP
 from pipelines.records import DeadLetter
-from pipelines.redisio import REDIS_DOWN, group_missing, text
+from pipelines.redisio import REDIS_DOWN, RedisClock, group_missing, text
+from workers.batch import Entry
+from workers.heartbeat import Heartbeat
+from workers.route import Outbox, Router
+from workers.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
-Entry = tuple[bytes, dict[bytes, bytes]]
+Letter = tuple[str, dict[FieldT, EncodableT]]
+"""A dead letter to add: the stage's dead-letter stream and the entry (see :func:`letter`)."""
 
-TOUCH_SCRIPT = """
--- KEYS[1]: stream; ARGV[1]: group, ARGV[2]: consumer, ARGV[3..]: entry ids.
--- Resets the idle time of the entries this consumer still owns; never takes one back
--- from a worker that has reclaimed it meanwhile. Returns how many were touched.
-local touched = 0
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    touched = touched + 1
-  end
-end
-return touched
-"""
-
-
-async def touch(client: aioredis.Redis, stream: str, consumer: str, ids: Sequence[bytes]) -> int:
-    """Keep ``ids`` (those ``consumer`` still owns) from looking idle."""
-    if not ids:
-        return 0
-    touched = await client.eval(TOUCH_SCRIPT, 1, stream, GROUP, consumer, *ids)
-    return int(touched)
+Publish = Callable[[Outbox, list[bytes], Mapping[str, float], list[Letter]], Awaitable[None]]
+"""Publishes an outbox, acks entries, adds stats and dead letters in one call (the worker's)."""
 
 
 async def autoclaim(
@@ -74,9 +71,13 @@ async def deliveries(
         return {}
     ordered = sorted(ids, key=_id_key)
     rows = await client.xpending_range(
-        stream, GROUP, min=ordered[0], max=ordered[-1], count=len(ids) * 2 + 16,
+        stream,
+        GROUP,
+        min=ordered[0],
+        max=ordered[-1],
+        count=len(ids) * 2 + 16,
         consumername=consumer,
-    )  # fmt: skip
+    )
     wanted = set(ids)
     out: dict[bytes, int] = {}
     for row in rows:
@@ -116,78 +117,6 @@ async def trim(client: aioredis.Redis, stream: str) -> int:
     return int(deleted)
 
 
-class Heartbeat:
-    """Touches a batch's entries every ``interval_s`` while it runs (see :func:`touch`).
-
-    Nothing runs until the first interval has passed (most batches end well before), and
-    the touching loop is stopped by an event, never cancelled mid-command.
-
-    Args:
-        client: Redis client.
-        stream: the stage stream.
-        consumer: this worker's consumer name.
-        ids: the batch's entry ids.
-        interval_s: seconds between touches (well under the reclaim idle time).
-    """
-
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        stream: str,
-        consumer: str,
-        ids: Sequence[bytes],
-        interval_s: float,
-    ) -> None:
-        self.args = (client, stream, consumer, ids)
-        self.interval_s = interval_s
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._timer = asyncio.get_running_loop().call_later(interval_s, self._begin)
-
-    def _begin(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await touch(*self.args)
-            except REDIS_DOWN as exc:
-                logger.warning("could not refresh in-flight entries: %s", exc)
-            except ResponseError as exc:
-                if not group_missing(exc):
-                    raise
-                # The group is gone (Redis came back empty): nothing of ours is pending to
-                # keep; the batch still publishes, and the read loop re-creates the group.
-                logger.warning("could not refresh in-flight entries: %s", exc)
-                return
-            try:
-                await asyncio.wait_for(self._stop.wait(), self.interval_s)
-                return
-            except TimeoutError:
-                pass
-
-    async def stop(self) -> None:
-        """Stop touching and wait for the loop to end."""
-        self._timer.cancel()
-        self._stop.set()
-        if self._task is not None:
-            await self._task
-
-
-async def leave_group(client: aioredis.Redis, stream: str, consumer: str) -> bool:
-    """After a drain, remove ``consumer`` from the group if it holds nothing pending.
-
-    Returns:
-        Whether it was removed.
-    """
-    mine = await client.xpending_range(stream, GROUP, min="-", max="+", count=1,
-                                       consumername=consumer)  # fmt: skip
-    if mine:
-        return False
-    await client.xgroup_delconsumer(stream, GROUP, consumer)
-    return True
-
-
 def letter(
     entry_id: bytes, fields: dict[bytes, bytes], deliveries: int, error: str
 ) -> dict[FieldT, EncodableT]:
@@ -196,3 +125,175 @@ def letter(
     out: dict[FieldT, EncodableT] = {k: v for k, v in fields.items()}
     out.update(DeadLetter(entry_id, deliveries, error).fields())
     return out
+
+
+class Every:
+    """A duty due every ``interval_s`` seconds (monotonic clock), the first time at once.
+
+    Args:
+        interval_s: seconds between two turns (``math.inf``: once only).
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._next = 0.0
+
+    def due(self, now: float) -> bool:
+        """Whether the duty is due at ``now``; if so, it is next due an interval later."""
+        if now < self._next:
+            return False
+        self._next = now + self.interval_s
+        return True
+
+    def again(self) -> None:
+        """Due again at the next look, whatever the interval."""
+        self._next = 0.0
+
+
+class Recovery:
+    """One worker's recovery duties (see above), each on its own schedule.
+
+    Args:
+        client: Redis client.
+        stream: the stage stream.
+        consumer: this worker's consumer name.
+        settings: the worker's settings (idle time, intervals, delivery cap).
+        router: answers the callers of dead-lettered entries (and names the stage).
+        clock: the server's clock.
+        publish: publishes dead letters and their answers with their ack.
+
+    Attributes:
+        dead_lettered: entries this worker has dead-lettered past the delivery cap.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        stream: str,
+        consumer: str,
+        settings: WorkerSettings,
+        router: Router,
+        clock: RedisClock,
+        publish: Publish,
+    ) -> None:
+        self.client, self.stream, self.consumer = client, stream, consumer
+        self.settings = settings
+        self.router = router
+        self.clock = clock
+        self.publish = publish
+        self.dead_lettered = 0
+        # The schedule: when each duty is next due.
+        self._trim = Every(settings.trim_interval_s)
+        self._reclaim = Every(settings.reclaim_interval_ms / 1000)
+        self._own = Every(math.inf)  # this consumer's own pending: at the first reclaim only
+        self._suspects: deque[Entry] = deque()
+        self._no_suspect_running = asyncio.Event()
+        self._no_suspect_running.set()
+
+    async def next_suspect(self) -> Entry | None:
+        """Do the duties now due: trim; when no suspect is queued, reclaim (the first time,
+        take back this consumer's own pending first) and screen what came back. Then the
+        next suspect, to run alone (its end reported with :meth:`suspect_done`), or None:
+        read new entries."""
+        # Nothing new is taken while a suspect runs: if it kills this process, it takes no
+        # other entry with it. Recovery is serial, but it is rare.
+        await self._no_suspect_running.wait()
+        now = time.monotonic()
+        if self._trim.due(now):
+            await trim(self.client, self.stream)
+        if not self._suspects and self._reclaim.due(now):
+            if self._own.due(now):
+                await self._screen(await self._own_pending())
+            # One at a time: a claim counts as a delivery, so claiming a crashed batch
+            # whole would charge every innocent entry for the poison's next crash.
+            min_idle_ms = self.settings.min_idle_ms
+            claimed = await autoclaim(self.client, self.stream, self.consumer, min_idle_ms, 1)
+            if claimed:
+                self._reclaim.again()  # more may be waiting
+            await self._screen(claimed)
+        if not self._suspects:
+            return None
+        self._no_suspect_running.clear()
+        return self._suspects.popleft()
+
+    def suspect_done(self) -> None:
+        """The suspect's batch has ended: new entries may be taken again."""
+        self._no_suspect_running.set()
+
+    def heartbeat(self, ids: Sequence[bytes]) -> Heartbeat:
+        """Keeps a running batch's entries from being reclaimed until stopped."""
+        beat_s = self.settings.min_idle_ms / 3000  # well inside the idle time that reclaims
+        return Heartbeat(self.client, self.stream, self.consumer, ids, beat_s)
+
+    def unreadable(
+        self, out: Outbox, eid: bytes, fields: dict[bytes, bytes], exc: EnvelopeError
+    ) -> tuple[Letter, bool]:
+        """The dead letter of an entry that does not decode, answered in ``out`` if it
+        says who sent it; and whether it was answered."""
+        stage = self.router.stage
+        who = sender(fields)
+        message = (
+            f"stage {stage!r} could not decode this request ({exc}); it was "
+            f"dead-lettered: `conveyor dlq list {stage}`"
+        )
+        request = who.id if who else "unknown"
+        logger.error("stage %s: entry %r dead-lettered, request %s: %s", stage, eid, request, exc)
+        answered = who is not None and self.router.fail_unreadable(out, who, message)
+        return self._letter(eid, fields, 1, message), answered
+
+    async def leave(self) -> None:
+        """After a drain, leave the group if this consumer holds nothing pending."""
+        try:
+            mine = await self.client.xpending_range(
+                self.stream, GROUP, min="-", max="+", count=1, consumername=self.consumer
+            )
+            if not mine:
+                await self.client.xgroup_delconsumer(self.stream, GROUP, self.consumer)
+        except REDIS_DOWN as exc:
+            logger.warning("stage %s: could not leave the group: %s", self.router.stage, exc)
+        except ResponseError as exc:
+            if not group_missing(exc):  # no group: nothing to leave
+                raise
+
+    async def _own_pending(self) -> list[Entry]:
+        mine = await self.client.xreadgroup(GROUP, self.consumer, {self.stream: "0"}, count=10_000)
+        return [(e, f) for e, f in cast(list[Any], mine)[0][1] if f] if mine else []
+
+    async def _screen(self, entries: list[Entry]) -> None:
+        """Dead-letter entries past the delivery cap; queue the rest as suspects."""
+        if not entries:
+            return
+        ids = [e for e, _ in entries]
+        counts = await deliveries(self.client, self.stream, self.consumer, ids)
+        cap = self.settings.max_deliveries
+        over = [(eid, f) for eid, f in entries if counts.get(eid, 1) > cap]
+        self._suspects += [(eid, f) for eid, f in entries if counts.get(eid, 1) <= cap]
+        if over:
+            await self._dead_letter(over, counts)
+
+    async def _dead_letter(self, entries: list[Entry], counts: dict[bytes, int]) -> None:
+        stage = self.router.stage
+        out = Outbox()
+        now = self.clock.now()
+        letters: list[Letter] = []
+        for eid, fields in entries:
+            message = (
+                f"dead-lettered after {counts.get(eid)} deliveries (it may crash the worker); "
+                f"inspect with `conveyor dlq list {stage}`"
+            )
+            letters.append(self._letter(eid, fields, counts.get(eid, 0), message))
+            try:
+                req = decode_request(fields)
+            except EnvelopeError:
+                who = sender(fields)
+                if who is not None:
+                    self.router.fail_unreadable(out, who, message)
+                continue
+            self.router.fail(out, req, "error", message, status=500, now=now)
+            logger.error("stage %s: request %s dead-lettered: %s", stage, req.id, message)
+        ids = [eid for eid, _ in entries]
+        await self.publish(out, ids, {"dead_letters": len(entries)}, letters)
+        self.dead_lettered += len(entries)
+
+    def _letter(self, eid: bytes, fields: dict[bytes, bytes], times: int, error: str) -> Letter:
+        return self.router.keys.dead_letters(self.router.stage), letter(eid, fields, times, error)

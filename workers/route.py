@@ -13,6 +13,7 @@ sets it; a later one is counted at its stage and answers nothing.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,12 @@ from pipelines.envelope import Outcome, Reply, Request, Sender, dumps, wire_prob
 from pipelines.errors import RETRY_AFTER_MAX_S, ConveyorError, InvalidInput, http_status
 from pipelines.graph import End, Pipeline, Step
 from pipelines.keys import Keys
+from pipelines.model import Result
 from pipelines.registry import Registry
 from pipelines.settings import MAX_DEADLINE_S
+from workers.batch import checked
+
+logger = logging.getLogger(__name__)
 
 JOIN_GRACE_S = 60
 """Join state and "done" markers outlive the request's deadline by this much, then expire."""
@@ -133,23 +138,18 @@ class Router:
     ) -> None:
         """End the request with an error; a branch also marks its join as failed."""
         effects = self._effects(out, req, now)
-        effects.replies.append(
-            (
-                req.reply_to,
-                Reply(
-                    id=req.id,
-                    stage=self.stage,
-                    outcome=outcome,
-                    error=message,
-                    status=status,
-                    # Finite (an infinite one would travel as null: no Retry-After at all).
-                    retry_after=None
-                    if retry_after is None
-                    else min(retry_after, RETRY_AFTER_MAX_S),
-                    trace_id=req.trace_id,
-                ),
-            )
+        # Finite (an infinite one would travel as null: no Retry-After at all).
+        bounded = None if retry_after is None else min(retry_after, RETRY_AFTER_MAX_S)
+        reply = Reply(
+            id=req.id,
+            stage=self.stage,
+            outcome=outcome,
+            error=message,
+            status=status,
+            retry_after=bounded,
+            trace_id=req.trace_id,
         )
+        effects.replies.append((req.reply_to, reply))
         try:
             pipeline, step = self.locate(req)
         except ConveyorError:
@@ -169,8 +169,14 @@ class Router:
             return False
         marker = self.keys.done(who.id, who.step)
         effects = out.effects.setdefault(marker, Effects(marker_ttl_s=JOIN_GRACE_S))
-        reply = Reply(id=who.id, stage=self.stage, outcome="error", error=message, status=500,
-                      trace_id=who.trace_id)  # fmt: skip
+        reply = Reply(
+            id=who.id,
+            stage=self.stage,
+            outcome="error",
+            error=message,
+            status=500,
+            trace_id=who.trace_id,
+        )
         effects.replies.append((who.reply_to, reply))
         return True
 
@@ -181,9 +187,25 @@ class Router:
         if now <= req.deadline:
             return False
         if now <= req.deadline + LATE_S:
-            self.fail(out, req, "expired", "deadline passed while the step ran", status=504,
-                      now=now)  # fmt: skip
+            self.fail(
+                out, req, "expired", "deadline passed while the step ran", status=504, now=now
+            )
         return True
+
+    def finish(self, out: Outbox, req: Request, result: Result | BaseException, now: float) -> None:
+        """End ``req``'s step with the model's ``result``: expired if it came late, its
+        error if it failed or cannot be sent (:func:`workers.batch.checked`), else on."""
+        if self.late(out, req, now):
+            return
+        result = checked(result)
+        if isinstance(result, BaseException):
+            why = client_message(result)
+            logger.warning(
+                "stage %s: request %s (trace %s) failed: %s", self.stage, req.id, req.trace_id, why
+            )
+            self.fail_with(out, req, result, now)
+        else:
+            self.succeed(out, req, result, now)
 
     def fail_with(self, out: Outbox, req: Request, exc: BaseException, now: float) -> None:
         """End the request with the error ``exc`` raised while running its step."""
@@ -193,7 +215,7 @@ class Router:
             "error",
             client_message(exc),
             status=http_status(exc),
-            retry_after=getattr(exc, "retry_after", None),
+            retry_after=exc.retry_after if isinstance(exc, ConveyorError) else None,
             now=now,
         )
 
@@ -241,8 +263,13 @@ class Router:
         self, req: Request, step: Step, payload: dict[str, Any], ctx: dict[str, Any]
     ) -> Request:
         # enqueue_by bounds the gateway's own write only; a hand-over is never late.
-        update = {"stage": step.stage.name, "step": step.name, "payload": payload,
-                  "state": ctx, "enqueue_by": None}  # fmt: skip
+        update = {
+            "stage": step.stage.name,
+            "step": step.name,
+            "payload": payload,
+            "state": ctx,
+            "enqueue_by": None,
+        }
         return req.model_copy(update=update)
 
     def _arrive(

@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def spawn_worker(stage: str, **env: str) -> subprocess.Popen[bytes]:
     """A real worker process serving ``stage`` of tests/faultapp.py."""
-    full = dict(os.environ) | {"CONVEYOR_APP": "tests.faultapp:pipelines",
-                               "PYTHONPATH": str(REPO)} | env  # fmt: skip
+    app = {"CONVEYOR_APP": "tests.faultapp:pipelines", "PYTHONPATH": str(REPO)}
+    full = {**os.environ, **app, **env}
     return subprocess.Popen([sys.executable, "-m", "workers", stage], env=full, cwd=REPO)
 
 
@@ -97,8 +97,12 @@ async def test_poison_is_dead_lettered_while_good_requests_succeed(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
     http = await harness.gateway([CRASHY])
-    env = {"CONVEYOR_MIN_IDLE_MS": "300", "CONVEYOR_RECLAIM_INTERVAL_MS": "50",
-           "CONVEYOR_MAX_DELIVERIES": "2", "CONVEYOR_BLOCK_MS": "100"}  # fmt: skip
+    env = {
+        "CONVEYOR_MIN_IDLE_MS": "300",
+        "CONVEYOR_RECLAIM_INTERVAL_MS": "50",
+        "CONVEYOR_MAX_DELIVERIES": "2",
+        "CONVEYOR_BLOCK_MS": "100",
+    }
     stopping = asyncio.Event()
     starts = 0
 
@@ -148,10 +152,15 @@ async def test_step_run_twice_reaches_the_next_stage_once(
 ) -> None:
     registry = Registry(builtin_pipelines()).select(["chain"])
     request = Request(
-        id="twice", pipeline="chain", stage="adder", step="add", payload={"value": 1},
-        state={"input": {"value": 1}}, deadline=time.time() + 60,
+        id="twice",
+        pipeline="chain",
+        stage="adder",
+        step="add",
+        payload={"value": 1},
+        state={"input": {"value": 1}},
+        deadline=time.time() + 60,
         reply_to=harness.keys.reply_stream("test"),
-    )  # fmt: skip
+    )
     await redis.xadd(harness.keys.stage_stream("adder"), encode(request))
     gated = GatedAdder()
     first = harness.worker(ADDER, gated, registry, min_idle_ms=600_000)
@@ -243,8 +252,9 @@ async def test_dlq_cli_lists_replays_and_purges(harness: Harness, redis: aioredi
     dlq = harness.keys.dead_letters("double")
     stream = harness.keys.stage_stream("double")
     sent = await harness.enqueue("double", [{"value": 1}, {"value": 2}])
-    worker = harness.worker(stage, Doubler(), max_deliveries=1, min_idle_ms=10,
-                            reclaim_interval_ms=10)  # fmt: skip
+    worker = harness.worker(
+        stage, Doubler(), max_deliveries=1, min_idle_ms=10, reclaim_interval_ms=10
+    )
     await worker.start()
     await redis.xreadgroup(GROUP, "crashed-worker", {stream: ">"})  # a worker that died
     await until(lambda: _claimed_and_lettered(worker, 2))
@@ -253,8 +263,9 @@ async def test_dlq_cli_lists_replays_and_purges(harness: Harness, redis: aioredi
 
     def cli(*args: str) -> str:
         conveyor = str(Path(sys.executable).with_name("conveyor"))
-        done = subprocess.run([conveyor, *args], env=env,
-                              capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        done = subprocess.run(
+            [conveyor, *args], env=env, capture_output=True, text=True, timeout=30, check=True
+        )
         return done.stdout
 
     listing = cli("dlq", "list", "double")
@@ -273,7 +284,7 @@ async def test_dlq_cli_lists_replays_and_purges(harness: Harness, redis: aioredi
 async def _claimed_and_lettered(worker: Any, n: int) -> bool:
     # drive the worker one batch at a time until it has dead-lettered n entries
     await worker.run(max_batches=1, burst=True)
-    return bool(worker.dead_lettered >= n)
+    return bool(worker.recovery.dead_lettered >= n)
 
 
 async def test_trimming_never_deletes_pending_or_undelivered_work(

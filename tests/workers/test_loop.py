@@ -91,8 +91,9 @@ async def test_worker_outlives_a_redis_restart_that_lost_its_group(
     keys = Keys(namespace)
     # One batch at a time, so the read loop cannot re-create the group under a running
     # batch; heartbeats every 100 ms.
-    settings = WorkerSettings(redis_url=url, namespace=namespace, block_ms=100,
-                              min_idle_ms=300, max_concurrent_batches=1)  # fmt: skip
+    settings = WorkerSettings(
+        redis_url=url, namespace=namespace, block_ms=100, min_idle_ms=300, max_concurrent_batches=1
+    )
     model = Gated()
     if when == "idle":
         model.gate.set()
@@ -101,9 +102,16 @@ async def test_worker_outlives_a_redis_restart_that_lost_its_group(
     reply_stream = keys.reply_stream("test")
 
     async def send(value: int) -> None:
-        request = Request(id=f"r{value}", pipeline="double", stage="double", step="double",
-                          payload={"value": value}, state={"input": {"value": value}},
-                          deadline=time.time() + 60, reply_to=reply_stream)  # fmt: skip
+        request = Request(
+            id=f"r{value}",
+            pipeline="double",
+            stage="double",
+            step="double",
+            payload={"value": value},
+            state={"input": {"value": value}},
+            deadline=time.time() + 60,
+            reply_to=reply_stream,
+        )
         await client.xadd(keys.stage_stream("double"), encode(request))
 
     async def answered(n: int) -> bool:

@@ -1,0 +1,116 @@
+"""What a batch runs: its entries decoded, and each request admitted or ended at once.
+
+An entry that does not decode is dead-lettered and its caller told; one written after its
+gateway refused it is dropped; the same request twice in one batch runs once; a request
+past its deadline, or whose input is invalid, is answered without running. What is left
+are the batch's live items, in entry order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from pipelines.envelope import Request, decode_request
+from pipelines.errors import EnvelopeError
+from pipelines.model import Item, Result
+from pipelines.redisio import entry_ms
+from pipelines.stages import Stage
+from workers.batch import BatchRecord, Entry
+from workers.recovery import Letter, Recovery
+from workers.route import Outbox, Router
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """One batch on its way through the worker: its entries and what they became."""
+
+    entries: list[Entry]
+    record: BatchRecord
+    waits: list[float]  # each entry's time in the queue, in seconds
+    out: Outbox = field(default_factory=Outbox)
+    live: list[tuple[Request, Item]] = field(default_factory=list)  # what the model runs
+    results: list[Result | BaseException] = field(default_factory=list)  # the model's
+    letters: list[Letter] = field(default_factory=list)  # of the entries that did not decode
+    dropped: list[str] = field(default_factory=list)  # markers of those left unanswered
+
+
+class Intake:
+    """Opens batches for one stage.
+
+    Args:
+        stage: the stage served (its input model).
+        router: ends the requests that do not run.
+        recovery: dead-letters the entries that do not decode.
+    """
+
+    def __init__(self, stage: Stage, router: Router, recovery: Recovery) -> None:
+        self.stage = stage
+        self.router = router
+        self.recovery = recovery
+
+    def open(self, entries: list[Entry], now: float) -> Batch:
+        """The batch of ``entries``, closed at ``now``: its live items, and the outbox
+        entries of those that end here."""
+        keys = self.router.keys
+        record = BatchRecord(size=len(entries), oldest_ms=entry_ms(entries[0][0]), closed_at=now)
+        batch = Batch(entries, record, [max(0.0, now - entry_ms(e) / 1000.0) for e, _ in entries])
+        seen: set[str] = set()
+        for eid, fields in entries:
+            try:
+                req = decode_request(fields)
+            except EnvelopeError as exc:
+                # The gateway sends nothing a worker cannot decode (envelope.wire_problem):
+                # this entry is foreign, corrupted or from another version. Acknowledged so
+                # it cannot poison the stage, kept as a dead letter, and its caller told.
+                letter, answered = self.recovery.unreadable(batch.out, eid, fields, exc)
+                batch.letters.append(letter)
+                if not answered:  # an answered one counts its error with its reply
+                    batch.dropped.append(keys.dropped(self.stage.name, eid.decode()))
+                continue
+            if req.enqueue_by is not None and entry_ms(eid) / 1000 > req.enqueue_by:
+                # Written after its gateway gave up on the write (Redis stalled) and told
+                # the client 503: running it would answer a request the client may resend.
+                logger.warning(
+                    "stage %s: request %s arrived after its gateway refused it; dropped",
+                    self.stage.name,
+                    req.id,
+                )
+                continue
+            marker = keys.done(req.id, req.step)
+            if marker in seen:
+                # The same request twice in one batch (an enqueue retried after a lost
+                # answer): one run, one answer; the copy is only acknowledged.
+                continue
+            seen.add(marker)
+            record.request_ids.append(req.id)
+            record.trace_ids.append(req.trace_id)
+            item = self._admit(batch.out, req, now)
+            if item is not None:
+                batch.live.append((req, item))
+        return batch
+
+    def _admit(self, out: Outbox, req: Request, now: float) -> Item | None:
+        """The item to run for ``req``, or None when it ends here (expired, invalid)."""
+        if req.deadline <= now:
+            self.router.fail(
+                out, req, "expired", "deadline passed before the step ran", status=504, now=now
+            )
+            return None
+        try:
+            pipeline, step = self.router.locate(req)
+            payload = pipeline.input_of(step, req.state, None) if step.join else req.payload
+            item: Item = self.stage.input_model.model_validate(payload).model_dump(mode="json")
+        except ValidationError as exc:
+            where = f"step {req.step!r} of {req.pipeline!r}"
+            message = f"invalid input for {where}: {exc.error_count()} error(s)"
+            self.router.fail(out, req, "error", message, status=422, now=now)
+            return None
+        except Exception as exc:  # unknown pipeline/step, or a join's input function failed
+            self.router.fail_with(out, req, exc, now)
+            return None
+        return item

@@ -1,0 +1,96 @@
+"""The batch window: when the entries read so far go as one batch.
+
+A batch closes when it is full or when ``batch_wait_ms`` has passed since its *oldest*
+entry arrived (the stream id carries the arrival time); later arrivals never extend it.
+With adaptive batching it goes sooner when waiting would not pay (:mod:`workers.policy`).
+While an earlier batch holds the model, a batch past its window could not start anyway:
+it keeps taking arrivals, in short reads, until the model frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from pipelines.redisio import RedisClock, entry_ms
+from pipelines.stages import Stage
+from pipelines.stats import COST_A, COST_B
+from workers.batch import Entry, Runner
+from workers.policy import BatchPolicy
+from workers.settings import WorkerSettings
+
+Read = Callable[[int, int | None], Awaitable[list[Entry]]]
+"""Reads up to ``count`` new entries, blocking up to ``block_ms`` (None: not at all)."""
+
+
+class Window:
+    """Assembles batches for one stage.
+
+    Args:
+        stage: the stage served (its batch bounds, unless the settings override them).
+        settings: the worker's settings.
+        read: how new entries are read.
+        clock: the server's clock (arrival times are on it).
+        runner: the model thread (whether it is busy, how long a batch took).
+        stopping: set when the worker stops: a batch being assembled goes as it is.
+
+    Attributes:
+        max_batch: the most entries in one batch.
+        wait_s: the window, from the oldest entry's arrival.
+        policy: the adaptive policy (None: always wait out the window).
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        settings: WorkerSettings,
+        read: Read,
+        clock: RedisClock,
+        runner: Runner,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.max_batch = settings.max_batch_size or stage.max_batch_size
+        wait_ms = stage.batch_wait_ms if settings.batch_wait_ms is None else settings.batch_wait_ms
+        self.wait_s = wait_ms / 1000.0
+        self.policy = BatchPolicy(self.max_batch) if settings.adaptive_batching else None
+        self._read = read
+        self._clock = clock
+        self._runner = runner
+        self._stopping = stopping
+
+    async def assemble(self, block_ms: int | None) -> list[Entry]:
+        """The next batch; empty when nothing new came within ``block_ms``."""
+        entries = await self._take(self.max_batch, block_ms)
+        if not entries:
+            return []
+        close_at = entry_ms(entries[0][0]) / 1000.0 + self.wait_s
+        while len(entries) < self.max_batch and not self._stopping.is_set():
+            now = self._clock.now()
+            if self.policy and not self._runner.busy and self.policy.go_now(len(entries), now):
+                break  # waiting longer would not pay (see workers/policy.py)
+            remaining_ms = int((close_at - now) * 1000)
+            if remaining_ms < 1:
+                if not self._runner.busy:
+                    break
+                remaining_ms = max(1, min(20, int(self._runner.last_run_s * 250)))
+            entries += await self._take(self.max_batch - len(entries), remaining_ms)
+        return entries
+
+    def learn(self, items: int, run_s: float) -> None:
+        """A batch of ``items`` took ``run_s`` of model time."""
+        if self.policy is not None:
+            self.policy.cost.observe(items, run_s)
+
+    def gauges(self) -> dict[str, float] | None:
+        """The learned cost model, for the gateway's admission (see gateway/admission.py)."""
+        if self.policy is None or not self.policy.cost.known:
+            return None
+        a, b = self.policy.cost.coefficients()
+        return {COST_A: a, COST_B: b}
+
+    async def _take(self, count: int, block_ms: int | None) -> list[Entry]:
+        entries = await self._read(count, block_ms)
+        if self.policy is not None:
+            for eid, _ in entries:
+                self.policy.arrivals.observe(entry_ms(eid) / 1000.0)
+        return entries
