@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from pipelines.graph import Pipeline, single
 from pipelines.model import Item, Result
 from pipelines.stages import Stage
-from tests.helpers import NumberIn
+from tests.helpers import REPO, NumberIn
 
 
 class Sleepy:
@@ -43,3 +46,16 @@ SLOW = Stage("slow", NumberIn, "tests.faultapp:Sleepy", max_batch_size=32, batch
 CRASHY = Stage("crashy", NumberIn, "tests.faultapp:Crashy", max_batch_size=16, batch_wait_ms=300)
 
 pipelines: list[Pipeline] = [single(SLOW), single(CRASHY)]
+
+
+def spawn(module: str, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:
+    """A real ``python -m module ARGS`` serving this file's stages from this checkout, with
+    the test's environment plus ``env``; its output goes to ``log`` (appended) if given."""
+    full = dict(os.environ) | {"CONVEYOR_APP": "tests.faultapp:pipelines", "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", module, *args]
+    if log is None:
+        return subprocess.Popen(argv, env=full | env, cwd=REPO)
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            argv, env=full | env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+        )

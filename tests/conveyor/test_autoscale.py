@@ -32,10 +32,9 @@ from pipelines.errors import ConfigError
 from pipelines.keys import Keys
 from pipelines.settings import CommonSettings
 from pipelines.stats import StageStatus, stage_status
-from tests.helpers import Harness
+from tests.helpers import REPO, Harness
 from tests.scaleapp import SYNTHETIC
 
-REPO = Path(__file__).resolve().parents[2]
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 STAGE = SYNTHETIC.name  # batches of 8, each costing 0.1 s + 0.02 s per item
 

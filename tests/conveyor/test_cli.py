@@ -17,7 +17,7 @@ from conveyor.embedded import free_port
 from conveyor.supervisor import worker_groups
 from pipelines.builtin import builtin_pipelines
 from pipelines.registry import Registry
-from tests.helpers import wait_ready
+from tests.helpers import REPO, wait_ready
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 
@@ -110,7 +110,7 @@ def test_a_command_redis_refuses_is_one_line_not_a_traceback(
 
 
 def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Path) -> None:
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(repo)}
     graph = subprocess.run(

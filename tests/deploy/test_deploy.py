@@ -42,10 +42,10 @@ from gateway.settings import GatewaySettings
 from pipelines.keys import GROUP, Keys
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
-from tests.helpers import wait_ready
+from tests.helpers import REPO, wait_ready
 from workers.settings import WorkerSettings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 REDIS_DIR = DEPLOY / "redis"

@@ -42,9 +42,8 @@ from pipelines.envelope import decode_reply, decode_request
 from pipelines.keys import GROUP, Keys
 from pipelines.redisio import text
 from pipelines.stats import read_stats
-from tests.helpers import Doubler, Harness, number_stage
+from tests.helpers import REPO, Doubler, Harness, number_stage
 
-REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "conveyor-dashboard.json"
 
 SUBNET = "10.200.0."  # lives only inside the namespaces this test creates

@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port
 from pipelines.stats import BUCKETS
-from tests.helpers import Doubler, Harness, number_stage
+from tests.helpers import REPO, Doubler, Harness, number_stage
 
 CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+ARTIFACTS = REPO / "test-artifacts"
 
 
 async def test_status_json_counts_outcomes_and_shows_a_live_worker(

@@ -30,14 +30,9 @@ from pipelines.model import Item, Result
 from pipelines.settings import MAX_DEADLINE_S
 from pipelines.stages import GenerateIn, Stage
 from pipelines.stats import stage_status
-from tests.faultapp import SLOW
-from tests.helpers import Doubler, Harness, NumberIn, conveyor, number_stage, until
+from tests.faultapp import SLOW, spawn
+from tests.helpers import REPO, Doubler, Harness, NumberIn, conveyor, number_stage, until
 from workers.models.hf_text import Generator
-
-REPO = Path(__file__).resolve().parents[2]
-FAULT_APP_ENV = {"CONVEYOR_APP": "tests.faultapp:pipelines", "PYTHONPATH": str(REPO)}
-"""What a process needs to serve tests/faultapp.py's stages from this checkout."""
-
 
 # --------------------------------------------------------------------------------------
 # 1. A job whose result holds a numpy float kills the worker (and every request after it).
@@ -303,14 +298,6 @@ async def test_streamed_tokens_add_up_to_the_final_text(harness: Harness) -> Non
 # --------------------------------------------------------------------------------------
 
 
-def _spawn_worker(stage: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    """A real worker process serving ``stage`` of tests/faultapp.py, logging to ``log``."""
-    full = dict(os.environ) | FAULT_APP_ENV | env
-    with log.open("wb") as out:
-        argv = [sys.executable, "-m", "workers", stage]
-        return subprocess.Popen(argv, env=full, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-
-
 @pytest.mark.timeout(115)
 async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing(
     harness: Harness, redis: aioredis.Redis, tmp_path: Path
@@ -330,8 +317,12 @@ async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing
     # predict; a second worker reclaims and answers it; wait until the done marker
     # expires (~61 s); SIGCONT the first worker.
     (sent,) = await harness.enqueue("slow", [{"value": 21}], deadline_in=2)
-    stalled = _spawn_worker(
-        "slow", tmp_path / "w.log", CONVEYOR_TEST_DELAY_S="1.5", CONVEYOR_BLOCK_MS="100"
+    stalled = spawn(
+        "workers",
+        "slow",
+        log=tmp_path / "w.log",
+        CONVEYOR_TEST_DELAY_S="1.5",
+        CONVEYOR_BLOCK_MS="100",
     )
     replies = harness.keys.reply_stream("test")
     marker = harness.keys.done(sent.id, "slow")

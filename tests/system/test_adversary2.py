@@ -11,7 +11,6 @@ import contextlib
 import signal
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,9 +24,6 @@ from pipelines.redisio import entry_ms
 from pipelines.registry import Registry
 from pipelines.stats import stage_status
 from tests.helpers import Doubler, Harness, NumberIn, conveyor, number_stage, until
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 # --------------------------------------------------------------------------------------
 # enqueue_by: an accepted (202) job is silently dropped by the worker, never answered.

@@ -9,10 +9,8 @@ speed: "promptly" is proven by making the slow path (the reclaim) impossible.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -25,12 +23,8 @@ from pipelines.envelope import decode_reply
 from pipelines.keys import GROUP
 from pipelines.redisio import text
 from pipelines.stats import stage_status
-from tests.faultapp import SLOW
+from tests.faultapp import SLOW, spawn
 from tests.helpers import Doubler, Harness, number_stage, until, wait_ready
-
-REPO = Path(__file__).resolve().parents[2]
-FAULT_APP_ENV = {"CONVEYOR_APP": "tests.faultapp:pipelines", "PYTHONPATH": str(REPO)}
-"""What a process needs to serve tests/faultapp.py's stages from this checkout."""
 
 
 class Server:
@@ -82,15 +76,6 @@ async def admin(server: Server) -> AsyncIterator[aioredis.Redis]:
         yield client
     finally:
         await client.aclose()
-
-
-def spawn(module: str, *args: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    """A real process (``python -m module``) with the test's environment, logging to
-    ``log``; the stages are tests/faultapp.py's."""
-    full = dict(os.environ) | FAULT_APP_ENV | env
-    with log.open("ab") as out:
-        argv = [sys.executable, "-m", module, *args]
-        return subprocess.Popen(argv, env=full, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
 def slow_worker(workdir: Path, **env: str) -> subprocess.Popen[bytes]:

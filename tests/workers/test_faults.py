@@ -26,19 +26,10 @@ from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from pipelines.stats import stage_status
-from tests.faultapp import CRASHY, SLOW
+from tests.faultapp import CRASHY, SLOW, spawn
 from tests.helpers import Doubler, Harness, number_stage, until
 from workers.models.toy import Adder
 from workers.recovery import trim
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def spawn_worker(stage: str, **env: str) -> subprocess.Popen[bytes]:
-    """A real worker process serving ``stage`` of tests/faultapp.py."""
-    app = {"CONVEYOR_APP": "tests.faultapp:pipelines", "PYTHONPATH": str(REPO)}
-    full = {**os.environ, **app, **env}
-    return subprocess.Popen([sys.executable, "-m", "workers", stage], env=full, cwd=REPO)
 
 
 async def replies(redis: aioredis.Redis, stream: str) -> list[dict[str, Any]]:
@@ -49,7 +40,7 @@ async def test_kill_9_mid_batch_loses_nothing_and_doubles_nothing(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
     sent = await harness.enqueue("slow", [{"value": i} for i in range(32)])
-    doomed = spawn_worker("slow", CONVEYOR_TEST_DELAY_S="60")
+    doomed = spawn("workers", "slow", CONVEYOR_TEST_DELAY_S="60")
     stream = harness.keys.stage_stream("slow")
 
     async def holding_all() -> bool:
@@ -110,7 +101,7 @@ async def test_poison_is_dead_lettered_while_good_requests_succeed(
         nonlocal starts
         while not stopping.is_set() and starts < 8:
             starts += 1
-            proc = spawn_worker("crashy", **env)
+            proc = spawn("workers", "crashy", log=None, **env)
             exited = asyncio.create_task(asyncio.to_thread(proc.wait))
             stop = asyncio.create_task(stopping.wait())
             await asyncio.wait([exited, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -218,7 +209,7 @@ async def test_sigterm_under_load_drains_and_leaves_nothing_pending(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
     sent = await harness.enqueue("slow", [{"value": i} for i in range(200)])
-    worker = spawn_worker("slow", CONVEYOR_TEST_DELAY_S="0.05", CONVEYOR_MAX_BATCH_SIZE="8")
+    worker = spawn("workers", "slow", CONVEYOR_TEST_DELAY_S="0.05", CONVEYOR_MAX_BATCH_SIZE="8")
     reply_stream = harness.keys.reply_stream("test")
 
     async def some_answered() -> bool:
