@@ -55,10 +55,10 @@ async def test_job_with_numpy_float_result_completes_and_worker_survives(
 ) -> None:
     # BREAK: "what the gateway accepts the workers can run" / "an accepted request
     # completes". The same model output the sync route answers (200 {"value": 4.0})
-    # crashes the worker when the request is a job: workers/publish.py job_fields() does
+    # crashes the worker when the request is a job: pipelines/records.py job_finished() does
     # orjson.dumps(reply.result) on the raw result, and orjson refuses numpy.float64
     # ("Type is not JSON serializable"), although workers/batch.py checked() let it
-    # through (wire_problem: isinstance(x, float)). The TypeError escapes _run_batch, the
+    # through (wire_problem: isinstance(x, float)). The TypeError escapes Worker._process, the
     # batch task's exception is not REDIS_DOWN, so Worker._finished sets _fatal and the
     # worker stops.
     # Observed: job stays "queued" forever, the worker task dies with TypeError, and a
@@ -97,7 +97,7 @@ def test_dlq_with_a_malformed_id_is_a_clear_error_not_a_traceback(
 ) -> None:
     # BREAK: `conveyor dlq list|replay|purge STAGE --id ID` with an ID that is not a
     # stream id ("garbage", "1-x") dies with a Python traceback and exit status 1:
-    # conveyor/cli.py _dlq_async passes the id straight to XRANGE, Redis answers
+    # conveyor/dlq.py passes the id straight to XRANGE, Redis answers
     # "ERR Invalid stream ID", and main() only catches ConveyorError and connection
     # errors, not redis.exceptions.ResponseError.
     # Expected: like every other bad CLI input (`conveyor graph nope`, `worker nosuch`):
@@ -141,7 +141,7 @@ async def test_a_job_reported_expired_stays_expired(harness: Harness) -> None:
     # reports a queued job whose deadline has passed as "expired" with http_status 504,
     # but the worker only checks the deadline *before* running an item (workers/loop.py
     # _admit); a batch that started in time finishes late and publishes "done" into the
-    # same record (workers/publish.py job_fields), counted items:ok.
+    # same record (pipelines/records.py job_finished), counted items:ok.
     # Observed: the poller sees queued -> expired (504) -> done {"value": 2}; a client
     # that stopped at "expired" was told 504 for a job that succeeded, and the stage
     # counts it ok. Expected: a job shown in a final state keeps it (either the gateway
@@ -308,7 +308,7 @@ async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing
     # max(1, deadline - now) + 60 s (workers/route.py Router._ttl, JOIN_GRACE_S), but a
     # stalled worker (SIGSTOP, VM pause, a model call holding the GIL so the heartbeat
     # cannot run) publishes whenever it resumes, with no deadline check after predict()
-    # (workers/loop.py _run_batch). Once the marker has expired, the publish script finds
+    # (workers/loop.py Worker._process). Once the marker has expired, the publish script finds
     # no marker and runs the group again.
     # Observed: two "ok" replies for one request and items:ok == 2 (counters != answers).
     # Expected: one reply, items:ok == 1 (the resumed run's results are stale: its
@@ -458,7 +458,7 @@ async def test_a_huge_client_timeout_does_not_kill_the_worker(harness: Harness) 
     # asks). The deadline is now + 1e300; the worker runs the item and its publish script
     # sets the done marker with "SET marker 1 EX <int(deadline - now) + 60>" (workers/
     # route.py Router._ttl): Redis refuses the 301-digit EX ("value is not an integer or
-    # out of range"), the ResponseError escapes _run_batch, Worker._finished sets _fatal
+    # out of range"), the ResponseError escapes Worker._process, Worker._finished sets _fatal
     # and the worker exits. The entry stays pending and kills each worker that reclaims
     # it until it is dead-lettered: one remote request takes the stage down.
     # Expected: the deadline (or the marker's TTL) is clamped; the worker answers and
@@ -490,7 +490,7 @@ async def test_dlq_replay_skips_an_undecodable_letter_and_replays_the_rest(
 ) -> None:
     # BREAK: workers dead-letter entries they cannot decode (README: "acknowledged,
     # dead-lettered with its reason"), into the same {ns}:dlq:<stage> as poison requests.
-    # `conveyor dlq replay STAGE` (conveyor/cli.py _dlq_async) calls decode_request on
+    # `conveyor dlq replay STAGE` (conveyor/dlq.py) calls decode_request on
     # each letter in order; the first undecodable one raises EnvelopeError (a
     # ConveyorError), main() prints "conveyor: invalid request envelope: 1 error(s)"
     # (not naming the entry) and exits 2: every good letter after it stays dead.

@@ -39,8 +39,8 @@ async def test_an_accepted_job_is_never_dropped_by_enqueue_by(
     # first waits for a pooled connection (up to redis_timeout_s, the pool's timeout) and
     # then for Redis' answer (socket timeout: redis_timeout_s again, from the send). So a
     # write can land up to ~2x redis_timeout_s after enqueue_by and still be answered in
-    # time: the gateway answers 202 (or waits for a sync reply), while workers/loop.py
-    # _run_batch drops the entry as "arrived after its gateway refused it" -- no reply,
+    # time: the gateway answers 202 (or waits for a sync reply), while workers/intake.py
+    # Intake.open drops the entry as "arrived after its gateway refused it" -- no reply,
     # no job result, no counter. The job stays "queued", then reads "expired" (a sync
     # caller gets 504 at its deadline), though nothing refused it.
     # Observed: several 202 jobs whose stream entries carry an id past their enqueue_by;
@@ -141,7 +141,7 @@ async def test_a_gateway_started_during_a_redis_outage_serves_on_the_redis_clock
     # before Redis, a Redis restart during a deploy) the warning is logged, the offset
     # stays 0 and is never measured again (pipelines/redisio.py RedisClock). On a host
     # whose clock is behind Redis' by more than CONVEYOR_REDIS_TIMEOUT_S, every request's
-    # enqueue_by is already in the past when it lands, so workers/loop.py _run_batch drops
+    # enqueue_by is already in the past when it lands, so workers/intake.py Intake.open drops
     # it unanswered ("arrived after its gateway refused it") -- forever, for every request.
     # Observed: with Redis back and a live worker, POST /v1/double {"value": 1} -> 504
     # after its whole deadline; the worker ran nothing. Expected: 200 {"value": 2} (the
@@ -240,7 +240,7 @@ async def test_replaying_a_dead_lettered_join_branch_answers_its_job(
     # BREAK: README: `conveyor dlq replay STAGE` "sends them back (with a fresh deadline)",
     # and counters equal the requests answered. A dead-lettered branch of a join was
     # answered 500 and marked its join "!failed" (workers/route.py Router.fail:
-    # failed_joins + answer_marker = the join's done marker). conveyor/cli.py _dlq_async
+    # failed_joins + answer_marker = the join's done marker). conveyor/dlq.py
     # replay deletes only the branch step's own done marker, so the replayed branch runs,
     # counts items:ok at its stage, and its JOIN arrival is silently discarded by the
     # publish script (join(): HEXISTS '!failed' -> return). The CLI says "replayed 1",
