@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from pipelines.errors import ConfigError, UnknownStage
 from pipelines.graph import Pipeline
 from pipelines.stages import Stage
+
+T = TypeVar("T")
 
 
 class Registry:
@@ -41,23 +43,23 @@ class Registry:
 
     def pipeline(self, name: str) -> Pipeline:
         """The pipeline called ``name``."""
-        try:
-            return self.pipelines[name]
-        except KeyError:
-            known = ", ".join(sorted(self.pipelines))
-            raise UnknownStage(f"unknown pipeline {name!r}; known: {known}") from None
+        return _named("pipeline", self.pipelines, name)
 
     def stage(self, name: str) -> Stage:
         """The stage called ``name``."""
-        try:
-            return self.stages[name]
-        except KeyError:
-            known = ", ".join(sorted(self.stages))
-            raise UnknownStage(f"unknown stage {name!r}; known: {known}") from None
+        return _named("stage", self.stages, name)
 
     def select(self, names: Iterable[str]) -> Registry:
         """A registry of just the named pipelines."""
         return Registry(self.pipeline(n) for n in names)
+
+
+def _named(kind: str, table: dict[str, T], name: str) -> T:
+    try:
+        return table[name]
+    except KeyError:
+        known = ", ".join(sorted(table))
+        raise UnknownStage(f"unknown {kind} {name!r}; known: {known}") from None
 
 
 def load_app(spec: str) -> list[Pipeline]:
