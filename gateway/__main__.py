@@ -7,7 +7,7 @@ import logging
 import uvicorn
 
 from gateway.app import create_app
-from gateway.edge import header_deadline_protocol
+from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
 
 

@@ -1,5 +1,6 @@
 """The edge: API keys, the body-size limit, client deadlines and per-route request metrics
-(ASGI middleware), and the deadline on a request's headers (a uvicorn protocol)."""
+(ASGI middleware). The deadline and bound on a request's headers come earlier, in the
+uvicorn protocol of :mod:`gateway.protocol`, which marks what it refuses here."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.protocol import HEADERS_TOO_LARGE
 from pipelines.stats import BUCKETS, Histogram, histogram_lines, labels
 
 
@@ -213,10 +214,6 @@ class EdgeMiddleware:
 
 CLOSE = (b"connection", b"close")
 
-HEADERS_TOO_LARGE = "conveyor.headers_too_large"
-"""Scope state set by :func:`header_deadline_protocol` on a request whose header block
-passed the bound (the value: the bound), answered 431 by :class:`EdgeMiddleware`."""
-
 
 async def _send_json(
     send: Send, status: int, body: dict[str, str], headers: list[tuple[bytes, bytes]]
@@ -234,128 +231,3 @@ async def _send_json(
         }
     )
     await send({"type": "http.response.body", "body": raw})
-
-
-def _raw_response(status: bytes, detail: str) -> bytes:
-    body = orjson.dumps({"detail": detail})
-    head = (
-        b"HTTP/1.1 %s\r\n"
-        b"content-type: application/json\r\n"
-        b"content-length: %d\r\n"
-        b"connection: close\r\n\r\n"
-    )
-    return head % (status, len(body)) + body
-
-
-def header_deadline_protocol(
-    timeout_s: float, max_header_bytes: int = 65_536
-) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with a deadline on each request's headers, and a bound
-    on their size.
-
-    uvicorn bounds only the idle time between requests (``timeout_keep_alive``): a client
-    that opens a connection and sends nothing, or sends its headers a byte at a time, holds
-    it forever; and httptools buffers a header block of any size. With this protocol a
-    request's headers must be complete ``timeout_s`` after the connection opened or the
-    request's first byte arrived, else the client gets 408 and the connection is closed (a
-    connection that sent nothing is closed silently); and a header block past
-    ``max_header_bytes`` gets 431 and the connection is closed, before it grows further.
-
-    Args:
-        timeout_s: the deadline (``CONVEYOR_CLIENT_TIMEOUT_S``).
-        max_header_bytes: the bound (``CONVEYOR_MAX_HEADER_BYTES``).
-    """
-    response = _raw_response(
-        b"408 Request Timeout", f"the request headers did not arrive within {timeout_s:g} s"
-    )
-    too_large = _raw_response(
-        b"431 Request Header Fields Too Large",
-        f"the request headers are larger than {max_header_bytes} bytes",
-    )
-
-    class HeaderDeadlineProtocol(HttpToolsProtocol):
-        _timer: asyncio.TimerHandle | None = None
-        _begun = False  # bytes of the next request have arrived
-        _in_headers = True  # what arrives now is (or starts) a header block
-        _header_bytes = 0  # bytes received while a header block was incomplete
-        _parsed = 0  # the current header block's URL and fields, as parsed
-        _refusing = False  # a 431 is due once the responses before it are out
-
-        def data_received(self, data: bytes) -> None:
-            if self._refusing:
-                return  # read no further into a header block that is refused
-            if self._in_headers:
-                self._header_bytes += len(data)
-            super().data_received(data)
-            # Judged after parsing: a chunk that completes the headers may carry the body,
-            # and one that starts a pipelined request is counted by what was parsed.
-            big = max(self._header_bytes, self._parsed) > max_header_bytes
-            if self._in_headers and big and not self.transport.is_closing():
-                self._refusing = True
-                if self.cycle is None or self.cycle.response_complete:
-                    self._refuse()
-                # else: on_response_complete refuses, after the response under way
-
-        def on_url(self, url: bytes) -> None:
-            self._parsed += len(url)
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._parsed += len(name) + len(value) + 4
-            super().on_header(name, value)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            done = self.cycle is None or self.cycle.response_complete
-            if self._refusing and done and not self.pipeline and not self.transport.is_closing():
-                self._refuse()
-
-        def _refuse(self) -> None:
-            self.transport.write(too_large)
-            self.transport.close()
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._begun = True
-            self._in_headers, self._header_bytes, self._parsed = True, 0, 0
-            self._arm()
-
-        def on_headers_complete(self) -> None:
-            self._begun = self._in_headers = False
-            self._disarm()
-            if self._parsed > max_header_bytes:
-                # Complete, but too large (it came whole in one read, say behind a pipelined
-                # request): the request still gets its turn, and EdgeMiddleware answers it
-                # 431 then, so the responses before it go out first, in order.
-                self.scope.setdefault("state", {})[HEADERS_TOO_LARGE] = max_header_bytes
-            super().on_headers_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._timer = self.loop.call_later(timeout_s, self._headers_late)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _headers_late(self) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._arm()  # a pipelined request waits for the one before it to finish
-                return
-            if self._begun:
-                self.transport.write(response)
-            self.transport.close()
-
-    return HeaderDeadlineProtocol

@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
 from gateway.app import create_app
-from gateway.edge import header_deadline_protocol
+from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Request, new_request_id
 from pipelines.graph import single

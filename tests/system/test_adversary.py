@@ -173,7 +173,7 @@ async def test_a_job_reported_expired_stays_expired(harness: Harness) -> None:
 async def test_huge_request_headers_are_refused(harness: Harness) -> None:
     # BREAK: the edge bounds the body (413 over CONVEYOR_MAX_BODY_BYTES, "refused before
     # it is read") and the time headers may take (408), but not their size. uvicorn's
-    # httptools protocol (gateway/edge.py header_deadline_protocol subclasses
+    # httptools protocol (gateway/protocol.py header_deadline_protocol subclasses
     # HttpToolsProtocol) buffers any amount of header bytes; nothing in EdgeMiddleware
     # looks at them. One request with a 30 MB header was answered 200 and grew the
     # gateway's RSS by ~136 MB; 200,000 separate headers were accepted too.

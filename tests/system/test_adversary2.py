@@ -330,7 +330,7 @@ async def test_a_pipelined_request_over_the_header_bound_gets_431_and_harms_no_o
 ) -> None:
     # BREAK: README errors table / Security: "A header block past
     # CONVEYOR_MAX_HEADER_BYTES (64 KiB) gets 431 and the connection is closed", and bad
-    # input "never harms other requests". gateway/edge.py HeaderDeadlineProtocol counts a
+    # input "never harms other requests". gateway/protocol.py HeaderDeadlineProtocol counts a
     # chunk's bytes only if _in_headers was already True when the chunk arrived; after
     # the first request's headers it is False, and on_message_begin (called inside the
     # parse of the chunk that starts the next request) resets the count to 0 -- so the
