@@ -15,7 +15,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.protocol import HEADERS_TOO_LARGE
-from pipelines.stats import BUCKETS, Histogram, histogram_lines, labels
+from pipelines.metrics import BUCKETS, Histogram, histogram_lines, labels
 
 
 class RequestMetrics:

@@ -25,13 +25,12 @@ from fastapi.routing import APIRoute
 
 from gateway.service import Gateway
 from pipelines.graph import Pipeline
+from pipelines.metrics import BUCKETS, le_label
 from pipelines.redisio import REDIS_DOWN
 from pipelines.stats import (
     ALIVE_IDLE_MS,
-    BUCKETS,
     OUTCOMES,
     StageStatus,
-    le_label,
     read_stats,
     stage_status,
 )

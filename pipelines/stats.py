@@ -1,4 +1,6 @@
-"""Per-stage counters and histograms kept in Redis, and their Prometheus rendering.
+"""Per stage: the counters and histograms kept in Redis, the queue state
+(:class:`StageStatus`: the one type admission, the status page, the metrics and the
+autoscaler read), and their Prometheus rendering (primitives in :mod:`pipelines.metrics`).
 
 Workers add to a stage's stats hash inside the same atomic script call that publishes a batch's
 results and acks it, so the counts can never disagree with what was acknowledged. Any
@@ -7,8 +9,7 @@ process (gateway ``/metrics``, ``conveyor status``) renders them.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import GROUP, Keys
+from pipelines.metrics import BUCKETS, Histogram, histogram_lines, labels, le_label
 from pipelines.redisio import text
 
 OUTCOMES = ("ok", "error", "expired")
@@ -28,47 +30,6 @@ COST_A = "cost:a"
 """Stats-hash field: a stage's learned fixed seconds per batch (set by its workers)."""
 COST_B = "cost:b"
 """Stats-hash field: a stage's learned seconds per item."""
-
-_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-
-BUCKETS: dict[str, tuple[float, ...]] = {
-    "batch_size": (1, 2, 4, 8, 16, 32, 64, 128, 256),
-    "queue_wait_seconds": _SECONDS,
-    "run_seconds": _SECONDS,
-}
-
-
-def le_label(value: float) -> str:
-    """A bucket bound as the stats hash and the exposition name it: ``%g``, or ``+Inf``."""
-    return "+Inf" if value == float("inf") else f"{value:g}"
-
-
-class Histogram:
-    """Cumulative-bucket histogram; ``observe`` is cheap and local.
-
-    Args:
-        bounds: upper bounds of the finite buckets, ascending.
-    """
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        """Add one observation."""
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def fields(self, name: str) -> dict[str, float]:
-        """Non-zero per-bucket increments as stats-hash fields (``h:name:le``)."""
-        out: dict[str, float] = {}
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            if count:
-                out[f"h:{name}:{le_label(bound)}"] = count
-        out[f"h:{name}:sum"] = self.sum
-        out[f"h:{name}:count"] = sum(self.counts)
-        return out
 
 
 def batch_fields(
@@ -102,29 +63,6 @@ def batch_fields(
     fields.update(wait.fields("queue_wait_seconds"))
     fields.update(run.fields("run_seconds"))
     return fields
-
-
-def labels(**values: str) -> str:
-    """Prometheus label set text, values escaped."""
-    inner = ",".join(
-        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-        for k, v in values.items()
-    )
-    return "{" + inner + "}"
-
-
-def histogram_lines(
-    metric: str, bounds: Sequence[float], per_bucket: Sequence[float], total: float, **lab: str
-) -> list[str]:
-    """Exposition lines of one histogram series from per-bucket (non-cumulative) counts."""
-    lines = []
-    running = 0.0
-    for bound, count in zip((*bounds, float("inf")), per_bucket, strict=True):
-        running += count
-        lines.append(f"{metric}_bucket{labels(**lab, le=le_label(bound))} {running:g}")
-    lines.append(f"{metric}_sum{labels(**lab)} {total:g}")
-    lines.append(f"{metric}_count{labels(**lab)} {running:g}")
-    return lines
 
 
 async def read_stats(client: aioredis.Redis, keys: Keys, stage: str) -> dict[str, float]:

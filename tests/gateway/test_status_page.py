@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port
-from pipelines.stats import BUCKETS
+from pipelines.metrics import BUCKETS
 from tests.helpers import REPO, Doubler, Harness, number_stage
 
 CHROMIUM = Path("/usr/bin/chromium")
