@@ -18,6 +18,7 @@ from gateway.body import problem_detail
 from gateway.edge import ANONYMOUS, RequestMetrics
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
+from gateway.withdraw import Withdrawals
 from pipelines.envelope import Reply, Request, new_request_id, wire_problem
 from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound
 from pipelines.graph import Pipeline
@@ -34,9 +35,6 @@ from pipelines.redisio import (
 from pipelines.registry import Registry
 
 logger = logging.getLogger(__name__)
-
-MAX_WITHDRAWALS = 10_000
-"""Refused requests being withdrawn at once, at most (each waits for Redis to answer)."""
 
 
 class Gateway:
@@ -66,7 +64,7 @@ class Gateway:
             settings.admission_headroom,
         )
         self._task: asyncio.Task[None] | None = None
-        self._withdrawals: set[asyncio.Task[None]] = set()
+        self.withdrawals = Withdrawals(self.client, self.keys, self.clock)
         self._calibrating: asyncio.Task[None] | None = None
         # An enqueue's write: a wait for a pooled connection, then one for Redis's answer.
         self.write_s = 2 * settings.redis_timeout_s
@@ -90,15 +88,9 @@ class Gateway:
             if not done:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
-        if self._withdrawals:
-            logger.warning(
-                "%d refused request(s) left unwithdrawn at stop; their writes may still take "
-                "effect",
-                len(self._withdrawals),
-            )
-        for task in [*self._withdrawals, *filter(None, [self._calibrating])]:
-            task.cancel()
-        await asyncio.gather(*self._withdrawals, return_exceptions=True)
+        if self._calibrating is not None:
+            self._calibrating.cancel()
+        await self.withdrawals.abandon()
         try:  # nobody will read it again; without this it lingers until its TTL
             await self.client.delete(self.reply_stream)
         except REDIS_DOWN as exc:
@@ -206,7 +198,7 @@ class Gateway:
         except (*REDIS_DOWN, TimeoutError) as exc:
             # The write may have been sent and still run (Redis stalled, not gone): the
             # client is told 503, so the request must not take effect.
-            self._withdraw(request, timeout_s)
+            self.withdrawals.start(request, timeout_s)
             if isinstance(exc, TimeoutError):
                 exc = RedisTimeoutError(f"no answer within {self.write_s:g}s")
             raise refusal(exc) from exc
@@ -225,51 +217,6 @@ class Gateway:
         if self._calibrating is None or self._calibrating.done():
             self._calibrating = asyncio.create_task(self.clock.calibrate(self.client))
         await asyncio.shield(self._calibrating)
-
-    def _withdraw(self, request: Request, timeout_s: float) -> None:
-        """Clean up after a request refused when its write went unanswered.
-
-        Should the write still land (Redis stalled, not gone), a worker drops the entry
-        (it arrived after ``request.enqueue_by``), but a job's record would stay behind,
-        "queued" under an id nobody was given. So, in the background until Redis answers
-        (at most until the request's deadline has long passed), the record is deleted and
-        the entry step's done marker set, which also stops a publish (workers/publish.py)
-        should the write have landed just before the gateway gave up."""
-        if len(self._withdrawals) >= MAX_WITHDRAWALS:
-            logger.warning(
-                "request %s refused but not withdrawn: %d withdrawals pending",
-                request.id,
-                len(self._withdrawals),
-            )
-            return
-        # Only what the withdrawal needs is kept, not the request (its payload can be a MiB).
-        rid, marker = request.id, self.keys.done(request.id, request.step)
-        job = request.reply_to if request.reply_to.startswith(self.keys.job_prefix) else None
-        ttl = int(timeout_s) + 120  # past anything a worker could still publish for it
-        until = request.deadline + 60
-
-        async def withdraw() -> None:
-            while self.clock.now() < until:
-                try:
-                    pipe = self.client.pipeline(transaction=True)
-                    pipe.set(marker, "withdrawn", ex=ttl)
-                    if job is not None:
-                        pipe.delete(job)
-                    await pipe.execute()
-                    return
-                except REDIS_DOWN as exc:
-                    logger.debug("request %s: withdrawal waits for redis: %s", rid, exc)
-                    await asyncio.sleep(0.5)
-
-        task = asyncio.create_task(withdraw(), name=f"withdraw-{rid}")
-        self._withdrawals.add(task)
-        task.add_done_callback(self._withdrawn)
-
-    def _withdrawn(self, task: asyncio.Task[None]) -> None:
-        self._withdrawals.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # e.g. NOPERM from an ACL without +set: the request may still take effect.
-            logger.error("a withdrawal failed", exc_info=task.exception())
 
     async def call(
         self, pipeline: Pipeline, payload: dict[str, Any], timeout_s: float, trace_id: str | None
