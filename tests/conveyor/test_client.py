@@ -1,12 +1,14 @@
 """The Python client against a real gateway (uvicorn on loopback), real workers and Redis.
 
 The sync :class:`Client` blocks, so its calls run in a thread: the gateway serves on this
-test's event loop.
+test's event loop. The flows both clients run (``conveyor._flows``) are also driven here
+without a network, against scripted answers, to pin down their retry and polling decisions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from conveyor._flows import Flow, Map, Post, Sleep
 from conveyor.client import AsyncClient, Client, ConveyorHTTPError
 from conveyor.embedded import free_port
 from pipelines.model import Item, Result
@@ -324,3 +327,123 @@ async def test_map_puts_errors_in_place_or_raises(harness: Harness) -> None:
         assert outcomes(mapped) == expected
         with pytest.raises(ConveyorHTTPError):
             await asyncio.to_thread(sync.map, "double", inputs, progress=False)
+
+
+Scripted = tuple[int, Any, dict[str, str]] | type[httpx.TransportError]
+
+
+def scripted(flow: Flow[Any], *answers: Scripted) -> tuple[Any, list[str], list[float]]:
+    """Drive ``flow`` as a client would, answering its requests with ``answers`` in turn
+    (``(status, json, headers)``, or a transport error to raise): its result (or the error it
+    raised), the requests it sent and the waits it asked for."""
+    script, sent, slept = list(answers), list[str](), list[float]()
+    answer: httpx.Response | httpx.TransportError | None = None
+    try:
+        while True:
+            effect = flow.send(answer)
+            if isinstance(effect, Sleep):
+                slept.append(effect.seconds)
+                answer = None
+                continue
+            sent.append(f"{effect.request.method} {effect.request.url.path}")
+            step = script.pop(0)
+            if isinstance(step, tuple):
+                status, body, headers = step
+                answer = httpx.Response(status, json=body, headers=headers, request=effect.request)
+            else:
+                answer = step("scripted", request=effect.request)
+    except StopIteration as done:
+        outcome = done.value
+    except (ConveyorHTTPError, httpx.TransportError, TimeoutError) as exc:
+        outcome = exc
+    assert not script, "answers left over"
+    return outcome, sent, slept
+
+
+def test_a_flow_backs_off_and_honours_retry_after_until_an_answer() -> None:
+    with Client("http://gateway.test", retries=3) as client:
+        result, sent, slept = scripted(
+            client._call(Post("double", {"value": 1})),
+            httpx.ConnectError,
+            (503, {"detail": "busy"}, {"Retry-After": "2"}),
+            (503, {"detail": "busy"}, {}),
+            (200, {"value": 2}, {}),
+        )
+    assert result == {"value": 2}
+    assert sent == ["POST /v1/double"] * 4
+    assert slept == [0.25, 2.0, 1.0]  # backoff 0.25 s; Retry-After; backoff 0.25 s * 2**2
+
+
+def test_a_flow_gives_up_or_never_retries_what_may_have_run() -> None:
+    busy = (503, {"detail": "busy"}, {"Retry-After": "60"})
+    still_busy = (503, {"detail": "still busy", "request_id": "r1"}, {"Retry-After": "60"})
+    record = {"id": "j1", "pipeline": "double", "status": "queued"}
+    with Client("http://gateway.test", retries=1) as client:
+        refused, _, slept = scripted(client._submit(Post("double", value=1)), busy, still_busy)
+        assert slept == [5.0]  # Retry-After, capped at MAX_RETRY_WAIT_S
+        assert isinstance(refused, ConveyorHTTPError)
+        assert (refused.status, refused.detail, refused.request_id) == (503, "still busy", "r1")
+        assert refused.retry_after == 60.0
+        for status in (500, 504):
+            answer: Scripted = (status, {"detail": "failed"}, {})
+            failed, sent, slept = scripted(client._call(Post("double", value=1)), answer)
+            assert isinstance(failed, ConveyorHTTPError)
+            assert (failed.status, len(sent), slept) == (status, 1, [])
+        # A read that timed out may have run the model: a POST is not sent again, a GET is.
+        cut, sent, slept = scripted(client._call(Post("double", value=1)), httpx.ReadTimeout)
+        assert (isinstance(cut, httpx.ReadTimeout), len(sent), slept) == (True, 1, [])
+        read, sent, slept = scripted(client._job("j1"), httpx.ReadTimeout, (200, record, {}))
+        assert (read, sent, slept) == (record, ["GET /v1/jobs/j1"] * 2, [0.25])
+
+
+def test_the_wait_flow_polls_until_the_job_finishes() -> None:
+    queued = {"id": "j1", "pipeline": "double", "status": "queued"}
+    done = {**queued, "status": "done", "result": {"value": 2}}
+    failed = {**queued, "status": "failed", "error": "poisoned item", "http_status": 500}
+    with Client("http://gateway.test") as client:
+        result, sent, slept = scripted(
+            client._wait("j1", 60, 0.5), (200, queued, {}), (200, queued, {}), (200, done, {})
+        )
+        assert (result, sent) == ({"value": 2}, ["GET /v1/jobs/j1"] * 3)
+        assert slept == [0.5, 0.5]
+        error, _, _ = scripted(client._wait("j1", 60, 0.5), (200, failed, {}))
+        late, _, slept = scripted(client._wait("j1", 0, 0.5), (200, queued, {}))
+    assert isinstance(error, ConveyorHTTPError)
+    assert (error.status, error.detail, error.path) == (500, "poisoned item", "/v1/jobs/j1")
+    assert isinstance(late, TimeoutError)
+    assert slept == []
+
+
+def test_the_map_flow_keeps_or_raises_an_error() -> None:
+    with Client("http://gateway.test") as client:
+        kept, _, _ = scripted(
+            client._outcome(Map("double", [], return_exceptions=True), {"value": "x"}),
+            (422, {"detail": [{"loc": ["body", "value"], "msg": "bad", "type": "t"}]}, {}),
+        )
+        raised, _, _ = scripted(
+            client._outcome(Map("double", []), {"value": "x"}), (422, {"detail": "bad"}, {})
+        )
+    assert isinstance(kept, ConveyorHTTPError)
+    assert str(kept) == "422 from /v1/double: body.value: bad"
+    assert isinstance(raised, ConveyorHTTPError)
+
+
+def test_both_clients_take_the_same_parameters() -> None:
+    request = (
+        "(self, name: 'str', payload: 'Payload | None' = None, /, *, "
+        "timeout: 'float | None' = None, trace_id: 'str | None' = None, **fields: 'Any')"
+    )
+    bulk = (
+        "(self, name: 'str', inputs: 'Iterable[Payload]', *, concurrency: 'int' = 16, "
+        "progress: 'bool' = True, return_exceptions: 'bool' = False, "
+        "timeout: 'float | None' = None)"
+    )
+    for kind in (Client, AsyncClient):
+        for method in ("call", "submit", "stream", "stream_events"):
+            assert str(inspect.signature(getattr(kind, method))).startswith(request + " -> ")
+        assert str(inspect.signature(kind.map)).startswith(bulk + " -> ")
+    for method in ("call", "submit", "job", "wait", "map"):
+        assert inspect.iscoroutinefunction(getattr(AsyncClient, method))
+    assert AsyncClient.call.__doc__ == ":meth:`Client.call`."
+    with Client("http://gateway.test") as client:  # bound: without ``self``
+        assert str(inspect.signature(client.call)).startswith("(name: 'str', payload")
