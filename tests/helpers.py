@@ -257,3 +257,48 @@ def conveyor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     code = "import sys; from conveyor.cli import main; main(sys.argv[1:])"
     command = [sys.executable, "-c", code, *args]
     return subprocess.run(command, cwd=REPO, env=full, capture_output=True, text=True, timeout=60)
+
+
+class GatewayProcess:
+    """A real ``python -m gateway`` on a free loopback port, from this worktree's code, with
+    only the ``CONVEYOR_*`` settings given (none inherited); ready once entered.
+
+    Args:
+        redis_url: the Redis it uses; its namespace is its own.
+        log: where its output goes.
+        python_flags: interpreter flags (``-X importtime``).
+        settings: more ``CONVEYOR_*`` variables.
+    """
+
+    def __init__(self, redis_url: str, log: Path, *python_flags: str, **settings: str) -> None:
+        from conveyor.embedded import free_port
+
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+        self.env |= {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+        self.env |= {"CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": f"gw{port}"}
+        self.env |= {"CONVEYOR_PORT": str(port), **settings}
+        self.argv = [sys.executable, *python_flags, "-m", "gateway"]
+        self.log_path = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def log(self, _: str = "gateway") -> str:
+        """Everything it wrote so far (stdout and stderr)."""
+        return self.log_path.read_bytes().decode(errors="replace")
+
+    def __enter__(self) -> GatewayProcess:
+        with self.log_path.open("wb") as out:
+            argv, env = self.argv, self.env
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=out)
+        try:
+            wait_ready(self.base, {"gateway": self.proc}, self.log, limit_s=60)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)

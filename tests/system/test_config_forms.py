@@ -11,9 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
-import tempfile
+from pathlib import Path
 from typing import Any, get_origin
 
 import pytest
@@ -21,12 +19,11 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from conveyor.autoscale import AutoscaleSettings
-from conveyor.embedded import free_port
 from gateway.settings import GatewaySettings
 from pipelines.builtin.wikisummary import WikiSettings
 from pipelines.settings import CommonSettings
 from tests.helpers import REPO as ROOT
-from tests.helpers import wait_ready
+from tests.helpers import GatewayProcess
 from workers.settings import WorkerSettings
 
 DOCS = (ROOT / "README.md", ROOT / "deploy" / "README.md")
@@ -119,33 +116,12 @@ def _gateway_rounds() -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("documented", _gateway_rounds())
 def test_gateway_process_starts_with_documented_forms(
-    documented: dict[str, str], redis_url: str
+    documented: dict[str, str], redis_url: str, tmp_path: Path
 ) -> None:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env |= {
-        "PYTHONPATH": str(ROOT),
-        "HF_HUB_OFFLINE": "1",
-        "CONVEYOR_REDIS_URL": redis_url,
-        "CONVEYOR_NAMESPACE": f"forms{port}",
-        "CONVEYOR_PIPELINES": "echo",
-        "CONVEYOR_PORT": str(port),
-        **documented,
-    }
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway"], cwd=ROOT, env=env, stdout=log, stderr=log
-        )
-
-        def log_of(_: str) -> str:
-            log.seek(0)
-            return log.read().decode(errors="replace")
-
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", {"gateway": proc}, log_of, limit_s=60)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=20)
+    with GatewayProcess(
+        redis_url, tmp_path / "gateway.log", CONVEYOR_PIPELINES="echo", **documented
+    ):
+        pass  # ready: it started with these forms and answers /readyz
 
 
 def _list_fields() -> list[tuple[type[BaseSettings], str]]:
