@@ -108,6 +108,7 @@ async def _replay(
             continue
         again = req.model_copy(
             update={
+                "stage": stage,  # back to the stream it was read from, whatever it claims
                 "attempt": req.attempt + 1,
                 "deadline": clock.now() + timeout_s,
                 "enqueue_by": None,

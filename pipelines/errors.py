@@ -21,13 +21,19 @@ class ConveyorError(Exception):
     """
 
     status = 500
+    request_id: str | None = None
+    retry_after: float | None = None
+    """Declared on the class too, like ``status``: a subclass may set a default there, and
+    one whose ``__init__`` skips this one's still has both."""
 
     def __init__(
         self, message: str, *, request_id: str | None = None, retry_after: float | None = None
     ) -> None:
         super().__init__(message)
-        self.request_id = request_id
-        self.retry_after = retry_after
+        if request_id is not None:
+            self.request_id = request_id
+        if retry_after is not None:
+            self.retry_after = retry_after
 
 
 def http_status(exc: BaseException) -> int:
