@@ -128,7 +128,7 @@ class Admission:
             logger.warning("stage %s: admission could not refresh", stage, exc_info=exc)
 
     async def _measure(self, stage: str, counted: int) -> Reading:
-        state = await stage_status(self.client, self.keys, stage)
+        state = await stage_status(self.client, self.keys, stage, costs=True)
         return Reading(time.monotonic(), state, counted)
 
     async def admit(self, stage: str, bound: int, timeout_s: float, max_batch: int) -> None:

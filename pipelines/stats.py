@@ -182,7 +182,7 @@ def _queue_answers(answers: list[Any]) -> tuple[int, list[Any] | None, list[Any]
 
 
 async def stage_status(
-    client: aioredis.Redis, keys: Keys, stage: str, *, lag_cap: int = 100_000
+    client: aioredis.Redis, keys: Keys, stage: str, *, costs: bool = False, lag_cap: int = 100_000
 ) -> StageStatus:
     """A stage's state, in one round trip (two when the lag must be counted).
 
@@ -190,6 +190,8 @@ async def stage_status(
         client: Redis client.
         keys: key names.
         stage: the stage.
+        costs: also read the learned batch cost (``a``, ``b``; else 0): admission needs
+            it, and it takes a read of the stats hash (HMGET), which not every ACL user has.
         lag_cap: where the lag must be counted (see :func:`_group_counts`), a range read
             of at most this many entries.
     """
@@ -199,12 +201,15 @@ async def stage_status(
     pipe.xlen(stream)
     pipe.xinfo_groups(stream)
     pipe.xinfo_consumers(stream, GROUP)
-    pipe.hmget(keys.stage_stats(stage), [COST_A, COST_B])
+    if costs:
+        pipe.hmget(keys.stage_stats(stage), [COST_A, COST_B])
     answers = await pipe.execute(raise_on_error=False)
-    length, groups, consumers = _queue_answers(answers)
-    if isinstance(answers[3], Exception):
-        raise answers[3]
-    a, b = answers[3]
+    length, groups, consumers = _queue_answers(answers[:3])
+    a, b = None, None
+    if costs:
+        if isinstance(answers[3], Exception):
+            raise answers[3]
+        a, b = answers[3]
     status = StageStatus(
         stage,
         length=length,

@@ -42,7 +42,7 @@ from gateway.settings import GatewaySettings
 from pipelines.keys import GROUP, Keys
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
-from tests.helpers import REPO, wait_ready
+from tests.helpers import REPO, conveyor, wait_ready
 from workers.settings import WorkerSettings
 
 ROOT = REPO
@@ -581,6 +581,18 @@ def test_live_acl_worker_may_queue_but_not_administer(acl_redis: AclRedis) -> No
             worker.xadd("elsewhere", {"e": "{}"})  # outside the namespace
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("user", ["gateway", "worker"])
+def test_live_acl_conveyor_status_runs_as_gateway_or_worker(acl_redis: AclRedis, user: str) -> None:
+    # The operator's `conveyor status` (deploy/README.md runs it in the gateway container)
+    # reads the queue state only, which either process's user may read.
+    password = DUMMY_ENV[f"REDIS_{user.upper()}_PASSWORD"]
+    url = f"redis://{user}:{password}@127.0.0.1:{acl_redis.port}/0"
+    done = conveyor("status", CONVEYOR_REDIS_URL=url, CONVEYOR_PIPELINES="chain")
+    assert done.returncode == 0, done.stderr[-500:]
+    assert "adder" in done.stdout, done.stdout
+    assert "multiplier" in done.stdout, done.stdout
 
 
 def test_live_acl_gateway_and_keda_are_limited(acl_redis: AclRedis) -> None:
