@@ -115,18 +115,21 @@ def function(
     batch_wait_ms: float = 0.0,
     max_backlog: int = 1024,
     concurrency: int = 16,
+    setup: Callable[[], object] | None = None,
 ) -> Step:
     """A step running ``fn(input) -> dict`` (sync or async) on its own function stage.
 
     Items of a batch run concurrently (``concurrency`` at a time); one that raises
     fails alone. The stage is named ``<pipeline>.<name>`` when the pipeline is built.
-    Other arguments: see :class:`Step` and :class:`~pipelines.stages.Stage`.
+    ``setup`` runs once in each worker serving the step, when it starts: what it raises
+    stops that worker there (check the step's settings, warm a client), not a request
+    later. Other arguments: see :class:`Step` and :class:`~pipelines.stages.Stage`.
     """
     stage = Stage(
         name,
         AnyIn,
         runner="workers.models.function:FunctionRunner",
-        options={"fn": fn, "concurrency": concurrency},
+        options={"fn": fn, "concurrency": concurrency, "setup": setup},
         max_batch_size=max_batch_size,
         batch_wait_ms=batch_wait_ms,
         max_backlog=max_backlog,

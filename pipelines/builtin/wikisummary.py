@@ -10,6 +10,7 @@ that fits its limit (the tokenizers truncate further to the model's token limit)
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,6 +69,13 @@ def fetch(payload: dict[str, Any]) -> dict[str, Any]:
     return article.to_dict()
 
 
+def _fetch_ready() -> None:
+    """Run once where the fetch step is served, at start: a bad ``CONVEYOR_WIKIPEDIA_*``
+    value stops that worker naming it, and the client is loaded before the first request."""
+    WikiSettings()
+    importlib.import_module("pipelines.builtin.wiki")
+
+
 def _head(ctx: Context, chars: int) -> dict[str, Any]:
     return {"text": ctx["fetch"]["text"][:chars] or ctx["fetch"]["title"]}
 
@@ -109,7 +117,7 @@ def wiki_summary() -> Pipeline:
         "wiki-summary",
         WikiIn,
         (
-            function("fetch", fetch, then="sentiment", concurrency=16),
+            function("fetch", fetch, then="sentiment", concurrency=16, setup=_fetch_ready),
             model(
                 "sentiment",
                 BUILTIN["sentiment"],

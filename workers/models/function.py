@@ -23,11 +23,21 @@ class FunctionRunner:
     Args:
         fn: ``fn(dict) -> dict`` (or a pydantic model), sync or async.
         concurrency: calls in flight at once.
+        setup: called once, first (see :func:`pipelines.graph.function`).
         options: the common runner arguments, unused.
     """
 
-    def __init__(self, *, fn: Callable[[Item], Any], concurrency: int = 16, **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        fn: Callable[[Item], Any],
+        concurrency: int = 16,
+        setup: Callable[[], object] | None = None,
+        **options: Any,
+    ) -> None:
         del options
+        if setup is not None:
+            setup()  # before serving: a failure stops the worker at start
         self.fn = fn
         self.concurrency = concurrency
         self.is_async = inspect.iscoroutinefunction(fn)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -11,7 +14,7 @@ from conveyor.embedded import free_port
 from pipelines.builtin import builtin_pipelines
 from pipelines.registry import Registry
 from tests.fakewiki import FakeWiki
-from tests.helpers import Harness
+from tests.helpers import REPO, Harness
 
 TURING = (
     "Alan Turing was an English mathematician and computer scientist. "
@@ -107,3 +110,19 @@ async def test_wikipedia_hanging_is_503_after_the_fetch_timeout(
     resp = await http.post("/v1/wiki-summary", json={"search_term": "turing"})
     assert resp.status_code == 503
     assert "did not answer within 0.5 s" in resp.json()["detail"]
+
+
+def test_a_bad_wikipedia_setting_stops_the_fetch_worker_at_start(redis_url: str) -> None:
+    # Only the worker serving the fetch step reads CONVEYOR_WIKIPEDIA_*: it refuses to start,
+    # naming the setting, instead of failing every request later (and serving on forever).
+    env = dict(os.environ) | {
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "CONVEYOR_REDIS_URL": redis_url,
+        "CONVEYOR_NAMESPACE": f"wikibad{os.getpid()}",
+        "CONVEYOR_WIKIPEDIA_TIMEOUT_S": "soon",
+    }
+    argv = [sys.executable, "-m", "workers", "wiki-summary.fetch"]
+    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "timeout_s" in done.stderr, done.stderr[-800:]
