@@ -109,7 +109,9 @@ def job_result(job: Json) -> Json | None:
     if status not in (FAILED, EXPIRED):
         return None
     detail, path = str(job.get(JobField.ERROR, status)), f"/v1/jobs/{job_id}"
-    raise ConveyorHTTPError(int(job[JobField.HTTP_STATUS]), detail, path=path, request_id=job_id)
+    # A gateway always says; one that does not (a proxy's rewrite) still gets its error.
+    code = int(job.get(JobField.HTTP_STATUS, 504 if status == EXPIRED else 500))
+    raise ConveyorHTTPError(code, detail, path=path, request_id=job_id)
 
 
 class Events:

@@ -414,6 +414,19 @@ def test_the_wait_flow_polls_until_the_job_finishes() -> None:
     assert slept == []
 
 
+def test_a_finished_job_without_its_http_status_still_raises_its_error() -> None:
+    # What a gateway always sends, a proxy might drop: the client still raises a
+    # ConveyorHTTPError (504 for an expired job, else 500), never a KeyError.
+    expired = {"id": "j1", "pipeline": "double", "status": "expired", "error": "too late"}
+    failed = {**expired, "status": "failed", "error": "poisoned item"}
+    with Client("http://gateway.test") as client:
+        late, _, _ = scripted(client._wait("j1", 60, 0.5), (200, expired, {}))
+        bad, _, _ = scripted(client._wait("j1", 60, 0.5), (200, failed, {}))
+    assert isinstance(late, ConveyorHTTPError)
+    assert isinstance(bad, ConveyorHTTPError)
+    assert (late.status, bad.status) == (504, 500)
+
+
 def test_the_map_flow_keeps_or_raises_an_error() -> None:
     with Client("http://gateway.test") as client:
         kept, _, _ = scripted(
