@@ -21,7 +21,7 @@ from gateway.routes.ops import add_ops_routes
 from gateway.routes.pipelines import add_pipeline_routes
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from pipelines.errors import RETRY_AFTER_MAX_S, ConveyorError, InvalidInput
+from pipelines.errors import RETRY_AFTER_MAX_S, ConfigError, ConveyorError, InvalidInput
 from pipelines.redisio import REDIS_DOWN, refusal
 from pipelines.registry import Registry, load_registry
 
@@ -60,9 +60,16 @@ def create_app(
         settings: gateway settings (default: from the environment).
         registry: pipelines to route (default: ``settings.app`` / ``settings.pipelines``,
             or the built-ins).
+
+    Raises:
+        ConfigError: a pipeline is called ``jobs``: ``/v1/jobs/...`` are the job routes.
     """
     settings = settings or GatewaySettings()
     registry = registry or load_registry(settings.app, settings.pipelines)
+    if "jobs" in registry.pipelines:
+        # Its /v1/jobs/stream would be one path with the submit route of a pipeline
+        # called "stream"; which answered would depend on the order routes were added.
+        raise ConfigError("pipeline name 'jobs' is taken by the job routes (/v1/jobs/...)")
     gw = Gateway(settings, registry)
 
     @asynccontextmanager

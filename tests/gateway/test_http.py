@@ -8,10 +8,17 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
 from pipelines.envelope import decode_request
+from pipelines.errors import ConfigError
+from pipelines.graph import Pipeline, function
+from pipelines.registry import Registry
+from pipelines.stages import AnyIn
 from tests.helpers import Doubler, Harness, number_stage
 
 
@@ -205,3 +212,11 @@ async def test_request_that_would_miss_its_deadline_is_refused_at_once(
     )
     assert resp.status_code == 202  # a request with time to spare is taken
     assert await redis.xlen(stream) == 21
+
+
+def test_a_pipeline_called_jobs_is_refused_when_the_app_is_built() -> None:
+    # /v1/jobs/stream would be both its stream route and the job submit of a pipeline
+    # called "stream": the route order would decide which one answers.
+    jobs = Pipeline("jobs", AnyIn, (function("run", lambda payload: payload),))
+    with pytest.raises(ConfigError, match="'jobs' is taken"):
+        create_app(GatewaySettings(), Registry([jobs]))
