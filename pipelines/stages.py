@@ -122,10 +122,23 @@ class Stage:
         try:
             found: Callable[..., Model] = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
+            moved = MOVED_RUNNERS.get(module_name)
+            hint = f" (the built-in runners moved to {moved})" if moved else ""
             raise ConfigError(
-                f"stage {self.name!r}: cannot import runner {runner!r}: {exc}"
+                f"stage {self.name!r}: cannot import runner {runner!r}: {exc}{hint}"
             ) from exc
         return found
+
+
+MOVED_RUNNERS = {
+    "workers.hf": "workers.models.hf",
+    "workers.zeroshot": "workers.models.zeroshot",
+    "workers.tiny": "workers.models.tiny",
+    "workers.runners": "workers.models.toy (Echo, Adder, Multiplier) and "
+    "workers.models.function (FunctionRunner)",
+}
+"""Where the runners of release 0.1's layout went: named in the error of a stage that still
+names the old module."""
 
 
 BUILTIN: dict[str, Stage] = {
