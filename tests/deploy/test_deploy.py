@@ -344,6 +344,21 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory, rendered_acl: Path) -> I
 # --- images --------------------------------------------------------------------------------
 
 
+def test_every_package_of_the_source_tree_is_installed() -> None:
+    # The images install with `pip install .` (not editable): a subpackage left out of
+    # pyproject's list would be missing there only.
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    top = {p.split(".")[0] for p in listed}
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for name in top
+        for init in (ROOT / name).rglob("__init__.py")
+    }
+    assert found == listed
+
+
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
 def test_images_install_every_package_with_pinned_torch_as_non_root(dockerfile: str) -> None:
     text = (DEPLOY / dockerfile).read_text()
