@@ -20,14 +20,14 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.typing import EncodableT, FieldT
 
-from pipelines.errors import DeadlineExceeded, EnvelopeError
+from pipelines.errors import Cancelled, DeadlineExceeded, EnvelopeError
 
 FIELD = b"e"
 """The stream-entry field that holds the encoded envelope."""
 BRANCH = b"b:"
 """Prefix of the fields carrying branch outputs into a join step."""
 
-Outcome = Literal["ok", "error", "expired"]
+Outcome = Literal["ok", "error", "expired", "cancelled"]
 
 MAX_DEPTH = 64
 """The most nested arrays and objects a payload or a step's output may have. The envelope
@@ -169,8 +169,9 @@ class Reply(BaseModel):
         v: envelope version.
         id: the request id.
         stage: the stage that produced it.
-        outcome: ``ok``, ``error`` (a step failed on this item), ``expired``, or
-            ``partial`` (streamed output so far; more replies follow).
+        outcome: ``ok``, ``error`` (a step failed on this item), ``expired``,
+            ``cancelled`` (see :class:`~pipelines.errors.Cancelled`), or ``partial``
+            (streamed output so far; more replies follow).
         result: the response when ``outcome`` is ``ok``; ``{"text": new_text}`` when
             ``partial``.
         error: a client-safe message otherwise.
@@ -196,10 +197,13 @@ class Reply(BaseModel):
     @property
     def http_status(self) -> int:
         """The HTTP status this reply answers its request with: 200 when ``ok``, 504 when
-        ``expired`` (:class:`~pipelines.errors.DeadlineExceeded`), else ``status``, what
-        the worker mapped the failure to."""
+        ``expired`` (:class:`~pipelines.errors.DeadlineExceeded`), 499 when ``cancelled``
+        (:class:`~pipelines.errors.Cancelled`), else ``status``, what the worker mapped the
+        failure to."""
         if self.outcome == "ok":
             return 200
+        if self.outcome == "cancelled":
+            return Cancelled.status
         return DeadlineExceeded.status if self.outcome == "expired" else self.status
 
 

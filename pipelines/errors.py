@@ -149,3 +149,10 @@ class UpstreamUnavailable(ConveyorError):
         self, message: str, *, retry_after: float = 5.0, request_id: str | None = None
     ) -> None:
         super().__init__(message, request_id=request_id, retry_after=retry_after)
+
+
+class Cancelled(ConveyorError):
+    """The request was cancelled: its client went away, or its job was cancelled. No step
+    starts it any more; a batch already running it finishes, and its output is discarded."""
+
+    status = 499  # "client closed request" (nginx's): no standard status says it

@@ -60,6 +60,10 @@ class Keys:
         """Marks that a request's step has published its effects (set once, expires)."""
         return f"{self.prefix}:done:{request_id}:{step}"
 
+    def cancelled(self, request_id: str) -> str:
+        """Marks that a request is cancelled: no step starts it any more (expires)."""
+        return f"{self.prefix}:cancelled:{request_id}"
+
     def dropped(self, stage: str, entry_id: str) -> str:
         """Marks that an undecodable entry of ``stage`` has been counted (set once, expires)."""
         return f"{self.prefix}:dropped:{stage}:{entry_id}"

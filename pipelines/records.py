@@ -18,27 +18,33 @@ This module imports nothing heavy: conveyor's client (an SDK) reads the job JSON
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 import orjson
 
-from pipelines.errors import DeadlineExceeded
+from pipelines.errors import Cancelled, DeadlineExceeded
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
     from redis.typing import EncodableT, FieldT
 
     from pipelines.envelope import Reply, Request
+    from pipelines.keys import Keys
 
-JobStatus = Literal["queued", "done", "failed", "expired"]
+JobStatus = Literal["queued", "done", "failed", "expired", "cancelled"]
 """Where an async job is: ``queued`` until its request finishes, then ``done`` (with its
-result), ``failed`` or ``expired`` (with its error and HTTP status)."""
+result), ``failed``, ``expired`` or ``cancelled`` (with its error and HTTP status)."""
 QUEUED: Final = "queued"
 DONE: Final = "done"
 FAILED: Final = "failed"
 EXPIRED: Final = "expired"
+CANCELLED: Final = "cancelled"
+
+CANCEL_GRACE_S = 120
+"""A cancellation marker outlives its request's deadline by this long: past anything a
+worker could still start or publish for it."""
 
 EXPIRED_ERROR = "deadline passed before the job finished"
 """The error of a job still queued when its deadline passed (see :meth:`JobRecord.view`)."""
@@ -97,8 +103,50 @@ def job_finished(reply: Reply) -> dict[FieldT, EncodableT]:
     if reply.outcome == "ok":
         result = orjson.dumps(reply.result).decode()
         return {JobField.STATUS: DONE, JobField.RESULT: result, JobField.HTTP_STATUS: code}
-    status = EXPIRED if reply.outcome == "expired" else FAILED
+    status = {"expired": EXPIRED, "cancelled": CANCELLED}.get(reply.outcome, FAILED)
     return {JobField.STATUS: status, JobField.ERROR: reply.error or "", JobField.HTTP_STATUS: code}
+
+
+CANCELLED_ERROR = "cancelled"
+"""The error of a cancelled job (see :class:`~pipelines.errors.Cancelled`)."""
+
+
+def job_cancelled() -> dict[FieldT, EncodableT]:
+    """A job record's fields once it is cancelled before it finished."""
+    code = str(Cancelled.status)
+    return {JobField.STATUS: CANCELLED, JobField.ERROR: CANCELLED_ERROR, JobField.HTTP_STATUS: code}
+
+
+def mark_cancelled(
+    redis: aioredis.Redis | aioredis.client.Pipeline,
+    keys: Keys,
+    request_id: str,
+    deadline: float,
+    now: float,
+) -> Any:
+    """Set ``request_id``'s cancellation marker (``Keys.cancelled``): from when Redis has
+    it, no step starts the request, and no finished batch publishes its output. It lasts
+    until the request's ``deadline`` (Redis clock, as is ``now``) has long passed.
+
+    Args:
+        redis: a client (the command is returned, to be awaited), or a pipeline.
+        keys: the namespace's key names.
+        request_id: the request.
+        deadline: its deadline.
+        now: the time now.
+    """
+    ttl_s = max(1, int(deadline - now)) + CANCEL_GRACE_S
+    return redis.set(keys.cancelled(request_id), "1", ex=ttl_s)
+
+
+async def cancelled_among(
+    client: aioredis.Redis, keys: Keys, request_ids: Sequence[str]
+) -> set[str]:
+    """Which of ``request_ids`` are cancelled: one MGET (nothing sent for none)."""
+    if not request_ids:
+        return set()
+    found = await client.mget([keys.cancelled(rid) for rid in request_ids])
+    return {rid for rid, mark in zip(request_ids, found, strict=True) if mark is not None}
 
 
 def _str(value: object) -> str:

@@ -20,7 +20,7 @@ from pipelines.keys import GROUP, Keys
 from pipelines.metrics import BUCKETS, Histogram, histogram_lines, labels, le_label
 from pipelines.redisio import text
 
-OUTCOMES = ("ok", "error", "expired")
+OUTCOMES = ("ok", "error", "expired", "cancelled")
 
 ALIVE_IDLE_MS = 30_000
 """A consumer idle longer than this (no read, no touch) counts as gone: a crashed worker

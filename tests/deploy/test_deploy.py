@@ -79,7 +79,7 @@ NEEDS = {
     ),
     "worker": words(
         "ping time xgroup|create xreadgroup multi exec xadd expire hset hexists hgetall eval",
-        "evalsha exists xack hincrby hincrbyfloat sadd set del",
+        "evalsha exists xack hincrby hincrbyfloat sadd set del mget",
     ),
     "keda": words("info xinfo|groups xpending xlen"),
 }
