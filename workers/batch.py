@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,13 +75,17 @@ def timed_run(
 class Runner:
     """The stage's model and the one thread it runs in, a batch at a time.
 
+    A batch runs in its turn (:meth:`turn`), taken in the order asked for, so what it does
+    just before the model starts (ask which of its requests were cancelled while it
+    waited) is done when the model is free, not when the batch closed.
+
     Args:
         stage: the stage served.
         settings: the worker's settings (how its model is built).
         model: an already-built model (tests, embedding); built by :meth:`load` if None.
 
     Attributes:
-        busy: batches handed to the model thread and not yet finished.
+        busy: batches waiting for their turn or in it.
         last_run_s: the model time of the last batch.
     """
 
@@ -89,6 +94,7 @@ class Runner:
         self.busy = 0
         self.last_run_s = 0.0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{stage.name}")
+        self._turns = asyncio.Lock()  # FIFO: batches run in the order they asked
 
     async def load(self) -> None:
         """Build the stage's model (in the model thread) unless there is one."""
@@ -97,19 +103,26 @@ class Runner:
             args = (self.stage, self.settings)
             self.model = await loop.run_in_executor(self._executor, build_model, *args)
 
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold the model for one batch (:meth:`run` it inside), after the batches that
+        asked before; busy from the asking."""
+        self.busy += 1
+        try:
+            async with self._turns:
+                yield
+        finally:
+            self.busy -= 1
+
     async def run(
         self, items: list[Item], emit: Emit | None
     ) -> tuple[list[Result | BaseException], float]:
-        """Each item's result or error, and the model time (see :func:`timed_run`)."""
+        """Each item's result or error, and the model time (see :func:`timed_run`); in
+        the batch's :meth:`turn`."""
         assert self.model is not None
-        self.busy += 1
-        try:
-            loop = asyncio.get_running_loop()
-            results, run_s = await loop.run_in_executor(
-                self._executor, timed_run, self.model, items, emit
-            )
-        finally:
-            self.busy -= 1
+        loop = asyncio.get_running_loop()
+        args = (self.model, items, emit)
+        results, run_s = await loop.run_in_executor(self._executor, timed_run, *args)
         self.last_run_s = run_s
         return results, run_s
 

@@ -2,8 +2,9 @@
 
 An entry that does not decode is dead-lettered and its caller told; one written after its
 gateway refused it is dropped; the same request twice in one batch runs once; a request
-past its deadline, or whose input is invalid, is answered without running. What is left
-are the batch's live items, in entry order.
+past its deadline, or whose input is invalid, is answered without running; so is one
+cancelled by the time the model is free for its batch (:meth:`Intake.withdraw_cancelled`,
+one MGET per batch). What is left are the batch's live items, in entry order.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from pipelines.envelope import Request, decode_request
 from pipelines.errors import EnvelopeError
 from pipelines.model import Item, Result
-from pipelines.redisio import entry_ms
+from pipelines.records import cancelled_among
+from pipelines.redisio import entry_ms, on_live_connection
 from pipelines.stages import Stage
 from workers.batch import BatchRecord, Entry
 from workers.recovery import Letter, Recovery
@@ -43,12 +46,16 @@ class Intake:
     """Opens batches for one stage.
 
     Args:
+        client: Redis client (asks which requests are cancelled).
         stage: the stage served (its input model).
         router: ends the requests that do not run.
         recovery: dead-letters the entries that do not decode.
     """
 
-    def __init__(self, stage: Stage, router: Router, recovery: Recovery) -> None:
+    def __init__(
+        self, client: aioredis.Redis, stage: Stage, router: Router, recovery: Recovery
+    ) -> None:
+        self.client = client
         self.stage = stage
         self.router = router
         self.recovery = recovery
@@ -93,6 +100,23 @@ class Intake:
             if item is not None:
                 batch.live.append((req, item))
         return batch
+
+    async def withdraw_cancelled(self, batch: Batch, now: float) -> None:
+        """End the batch's live requests that are cancelled by ``now`` as ``cancelled``
+        (:meth:`Router.cancel`), so the model never runs them: one MGET, none for a batch
+        with nothing live."""
+        ids = [req.id for req, _ in batch.live]
+        # The batch's first command since it was read: after a restart of Redis it may
+        # meet a dead pooled connection, which must not leave the batch to a reclaim.
+        cancelled = await on_live_connection(
+            self.client, lambda: cancelled_among(self.client, self.router.keys, ids)
+        )
+        if not cancelled:
+            return
+        for req, _ in batch.live:
+            if req.id in cancelled:
+                self.router.cancel(batch.out, req, now)
+        batch.live = [(req, item) for req, item in batch.live if req.id not in cancelled]
 
     def _admit(self, out: Outbox, req: Request, now: float) -> Item | None:
         """The item to run for ``req``, or None when it ends here (expired, invalid)."""

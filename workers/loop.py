@@ -31,7 +31,7 @@ from pipelines.stages import Stage
 from workers.batch import BatchRecord, Entry, Runner
 from workers.intake import Batch, Intake
 from workers.partials import Partials
-from workers.publish import publish
+from workers.publish import Published, publish
 from workers.recovery import Letter, Recovery
 from workers.route import Outbox, Router
 from workers.settings import WorkerSettings
@@ -49,9 +49,10 @@ class Worker:
     """Serves one stage until stopped.
 
     Each batch goes: read (XREADGROUP) → window (:class:`Window`: when it closes) → intake
-    (:class:`Intake`: decoded, admitted) → run (:class:`Runner`: the model thread) → route
-    (:meth:`Router.finish`) → publish with its ack. Before each read, :class:`Recovery`
-    does its duties that are due, and may hand over a reclaimed entry to run alone.
+    (:class:`Intake`: decoded, admitted) → run (:class:`Runner`: the model thread, once the
+    requests cancelled meanwhile are withdrawn) → route (:meth:`Router.finish`) → publish
+    with its ack. Before each read, :class:`Recovery` does its duties that are due, and
+    may hand over a reclaimed entry to run alone.
 
     Args:
         stage: the stage to serve.
@@ -89,7 +90,7 @@ class Worker:
             self.clock,
             self._publish,
         )
-        self.intake = Intake(stage, self.router, self.recovery)
+        self.intake = Intake(self.client, stage, self.router, self.recovery)
         self.history: deque[BatchRecord] = deque(maxlen=10_000)
         self._joined = False  # the clock calibrated and the group there
         self._fatal: BaseException | None = None  # a batch's unexpected failure ends run()
@@ -227,39 +228,56 @@ class Worker:
                 self.recovery.suspect_done()
 
     async def _run_model(self, batch: Batch) -> None:
-        """Run the live items in the model thread, streaming partial output as it comes."""
-        requests = [req for req, _ in batch.live]
-        partials = Partials(self.client, requests, self.settings, asyncio.get_running_loop())
+        """Run the live items in the model thread, streaming partial output as it comes.
+
+        Once the model is the batch's (its turn), the requests cancelled while it waited
+        are withdrawn (one MGET) and never run."""
         heartbeat = self.recovery.heartbeat([eid for eid, _ in batch.entries])
+        partials: Partials | None = None
         try:
-            items = [item for _, item in batch.live]
-            emit = partials.emit if partials.wanted else None
-            batch.results, batch.record.run_s = await self.runner.run(items, emit)
+            async with self.runner.turn():
+                await self.intake.withdraw_cancelled(batch, self.clock.now())
+                if not batch.live:
+                    return
+                requests = [req for req, _ in batch.live]
+                loop = asyncio.get_running_loop()
+                partials = Partials(self.client, requests, self.settings, loop)
+                items = [item for _, item in batch.live]
+                emit = partials.emit if partials.wanted else None
+                batch.results, batch.record.run_s = await self.runner.run(items, emit)
         finally:
             await heartbeat.stop()
-            await partials.close()  # every partial is out before the final reply
+            if partials is not None:
+                await partials.close()  # every partial is out before the final reply
         self.window.learn(len(batch.live), batch.record.run_s)
 
     async def _publish_batch(self, batch: Batch) -> None:
         """Publish and ack the batch, count it, and log it in one line."""
         record = batch.record
-        # Counted as publish counts them: one outcome per request (see Effects.outcome).
-        record.outcomes.update(effects.outcome() for effects in batch.out.effects.values())
-        record.outcomes["error"] += len(batch.dropped)
         counts = stats.batch_fields(record.size, len(batch.live), batch.waits, record.run_s)
         if batch.letters:
             counts["dead_letters"] = len(batch.letters)
         ids = [eid for eid, _ in batch.entries]
         gauges = self.window.gauges()
-        await self._publish(batch.out, ids, counts, batch.letters, gauges, batch.dropped)
+        out = batch.out
+        published = await self._publish(out, ids, counts, batch.letters, gauges, batch.dropped)
+        # Counted as publish counts them: one outcome per request (see Effects.outcome),
+        # cancelled for those it found cancelled.
+        record.outcomes.update(
+            "cancelled" if marker in published.cancelled else effects.outcome()
+            for marker, effects in out.effects.items()
+        )
+        record.outcomes["error"] += len(batch.dropped)
         self.history.append(record)
         logger.info(
-            "stage %s batch=%d ok=%d error=%d expired=%d wait_max=%.1fms run=%.1fms traces=%s",
+            "stage %s batch=%d ok=%d error=%d expired=%d cancelled=%d wait_max=%.1fms "
+            "run=%.1fms traces=%s",
             self.stage.name,
             record.size,
             record.outcomes["ok"],
             record.outcomes["error"],
             record.outcomes["expired"],
+            record.outcomes["cancelled"],
             max(batch.waits) * 1000,
             record.run_s * 1000,
             ",".join(record.trace_ids),
@@ -273,11 +291,11 @@ class Worker:
         letters: list[Letter],
         gauges: Mapping[str, float] | None = None,
         dropped: Sequence[str] = (),
-    ) -> None:
+    ) -> Published:
         """Publish ``out``, ack ``entry_ids`` and add ``counts`` to the stage's stats in one
         call (:func:`workers.publish.publish`, which documents the rest)."""
         keys = self.settings.keys
-        await publish(
+        return await publish(
             self.client,
             out,
             stream=self.stream,

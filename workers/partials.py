@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import redis.asyncio as aioredis
 
 from pipelines.envelope import Reply, Request, encode
+from pipelines.records import cancelled_among
 from pipelines.redisio import REDIS_DOWN
 from workers.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
+
+CANCEL_CHECK_S = 0.25
+"""While partials flow, a batch asks this often (one MGET) which of its streaming requests
+are cancelled; a cancelled one gets no more partials. Per batch, never per token."""
 
 
 class Partials:
@@ -26,7 +32,12 @@ class Partials:
     ``emit`` runs in the model thread and hands over to the event loop; a drain task
     writes only what each client has not seen yet (a retried batch re-emits from the
     start). Partials are best effort and outside the batch's transaction: the final
-    reply, published with the ack, is what counts.
+    reply, published with the ack, is what counts. A request cancelled while the batch
+    runs stops getting partials once the drain has seen its marker (:data:`CANCEL_CHECK_S`;
+    the batch's intake had just looked).
+
+    Attributes:
+        cancelled: per row, whether its request was found cancelled.
     """
 
     def __init__(
@@ -42,12 +53,14 @@ class Partials:
         self.loop = loop
         self.wanted = any(r.stream for r in requests)
         self.sent = [0] * len(requests)
+        self.cancelled = [False] * len(requests)
+        self._checked_at = time.monotonic()
         self.queue: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
         self.task = loop.create_task(self._drain()) if self.wanted else None
 
     def emit(self, index: int, text: str) -> None:
         """Called from the model thread: row ``index`` now reads ``text``."""
-        if self.requests[index].stream:
+        if self.requests[index].stream and not self.cancelled[index]:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, text))
 
     async def close(self) -> None:
@@ -62,12 +75,15 @@ class Partials:
             batch = [await self.queue.get()]
             while not self.queue.empty():
                 batch.append(self.queue.get_nowait())
+            await self._check_cancelled()
             pipe = self.client.pipeline(transaction=False)
             for update in batch:
                 if update is None:
                     finished = True
                     continue
                 index, text = update
+                if self.cancelled[index]:
+                    continue
                 delta = text[self.sent[index] :]
                 if not delta:
                     continue
@@ -86,3 +102,19 @@ class Partials:
                 await pipe.execute()
             except REDIS_DOWN as exc:
                 logger.warning("could not stream partial output: %s", exc)
+
+    async def _check_cancelled(self) -> None:
+        """Mark the streaming rows whose requests are cancelled, if it is time to ask."""
+        now = time.monotonic()
+        if now - self._checked_at < CANCEL_CHECK_S:
+            return
+        self._checked_at = now
+        rows = [i for i, r in enumerate(self.requests) if r.stream and not self.cancelled[i]]
+        ids = [self.requests[i].id for i in rows]
+        try:
+            found = await cancelled_among(self.client, self.settings.keys, ids)
+        except REDIS_DOWN as exc:
+            logger.warning("could not check for cancelled requests: %s", exc)
+            return
+        for i in rows:
+            self.cancelled[i] = self.requests[i].id in found

@@ -10,11 +10,17 @@ A call is safe to repeat: each request's effects and its outcome counter are gua
 the request's "done" marker, and the call as a whole by a token key of its own, so a call
 that Redis ran but whose answer was lost (the connection died) does nothing the second
 time. That is what lets :func:`publish` retry once on a fresh connection.
+
+A request cancelled while its step ran (its ``Keys.cancelled`` marker exists when the
+script runs) publishes none of its effects: no reply, no hand-over, no join arrival, no
+job record written over the one its cancellation wrote. It counts ``cancelled`` instead
+of its outcome, under its "done" marker as well; its entry is acknowledged with the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from hashlib import sha1
 
 import orjson
@@ -25,7 +31,7 @@ from redis.typing import EncodableT, FieldT
 from pipelines.envelope import BRANCH, FIELD, encode
 from pipelines.keys import GROUP
 from pipelines.records import job_finished
-from pipelines.redisio import on_live_connection
+from pipelines.redisio import on_live_connection, text
 from workers.route import Effects, Outbox
 
 TOKEN_TTL_S = 30
@@ -39,15 +45,18 @@ PUBLISH_SCRIPT = """
 -- KEYS: every key the batch touches. ARGV[1]: the plan (JSON); ARGV[2..]: the values.
 -- The plan is {"t": token, "tt": ttl, "g": groups, "a": commands}. If the token key
 -- exists, this very call has run before (its answer was lost): nothing runs again and
--- the first run's answer is returned; else it is set (tt seconds) at the end. A group is
--- [marker, ttl, command...]: its commands run only if its "done" marker is absent, and
--- then the marker is set (ttl seconds), so a step that ran twice publishes (and counts
--- its outcome) once. "a" runs once per call (ack, batch stats, dead letters).
+-- the first run's answer (kept in it) is returned; else it is set (tt seconds) at the
+-- end. A group is [marker, ttl, command...]: its commands run only if its "done" marker
+-- is absent, and then the marker is set (ttl seconds), so a step that ran twice
+-- publishes (and counts its outcome) once. "a" runs once per call (ack, batch stats, dead letters).
 -- In a command, a string is itself, a number n >= 1 is ARGV[n + 1] and -n is KEYS[n].
 -- JOIN and FAILJOIN are the join operations below; ONCE marker ttl command... runs its
 -- commands only if a second marker is absent too, and sets it (the answer of a failed
--- branch, shared by its join's branches); any other name is a Redis command.
--- Returns how many groups were skipped as already published.
+-- branch, shared by its join's branches); UNLESS key otherwise command... runs its
+-- commands only if key is absent, else the one command otherwise (a request cancelled
+-- while it ran: its count alone); any other name is a Redis command.
+-- Returns {skipped, cancelled}: how many groups were skipped as already published, and
+-- the markers of those whose UNLESS found its key (cancelled).
 local function value(t)
   if type(t) == 'number' then
     if t < 0 then return KEYS[-t] end
@@ -86,6 +95,14 @@ local function failjoin(key, ttl)
 end
 
 local function run(command)
+  if command[1] == 'UNLESS' then
+    if redis.call('EXISTS', value(command[2])) == 1 then
+      run(command[3])
+      return true
+    end
+    for i = 4, #command do run(command[i]) end
+    return false
+  end
   if command[1] == 'ONCE' then
     local marker = value(command[2])
     if redis.call('EXISTS', marker) == 0 then
@@ -108,25 +125,42 @@ end
 local plan = cjson.decode(ARGV[1])
 local token = value(plan.t)
 local first = redis.call('GET', token)
-if first then return tonumber(first) end
-local skipped = 0
+if first then return cjson.decode(first) end
+local skipped, cancelled = 0, {}
 for _, group in ipairs(plan.g) do
   local marker = value(group[1])
   if redis.call('EXISTS', marker) == 1 then
     skipped = skipped + 1
   else
     redis.call('SET', marker, '1', 'EX', group[2])
-    for i = 3, #group do run(group[i]) end
+    for i = 3, #group do
+      if run(group[i]) then cancelled[#cancelled + 1] = marker end
+    end
   end
 end
 for _, command in ipairs(plan.a) do run(command) end
-redis.call('SET', token, skipped, 'EX', plan.tt)
-return skipped
+local answer = {skipped, cancelled}
+redis.call('SET', token, cjson.encode(answer), 'EX', plan.tt)
+return answer
 """
 PUBLISH_SHA = sha1(PUBLISH_SCRIPT.encode()).hexdigest()
 
 Token = str | int
 """A plan token: a literal string, a value's number (>= 1) or a key's number (<= -1)."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """What one publish call did.
+
+    Attributes:
+        skipped: how many requests were skipped as already published.
+        cancelled: the "done" markers of the requests found cancelled (nothing of them
+            was published; each counted ``cancelled``).
+    """
+
+    skipped: int = 0
+    cancelled: frozenset[str] = frozenset()
 
 
 class Plan:
@@ -179,14 +213,17 @@ async def publish(
     dead_letters: Sequence[tuple[str, dict[FieldT, EncodableT]]] = (),
     gauges: Mapping[str, float] | None = None,
     dropped: Sequence[str] = (),
-) -> int:
+) -> Published:
     """Publish a batch's outbox and ack its entries, atomically, in one round trip.
 
     Each request's effects, and the count of its outcome (``items:<outcome>`` in the
     stats hash), are guarded by its "done" marker: a request whose marker exists (its
     step already published, by this or another worker) is skipped, so the counters equal
-    the requests answered. If the connection dies under the call, it is retried once on a
-    fresh connection; ``token_key`` makes the retry a no-op if the first call did run.
+    the requests answered. A request whose ``Effects.cancel_marker`` exists publishes
+    nothing and counts ``items:cancelled`` (unless it already ends ``cancelled``: that
+    ending is what it publishes). If the connection dies under the call, it is retried
+    once on a fresh connection; ``token_key`` makes the retry a no-op if the first call
+    did run.
 
     Args:
         client: Redis client.
@@ -208,15 +245,18 @@ async def publish(
             acked unanswered: each counts one ``items:error``, once.
 
     Returns:
-        How many requests were skipped as already published.
+        How many requests were skipped as already published, and which were cancelled.
     """
     plan = Plan()
     streams: set[str] = set()
     for marker, effects in out.effects.items():
-        group: list[object] = [plan.key(marker), str(effects.marker_ttl_s)]
-        group += _commands(plan, effects, streams, reply_maxlen, job_prefix, job_ttl_s)
-        group.append(["HINCRBY", plan.key(stats_key), f"items:{effects.outcome()}", "1"])
-        plan.groups.append(group)
+        outcome = effects.outcome()
+        commands = _commands(plan, effects, streams, reply_maxlen, job_prefix, job_ttl_s)
+        commands.append(["HINCRBY", plan.key(stats_key), f"items:{outcome}", "1"])
+        if effects.cancel_marker is not None and outcome != "cancelled":
+            counted = ["HINCRBY", plan.key(stats_key), "items:cancelled", "1"]
+            commands = [["UNLESS", plan.key(effects.cancel_marker), counted, *commands]]
+        plan.groups.append([plan.key(marker), str(effects.marker_ttl_s), *commands])
     for marker in dropped:
         dropped_group: list[object] = [plan.key(marker), str(DROPPED_TTL_S)]
         dropped_group.append(["HINCRBY", plan.key(stats_key), "items:error", "1"])
@@ -238,18 +278,19 @@ async def publish(
         else:
             plan.always.append(["HINCRBY", plan.key(stats_key), name, str(int(amount))])
     if not plan.groups and not plan.always:
-        return 0
+        return Published()
     plan.token = plan.key(token_key)
     return await on_live_connection(client, lambda: _run(client, plan))
 
 
-async def _run(client: aioredis.Redis, plan: Plan) -> int:
+async def _run(client: aioredis.Redis, plan: Plan) -> Published:
     args = plan.script_args()
     try:
-        skipped = await client.evalsha(PUBLISH_SHA, len(plan.keys), *plan.keys, *args)
+        answer = await client.evalsha(PUBLISH_SHA, len(plan.keys), *plan.keys, *args)
     except NoScriptError:  # first use on this server (or after a restart): EVAL caches it
-        skipped = await client.eval(PUBLISH_SCRIPT, len(plan.keys), *plan.keys, *args)
-    return int(skipped)
+        answer = await client.eval(PUBLISH_SCRIPT, len(plan.keys), *plan.keys, *args)
+    skipped, cancelled = answer
+    return Published(int(skipped), frozenset(map(text, cancelled)))
 
 
 def _pairs(

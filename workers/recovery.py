@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 Letter = tuple[str, dict[FieldT, EncodableT]]
 """A dead letter to add: the stage's dead-letter stream and the entry (see :func:`letter`)."""
 
-Publish = Callable[[Outbox, list[bytes], Mapping[str, float], list[Letter]], Awaitable[None]]
+Publish = Callable[[Outbox, list[bytes], Mapping[str, float], list[Letter]], Awaitable[object]]
 """Publishes an outbox, acks entries, adds stats and dead letters in one call (the worker's)."""
 
 

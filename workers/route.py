@@ -20,7 +20,13 @@ from typing import Any
 import orjson
 
 from pipelines.envelope import Outcome, Reply, Request, Sender, dumps, wire_problem
-from pipelines.errors import RETRY_AFTER_MAX_S, ConveyorError, InvalidInput, http_status
+from pipelines.errors import (
+    RETRY_AFTER_MAX_S,
+    Cancelled,
+    ConveyorError,
+    InvalidInput,
+    http_status,
+)
 from pipelines.graph import End, Pipeline, Step
 from pipelines.keys import Keys
 from pipelines.model import Result
@@ -65,6 +71,9 @@ class Effects:
         answer_marker: when set (a failed branch: its join's "done" marker), the replies
             and failed joins run only if this marker is absent too, and set it, so the
             branches of one join answer a request once between them.
+        cancel_marker: the request's cancellation marker (``Keys.cancelled``): if it
+            exists when the batch publishes, none of these effects are (the request was
+            cancelled while its step ran) and the request counts as ``cancelled``.
     """
 
     marker_ttl_s: int
@@ -73,6 +82,7 @@ class Effects:
     joins: list[JoinArrival] = field(default_factory=list)
     failed_joins: list[tuple[str, int]] = field(default_factory=list)
     answer_marker: str | None = None
+    cancel_marker: str | None = None
 
     def outcome(self) -> str:
         """The request's outcome at this step: its failure reply's, else ``ok`` (answered,
@@ -160,6 +170,12 @@ class Router:
             name = joined[0].name
             effects.failed_joins.append((self.keys.join(req.id, name), self._ttl(req, now)))
             effects.answer_marker = self.keys.done(req.id, name)
+
+    def cancel(self, out: Outbox, req: Request, now: float) -> None:
+        """End ``req`` cancelled before its step ran: as any failure, its job record says
+        so and a branch fails its join, so the join never fires."""
+        message = "cancelled before the step ran"
+        self.fail(out, req, "cancelled", message, status=Cancelled.status, now=now)
 
     def fail_unreadable(self, out: Outbox, who: Sender, message: str) -> bool:
         """Tell the caller of an entry that did not decode (version skew, corruption)
@@ -250,7 +266,8 @@ class Router:
     def _effects(self, out: Outbox, req: Request, now: float) -> Effects:
         marker = self.keys.done(req.id, req.step)
         if marker not in out.effects:
-            out.effects[marker] = Effects(marker_ttl_s=self._ttl(req, now))
+            ttl_s, cancel_marker = self._ttl(req, now), self.keys.cancelled(req.id)
+            out.effects[marker] = Effects(marker_ttl_s=ttl_s, cancel_marker=cancel_marker)
         return out.effects[marker]
 
     def _reply(self, out: Effects, req: Request, result: dict[str, Any]) -> None:

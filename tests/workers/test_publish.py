@@ -11,7 +11,7 @@ from pipelines.keys import GROUP, Keys
 from pipelines.records import DONE, EXPIRED, FAILED, JobRecord
 from pipelines.redisio import ensure_group
 from tests.helpers import Harness
-from workers.publish import publish
+from workers.publish import Published, publish
 from workers.route import Effects, Outbox
 
 
@@ -44,7 +44,7 @@ async def publish_batch(
     token: str,
     model_items: int,
     **extra: Any,
-) -> int:
+) -> Published:
     """Publish ``out`` as one batch of stage ``s`` over the entries ``ids`` (acked), the
     model having run ``model_items``; ``extra``: more of publish()'s arguments."""
     return await publish(
@@ -68,7 +68,7 @@ async def test_a_repeated_call_is_a_complete_no_op(harness: Harness, redis: aior
     ids = await read_batch(redis, keys.stage_stream("s"), 3)
     out = outbox(harness, ["a", "b"])
     for _ in range(2):
-        skipped = await publish_batch(
+        published = await publish_batch(
             redis,
             keys,
             out,
@@ -78,7 +78,7 @@ async def test_a_repeated_call_is_a_complete_no_op(harness: Harness, redis: aior
             dead_letters=[(keys.dead_letters("s"), {"why": "test"})],
             dropped=[keys.dropped("s", ids[2].decode())],
         )
-        assert skipped == 0  # the repeat answers what the first call answered
+        assert published == Published()  # the repeat answers what the first call answered
     assert await redis.xlen(keys.reply_stream("t")) == 2
     assert await redis.xlen(keys.dead_letters("s")) == 1
     got = await harness.stats("s")
