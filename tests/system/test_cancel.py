@@ -19,15 +19,20 @@ CLIENTS = 64
 BATCH = 8
 
 
+def generate_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """A real ``python -m workers generate`` with ``env``, its output in ``log``."""
+    with log.open("wb") as out:
+        argv = [sys.executable, "-m", "workers", "generate"]
+        return subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=out)
+
+
 async def test_clients_that_give_up_cost_at_most_the_batch_already_started(
     redis: aioredis.Redis, redis_url: str, cache_dir: Path, tmp_path: Path
 ) -> None:
     settings = {"CONVEYOR_PIPELINES": "generate", "CONVEYOR_CACHE_DIR": str(cache_dir)}
     with GatewayProcess(redis_url, tmp_path / "gateway.log", **settings) as gateway:
         env = gateway.env | {"CONVEYOR_MAX_BATCH_SIZE": str(BATCH)}
-        with (tmp_path / "worker.log").open("wb") as log:
-            argv = [sys.executable, "-m", "workers", "generate"]
-            worker = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)
+        worker = generate_worker(env, tmp_path / "worker.log")
         keys = Keys(env["CONVEYOR_NAMESPACE"])
         try:
             async with httpx.AsyncClient(base_url=gateway.base) as http:
