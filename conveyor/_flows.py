@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import httpx
 
-from pipelines.records import DONE, EXPIRED, FAILED, JobField
+from pipelines.records import CANCELLED, DONE, EXPIRED, FAILED, JobField
 
 MAX_RETRY_WAIT_S = 5.0  # no wait between retries is longer, whatever Retry-After says
 BACKOFF_S = 0.25  # the first wait after a refused connection (or a bare 503); it doubles
@@ -36,7 +36,8 @@ class ConveyorHTTPError(Exception):
     """The gateway answered with an error, a stream ended in one, or a job failed.
 
     Args:
-        status: the HTTP status (a failed job's ``http_status``; 502: a stream cut short).
+        status: the HTTP status (a failed job's ``http_status``, 499 for a cancelled one;
+            502: a stream cut short).
         detail: the gateway's ``detail``: a message, or for 422 a list of ``{loc, msg, type}``.
         path: the URL path that answered.
         request_id: the request (or job) id, when there is one.
@@ -101,16 +102,21 @@ def retry_in(failed: httpx.Response | httpx.TransportError, attempt: int, retrie
     return min(BACKOFF_S * 2**attempt if retry_after is None else retry_after, MAX_RETRY_WAIT_S)
 
 
+FINISHED_STATUS = {FAILED: 500, EXPIRED: 504, CANCELLED: 499}
+"""A job's status once it finished without a result, and its usual ``http_status``."""
+
+
 def job_result(job: Json) -> Json | None:
-    """A done job's result; raises for a failed or expired one; None while it is queued."""
+    """A done job's result; raises for a failed, expired or cancelled one; None while it
+    is queued."""
     status, job_id = job[JobField.STATUS], job[JobField.ID]
     if status == DONE:
         return dict(job[JobField.RESULT])
-    if status not in (FAILED, EXPIRED):
+    if status not in FINISHED_STATUS:
         return None
     detail, path = str(job.get(JobField.ERROR, status)), f"/v1/jobs/{job_id}"
     # A gateway always says; one that does not (a proxy's rewrite) still gets its error.
-    code = int(job.get(JobField.HTTP_STATUS, 504 if status == EXPIRED else 500))
+    code = int(job.get(JobField.HTTP_STATUS, FINISHED_STATUS[status]))
     raise ConveyorHTTPError(code, detail, path=path, request_id=job_id)
 
 
@@ -250,9 +256,14 @@ class Base(Generic[TransportT, PoolT]):
     def _submit(self, post: Post) -> Flow[str]:
         return str((yield from self._post(f"/v1/jobs/{post.name}", post)).json()["id"])
 
-    def _job(self, job_id: str) -> Flow[Json]:
-        request = self._http.build_request("GET", f"/v1/jobs/{quote(job_id, safe='')}")
+    def _job(self, job_id: str, method: str = "GET") -> Flow[Json]:
+        request = self._http.build_request(method, f"/v1/jobs/{quote(job_id, safe='')}")
         return dict((yield from self._send(request)).json())
+
+    def _cancel(self, job_id: str) -> Flow[Json]:
+        # Not sent again after a lost answer (retry_in): the first may have cancelled the
+        # job, and the repeat would say 409.
+        return (yield from self._job(job_id, "DELETE"))
 
     def _wait(self, job_id: str, timeout: float, poll_s: float) -> Flow[Json]:
         deadline = time.monotonic() + timeout

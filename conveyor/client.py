@@ -11,10 +11,11 @@ runs flows with its one driver, ``_drive``, and does the I/O: blocking or awaite
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar, cast
 
@@ -158,17 +159,26 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
 
     def wait(self, job_id: str, *, timeout: float = 300, poll_s: float = 0.2) -> Json:
         """Poll job ``job_id`` every ``poll_s`` seconds until it is done; return its result.
-        Raises ConveyorHTTPError (``status``: the job's ``http_status``) if it failed or
-        expired, TimeoutError if it was not done after ``timeout`` seconds."""
+        Raises ConveyorHTTPError (``status``: the job's ``http_status``) if it failed,
+        expired or was cancelled (499), TimeoutError if it was not done after ``timeout``
+        seconds."""
         return self._drive(self._wait(job_id, timeout, poll_s))
 
+    def cancel(self, job_id: str) -> Json:
+        """Cancel job ``job_id`` (``DELETE /v1/jobs/{id}``): no stage starts it any more.
+        Returns its record, ``cancelled``; raises ConveyorHTTPError with status 409 if it
+        had already finished (404: unknown, or another key's)."""
+        return self._drive(self._cancel(job_id))
+
     @_taking(Post)
-    def stream(self, post: Post) -> Iterator[str]:
+    def stream(self, post: Post) -> Generator[str]:
         """The text of a streamed generation (``POST /v1/{name}/stream``), piece by piece as
-        it grows; for the final result as well, iterate :meth:`stream_events`."""
-        for kind, data in self._events(post):
-            if kind == "token":
-                yield str(data["text"])
+        it grows; for the final result as well, iterate :meth:`stream_events`. Closing the
+        iterator before the end cancels the generation."""
+        with contextlib.closing(self._events(post)) as events:
+            for kind, data in events:
+                if kind == "token":
+                    yield str(data["text"])
 
     @_taking(Post)
     def stream_events(self, post: Post) -> Iterator[Event]:
@@ -177,7 +187,7 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
         event raises :class:`ConveyorHTTPError`."""
         return self._events(post)
 
-    def _events(self, post: Post) -> Iterator[Event]:
+    def _events(self, post: Post) -> Generator[Event]:
         resp = self._drive(self._stream(post))
         events = Events(resp)
         try:
@@ -269,19 +279,24 @@ class AsyncClient(Base[httpx.AsyncBaseTransport, httpx.AsyncClient]):
         ``timeout`` seconds, until it is done; return its result."""
         return await self._drive(self._wait(job_id, timeout, poll_s))
 
+    async def cancel(self, job_id: str) -> Json:
+        """:meth:`Client.cancel`: cancel job ``job_id``; returns its record."""
+        return await self._drive(self._cancel(job_id))
+
     @_taking(Post)
-    async def stream(self, post: Post) -> AsyncIterator[str]:
+    async def stream(self, post: Post) -> AsyncGenerator[str]:
         """:meth:`Client.stream`: ``async for`` it."""
-        async for kind, data in self._events(post):
-            if kind == "token":
-                yield str(data["text"])
+        async with contextlib.aclosing(self._events(post)) as events:
+            async for kind, data in events:
+                if kind == "token":
+                    yield str(data["text"])
 
     @_taking(Post)
     def stream_events(self, post: Post) -> AsyncIterator[Event]:
         """:meth:`Client.stream_events`: ``async for`` it."""
         return self._events(post)
 
-    async def _events(self, post: Post) -> AsyncIterator[Event]:
+    async def _events(self, post: Post) -> AsyncGenerator[Event]:
         resp = await self._drive(self._stream(post))
         events = Events(resp)
         try:

@@ -69,7 +69,8 @@ class JobAccepted(BaseModel):
 
 class JobView(BaseModel):
     """An async job: ``queued``; ``done`` with the result the sync call returns;
-    ``failed`` / ``expired`` with the error and the status the sync call would have had."""
+    ``failed`` / ``expired`` with the error and the status the sync call would have had;
+    ``cancelled`` (``DELETE``) with the error and 499."""
 
     id: str
     pipeline: str
@@ -79,12 +80,22 @@ class JobView(BaseModel):
     http_status: int | SkipJsonSchema[None] = Field(default=None, json_schema_extra=_optional)
 
 
-MODELS: tuple[type[BaseModel], ...] = (ErrorBody, ValidationErrorBody, ValidationIssue)
+class JobFinished(ErrorBody):
+    """409 to ``DELETE /v1/jobs/{id}``: the job had already finished; ``job`` is it now."""
+
+    job: JobView
+
+
+MODELS: tuple[type[BaseModel], ...] = (ErrorBody, ValidationErrorBody, ValidationIssue, JobFinished)
+BODIES: dict[int, type[BaseModel]] = {422: ValidationErrorBody, 409: JobFinished}
+"""The statuses whose body is not an :class:`ErrorBody`."""
 
 WHY = {
     401: "A valid API key is required (checked before the body's size).",
     404: "No such job (or not yours), or a step found nothing (e.g. no article).",
     408: "The body did not arrive within CONVEYOR_CLIENT_TIMEOUT_S.",
+    409: "The job had already finished (done, failed, expired or cancelled): nothing to "
+    "cancel; `job` is its view.",
     413: "The body is over CONVEYOR_MAX_BODY_BYTES; nothing is enqueued.",
     422: "The request does not fit the schema, or holds what the wire cannot carry (NaN, "
     "a lone surrogate, nesting past 64); `loc` names the field.",
@@ -99,7 +110,7 @@ def declared(statuses: Iterable[int]) -> dict[int | str, dict[str, Any]]:
     own media type)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in sorted(set(statuses)):
-        model = ValidationErrorBody if status == 422 else ErrorBody
+        model = BODIES.get(status, ErrorBody)
         schema = {"$ref": f"{SCHEMAS}{model.__name__}"}
         out[status] = {
             "description": WHY.get(status, HTTPStatus(status).phrase),

@@ -12,15 +12,17 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.types import Receive
 
 from gateway.admission import Admission
 from gateway.body import problem_detail
+from gateway.cancel import Cancellations, ClientGone, unwatch, watch
 from gateway.edge import ANONYMOUS, RequestMetrics
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
 from pipelines.envelope import Reply, Request, new_request_id, wire_problem
-from pipelines.errors import DeadlineExceeded, InvalidInput, NotFound
+from pipelines.errors import Cancelled, DeadlineExceeded, InvalidInput, NotFound
 from pipelines.graph import Pipeline
 from pipelines.records import JobRecord, create_job
 from pipelines.redisio import (
@@ -68,6 +70,9 @@ class Gateway:
         self._calibrating: asyncio.Task[None] | None = None
         # An enqueue's write: a wait for a pooled connection, then one for Redis's answer.
         self.write_s = 2 * settings.redis_timeout_s
+        self.cancellations = Cancellations(
+            self.client, self.keys, self.clock, self.write_s, settings.job_ttl_s
+        )
 
     async def start(self) -> None:
         """Start the reply loop; Redis being down is not fatal (requests get 503)."""
@@ -91,6 +96,7 @@ class Gateway:
         if self._calibrating is not None:
             self._calibrating.cancel()
         await self.withdrawals.abandon()
+        await self.cancellations.close()
         try:  # nobody will read it again; without this it lingers until its TTL
             await self.client.delete(self.reply_stream)
         except REDIS_DOWN as exc:
@@ -219,9 +225,22 @@ class Gateway:
         await asyncio.shield(self._calibrating)
 
     async def call(
-        self, pipeline: Pipeline, payload: dict[str, Any], timeout_s: float, trace_id: str | None
+        self,
+        pipeline: Pipeline,
+        payload: dict[str, Any],
+        timeout_s: float,
+        trace_id: str | None,
+        receive: Receive | None = None,
     ) -> tuple[str, Reply]:
         """Run one request through ``pipeline`` and wait for its reply.
+
+        Args:
+            pipeline: the pipeline called.
+            payload: the validated request.
+            timeout_s: the request's time budget.
+            trace_id: the caller's trace id, if any.
+            receive: the HTTP request's ASGI receive, its body read: if the client
+                disconnects while the reply is awaited, the request is cancelled.
 
         Returns:
             The request id and the reply.
@@ -230,13 +249,17 @@ class Gateway:
             Overloaded: the entry stage's backlog is at its bound (nothing was enqueued).
             Unavailable: Redis cannot be reached.
             DeadlineExceeded: no reply within ``timeout_s``.
+            Cancelled: the client went away first (nobody reads the answer).
         """
         request_id = new_request_id()
         future = self.replies.expect(request_id)
+        watcher = None
         try:
             request = await self.enqueue(
                 pipeline, payload, timeout_s, trace_id, request_id=request_id
             )
+            if receive is not None:
+                watcher = watch(receive, future, request_id)
             try:
                 # Awaited directly (not through wait_for's extra task hop): the reply wakes
                 # this handler in the loop iteration after it is dispatched.
@@ -246,8 +269,13 @@ class Gateway:
                 raise DeadlineExceeded(
                     f"no result within {timeout_s:g}s", request_id=request.id
                 ) from None
+            except ClientGone:
+                await self.cancellations.mark(request.id, request.deadline)
+                raise Cancelled("the client went away", request_id=request.id) from None
         finally:
             self.replies.forget(request_id)
+            if watcher is not None:
+                await unwatch(watcher)
         return request.id, reply
 
     async def job(self, job_id: str, owner: str = ANONYMOUS) -> dict[str, Any]:
@@ -261,6 +289,25 @@ class Gateway:
             NotFound: no such job (never submitted, expired after ``job_ttl_s``, or
                 submitted under another key: existence does not leak).
         """
+        return (await self._record(job_id, owner)).view(job_id, self.clock.now())
+
+    async def cancel_job(self, job_id: str, owner: str = ANONYMOUS) -> tuple[bool, dict[str, Any]]:
+        """Cancel an async job (see :meth:`Cancellations.cancel_job
+        <gateway.cancel.Cancellations.cancel_job>`).
+
+        Args:
+            job_id: the job.
+            owner: who asks; only the job's owner may cancel it.
+
+        Returns:
+            Whether it was cancelled now (False: it had already finished), and its view.
+
+        Raises:
+            NotFound: as :meth:`job` (nothing is marked).
+        """
+        return await self.cancellations.cancel_job(job_id, await self._record(job_id, owner))
+
+    async def _record(self, job_id: str, owner: str) -> JobRecord:
         try:
             raw = await on_live_connection(
                 self.client, lambda: self.client.hgetall(self.keys.job(job_id))
@@ -270,7 +317,7 @@ class Gateway:
         record = JobRecord.parse(raw)
         if not record.readable_by(owner):
             raise NotFound(f"no job {job_id!r} (never submitted, or expired)")
-        return record.view(job_id, self.clock.now())
+        return record
 
 
 def _surface(task: asyncio.Task[None]) -> None:

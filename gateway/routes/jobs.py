@@ -1,4 +1,5 @@
-"""Async jobs: ``POST /v1/jobs/{pipeline}`` queues one (202); ``GET /v1/jobs/{id}`` reads it."""
+"""Async jobs: ``POST /v1/jobs/{pipeline}`` queues one (202); ``GET /v1/jobs/{id}`` reads it;
+``DELETE /v1/jobs/{id}`` cancels it."""
 
 from typing import Annotated
 
@@ -12,6 +13,8 @@ from gateway.routes import BODY_ERRORS, Timeout, Trace, json_response
 from gateway.service import Gateway
 from pipelines.graph import Pipeline
 from pipelines.records import QUEUED, JobField
+
+JobId = Annotated[str, Path(max_length=128)]
 
 
 def add_job_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
@@ -29,11 +32,31 @@ def add_job_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         response_model=JobView,
         responses=declared([*edge, 404, 422, 503]),
     )
-    async def job(request: Request, job_id: Annotated[str, Path(max_length=128)]) -> Response:
+    async def job(request: Request, job_id: JobId) -> Response:
         """An async job: ``queued``, or ``done`` with the result the sync call returns, or
-        ``failed`` / ``expired`` with the error. Only the API key that submitted it (or,
-        with keys off, no key) can read it; to any other it is 404, like an unknown id."""
+        ``failed`` / ``expired`` / ``cancelled`` with the error. Only the API key that
+        submitted it (or, with keys off, no key) can read it; to any other it is 404, like
+        an unknown id."""
         return json_response(await gw.job(job_id, principal(request.scope)))
+
+    @app.delete(
+        "/v1/jobs/{job_id}",
+        tags=["jobs"],
+        response_model=JobView,
+        responses=declared([*edge, 404, 409, 422, 503]),
+    )
+    async def cancel(request: Request, job_id: JobId) -> Response:
+        """Cancel an async job: no stage starts it any more, and a batch already running
+        it discards its output. Answers the job, ``cancelled`` (its ``http_status`` 499);
+        409 if it had already finished (done, failed, expired, or cancelled before), with
+        the job as it is under ``job``. Only the job's owner may cancel it; to any other
+        it is 404, as for ``GET``."""
+        cancelled, view = await gw.cancel_job(job_id, principal(request.scope))
+        if cancelled:
+            return json_response(view)
+        detail = f"job {job_id!r} has already finished ({view[JobField.STATUS]})"
+        body = {"detail": detail, "request_id": job_id, "job": view}
+        return json_response(body, 409, {"X-Request-Id": job_id})
 
     for pipeline in gw.registry.pipelines.values():
         _add_submit_route(app, gw, pipeline, edge)

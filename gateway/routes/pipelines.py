@@ -5,19 +5,20 @@ Events, for a one-step pipeline whose stage streams)."""
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 import orjson
-from fastapi import Body, FastAPI, Query
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from gateway.responses import declared, validation_issues
 from gateway.routes import BODY_ERRORS, Timeout, Trace, json_response
 from gateway.service import Gateway
 from pipelines.envelope import Reply, new_request_id
-from pipelines.errors import DeadlineExceeded, ItemFailed
+from pipelines.errors import Cancelled, DeadlineExceeded, ItemFailed
 from pipelines.graph import Pipeline
 
 RESULT_ERRORS = (404, 500, 503, 504)  # what a step or the queue can answer instead
@@ -41,6 +42,8 @@ def reply_response(reply: Reply, request_id: str) -> Response:
         return json_response(reply.result, 200, {"X-Request-Id": request_id})
     if reply.outcome == "expired":
         raise DeadlineExceeded("deadline passed before the request finished", request_id=request_id)
+    if reply.outcome == "cancelled":
+        raise Cancelled(f"step {reply.stage!r}: cancelled", request_id=request_id)
     raise ItemFailed(
         f"step {reply.stage!r} failed: {reply.error}",
         status=reply.http_status,
@@ -58,13 +61,19 @@ def query_field(model: type[BaseModel]) -> str | None:
 
 
 def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
-    async def run(payload: BaseModel, asked: float | None, trace: str | None) -> Response:
+    async def run(
+        http: Request, payload: BaseModel, asked: float | None, trace: str | None
+    ) -> Response:
         data = payload.model_dump(mode="json")
-        request_id, reply = await gw.call(pipeline, data, gw.timeout_for(asked), trace)
+        budget = gw.timeout_for(asked)
+        # The body is read: what receive says next is the client going away.
+        request_id, reply = await gw.call(pipeline, data, budget, trace, http.receive)
         return reply_response(reply, request_id)
 
-    async def post(payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None) -> Response:
-        return await run(payload, timeout_s, trace)
+    async def post(
+        http: Request, payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+    ) -> Response:
+        return await run(http, payload, timeout_s, trace)
 
     # FastAPI reads the body model from the annotation; each pipeline has its own.
     post.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
@@ -91,12 +100,13 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
         except ValidationError as exc:
             issues = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]
             return json_response({"detail": validation_issues(issues)}, 422)
-        return await run(payload, kwargs["timeout_s"], kwargs["trace"])
+        return await run(kwargs["_request"], payload, kwargs["timeout_s"], kwargs["trace"])
 
     # The query parameter is named after the model's field (``text``, ``search_term``).
     kw = inspect.Parameter.KEYWORD_ONLY
     get.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [
+            inspect.Parameter("_request", kw, annotation=Request),  # a field never starts so
             inspect.Parameter(field, kw, annotation=Annotated[str, Query(min_length=1)]),
             inspect.Parameter("timeout_s", kw, default=None, annotation=Timeout),
             inspect.Parameter("trace", kw, default=None, annotation=Trace),
@@ -114,9 +124,37 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
 
 
 class EventStream(StreamingResponse):
-    """Server-Sent Events (declares ``text/event-stream`` in the OpenAPI document)."""
+    """Server-Sent Events (declares ``text/event-stream`` in the OpenAPI document).
+
+    Args:
+        content: the events.
+        status_code: the response's status.
+        headers: the response's headers.
+        ended: called once the response is over, however it ended: the client gone
+            included, and before the first event was read.
+    """
 
     media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        status_code: int = 200,  # FastAPI reads the route's status from this default
+        headers: dict[str, str] | None = None,
+        *,
+        ended: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(content, status_code, headers)
+        self.ended = ended
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            # On a disconnect, Starlette stops reading the events (the task reading them
+            # is cancelled) and returns.
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.ended is not None:
+                self.ended()
 
 
 def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
@@ -128,7 +166,7 @@ def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[
         queue = gw.replies.expect_stream(request_id)
         try:
             # Refusals (503) happen here, before the stream starts, as plain HTTP errors.
-            await gw.enqueue(
+            request = await gw.enqueue(
                 pipeline,
                 payload.model_dump(mode="json"),
                 budget,
@@ -139,9 +177,15 @@ def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[
         except BaseException:
             gw.replies.forget(request_id)
             raise
-        events = _sse_events(gw, queue, request_id, budget)
+        relay = _Relay(queue, budget)
+
+        def ended() -> None:
+            gw.replies.forget(request_id)
+            if not relay.finished:  # the client went away first: nobody reads the rest
+                gw.cancellations.mark_soon(request_id, request.deadline)
+
         headers = {"X-Request-Id": request_id, "Cache-Control": "no-cache"}
-        return EventStream(events, headers=headers)
+        return EventStream(relay.events(), headers=headers, ended=ended)
 
     stream.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
     app.add_api_route(
@@ -160,25 +204,30 @@ def _sse(event: str, data: Any) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-async def _sse_events(
-    gw: Gateway, queue: asyncio.Queue[Reply], request_id: str, budget: float
-) -> AsyncIterator[bytes]:
-    """``token`` events as text arrives, then ``done`` (the result) or ``error``."""
-    deadline = time.monotonic() + budget
-    try:
+class _Relay:
+    """A streamed request's replies as events: ``token`` as text arrives, then ``done``
+    (the result) or ``error``; ``finished`` once the last is produced."""
+
+    def __init__(self, queue: asyncio.Queue[Reply], budget: float) -> None:
+        self.queue, self.budget = queue, budget
+        self.finished = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The events, until the last."""
+        deadline = time.monotonic() + self.budget
         while True:
             try:
-                reply = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                reply = await asyncio.wait_for(self.queue.get(), deadline - time.monotonic())
             except TimeoutError:
-                yield _sse("error", {"detail": f"no result within {budget:g}s", "status": 504})
+                self.finished = True
+                yield _sse("error", {"detail": f"no result within {self.budget:g}s", "status": 504})
                 return
             if reply.outcome == "partial":
                 yield _sse("token", reply.result)
-            elif reply.outcome == "ok":
+                continue
+            self.finished = True
+            if reply.outcome == "ok":
                 yield _sse("done", reply.result)
-                return
             else:
                 yield _sse("error", {"detail": reply.error, "status": reply.http_status})
-                return
-    finally:
-        gw.replies.forget(request_id)
+            return

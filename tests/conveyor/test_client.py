@@ -15,13 +15,15 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from conveyor._flows import Flow, Map, Post, Sleep
 from conveyor.client import AsyncClient, Client, ConveyorHTTPError
 from conveyor.embedded import free_port
 from pipelines.model import Item, Result
 from pipelines.stages import BUILTIN, GenerateIn, Stage
-from tests.helpers import Doubler, Harness, number_stage
+from tests.gateway.test_cancel import Held, cancelled, held_stage, queued, serve
+from tests.helpers import Doubler, Harness, number_stage, until
 
 
 class Recording(httpx.AsyncHTTPTransport):
@@ -238,6 +240,96 @@ async def test_an_expired_job_raises_the_status_its_record_holds(harness: Harnes
     assert expired.value.request_id == job_id
 
 
+async def test_cancel_a_job_on_both_clients(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    base = await harness.http_server([stage])  # no worker yet: the jobs stay queued
+    async with AsyncClient(base) as client:
+        job_id = await client.submit("double", value=1)
+        view = await client.cancel(job_id)
+        assert view == {
+            "id": job_id,
+            "pipeline": "double",
+            "status": "cancelled",
+            "error": "cancelled",
+            "http_status": 499,
+        }
+        assert await client.job(job_id) == view
+        with pytest.raises(ConveyorHTTPError) as waited:
+            await client.wait(job_id, timeout=10)
+        with pytest.raises(ConveyorHTTPError) as again:
+            await client.cancel(job_id)
+        with pytest.raises(ConveyorHTTPError) as unknown:
+            await client.cancel("no-such-job")
+        finished = await client.submit("double", value=2)
+
+    assert (waited.value.status, waited.value.request_id) == (499, job_id)
+    assert again.value.status == 409
+    assert "already finished (cancelled)" in str(again.value.detail)
+    assert unknown.value.status == 404
+    await harness.worker(stage, Doubler()).run(burst=True)
+
+    def sync() -> tuple[Any, ...]:
+        with Client(base) as client:
+            job_id = client.submit("double", value=3)
+            view = client.cancel(job_id)
+            with pytest.raises(ConveyorHTTPError) as waited:
+                client.wait(job_id, timeout=10)
+            with pytest.raises(ConveyorHTTPError) as done:
+                client.cancel(finished)
+            return view["status"], waited.value.status, done.value.status, client.job(finished)
+
+    status, waited_status, done_status, record = await asyncio.to_thread(sync)
+    assert (status, waited_status, done_status) == ("cancelled", 499, 409)
+    assert record["result"] == {"value": 4}  # a finished job stays as it was
+
+
+async def test_an_abandoned_call_cancels_its_request(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    model = Doubler(delay_s=1.0)  # the batch is running when the caller gives up
+    base = await serve(harness, number_stage(), model)
+    async with AsyncClient(base) as client:
+        call = asyncio.create_task(client.call("double", value=1))
+        await until(lambda: asyncio.to_thread(model.started.is_set))
+        request = await queued(redis, harness, "double")
+        assert not await cancelled(redis, harness, request.id)
+        call.cancel()  # e.g. an asyncio.timeout around the call ran out
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # The client closed its connection: the gateway saw it go and cancelled.
+        await until(lambda: cancelled(redis, harness, request.id), 10)
+        assert await client.call("double", value=2) == {"value": 4}  # the pool still works
+
+
+async def test_an_abandoned_stream_cancels_its_request(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    model = Held()
+    base = await serve(harness, held_stage(), model)
+
+    async def marked(nth: int) -> bool:
+        return await cancelled(redis, harness, (await queued(redis, harness, "held", nth)).id)
+
+    def sync_abandon() -> str:
+        with Client(base) as client:
+            tokens = client.stream("held", text="hi")
+            first = next(tokens)
+            tokens.close()  # or dropped: a generator is closed when it is collected
+            return first
+
+    try:
+        assert await asyncio.to_thread(sync_abandon) == "one"
+        await until(lambda: marked(0), 10)
+        model.release()  # the abandoned batch finishes
+        async with AsyncClient(base) as client:
+            async for token in client.stream("held", text="hi"):
+                assert token == "one"
+                break  # the loop finalizes the abandoned generator, which closes the stream
+            await until(lambda: marked(1), 10)
+    finally:
+        model.release(10)
+
+
 async def test_stream_tokens_add_up_to_the_final_result(harness: Harness) -> None:
     stage = BUILTIN["generate"]
     worker = harness.worker(stage, device="cpu", batch_wait_ms=0)
@@ -427,6 +519,23 @@ def test_a_finished_job_without_its_http_status_still_raises_its_error() -> None
     assert (late.status, bad.status) == (504, 500)
 
 
+def test_the_cancel_flow_deletes_once_and_raises_a_conflict() -> None:
+    cancelled = {"id": "j1", "pipeline": "double", "status": "cancelled", "error": "cancelled"}
+    finished = {"detail": "job 'j1' has already finished (done)", "request_id": "j1"}
+    with Client("http://gateway.test") as client:
+        view, sent, _ = scripted(client._cancel("j1"), (200, cancelled, {}))
+        conflict, _, slept = scripted(client._cancel("j1"), (409, finished, {}))
+        # A lost answer is not sent again: the first may have cancelled it (then: 409).
+        lost, sent_lost, _ = scripted(client._cancel("j1"), httpx.ReadTimeout)
+        waited, _, _ = scripted(client._wait("j1", 60, 0.5), (200, cancelled, {}))
+    assert (view, sent) == (cancelled, ["DELETE /v1/jobs/j1"])
+    assert isinstance(conflict, ConveyorHTTPError)
+    assert (conflict.status, conflict.detail, slept) == (409, finished["detail"], [])
+    assert (isinstance(lost, httpx.ReadTimeout), len(sent_lost)) == (True, 1)
+    assert isinstance(waited, ConveyorHTTPError)
+    assert (waited.status, waited.detail) == (499, "cancelled")  # no http_status: 499
+
+
 def test_the_map_flow_keeps_or_raises_an_error() -> None:
     with Client("http://gateway.test") as client:
         kept, _, _ = scripted(
@@ -455,7 +564,7 @@ def test_both_clients_take_the_same_parameters() -> None:
         for method in ("call", "submit", "stream", "stream_events"):
             assert str(inspect.signature(getattr(kind, method))).startswith(request + " -> ")
         assert str(inspect.signature(kind.map)).startswith(bulk + " -> ")
-    for method in ("call", "submit", "job", "wait", "map"):
+    for method in ("call", "submit", "job", "wait", "cancel", "map"):
         assert inspect.iscoroutinefunction(getattr(AsyncClient, method))
     assert AsyncClient.call.__doc__ == ":meth:`Client.call`."
     with Client("http://gateway.test") as client:  # bound: without ``self``

@@ -11,6 +11,7 @@ from tests.helpers import Harness
 
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
 INVALID = {"$ref": "#/components/schemas/ValidationErrorBody"}
+FINISHED = {"$ref": "#/components/schemas/JobFinished"}
 PIPELINE = {404, 408, 413, 422, 500, 503, 504}
 
 
@@ -23,7 +24,7 @@ def expected(path: str, method: str) -> set[int]:
     if path.startswith("/status"):
         return {413, 503}
     if path == "/v1/jobs/{job_id}":
-        return {404, 413, 422, 503}
+        return {404, 413, 422, 503} | ({409} if method == "delete" else set())
     if path.startswith("/v1/jobs/") or path.endswith("/stream"):
         return {408, 413, 422, 503}
     return PIPELINE - ({408} if method == "get" else set())
@@ -57,13 +58,19 @@ async def test_every_route_declares_its_statuses_and_bodies(
                 content = responses[str(code)]["content"]
                 if path == "/readyz" and code == 503:
                     continue  # its own body: {"status": ...}
-                assert content == {
-                    "application/json": {"schema": INVALID if code == 422 else ERROR}
-                }, (method, path, code)
+                body = {422: INVALID, 409: FINISHED}.get(code, ERROR)
+                assert content == {"application/json": {"schema": body}}, (method, path, code)
             if path.endswith("/stream"):
                 assert set(responses["200"]["content"]) == {"text/event-stream"}
+            if path == "/v1/jobs/{job_id}":  # GET reads a job, DELETE cancels it: its view
+                ref = responses["200"]["content"]["application/json"]["schema"]["$ref"]
+                assert ref.endswith("/JobView"), method
             if path.startswith("/v1/jobs/") and method == "post":
                 assert set(responses) & {"200", "202"} == {"202"}
                 ref = responses["202"]["content"]["application/json"]["schema"]["$ref"]
                 assert ref.endswith("/JobAccepted")
-    assert seen >= 15
+    assert seen >= 16
+    finished = schemas["JobFinished"]
+    assert set(finished["required"]) == {"detail", "job"}
+    assert finished["properties"]["job"] == {"$ref": "#/components/schemas/JobView"}
+    assert "cancelled" in schemas["JobView"]["properties"]["status"]["enum"]

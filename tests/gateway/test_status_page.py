@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port
 from pipelines.metrics import BUCKETS
+from pipelines.stats import OUTCOMES
 from tests.helpers import REPO, Doubler, Harness, number_stage
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -37,6 +38,8 @@ async def test_status_json_counts_outcomes_and_shows_a_live_worker(
     assert [r.status_code for r in resps] == [200] * 12
     assert (await http.post("/v1/double", json={"value": 1, "fail": True})).status_code == 500
     await redis.xadd(harness.keys.dead_letters("double"), {"e": "{}"})
+    # As a worker counts the items it skipped or discarded, cancelled.
+    await redis.hincrby(harness.keys.stage_stats("double"), "items:cancelled", 2)
 
     resp = await http.get("/status.json")
     assert resp.status_code == 200
@@ -45,7 +48,7 @@ async def test_status_json_counts_outcomes_and_shows_a_live_worker(
     assert abs(snap["time"] - time.time()) < 5
     [double] = snap["stages"]
     assert double["stage"] == "double"
-    assert double["items"] == {"ok": 12, "error": 1, "expired": 0}
+    assert double["items"] == {"ok": 12, "error": 1, "expired": 0, "cancelled": 2}
     assert (double["lag"], double["pending"], double["dead_letters"]) == (0, 0, 1)
     [consumer] = double["consumers"]
     assert consumer["name"] == worker.consumer
@@ -185,6 +188,12 @@ PAGE_STATE = """(() => {
   return JSON.stringify(main ? {
     ...main.dataset,
     stages: [...document.querySelectorAll("#stages tr")].map((tr) => tr.dataset.stage),
+    outcomes: Object.fromEntries([...document.querySelectorAll("#stages tr")].map((tr) => [
+      tr.dataset.stage,
+      Object.fromEntries([...tr.querySelectorAll("[data-outcome]")].map(
+        (td) => [td.dataset.outcome, td.textContent])),
+    ])),
+    headers: [...document.querySelectorAll("thead th")].map((th) => th.textContent),
     alive: document.querySelectorAll("[data-alive=true]").length,
     text: document.body.innerText,
   } : {state: "loading"});
@@ -240,7 +249,7 @@ async def open_page(browser: Chromium, url: str) -> str:
     "(apt-get install -y chromium)",
 )
 async def test_status_page_refreshes_live_in_headless_chromium(
-    harness: Harness, tmp_path: Path
+    harness: Harness, tmp_path: Path, redis: aioredis.Redis
 ) -> None:
     stages = [number_stage("double", max_batch_size=8, batch_wait_ms=2), number_stage("slow")]
     for stage, model in ((stages[0], Doubler()), (stages[1], Doubler(delay_s=0.02))):
@@ -248,6 +257,7 @@ async def test_status_page_refreshes_live_in_headless_chromium(
         await worker.start()
         harness.run(worker)
     base = await harness.http_server(stages)
+    await redis.hincrby(harness.keys.stage_stats("slow"), "items:cancelled", 3)
     dead = f"redis://127.0.0.1:{free_port()}/0"
     down = await harness.http_server(stages, redis_url=dead, redis_timeout_s=0.5)
 
@@ -287,6 +297,11 @@ async def test_status_page_refreshes_live_in_headless_chromium(
             stop.set()
             await asyncio.gather(*loaders)
         assert state["stages"] == ["double", "slow"]
+        # A column per item outcome, cancelled included.
+        assert list(state["outcomes"]["slow"]) == list(OUTCOMES)
+        assert state["outcomes"]["slow"]["cancelled"] == "3"
+        assert state["outcomes"]["double"]["cancelled"] == "0"
+        assert "cancelled" in state["headers"]
         assert state["alive"] == 2  # one live worker per stage
         assert "Redis unreachable" not in state["text"]
 

@@ -23,6 +23,10 @@ class Gated:
     def __init__(self) -> None:
         self.go = threading.Event()
 
+    def hold(self) -> None:
+        """Wait for the go-ahead."""
+        assert self.go.wait(30), "the client never saw the first token"
+
     def predict(self, items: list[Item]) -> list[Result]:
         return [{"generated_text": "one two"} for _ in items]
 
@@ -31,7 +35,7 @@ class Gated:
     ) -> Sequence[Result | BaseException]:
         for i in range(len(items)):
             emit(i, "one")
-        assert self.go.wait(30), "the client never saw the first token"
+        self.hold()
         for i in range(len(items)):
             emit(i, "one two")
         return self.predict(items)

@@ -1,0 +1,174 @@
+"""Cancellation at the gateway: a request whose client went away, or whose job is cancelled
+(``DELETE /v1/jobs/{id}``), gets its marker in Redis (:func:`~pipelines.records.mark_cancelled`).
+From when Redis has it, no stage starts the request, and a batch already running it
+discards its output (the workers' half).
+
+A sync call watches for its client's disconnect while it waits (:func:`watch`); a stream
+marks its request when it ends before its last event; both write the marker with one SET
+(:class:`Cancellations`). Redis being down then costs the cancellation, never the process:
+the request runs to its end, as before cancellation existed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from starlette.types import Receive
+
+from pipelines.errors import NotFound
+from pipelines.keys import Keys
+from pipelines.records import QUEUED, JobField, JobRecord, job_cancelled, mark_cancelled
+from pipelines.redisio import REDIS_DOWN, RedisClock, on_live_connection, refusal, text
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING = 10_000
+"""Cancellation markers being written in the background at once, at most."""
+
+
+class ClientGone(Exception):
+    """The client of a request disconnected before its answer."""
+
+
+async def disconnected(receive: Receive) -> None:
+    """Return once the client has gone away (an ASGI ``http.disconnect``). Call it only once
+    the request's body has been read: what arrives before the disconnect is dropped."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def watch(receive: Receive, waiting: asyncio.Future[Any], request_id: str) -> asyncio.Task[None]:
+    """A task that fails ``waiting`` with :class:`ClientGone` when the client disconnects.
+
+    The waiter awaits ``waiting`` itself (no extra task hop when the answer comes), and
+    must stop the task with :func:`unwatch` once it is done waiting, however it ended.
+
+    Args:
+        receive: the request's ASGI receive (its body already read).
+        waiting: what the request's handler awaits.
+        request_id: the request (names the task).
+    """
+
+    async def run() -> None:
+        await disconnected(receive)
+        if not waiting.done():
+            waiting.set_exception(ClientGone())
+
+    return asyncio.create_task(run(), name=f"disconnect-watch-{request_id}")
+
+
+async def unwatch(task: asyncio.Task[None]) -> None:
+    """Stop a :func:`watch` task and wait for it to end (it ends at once: it only waits)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+class Cancellations:
+    """Writes the cancellation markers of one gateway process.
+
+    Args:
+        client: the gateway's Redis client.
+        keys: key names.
+        clock: the Redis clock (deadlines are on it).
+        write_s: how long one write may take (pool wait included).
+        job_ttl_s: how long a cancelled job's record is kept (as a finished one's).
+    """
+
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, clock: RedisClock, write_s: float, job_ttl_s: int
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.clock = clock
+        self.write_s = write_s
+        self.job_ttl_s = job_ttl_s
+        self._tasks: set[asyncio.Task[bool]] = set()
+
+    async def mark(self, request_id: str, deadline: float) -> bool:
+        """Mark ``request_id`` cancelled; False (and a warning) when Redis did not answer.
+
+        Args:
+            request_id: the request.
+            deadline: its deadline (Redis clock): the marker outlives it.
+        """
+
+        def write() -> Any:
+            return mark_cancelled(self.client, self.keys, request_id, deadline, self.clock.now())
+
+        try:
+            async with asyncio.timeout(self.write_s):
+                await on_live_connection(self.client, write)
+        except (*REDIS_DOWN, TimeoutError) as exc:
+            logger.warning("request %s not cancelled, redis unreachable: %r", request_id, exc)
+            return False
+        return True
+
+    def mark_soon(self, request_id: str, deadline: float) -> None:
+        """:meth:`mark` in the background: for code that cannot wait (a stream's cleanup,
+        which may run while its task is being cancelled)."""
+        if len(self._tasks) >= MAX_PENDING:
+            logger.warning("request %s not cancelled: %d pending", request_id, len(self._tasks))
+            return
+        task = asyncio.create_task(self.mark(request_id, deadline), name=f"cancel-{request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[bool]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # e.g. NOPERM from an ACL without +set: the request runs to its end.
+            logger.error("a cancellation failed", exc_info=task.exception())
+
+    async def close(self) -> None:
+        """Let the pending markers be written (each takes at most ``write_s``)."""
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def cancel_job(self, job_id: str, record: JobRecord) -> tuple[bool, dict[str, Any]]:
+        """Cancel job ``job_id`` (its ``record`` as read, its owner checked): first its
+        marker is set, so no worker starts it and none publishes its result; then, if it is
+        still queued, its record says ``cancelled``.
+
+        Returns:
+            Whether it was cancelled now (False: it had already finished, cancelled
+            included), and its view after.
+
+        Raises:
+            NotFound: its record expired meanwhile.
+            Unavailable: Redis cannot be reached.
+        """
+        view = record.view(job_id, self.clock.now())
+        if view[JobField.STATUS] != QUEUED:
+            return False, view  # finished: a marker would change nothing
+        # A record from before deadlines were kept may run for as long as it is kept.
+        deadline = record.deadline or self.clock.now() + self.job_ttl_s
+        key = self.keys.job(job_id)
+
+        async def mark_then_read() -> list[Any]:
+            # One transaction: the status read is the one the marker was set against. A
+            # worker publishing after it discards its result (workers/publish.py).
+            pipe = self.client.pipeline(transaction=True)
+            mark_cancelled(pipe, self.keys, job_id, deadline, self.clock.now())
+            pipe.hgetall(key)
+            return list(await pipe.execute())
+
+        async def finish() -> Any:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hset(key, mapping=job_cancelled())
+            pipe.expire(key, self.job_ttl_s)  # as a finished job's record is kept
+            return await pipe.execute()
+
+        try:
+            _, raw = await on_live_connection(self.client, mark_then_read)
+            if not raw:  # its record expired a moment ago
+                raise NotFound(f"no job {job_id!r} (expired)")
+            now = JobRecord.parse(raw).view(job_id, self.clock.now())
+            if now[JobField.STATUS] != QUEUED:
+                return False, now
+            await on_live_connection(self.client, finish)
+        except REDIS_DOWN as exc:
+            raise refusal(exc) from exc
+        fields = {text(k): text(v) for k, v in raw.items()} | job_cancelled()
+        return True, JobRecord.parse(fields).view(job_id, self.clock.now())
