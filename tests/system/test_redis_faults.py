@@ -341,11 +341,9 @@ async def test_gateway_kill_9_under_load_completes_jobs_and_orphans_no_key(
     assert orphans == []
 
 
-@pytest.mark.xfail(strict=True, reason="cancellation: next issue")
 async def test_requests_their_clients_gave_up_on_are_not_run(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
-    # When cancellation lands this passes (XPASS fails the run): remove the marker then.
     stage = number_stage(max_batch_size=1, batch_wait_ms=0)
     worker = harness.worker(stage, Doubler(delay_s=0.5))
     await worker.start()
