@@ -29,6 +29,11 @@ BRANCH = b"b:"
 
 Outcome = Literal["ok", "error", "expired", "cancelled"]
 
+Lane = Literal["interactive", "bulk"]
+"""A request's priority lane. Each stage has a stream per lane; its workers take
+``interactive`` work first and give ``bulk`` a guaranteed share of batches."""
+LANES: tuple[Lane, ...] = ("interactive", "bulk")
+
 MAX_DEPTH = 64
 """The most nested arrays and objects a payload or a step's output may have. The envelope
 wraps a payload in three more levels, and the decoder (pydantic-core) refuses about 200:
@@ -141,6 +146,7 @@ class Request(BaseModel):
         enqueue_by: when the gateway stops waiting for its write (Redis clock): an entry
             that arrived later (its stream id says when) was refused to its client with a
             503 and must never take effect.
+        lane: its priority lane (:data:`Lane`), kept at every step of its pipeline.
     """
 
     # A newer process's added fields are ignored, so a rolling deploy in either order
@@ -160,6 +166,7 @@ class Request(BaseModel):
     trace_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     stream: bool = False
     enqueue_by: float | None = None
+    lane: Lane = "interactive"
 
 
 class Reply(BaseModel):

@@ -31,9 +31,11 @@ class Keys:
         self.namespace = namespace
         self.prefix = "{" + namespace + "}"
 
-    def stage_stream(self, stage: str) -> str:
-        """The stream a stage's workers read their requests from."""
-        return f"{self.prefix}:stage:{stage}"
+    def stage_stream(self, stage: str, lane: str = "interactive") -> str:
+        """The stream a stage's workers read the requests of ``lane`` from (the
+        interactive lane's is the stage's own name; another lane's adds ``:<lane>``)."""
+        base = f"{self.prefix}:stage:{stage}"
+        return base if lane == "interactive" else f"{base}:{lane}"
 
     def stage_stats(self, stage: str) -> str:
         """The hash of a stage's counters and histogram buckets."""

@@ -142,7 +142,7 @@ def group_missing(exc: ResponseError) -> bool:
 
 
 def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[bytes | str]:
-    """XADD ``request`` to its stage's stream (``Keys.stage_stream(request.stage)``).
+    """XADD ``request`` to its stage's stream of its lane (``Keys.stage_stream``).
 
     The one way a request is put on a stream from outside a worker (the gateway, a
     replayed dead letter, the tests); a worker's hand-overs go through its publish script.
@@ -153,7 +153,7 @@ def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[by
         keys: the namespace's key names.
         request: what to enqueue.
     """
-    return redis.xadd(keys.stage_stream(request.stage), encode(request))
+    return redis.xadd(keys.stage_stream(request.stage, request.lane), encode(request))
 
 
 class RedisClock:

@@ -42,6 +42,9 @@ class WorkerSettings(CommonSettings):
         batch_wait_ms: overrides the stage's window when set.
         max_concurrent_batches: batches read ahead and in flight at once (the model
             itself runs one batch at a time; the next is assembled meanwhile).
+        bulk_every: when both lanes have work waiting, every this-many-th batch takes the
+            bulk lane first (the others take interactive first and fill up with bulk):
+            bulk's guaranteed share of batches.
         adaptive_batching: go before the window closes when waiting would not raise
             throughput (workers/policy.py); off: always wait out the window.
         block_ms: how long one idle read blocks (also bounds how fast a stop is seen).
@@ -68,6 +71,7 @@ class WorkerSettings(CommonSettings):
     max_batch_size: int | None = Field(default=None, ge=1, le=4096)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=60_000)
     max_concurrent_batches: int = Field(default=2, ge=1, le=64)
+    bulk_every: int = Field(default=4, ge=1, le=1000)
     adaptive_batching: bool = True
     block_ms: int = Field(default=1000, ge=1, le=30_000)
     reply_maxlen: int = Field(default=100_000, ge=100)
