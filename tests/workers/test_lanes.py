@@ -16,6 +16,7 @@ from pipelines.records import mark_cancelled
 from pipelines.redisio import enqueue
 from pipelines.registry import Registry
 from tests.helpers import Doubler, Harness, conveyor, number_stage, until
+from tests.workers.test_cancel import request
 from workers.loop import Worker
 from workers.models.toy import Adder, Multiplier
 
@@ -32,20 +33,7 @@ async def send(
     step: str = "double",
 ) -> list[Request]:
     """XADD requests of ``lane`` to their stage's lane stream, as a gateway would."""
-    requests = [
-        Request(
-            id=f"{lane}-{pipeline}-{v}-{time.monotonic_ns()}",
-            pipeline=pipeline,
-            stage=stage,
-            step=step,
-            payload={"value": v},
-            state={"input": {"value": v}},
-            deadline=time.time() + 60,
-            reply_to=harness.keys.reply_stream("test"),
-            lane=lane,
-        )
-        for v in values
-    ]
+    requests = [request(harness, pipeline, stage, step, v, lane=lane) for v in values]
     pipe = harness.redis.pipeline(transaction=False)
     for r in requests:
         enqueue(pipe, harness.keys, r)
