@@ -13,7 +13,7 @@ both gave nothing and the window wants to wait does one blocking XREADGROUP cove
 lane, so an idle worker still waits in Redis. That one read may return up to ``count``
 from each stream at once: what exceeds the batch's bound is already delivered to this
 consumer, so it is kept and handed out first by the next read (never dropped, never
-making a batch larger than its bound).
+making a batch larger than its bound; a worker that stops runs it as a last batch).
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class Lanes:
     def assembled(self) -> None:
         """A batch has been assembled: the next one picks its order afresh."""
         self.batches += 1
+
+    def release(self) -> list[Entry]:
+        """The entries delivered here but not handed out yet (a drain runs them)."""
+        held, self._carry = self._carry, []
+        return held
 
     async def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to ``count`` new entries, in lane order, blocking up to ``block_ms`` (None:
