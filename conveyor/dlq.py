@@ -1,13 +1,15 @@
 """``conveyor dlq``: a stage's dead letters listed, replayed or purged.
 
 A dead letter (see :class:`~pipelines.records.DeadLetter`) keeps its request's envelope
-untouched, so a replay sends the same request back to its stage with a fresh deadline.
+untouched, so a replay sends the same request back to its stage with a fresh deadline,
+on the stream of the lane it came in (``Keys.stage_stream(stage, req.lane)``).
 """
 
 from __future__ import annotations
 
 import re
 import sys
+from collections import Counter
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -86,7 +88,7 @@ async def _replay(
     dlq = keys.dead_letters(stage)
     clock = RedisClock()
     await clock.calibrate(client)
-    replayed = 0
+    replayed: Counter[str] = Counter()  # by the stream (lane) each went back to
     skipped: list[str] = []
     branches: list[str] = []
     registry = load_registry(settings.app, settings.pipelines)
@@ -115,13 +117,16 @@ async def _replay(
             }
         )
         pipe = client.pipeline(transaction=True)
-        enqueue(pipe, keys, again)
+        enqueue(pipe, keys, again)  # to the stage's stream of the request's lane
         pipe.xdel(dlq, eid)
         # Dead-lettering published the request's error; a replay may publish again.
         pipe.delete(keys.done(req.id, req.step))
         await pipe.execute()
-        replayed += 1
-    print(f"replayed {replayed} dead letter(s) to {keys.stage_stream(stage)}")
+        replayed[keys.stage_stream(stage, again.lane)] += 1
+    if not replayed:
+        print(f"replayed 0 dead letter(s) to {keys.stage_stream(stage)}")
+    for stream, count in sorted(replayed.items()):
+        print(f"replayed {count} dead letter(s) to {stream}")
     if branches:
         print(
             f"conveyor: skipped {len(branches)} dead letter(s) of a join's branch, "

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -21,8 +21,23 @@ from pipelines.stages import Stage
 from workers.build import build_model
 from workers.settings import WorkerSettings
 
-Entry = tuple[bytes, dict[bytes, bytes]]
-"""A stream entry as redis-py reads it: its id and its fields."""
+
+class Entry(NamedTuple):
+    """A stream entry as redis-py reads it (its id and its fields), and the stream (the
+    stage's stream of one lane) it was read from: where it is acked, touched, counted."""
+
+    id: bytes
+    fields: dict[bytes, bytes]
+    stream: str
+
+
+def by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:
+    """The ids of ``entries``, grouped by the stream each came from (in entry order)."""
+    out: dict[str, list[bytes]] = {}
+    for entry in entries:
+        out.setdefault(entry.stream, []).append(entry.id)
+    return out
+
 
 Emit = Callable[[int, str], None]
 """Streamed output from the model thread: row ``index`` now reads ``text``."""

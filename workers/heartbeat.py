@@ -2,14 +2,15 @@
 
 Entries pending longer than ``min_idle_ms`` are reclaimed by another worker
 (:mod:`workers.recovery`). A worker still running a long batch touches its entries
-(XCLAIM JUSTID, only those it still owns, atomically) so they never look idle.
+(XCLAIM JUSTID, only those it still owns, atomically) so they never look idle: on each
+stream (lane) its batch's entries came from.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -51,21 +52,19 @@ class Heartbeat:
 
     Args:
         client: Redis client.
-        stream: the stage stream.
+        acks: the batch's entry ids, by the stream (lane) each came from.
         consumer: this worker's consumer name.
-        ids: the batch's entry ids.
         interval_s: seconds between touches (well under the reclaim idle time).
     """
 
     def __init__(
         self,
         client: aioredis.Redis,
-        stream: str,
+        acks: Mapping[str, Sequence[bytes]],
         consumer: str,
-        ids: Sequence[bytes],
         interval_s: float,
     ) -> None:
-        self.args = (client, stream, consumer, ids)
+        self.client, self.acks, self.consumer = client, acks, consumer
         self.interval_s = interval_s
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -77,7 +76,8 @@ class Heartbeat:
     async def _run(self) -> None:
         while True:
             try:
-                await touch(*self.args)
+                for stream, ids in self.acks.items():
+                    await touch(self.client, stream, self.consumer, ids)
             except REDIS_DOWN as exc:
                 logger.warning("could not refresh in-flight entries: %s", exc)
             except ResponseError as exc:

@@ -64,10 +64,10 @@ class Intake:
         """The batch of ``entries``, closed at ``now``: its live items, and the outbox
         entries of those that end here."""
         keys = self.router.keys
-        record = BatchRecord(size=len(entries), oldest_ms=entry_ms(entries[0][0]), closed_at=now)
-        batch = Batch(entries, record, [max(0.0, now - entry_ms(e) / 1000.0) for e, _ in entries])
+        record = BatchRecord(size=len(entries), oldest_ms=entry_ms(entries[0].id), closed_at=now)
+        batch = Batch(entries, record, [max(0.0, now - entry_ms(e.id) / 1000.0) for e in entries])
         seen: set[str] = set()
-        for eid, fields in entries:
+        for eid, fields, _ in entries:
             try:
                 req = decode_request(fields)
             except EnvelopeError as exc:

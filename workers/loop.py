@@ -1,7 +1,8 @@
 """The batch loop: read entries, close a window's worth into a batch, run it, publish.
 
 One worker serves one stage. It reads with XREADGROUP in its stage's consumer group,
-so starting another worker is all scaling out takes. When a batch closes is the window's
+so starting another worker is all scaling out takes; it reads every lane's stream of the
+stage, interactive first (:mod:`workers.lanes`). When a batch closes is the window's
 to say (:mod:`workers.window`); the model runs in a thread, one batch at a time, while
 the loop assembles the next (:class:`workers.batch.Runner`). Each batch's replies, its
 XACK and its stats increments go in one atomic script call (:mod:`workers.publish`).
@@ -17,19 +18,19 @@ import secrets
 import socket
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
 
 from redis.exceptions import ResponseError
 
 from pipelines import stats
+from pipelines.envelope import LANES
 from pipelines.graph import single
-from pipelines.keys import GROUP
 from pipelines.model import Model
 from pipelines.redisio import REDIS_DOWN, RedisClock, connect, ensure_group, group_missing
 from pipelines.registry import Registry
 from pipelines.stages import Stage
-from workers.batch import BatchRecord, Entry, Runner
+from workers.batch import BatchRecord, Entry, Runner, by_stream
 from workers.intake import Batch, Intake
+from workers.lanes import Lanes
 from workers.partials import Partials
 from workers.publish import Published, publish
 from workers.recovery import Letter, Recovery
@@ -62,6 +63,7 @@ class Worker:
 
     Attributes:
         consumer: this worker's consumer name in the stage's group.
+        streams: the stage's stream of each lane (interactive first), all read.
         history: what the recent batches did (tests, introspection).
     """
 
@@ -73,17 +75,20 @@ class Worker:
         registry: Registry | None = None,
     ) -> None:
         self.stage, self.settings = stage, settings
-        self.stream = settings.keys.stage_stream(stage.name)
+        self.streams = [settings.keys.stage_stream(stage.name, lane) for lane in LANES]
         self.consumer = settings.consumer_name or consumer_name()
         self.client = connect(settings, block_ms=settings.block_ms)
+        self.lanes = Lanes(self.client, self.streams, self.consumer, settings.bulk_every)
         self.clock = RedisClock()
         self.router = Router(registry or Registry([single(stage)]), settings.keys, stage.name)
         self.runner = Runner(stage, settings, model)
         self._stopping = asyncio.Event()
-        self.window = Window(stage, settings, self._read, self.clock, self.runner, self._stopping)
+        self.window = Window(
+            stage, settings, self.lanes.read, self.clock, self.runner, self._stopping
+        )
         self.recovery = Recovery(
             self.client,
-            self.stream,
+            self.streams,
             self.consumer,
             settings,
             self.router,
@@ -124,13 +129,19 @@ class Worker:
             "stage %s: consumer %s reading %s (batch<=%d, wait %.1f ms)",
             self.stage.name,
             self.consumer,
-            self.stream,
+            ", ".join(self.streams),
             self.window.max_batch,
             self.window.wait_s * 1000,
         )
         slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
         tasks: set[asyncio.Task[None]] = set()
         batches, backoff = 0, 0.1
+
+        def spawn(entries: list[Entry], suspect: bool) -> None:
+            task = asyncio.create_task(self._process(entries, suspect))
+            tasks.add(task)
+            task.add_done_callback(lambda t: self._finished(t, tasks, slots))
+
         try:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):
                 await slots.acquire()
@@ -149,9 +160,11 @@ class Worker:
                         break
                     continue
                 batches += 1
-                task = asyncio.create_task(self._process(entries, suspect))
-                tasks.add(task)
-                task.add_done_callback(lambda t: self._finished(t, tasks, slots))
+                spawn(entries, suspect)
+            held = self.lanes.release() if self._stopping.is_set() else []
+            if held:  # delivered here past a batch's bound (rare): run, not left pending
+                await slots.acquire()
+                spawn(held, False)
         finally:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -167,13 +180,10 @@ class Worker:
         suspect = await self.recovery.next_suspect()
         if suspect is not None:
             return [suspect], True
-        return await self.window.assemble(None if burst else self.settings.block_ms), False
-
-    async def _read(self, count: int, block_ms: int | None) -> list[Entry]:
-        reply = await self.client.xreadgroup(
-            GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms
-        )
-        return cast(list[Any], reply)[0][1] if reply else []
+        entries = await self.window.assemble(None if burst else self.settings.block_ms)
+        if entries:
+            self.lanes.assembled()
+        return entries, False
 
     async def _read_failed(self, exc: BaseException, backoff: float) -> float:
         """Wait out a failed read (Redis unreachable) or re-create a lost group; returns
@@ -195,7 +205,8 @@ class Worker:
         return backoff
 
     async def _ensure_stream(self) -> None:
-        await ensure_group(self.client, self.stream)
+        for stream in self.streams:
+            await ensure_group(self.client, stream)
         await self.client.sadd(self.settings.keys.stages_set(), self.stage.name)
 
     def _finished(
@@ -232,7 +243,7 @@ class Worker:
 
         Once the model is the batch's (its turn), the requests cancelled while it waited
         are withdrawn (one MGET) and never run."""
-        heartbeat = self.recovery.heartbeat([eid for eid, _ in batch.entries])
+        heartbeat = self.recovery.heartbeat(batch.entries)
         partials: Partials | None = None
         try:
             async with self.runner.turn():
@@ -257,10 +268,11 @@ class Worker:
         counts = stats.batch_fields(record.size, len(batch.live), batch.waits, record.run_s)
         if batch.letters:
             counts["dead_letters"] = len(batch.letters)
-        ids = [eid for eid, _ in batch.entries]
         gauges = self.window.gauges()
         out = batch.out
-        published = await self._publish(out, ids, counts, batch.letters, gauges, batch.dropped)
+        published = await self._publish(
+            out, batch.entries, counts, batch.letters, gauges, batch.dropped
+        )
         # Counted as publish counts them: one outcome per request (see Effects.outcome),
         # cancelled for those it found cancelled.
         record.outcomes.update(
@@ -286,20 +298,20 @@ class Worker:
     async def _publish(
         self,
         out: Outbox,
-        entry_ids: list[bytes],
+        entries: Sequence[Entry],
         counts: Mapping[str, float],
         letters: list[Letter],
         gauges: Mapping[str, float] | None = None,
         dropped: Sequence[str] = (),
     ) -> Published:
-        """Publish ``out``, ack ``entry_ids`` and add ``counts`` to the stage's stats in one
-        call (:func:`workers.publish.publish`, which documents the rest)."""
+        """Publish ``out``, ack ``entries`` (each on its lane's stream) and add ``counts``
+        to the stage's stats in one call (:func:`workers.publish.publish`, which
+        documents the rest)."""
         keys = self.settings.keys
         return await publish(
             self.client,
             out,
-            stream=self.stream,
-            entry_ids=entry_ids,
+            acks=by_stream(entries),
             stats_key=keys.stage_stats(self.stage.name),
             stats=counts,
             reply_maxlen=self.settings.reply_maxlen,

@@ -201,8 +201,9 @@ async def publish(
     client: aioredis.Redis,
     out: Outbox,
     *,
-    stream: str,
-    entry_ids: Sequence[bytes],
+    stream: str = "",
+    entry_ids: Sequence[bytes] = (),
+    acks: Mapping[str, Sequence[bytes]] | None = None,
     stats_key: str,
     stats: Mapping[str, float],
     reply_maxlen: int,
@@ -228,8 +229,11 @@ async def publish(
     Args:
         client: Redis client.
         out: what the batch produced.
-        stream: the stage stream the entries came from.
-        entry_ids: the batch's entry ids (all acked).
+        stream: the stage stream ``entry_ids`` came from (a batch of one lane).
+        entry_ids: entry ids to ack on ``stream``.
+        acks: entry ids to ack, by the stream (lane) each came from: a batch that mixes
+            lanes acks each on its own stream, in the same call (and ``stream`` with
+            ``entry_ids``, if given, as well).
         stats_key: the stage's stats hash.
         stats: batch-level increments for it (``*:sum`` fields are floats), added once
             per call, unguarded (see :func:`pipelines.stats.batch_fields`).
@@ -265,9 +269,13 @@ async def publish(
         plan.always.append(["EXPIRE", plan.key(reply_to), str(reply_ttl_s)])
     for dlq, fields in dead_letters:
         plan.always.append(["XADD", plan.key(dlq), "*", *_pairs(plan, fields)])
-    for i in range(0, len(entry_ids), 1000):  # Lua's unpack() takes a few thousand at most
-        ids = entry_ids[i : i + 1000]
-        plan.always.append(["XACK", plan.key(stream), GROUP, *map(plan.value, ids)])
+    to_ack: dict[str, list[bytes]] = {stream: list(entry_ids)} if entry_ids else {}
+    for acked, ids in (acks or {}).items():
+        to_ack.setdefault(acked, []).extend(ids)
+    for acked, ids in to_ack.items():
+        for i in range(0, len(ids), 1000):  # Lua's unpack() takes a few thousand at most
+            chunk = ids[i : i + 1000]
+            plan.always.append(["XACK", plan.key(acked), GROUP, *map(plan.value, chunk)])
     if gauges:
         plan.always.append(
             ["HSET", plan.key(stats_key), *_pairs(plan, {k: v for k, v in gauges.items()})]

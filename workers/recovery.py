@@ -13,6 +13,10 @@ cap, dead letters, and trimming a stream without losing anything.
 - The stream is trimmed below the oldest entry still pending or not yet delivered, so
   trimming never deletes work.
 
+Each duty covers every lane's stream of the stage (:mod:`workers.lanes`): an entry is
+reclaimed, touched, counted and acked on the stream it came from; the stage has one
+dead-letter stream, whose letters keep their envelope (and so their lane).
+
 :class:`Recovery` does these for one worker; trimming and reclaiming are each due on
 their own interval (:class:`Every`), looked at before every read.
 """
@@ -36,7 +40,7 @@ from pipelines.errors import EnvelopeError
 from pipelines.keys import GROUP
 from pipelines.records import DeadLetter
 from pipelines.redisio import REDIS_DOWN, RedisClock, group_missing, text
-from workers.batch import Entry
+from workers.batch import Entry, by_stream
 from workers.heartbeat import Heartbeat
 from workers.route import Outbox, Router
 from workers.settings import WorkerSettings
@@ -46,7 +50,7 @@ logger = logging.getLogger(__name__)
 Letter = tuple[str, dict[FieldT, EncodableT]]
 """A dead letter to add: the stage's dead-letter stream and the entry (see :func:`letter`)."""
 
-Publish = Callable[[Outbox, list[bytes], Mapping[str, float], list[Letter]], Awaitable[object]]
+Publish = Callable[[Outbox, Sequence[Entry], Mapping[str, float], list[Letter]], Awaitable[object]]
 """Publishes an outbox, acks entries, adds stats and dead letters in one call (the worker's)."""
 
 
@@ -59,8 +63,7 @@ async def autoclaim(
     from the group by the server; nothing is left to do for them.
     """
     reply = await client.xautoclaim(stream, GROUP, consumer, min_idle_ms, "0-0", count=count)
-    entries: list[Entry] = [(eid, fields) for eid, fields in reply[1] if fields is not None]
-    return entries
+    return [Entry(eid, fields, stream) for eid, fields in reply[1] if fields is not None]
 
 
 async def deliveries(
@@ -155,7 +158,7 @@ class Recovery:
 
     Args:
         client: Redis client.
-        stream: the stage stream.
+        streams: the stage's stream of each lane, interactive first.
         consumer: this worker's consumer name.
         settings: the worker's settings (idle time, intervals, delivery cap).
         router: answers the callers of dead-lettered entries (and names the stage).
@@ -169,14 +172,14 @@ class Recovery:
     def __init__(
         self,
         client: aioredis.Redis,
-        stream: str,
+        streams: Sequence[str],
         consumer: str,
         settings: WorkerSettings,
         router: Router,
         clock: RedisClock,
         publish: Publish,
     ) -> None:
-        self.client, self.stream, self.consumer = client, stream, consumer
+        self.client, self.streams, self.consumer = client, tuple(streams), consumer
         self.settings = settings
         self.router = router
         self.clock = clock
@@ -200,16 +203,21 @@ class Recovery:
         await self._no_suspect_running.wait()
         now = time.monotonic()
         if self._trim.due(now):
-            await trim(self.client, self.stream)
+            for stream in self.streams:
+                await trim(self.client, stream)
         if not self._suspects and self._reclaim.due(now):
             if self._own.due(now):
                 await self._screen(await self._own_pending())
             # One at a time: a claim counts as a delivery, so claiming a crashed batch
             # whole would charge every innocent entry for the poison's next crash.
+            # Interactive first, as a read takes it.
             min_idle_ms = self.settings.min_idle_ms
-            claimed = await autoclaim(self.client, self.stream, self.consumer, min_idle_ms, 1)
-            if claimed:
-                self._reclaim.again()  # more may be waiting
+            claimed: list[Entry] = []
+            for stream in self.streams:
+                claimed = await autoclaim(self.client, stream, self.consumer, min_idle_ms, 1)
+                if claimed:
+                    self._reclaim.again()  # more may be waiting
+                    break
             await self._screen(claimed)
         if not self._suspects:
             return None
@@ -220,10 +228,10 @@ class Recovery:
         """The suspect's batch has ended: new entries may be taken again."""
         self._no_suspect_running.set()
 
-    def heartbeat(self, ids: Sequence[bytes]) -> Heartbeat:
+    def heartbeat(self, entries: Sequence[Entry]) -> Heartbeat:
         """Keeps a running batch's entries from being reclaimed until stopped."""
         beat_s = self.settings.min_idle_ms / 3000  # well inside the idle time that reclaims
-        return Heartbeat(self.client, self.stream, self.consumer, ids, beat_s)
+        return Heartbeat(self.client, by_stream(entries), self.consumer, beat_s)
 
     def unreadable(
         self, out: Outbox, eid: bytes, fields: dict[bytes, bytes], exc: EnvelopeError
@@ -242,46 +250,60 @@ class Recovery:
         return self._letter(eid, fields, 1, message), answered
 
     async def leave(self) -> None:
-        """After a drain, leave the group if this consumer holds nothing pending."""
-        try:
-            mine = await self.client.xpending_range(
-                self.stream, GROUP, min="-", max="+", count=1, consumername=self.consumer
-            )
-            if not mine:
-                await self.client.xgroup_delconsumer(self.stream, GROUP, self.consumer)
-        except REDIS_DOWN as exc:
-            logger.warning("stage %s: could not leave the group: %s", self.router.stage, exc)
-        except ResponseError as exc:
-            if not group_missing(exc):  # no group: nothing to leave
-                raise
+        """After a drain, leave each lane stream's group where this consumer holds
+        nothing pending there."""
+        for stream in self.streams:
+            try:
+                mine = await self.client.xpending_range(
+                    stream, GROUP, min="-", max="+", count=1, consumername=self.consumer
+                )
+                if not mine:
+                    await self.client.xgroup_delconsumer(stream, GROUP, self.consumer)
+            except REDIS_DOWN as exc:
+                logger.warning("stage %s: could not leave the group: %s", self.router.stage, exc)
+                return
+            except ResponseError as exc:
+                if not group_missing(exc):  # no group: nothing to leave
+                    raise
 
     async def _own_pending(self) -> list[Entry]:
-        mine = await self.client.xreadgroup(GROUP, self.consumer, {self.stream: "0"}, count=10_000)
-        return [(e, f) for e, f in cast(list[Any], mine)[0][1] if f] if mine else []
+        streams = cast(Any, dict.fromkeys(self.streams, "0"))
+        mine = await self.client.xreadgroup(GROUP, self.consumer, streams, count=10_000)
+        return [
+            Entry(e, f, text(name))
+            for name, got in cast(list[Any], mine or [])
+            for e, f in got
+            if f
+        ]
 
     async def _screen(self, entries: list[Entry]) -> None:
         """Dead-letter entries past the delivery cap; queue the rest as suspects."""
         if not entries:
             return
-        ids = [e for e, _ in entries]
-        counts = await deliveries(self.client, self.stream, self.consumer, ids)
+        counts: dict[tuple[str, bytes], int] = {}
+        for stream, ids in by_stream(entries).items():
+            got = await deliveries(self.client, stream, self.consumer, ids)
+            counts.update(((stream, eid), n) for eid, n in got.items())
         cap = self.settings.max_deliveries
-        over = [(eid, f) for eid, f in entries if counts.get(eid, 1) > cap]
-        self._suspects += [(eid, f) for eid, f in entries if counts.get(eid, 1) <= cap]
+        over = [e for e in entries if counts.get((e.stream, e.id), 1) > cap]
+        self._suspects += [e for e in entries if counts.get((e.stream, e.id), 1) <= cap]
         if over:
             await self._dead_letter(over, counts)
 
-    async def _dead_letter(self, entries: list[Entry], counts: dict[bytes, int]) -> None:
+    async def _dead_letter(
+        self, entries: list[Entry], counts: dict[tuple[str, bytes], int]
+    ) -> None:
         stage = self.router.stage
         out = Outbox()
         now = self.clock.now()
         letters: list[Letter] = []
-        for eid, fields in entries:
+        for eid, fields, stream in entries:
+            times = counts.get((stream, eid), 0)
             message = (
-                f"dead-lettered after {counts.get(eid)} deliveries (it may crash the worker); "
+                f"dead-lettered after {times} deliveries (it may crash the worker); "
                 f"inspect with `conveyor dlq list {stage}`"
             )
-            letters.append(self._letter(eid, fields, counts.get(eid, 0), message))
+            letters.append(self._letter(eid, fields, times, message))
             try:
                 req = decode_request(fields)
             except EnvelopeError:
@@ -291,8 +313,7 @@ class Recovery:
                 continue
             self.router.fail(out, req, "error", message, status=500, now=now)
             logger.error("stage %s: request %s dead-lettered: %s", stage, req.id, message)
-        ids = [eid for eid, _ in entries]
-        await self.publish(out, ids, {"dead_letters": len(entries)}, letters)
+        await self.publish(out, entries, {"dead_letters": len(entries)}, letters)
         self.dead_lettered += len(entries)
 
     def _letter(self, eid: bytes, fields: dict[bytes, bytes], times: int, error: str) -> Letter:

@@ -257,7 +257,7 @@ class Router:
                     self._arrive(effects, req, pipeline, step, target, ctx, now)
                 else:
                     payload = pipeline.input_of(target, ctx, step.name)
-                    stream = self.keys.stage_stream(target.stage.name)
+                    stream = self.keys.stage_stream(target.stage.name, req.lane)
                     effects.forwards.append((stream, self._next(req, target, payload, ctx)))
         except Exception as exc:  # a route or input function failed: this request ends
             del out.effects[self.keys.done(req.id, req.step)]
@@ -279,7 +279,9 @@ class Router:
     def _next(
         self, req: Request, step: Step, payload: dict[str, Any], ctx: dict[str, Any]
     ) -> Request:
-        # enqueue_by bounds the gateway's own write only; a hand-over is never late.
+        # enqueue_by bounds the gateway's own write only; a hand-over is never late. The
+        # copy keeps every other field, the lane among them (the next step's stream is
+        # the request's lane's).
         update = {
             "stage": step.stage.name,
             "step": step.name,
@@ -303,7 +305,7 @@ class Router:
         out.joins.append(
             JoinArrival(
                 key=self.keys.join(req.id, join.name),
-                stream=self.keys.stage_stream(join.stage.name),
+                stream=self.keys.stage_stream(join.stage.name, req.lane),
                 branch=branch.name,
                 output=orjson.dumps(ctx[branch.name]),
                 expected=len(join.join),

@@ -63,7 +63,7 @@ class Window:
         entries = await self._take(self.max_batch, block_ms)
         if not entries:
             return []
-        close_at = entry_ms(entries[0][0]) / 1000.0 + self.wait_s
+        close_at = entry_ms(entries[0].id) / 1000.0 + self.wait_s
         while len(entries) < self.max_batch and not self._stopping.is_set():
             now = self._clock.now()
             if self.policy and not self._runner.busy and self.policy.go_now(len(entries), now):
@@ -91,6 +91,6 @@ class Window:
     async def _take(self, count: int, block_ms: int | None) -> list[Entry]:
         entries = await self._read(count, block_ms)
         if self.policy is not None:
-            for eid, _ in entries:
-                self.policy.arrivals.observe(entry_ms(eid) / 1000.0)
+            for entry in entries:
+                self.policy.arrivals.observe(entry_ms(entry.id) / 1000.0)
         return entries
