@@ -191,6 +191,23 @@ class Harness:
         self._servers.append((server, task))
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
+    def request(
+        self, pipeline: str, stage: str, step: str, payload: dict[str, Any], **fields: Any
+    ) -> Request:
+        """A request for ``step`` of ``pipeline`` (on ``stage``), as a gateway writes it
+        (deadline a minute away, replies to the test's stream unless ``fields`` say)."""
+        fields.setdefault("deadline", time.time() + 60.0)
+        fields.setdefault("reply_to", self.keys.reply_stream("test"))
+        return Request(
+            id=new_request_id(),
+            pipeline=pipeline,
+            stage=stage,
+            step=step,
+            payload=payload,
+            state={"input": payload},
+            **fields,
+        )
+
     async def enqueue(
         self,
         stage: str,
@@ -200,18 +217,10 @@ class Harness:
         reply_to: str | None = None,
     ) -> list[Request]:
         """XADD requests straight to a stage stream, as a gateway would."""
-        now = time.time()
+        deadline = time.time() + deadline_in
+        reply_to = reply_to or self.keys.reply_stream("test")
         requests = [
-            Request(
-                id=new_request_id(),
-                pipeline=stage,
-                stage=stage,
-                step=stage,
-                payload=p,
-                state={"input": p},
-                deadline=now + deadline_in,
-                reply_to=reply_to or self.keys.reply_stream("test"),
-            )
+            self.request(stage, stage, stage, p, deadline=deadline, reply_to=reply_to)
             for p in payloads
         ]
         pipe = self.redis.pipeline(transaction=False)

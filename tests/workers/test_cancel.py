@@ -50,23 +50,6 @@ async def replies(redis: aioredis.Redis, stream: str) -> list[Reply]:
     return [decode_reply(f or {}) for _, f in await redis.xrange(stream) or []]
 
 
-def request(
-    harness: Harness, pipeline: str, stage: str, step: str, value: int, **fields: Any
-) -> Request:
-    """A request for ``step`` of ``pipeline`` (on ``stage``), as a gateway writes it."""
-    return Request(
-        id=uuid.uuid4().hex,
-        pipeline=pipeline,
-        stage=stage,
-        step=step,
-        payload={"value": value},
-        state={"input": {"value": value}},
-        deadline=time.time() + 60,
-        reply_to=fields.pop("reply_to", harness.keys.reply_stream("test")),
-        **fields,
-    )
-
-
 async def test_a_request_cancelled_in_the_queue_is_not_run_and_the_rest_are(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
@@ -209,7 +192,9 @@ async def test_a_job_cancelled_mid_chain_never_reaches_its_next_step(
 
     async def submit(value: int) -> Request:  # as the gateway submits a job
         rid = uuid.uuid4().hex
-        req = request(harness, "chain", "chain.a", "a", value, reply_to=harness.keys.job(rid))
+        req = harness.request(
+            "chain", "chain.a", "a", {"value": value}, reply_to=harness.keys.job(rid)
+        )
         req = req.model_copy(update={"id": rid})
         pipe = redis.pipeline(transaction=True)
         create_job(pipe, req, "owner", 600)
@@ -259,7 +244,7 @@ async def test_a_cancelled_branch_fails_its_join(harness: Harness, redis: aiored
         function("join", lambda p: p, join=("left", "right")),
     )
     registry = Registry([Pipeline("fan", NumberIn, steps)])
-    req = request(harness, "fan", "fan.start", "start", 1)
+    req = harness.request("fan", "fan.start", "start", {"value": 1})
     await enqueue(redis, harness.keys, req)
     workers = {
         step: harness.worker(registry.stage(f"fan.{step}"), registry=registry)
@@ -303,7 +288,9 @@ async def test_a_cancelled_stream_stops_getting_partials(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
     stream = harness.keys.reply_stream("test")
-    kept, dropped = (request(harness, "gen", "gen", "gen", v, stream=True) for v in (1, 2))
+    kept, dropped = (
+        harness.request("gen", "gen", "gen", {"value": v}, stream=True) for v in (1, 2)
+    )
     pipe = redis.pipeline(transaction=False)
     for req in (kept, dropped):
         enqueue(pipe, harness.keys, req)
@@ -382,7 +369,7 @@ async def test_a_real_worker_never_runs_a_request_cancelled_in_its_queue(
             return status.pending == 1 and status.lag == 0
 
         await until(taken)
-        later = request(harness, "slow", "slow", "slow", 2)
+        later = harness.request("slow", "slow", "slow", {"value": 2})
         await cancel(redis, harness, later)
         await enqueue(redis, harness.keys, later)
         (last,) = await harness.enqueue("slow", [{"value": 3}])

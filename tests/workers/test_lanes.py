@@ -16,7 +16,6 @@ from pipelines.records import mark_cancelled
 from pipelines.redisio import enqueue
 from pipelines.registry import Registry
 from tests.helpers import Doubler, Harness, conveyor, number_stage, until
-from tests.workers.test_cancel import request
 from workers.loop import Worker
 from workers.models.toy import Adder, Multiplier
 
@@ -33,7 +32,7 @@ async def send(
     step: str = "double",
 ) -> list[Request]:
     """XADD requests of ``lane`` to their stage's lane stream, as a gateway would."""
-    requests = [request(harness, pipeline, stage, step, v, lane=lane) for v in values]
+    requests = [harness.request(pipeline, stage, step, {"value": v}, lane=lane) for v in values]
     pipe = harness.redis.pipeline(transaction=False)
     for r in requests:
         enqueue(pipe, harness.keys, r)
