@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
-from pipelines.envelope import Request, new_request_id
+from pipelines.envelope import Lane, Request, new_request_id
 from pipelines.graph import single
 from pipelines.model import Item, Model, Result
 from pipelines.redisio import enqueue, text
@@ -198,8 +198,9 @@ class Harness:
         *,
         deadline_in: float = 60.0,
         reply_to: str | None = None,
+        lane: Lane = "interactive",
     ) -> list[Request]:
-        """XADD requests straight to a stage stream, as a gateway would."""
+        """XADD requests straight to a stage stream (of ``lane``), as a gateway would."""
         now = time.time()
         requests = [
             Request(
@@ -211,6 +212,7 @@ class Harness:
                 state={"input": p},
                 deadline=now + deadline_in,
                 reply_to=reply_to or self.keys.reply_stream("test"),
+                lane=lane,
             )
             for p in payloads
         ]
