@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 import httpx
 
+from pipelines.envelope import Lane
 from pipelines.records import CANCELLED, DONE, EXPIRED, FAILED, JobField
 
 MAX_RETRY_WAIT_S = 5.0  # no wait between retries is longer, whatever Retry-After says
@@ -184,10 +185,11 @@ class Post:
         *,
         timeout: float | None = None,
         trace_id: str | None = None,
+        priority: Lane | None = None,
         **fields: Any,
     ) -> None:
         self.name, self.body = name, {**(payload or {}), **fields}
-        self.timeout, self.trace_id = timeout, trace_id
+        self.timeout, self.trace_id, self.priority = timeout, trace_id, priority
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ class Map:
     progress: bool = True
     return_exceptions: bool = False
     timeout: float | None = None
+    priority: Lane | None = None
 
 
 TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
@@ -245,6 +248,8 @@ class Base(Generic[TransportT, PoolT]):
         headers = {"X-Conveyor-Timeout": f"{post.timeout:g}"} if post.timeout is not None else {}
         if post.trace_id is not None:
             headers["X-Trace-Id"] = post.trace_id
+        if post.priority is not None:
+            headers["X-Conveyor-Priority"] = post.priority
         wait_s = self.timeout if post.timeout is None else post.timeout + DEADLINE_SLACK_S
         build = self._http.build_request
         request = build("POST", path, json=post.body, headers=headers, timeout=wait_s)
@@ -280,7 +285,8 @@ class Base(Generic[TransportT, PoolT]):
     def _outcome(self, job: Map, item: Payload) -> Flow[Json | ConveyorHTTPError]:
         """``job``'s call on ``item``: its result, or its error where ``job`` keeps errors."""
         try:
-            return (yield from self._call(Post(job.name, item, timeout=job.timeout)))
+            post = Post(job.name, item, timeout=job.timeout, priority=job.priority)
+            return (yield from self._call(post))
         except ConveyorHTTPError as exc:
             if not job.return_exceptions:
                 raise

@@ -1,7 +1,8 @@
 """``conveyor up --autoscale``: each model stage's worker processes follow its backlog.
 
-The one-machine counterpart of KEDA: :func:`desired` turns a stage's backlog into a worker
-count, its :class:`Scaler` adds cool-downs (grow at once, shrink slowly and one at a time).
+The one-machine counterpart of KEDA: :func:`desired` turns a stage's backlog (both priority
+lanes: a worker serves both) into a worker count, its :class:`Scaler` adds cool-downs (grow
+at once, shrink slowly and one at a time).
 A stopped worker gets SIGTERM: it finishes and acks its in-flight batches, leaves the group
 and exits; only one still running after ``drain_timeout_s`` is killed.
 """
@@ -37,7 +38,7 @@ class AutoscaleSettings(BaseSettings):
     Attributes:
         min_workers: fewest worker processes per model stage (0: none while idle).
         max_workers: most worker processes per model stage.
-        target_backlog: backlog (undelivered + in-flight entries) per worker (unset:
+        target_backlog: backlog (undelivered + in-flight entries, both lanes) per worker (unset:
             max_batch_size).
         interval_s: how often the queues are read.
         up_cooldown_s: a stage grows at most this often.

@@ -22,11 +22,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor import supervisor
 from conveyor.dlq import dlq_command
+from pipelines.envelope import LANES
 from pipelines.errors import ConveyorError
 from pipelines.redisio import connect, text
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
-from pipelines.stats import stage_status
+from pipelines.stats import StageStatus, stage_status
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -63,6 +64,21 @@ def _run_module(module: str, argv: list[str], env: dict[str, str]) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+def status_table(statuses: list[StageStatus]) -> str:
+    """``conveyor status``'s table: a row per stage, its totals (both lanes), then each
+    lane's ``lag/pending``, then its consumers' idle times."""
+    lanes = "".join(f"{lane:>13}" for lane in LANES)
+    rows = [f"{'stage':<24}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}{lanes}  idle"]
+    for st in statuses:
+        idle = ", ".join(f"{c.name}={c.idle_ms}ms" for c in st.consumers) or "-"
+        parts = "".join(f"{f'{st.lane(lane).lag}/{st.lane(lane).pending}':>13}" for lane in LANES)
+        rows.append(
+            f"{st.stage:<24}{st.length:>8}{st.lag:>8}{st.pending:>9}{len(st.consumers):>11}"
+            f"{parts}  {idle}"
+        )
+    return "\n".join(rows)
+
+
 async def _status_async() -> int:
     settings = CommonSettings()
     client = connect(settings)
@@ -70,13 +86,8 @@ async def _status_async() -> int:
         # Stages that ever had a worker, and those the configured pipelines need.
         known = {text(m) for m in await client.smembers(settings.keys.stages_set())}
         known |= set(load_registry(settings.app, settings.pipelines).stages)
-        print(f"{'stage':<24}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}  idle")
-        for name in sorted(known):
-            st = await stage_status(client, settings.keys, name)
-            idle = ", ".join(f"{c.name}={c.idle_ms}ms" for c in st.consumers) or "-"
-            print(
-                f"{name:<24}{st.length:>8}{st.lag:>8}{st.pending:>9}{len(st.consumers):>11}  {idle}"
-            )
+        statuses = [await stage_status(client, settings.keys, name) for name in sorted(known)]
+        print(status_table(statuses))
     finally:
         await client.aclose()
     return 0
@@ -127,7 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     gw.add_argument("--port", type=port)
     wk = sub.add_parser("worker", help="run a worker for STAGE (or several: a,b)")
     wk.add_argument("stage")
-    sub.add_parser("status", help="per stage: length, lag, pending, consumers, idle")
+    sub.add_parser(
+        "status",
+        help="per stage: length, lag, pending, consumers, each lane's lag/pending, idle",
+    )
     dlq = sub.add_parser("dlq", help="dead letters of a stage: list, replay or purge")
     dlq.add_argument("action", choices=["list", "replay", "purge"])
     dlq.add_argument("stage")

@@ -102,8 +102,11 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
     The methods take ``name``, the pipeline (``/v1/{name}``); ``payload``, the input, and/or
     ``**fields``, its fields as keywords (merged, ``fields`` win); ``timeout``, the request's
     deadline in seconds (``X-Conveyor-Timeout``, capped by the gateway; for a job, its whole
-    life); ``trace_id`` (``X-Trace-Id``). They raise :class:`ConveyorHTTPError` for an error
-    answer (a 503 once ``retries`` are spent), ``httpx.TransportError`` for no answer.
+    life); ``trace_id`` (``X-Trace-Id``); ``priority``, the request's lane,
+    ``"interactive"`` or ``"bulk"`` (``X-Conveyor-Priority``; None: the gateway's default,
+    interactive for a call or a stream, bulk for a job). They raise
+    :class:`ConveyorHTTPError` for an error answer (a 503 once ``retries`` are spent),
+    ``httpx.TransportError`` for no answer.
     """
 
     def _pool(self, transport: httpx.BaseTransport | None, **options: Any) -> httpx.Client:

@@ -3,12 +3,15 @@
 Two tests, on a view of each stage refreshed at most every ``refresh_s``:
 
 - the backlog bound: a stage holding ``max_backlog`` items (its
-  :attr:`~pipelines.stats.StageStatus.backlog`: undelivered + in flight) takes no more;
-- the deadline: from the backlog, the live workers and their learned batch cost
-  (``a + b·n``, published by the workers), the time a new request would wait and run is
-  predicted; one that would miss its deadline is refused now (503 + Retry-After) instead
-  of timing out later (504). With no live worker or no learned cost yet, only the bound
-  applies: the queue holds the work until workers come.
+  :attr:`~pipelines.stats.StageStatus.backlog`: undelivered + in flight, both lanes)
+  takes no more, in either lane;
+- the deadline: from the backlog ahead of the request, the live workers and their learned
+  batch cost (``a + b·n``, published by the workers), the time a new request would wait
+  and run is predicted; one that would miss its deadline is refused now (503 +
+  Retry-After) instead of timing out later (504). What is ahead depends on the lane:
+  workers take interactive work first, so an interactive request waits behind the
+  interactive backlog only, a bulk one behind both lanes'. With no live worker or no
+  learned cost yet, only the bound applies: the queue holds the work until workers come.
 
 Between refreshes this process counts what it admitted itself, so a burst cannot
 overshoot by more than other gateways' share. A stale view is re-measured in the
@@ -23,16 +26,24 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from pipelines.envelope import LANES, Lane
 from pipelines.errors import Overloaded
 from pipelines.keys import Keys
 from pipelines.redisio import REDIS_DOWN
 from pipelines.stats import StageStatus, stage_status
 
 logger = logging.getLogger(__name__)
+
+Counts = dict[Lane, int]
+"""Requests this process admitted to a stage, per lane."""
+
+AHEAD: dict[Lane, tuple[Lane, ...]] = {"interactive": ("interactive",), "bulk": LANES}
+"""The lanes whose backlog a new request of each lane waits behind."""
 
 
 @dataclass
@@ -42,24 +53,34 @@ class Reading:
     Attributes:
         at: when it was measured (monotonic seconds).
         state: what was measured.
-        counted: how many requests this process had admitted when the measurement
-            began; those admitted since are added to the state's backlog.
+        counted: how many requests this process had admitted, per lane, when the
+            measurement began; those admitted since are added to the state's backlog.
     """
 
     at: float
     state: StageStatus
-    counted: int = 0
+    counted: Counts = field(default_factory=dict)
 
-    def predicted_s(self, extra: int, max_batch: int) -> float | None:
-        """Seconds until a new request, ``extra`` places behind the backlog, is done;
-        None when it cannot be predicted: no live worker, no learned cost, or an empty
-        stage (whatever its cost, the next request goes first)."""
+    def waiting(self, admitted: Counts, lanes: Iterable[Lane] = LANES) -> tuple[int, int]:
+        """(measured, since) of ``lanes``: their backlog when measured, and what this
+        process admitted to them since (``admitted``: its counts now)."""
+        lanes = tuple(lanes)
+        measured = sum(self.state.lane(lane).backlog for lane in lanes)
+        since = sum(admitted.get(lane, 0) - self.counted.get(lane, 0) for lane in lanes)
+        return measured, since
+
+    def predicted_s(self, ahead: tuple[int, int], max_batch: int) -> float | None:
+        """Seconds until a new request is done behind ``ahead`` (:meth:`waiting` of the
+        lanes it waits behind); None when it cannot be predicted: no live worker, no
+        learned cost, or nothing ahead when measured (whatever its cost, the next request
+        goes first)."""
         state = self.state
-        if state.backlog == 0 or state.workers == 0 or state.a + state.b <= 0:
+        measured, since = ahead
+        if measured == 0 or state.workers == 0 or state.a + state.b <= 0:
             return None
         per_batch = state.a + state.b * max_batch
         rate = state.workers * max_batch / per_batch  # items per second, full batches
-        return (state.backlog + extra) / rate + state.a + state.b
+        return (measured + since) / rate + state.a + state.b
 
 
 class Admission:
@@ -88,7 +109,7 @@ class Admission:
         self.refresh_s = refresh_s
         self.retry_after_s = retry_after_s
         self._views: dict[str, Reading] = {}
-        self._admitted: dict[str, int] = {}
+        self._admitted: dict[str, Counts] = {}
         self._refreshing: dict[str, asyncio.Task[Reading]] = {}
 
     async def view(self, stage: str) -> Reading:
@@ -108,10 +129,10 @@ class Admission:
         running = self._refreshing.get(stage)
         if running is not None and asyncio.current_task() is not running:
             return await asyncio.shield(running)
-        count = self._admitted.get(stage, 0)
+        count = dict(self._admitted.get(stage, {}))
         view = await self._measure(stage, count)
         latest = self._views.get(stage)
-        if latest is None or latest.counted <= view.counted:
+        if latest is None or sum(latest.counted.values()) <= sum(view.counted.values()):
             self._views[stage] = view
         return view
 
@@ -127,46 +148,50 @@ class Admission:
         elif exc is not None:
             logger.warning("stage %s: admission could not refresh", stage, exc_info=exc)
 
-    async def _measure(self, stage: str, counted: int) -> Reading:
+    async def _measure(self, stage: str, counted: Counts) -> Reading:
         state = await stage_status(self.client, self.keys, stage, costs=True)
         return Reading(time.monotonic(), state, counted)
 
-    async def admit(self, stage: str, bound: int, timeout_s: float, max_batch: int) -> None:
+    async def admit(
+        self, stage: str, bound: int, timeout_s: float, max_batch: int, lane: Lane = "interactive"
+    ) -> None:
         """Count one request against ``stage``, or refuse it.
 
         Args:
             stage: the entry stage.
-            bound: the stage's backlog bound.
+            bound: the stage's backlog bound (both lanes together).
             timeout_s: the request's time budget.
             max_batch: the stage's batch bound (for the throughput estimate).
+            lane: the request's lane (what it waits behind: :data:`AHEAD`).
 
         Raises:
             Overloaded: the backlog is at its bound, or the request would miss its
                 deadline; ``retry_after`` says when the backlog should have drained.
         """
         view = await self.view(stage)
-        refusal = self._refusal(view, stage, bound, timeout_s, max_batch)
+        refusal = self._refusal(view, stage, bound, timeout_s, max_batch, lane)
         if refusal is not None and self._stale(view):
             # Admitting on a stale view is cheap to get wrong, refusing is not: a refusal
             # is decided on a fresh one (a round trip, shared with any refresh under way).
             view = await self.refresh(stage)
-            refusal = self._refusal(view, stage, bound, timeout_s, max_batch)
+            refusal = self._refusal(view, stage, bound, timeout_s, max_batch, lane)
         if refusal is not None:
             raise refusal
-        self._admitted[stage] = self._admitted.get(stage, 0) + 1
+        counts = self._admitted.setdefault(stage, {})
+        counts[lane] = counts.get(lane, 0) + 1
 
     def _refusal(
-        self, view: Reading, stage: str, bound: int, timeout_s: float, max_batch: int
+        self, view: Reading, stage: str, bound: int, timeout_s: float, max_batch: int, lane: Lane
     ) -> Overloaded | None:
-        extra = self._admitted.get(stage, 0) - view.counted
-        current = view.state.backlog + extra
+        admitted = self._admitted.get(stage, {})
+        current = sum(view.waiting(admitted))
         if current >= bound:
             return Overloaded(
                 f"stage {stage!r} is at capacity ({current} waiting, bound {bound}); "
                 f"retry after {self.retry_after_s}s",
                 retry_after=self.retry_after_s,
             )
-        predicted = view.predicted_s(extra, max_batch)
+        predicted = view.predicted_s(view.waiting(admitted, AHEAD[lane]), max_batch)
         if predicted is not None and predicted > timeout_s * self.headroom:
             retry = max(self.retry_after_s, math.ceil(predicted - timeout_s))
             where = "past" if predicted > timeout_s else f"within {1 - self.headroom:.0%} of"

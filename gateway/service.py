@@ -21,7 +21,7 @@ from gateway.edge import ANONYMOUS, RequestMetrics
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
-from pipelines.envelope import Reply, Request, new_request_id, wire_problem
+from pipelines.envelope import Lane, Reply, Request, new_request_id, wire_problem
 from pipelines.errors import Cancelled, DeadlineExceeded, InvalidInput, NotFound
 from pipelines.graph import Pipeline
 from pipelines.records import JobRecord, create_job
@@ -132,6 +132,7 @@ class Gateway:
         stream: bool = False,
         job: bool = False,
         owner: str = ANONYMOUS,
+        lane: Lane = "interactive",
     ) -> Request:
         """Admit a request and put it on its entry step's stream.
 
@@ -145,11 +146,13 @@ class Gateway:
             job: an async job: its record is created with the request, and the result is
                 stored there instead of sent to this gateway.
             owner: who submits it (the API key's identity): only they can read the job.
+            lane: its priority lane (the stream of the entry stage it goes to).
 
         Raises:
             InvalidInput: the payload holds what an envelope cannot carry (see
                 :func:`~pipelines.envelope.wire_problem`); nothing was enqueued.
-            Overloaded: the entry stage's backlog is at its bound (nothing was enqueued).
+            Overloaded: the entry stage's backlog (both lanes) is at its bound, or the
+                request would miss its deadline (nothing was enqueued).
             Unavailable: Redis cannot be reached.
         """
         problem = wire_problem(payload)
@@ -162,7 +165,7 @@ class Gateway:
         try:
             await self._calibrated()
             await self.admission.admit(
-                entry.stage.name, bound, timeout_s, entry.stage.max_batch_size
+                entry.stage.name, bound, timeout_s, entry.stage.max_batch_size, lane
             )
         except REDIS_DOWN as exc:
             raise refusal(exc) from exc
@@ -181,6 +184,7 @@ class Gateway:
             trace_id=trace_id or new_request_id(),
             stream=stream,
             enqueue_by=self._enqueue_by(),
+            lane=lane,
         )
 
         async def write() -> None:
@@ -231,6 +235,7 @@ class Gateway:
         timeout_s: float,
         trace_id: str | None,
         receive: Receive | None = None,
+        lane: Lane = "interactive",
     ) -> tuple[str, Reply]:
         """Run one request through ``pipeline`` and wait for its reply.
 
@@ -241,6 +246,7 @@ class Gateway:
             trace_id: the caller's trace id, if any.
             receive: the HTTP request's ASGI receive, its body read: if the client
                 disconnects while the reply is awaited, the request is cancelled.
+            lane: its priority lane.
 
         Returns:
             The request id and the reply.
@@ -256,7 +262,7 @@ class Gateway:
         watcher = None
         try:
             request = await self.enqueue(
-                pipeline, payload, timeout_s, trace_id, request_id=request_id
+                pipeline, payload, timeout_s, trace_id, request_id=request_id, lane=lane
             )
             if receive is not None:
                 watcher = watch(receive, future, request_id)

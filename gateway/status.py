@@ -1,6 +1,7 @@
 """``GET /status``: a live page of every routed stage; ``GET /status.json``: what it polls.
 
-The page shows per stage the lag (entries no worker has read yet), pending entries, the
+The page shows per stage the lag (entries no worker has read yet) and pending entries,
+in all and per priority lane, the
 workers in the consumer group and how long each has been silent, the batch-size
 distribution, item outcomes, dead letters, and a throughput chart the browser computes
 from the cumulative item counters of successive snapshots. Everything it shows is already
@@ -24,6 +25,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.routing import APIRoute
 
 from gateway.service import Gateway
+from pipelines.envelope import LANES
 from pipelines.graph import Pipeline
 from pipelines.metrics import BUCKETS, le_label
 from pipelines.redisio import REDIS_DOWN
@@ -47,6 +49,13 @@ class ConsumerRow(TypedDict):
     alive: bool
 
 
+class LaneRow(TypedDict):
+    """One priority lane of a stage: its :class:`~pipelines.stats.LaneStatus`."""
+
+    lag: int
+    pending: int
+
+
 class BatchSizes(TypedDict):
     """Batch-size histogram: ``[le, count]`` per bucket, counts not cumulative."""
 
@@ -60,6 +69,7 @@ class StageRow(TypedDict):
     stage: str
     lag: int
     pending: int
+    lanes: dict[str, LaneRow]
     consumers: list[ConsumerRow]
     items: dict[str, int]
     dead_letters: int
@@ -85,6 +95,10 @@ def stage_row(status: StageStatus, stats: Mapping[str, float], dead_letters: int
         "stage": status.stage,
         "lag": status.lag,
         "pending": status.pending,
+        "lanes": {
+            lane: {"lag": part.lag, "pending": part.pending}
+            for lane, part in ((lane, status.lane(lane)) for lane in LANES)
+        },
         "consumers": consumers,
         "items": {outcome: int(stats.get(f"items:{outcome}", 0)) for outcome in OUTCOMES},
         "dead_letters": dead_letters,
@@ -153,7 +167,8 @@ def status_router(gw: Gateway) -> APIRouter:
 
     @router.get("/status.json")
     async def status_json() -> Response:
-        """Every routed stage: lag, pending, consumers, item outcomes, dead letters,
+        """Every routed stage: lag, pending (in all, and per lane under ``lanes``),
+        consumers, item outcomes, dead letters,
         batch sizes; ``time`` is the server's clock in seconds (for rates). 503 when
         Redis cannot be reached."""
         try:

@@ -16,6 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from pipelines.envelope import LANES, Lane
 from pipelines.keys import GROUP, Keys
 from pipelines.metrics import BUCKETS, Histogram, histogram_lines, labels, le_label
 from pipelines.redisio import text
@@ -91,6 +92,26 @@ class Consumer:
         return self.idle_ms < ALIVE_IDLE_MS
 
 
+@dataclass(frozen=True)
+class LaneStatus:
+    """One lane's stream of a stage (see :attr:`StageStatus.lanes`).
+
+    Attributes:
+        length: entries in the stream (trimmed ones excluded).
+        lag: entries not yet delivered to any worker.
+        pending: delivered but not yet acknowledged (in flight).
+    """
+
+    length: int = 0
+    lag: int = 0
+    pending: int = 0
+
+    @property
+    def backlog(self) -> int:
+        """``lag + pending``, as :attr:`StageStatus.backlog` for the lane alone."""
+        return self.lag + self.pending
+
+
 @dataclass
 class StageStatus:
     """The state of one stage: its queue, its workers and their learned cost.
@@ -98,14 +119,20 @@ class StageStatus:
     The one description of a stage's state: admission, ``/status.json``, ``/metrics``,
     ``conveyor status`` and the autoscaler all read it (see :func:`stage_status`).
 
+    A stage has a stream per lane (:data:`~pipelines.envelope.LANES`); ``length``, ``lag``
+    and ``pending`` are their sums, ``lanes`` has each lane's own.
+
     Attributes:
         stage: the stage name.
-        length: entries in the stream (trimmed ones excluded).
+        length: entries in the streams (trimmed ones excluded).
         lag: entries not yet delivered to any worker.
         pending: delivered but not yet acknowledged (in flight).
-        consumers: the consumer group's workers, live or not.
+        consumers: the workers in the lanes' consumer groups, live or not (one per name:
+            a worker reads both lanes; its pending entries are summed, its idle time is
+            the shortest).
         a: the workers' learned fixed seconds per batch (0: not learned yet).
         b: their learned seconds per item (0: not learned yet).
+        lanes: each lane's part (:func:`stage_status` fills in every lane).
     """
 
     stage: str
@@ -115,6 +142,11 @@ class StageStatus:
     consumers: list[Consumer] = field(default_factory=list)
     a: float = 0.0
     b: float = 0.0
+    lanes: dict[Lane, LaneStatus] = field(default_factory=dict)
+
+    def lane(self, lane: Lane) -> LaneStatus:
+        """``lane``'s part (empty where it was not measured)."""
+        return self.lanes.get(lane, LaneStatus())
 
     @property
     def backlog(self) -> int:
@@ -170,8 +202,8 @@ async def _group_counts(
 
 def _queue_answers(answers: list[Any]) -> tuple[int, list[Any] | None, list[Any]]:
     """XLEN, XINFO GROUPS (None: no stream yet) and XINFO CONSUMERS ([]: no group yet)
-    from the first three answers of a pipeline run with ``raise_on_error=False``."""
-    length, groups, consumers = answers[:3]
+    from three answers of a pipeline run with ``raise_on_error=False``."""
+    length, groups, consumers = answers
     if isinstance(length, Exception):  # XINFO's errors mean "not created yet"; this, failure
         raise length
     if isinstance(groups, ResponseError):
@@ -181,10 +213,20 @@ def _queue_answers(answers: list[Any]) -> tuple[int, list[Any] | None, list[Any]
     return int(length), groups, consumers
 
 
+def _merge(consumers: dict[str, Consumer], answer: list[Any]) -> None:
+    """Add one lane group's XINFO CONSUMERS to ``consumers`` (by name)."""
+    for c in answer:
+        name, pending, idle = text(c["name"]), int(c["pending"]), int(c["idle"])
+        seen = consumers.get(name)
+        if seen is not None:
+            pending, idle = seen.pending + pending, min(seen.idle_ms, idle)
+        consumers[name] = Consumer(name, pending, idle)
+
+
 async def stage_status(
     client: aioredis.Redis, keys: Keys, stage: str, *, costs: bool = False, lag_cap: int = 100_000
 ) -> StageStatus:
-    """A stage's state, in one round trip (two when the lag must be counted).
+    """A stage's state, both lanes read in one round trip (more when a lag must be counted).
 
     Args:
         client: Redis client.
@@ -192,49 +234,50 @@ async def stage_status(
         stage: the stage.
         costs: also read the learned batch cost (``a``, ``b``; else 0): admission needs
             it, and it takes a read of the stats hash (HMGET), which not every ACL user has.
-        lag_cap: where the lag must be counted (see :func:`_group_counts`), a range read
+        lag_cap: where a lag must be counted (see :func:`_group_counts`), a range read
             of at most this many entries.
     """
-    stream = keys.stage_stream(stage)
-    # One transaction: the lag is checked against the length, so both describe one moment.
+    streams = {lane: keys.stage_stream(stage, lane) for lane in LANES}
+    # One transaction: each lag is checked against its length, so all describe one moment.
     pipe = client.pipeline(transaction=True)
-    pipe.xlen(stream)
-    pipe.xinfo_groups(stream)
-    pipe.xinfo_consumers(stream, GROUP)
+    for stream in streams.values():
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+        pipe.xinfo_consumers(stream, GROUP)
     if costs:
         pipe.hmget(keys.stage_stats(stage), [COST_A, COST_B])
     answers = await pipe.execute(raise_on_error=False)
-    length, groups, consumers = _queue_answers(answers[:3])
     a, b = None, None
     if costs:
-        if isinstance(answers[3], Exception):
-            raise answers[3]
-        a, b = answers[3]
-    status = StageStatus(
-        stage,
-        length=length,
-        lag=length,
-        a=float(text(a)) if a else 0.0,
-        b=float(text(b)) if b else 0.0,
-    )
-    counts = (
-        None if groups is None else await _group_counts(client, stream, lag_cap, length, groups)
-    )
-    if counts is not None:
-        status.lag, status.pending = counts
-        status.consumers = [
-            Consumer(text(c["name"]), int(c["pending"]), int(c["idle"])) for c in consumers
-        ]
+        if isinstance(answers[-1], Exception):
+            raise answers[-1]
+        a, b = answers[-1]
+    status = StageStatus(stage, a=float(text(a)) if a else 0.0, b=float(text(b)) if b else 0.0)
+    consumers: dict[str, Consumer] = {}
+    for i, (lane, stream) in enumerate(streams.items()):
+        length, groups, members = _queue_answers(answers[3 * i : 3 * i + 3])
+        counts = (
+            None if groups is None else await _group_counts(client, stream, lag_cap, length, groups)
+        )
+        lag, pending = (length, 0) if counts is None else counts
+        if counts is not None:
+            _merge(consumers, members)
+        status.lanes[lane] = LaneStatus(length, lag, pending)
+        status.length += length
+        status.lag += lag
+        status.pending += pending
+    status.consumers = list(consumers.values())
     return status
 
 
 async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Iterable[str]) -> str:
     """Prometheus text for the counters, histograms and queue gauges of ``stages``.
 
-    The queue gauges: ``conveyor_stage_backlog`` is :attr:`StageStatus.lag` (entries no
-    worker has read yet; not :attr:`StageStatus.backlog`, which adds the pending ones),
-    ``conveyor_stage_pending`` is :attr:`StageStatus.pending`, ``conveyor_stage_consumers``
-    is :attr:`StageStatus.workers`.
+    The queue gauges: ``conveyor_stage_backlog`` is a lane's
+    :attr:`~LaneStatus.lag` (entries no worker has read yet; not the backlog, which adds
+    the pending ones), ``conveyor_stage_pending`` its :attr:`~LaneStatus.pending`, one
+    series per lane (label ``lane``; ``sum by (stage)`` is the stage's);
+    ``conveyor_stage_consumers`` is :attr:`StageStatus.workers`.
     """
     out: list[str] = [
         "# TYPE conveyor_stage_items_total counter",
@@ -264,8 +307,10 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
                 f"conveyor_stage_{name}", bounds, per, stats.get(f"h:{name}:sum", 0.0), stage=stage
             )
         st = await stage_status(client, keys, stage)
-        # The lag, not st.backlog: the gauge's name predates the property (see above).
-        out.append(f"conveyor_stage_backlog{labels(stage=stage)} {st.lag}")
-        out.append(f"conveyor_stage_pending{labels(stage=stage)} {st.pending}")
+        for lane in LANES:
+            part = st.lane(lane)
+            # The lag, not the backlog: the gauge's name predates the property (see above).
+            out.append(f"conveyor_stage_backlog{labels(stage=stage, lane=lane)} {part.lag}")
+            out.append(f"conveyor_stage_pending{labels(stage=stage, lane=lane)} {part.pending}")
         out.append(f"conveyor_stage_consumers{labels(stage=stage)} {st.workers}")
     return "\n".join(out) + "\n"

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
-from pipelines.envelope import Request, new_request_id
+from pipelines.envelope import Lane, Request, new_request_id
 from pipelines.graph import single
 from pipelines.model import Item, Model, Result
 from pipelines.redisio import enqueue, text
@@ -215,12 +215,13 @@ class Harness:
         *,
         deadline_in: float = 60.0,
         reply_to: str | None = None,
+        lane: Lane = "interactive",
     ) -> list[Request]:
-        """XADD requests straight to a stage stream, as a gateway would."""
+        """XADD requests straight to a stage stream (of ``lane``), as a gateway would."""
         deadline = time.time() + deadline_in
         reply_to = reply_to or self.keys.reply_stream("test")
         requests = [
-            self.request(stage, stage, stage, p, deadline=deadline, reply_to=reply_to)
+            self.request(stage, stage, stage, p, deadline=deadline, reply_to=reply_to, lane=lane)
             for p in payloads
         ]
         pipe = self.redis.pipeline(transaction=False)

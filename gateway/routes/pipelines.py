@@ -15,9 +15,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from gateway.responses import declared, validation_issues
-from gateway.routes import BODY_ERRORS, Timeout, Trace, json_response
+from gateway.routes import BODY_ERRORS, Priority, Timeout, Trace, json_response
 from gateway.service import Gateway
-from pipelines.envelope import Reply, new_request_id
+from pipelines.envelope import Lane, Reply, new_request_id
 from pipelines.errors import Cancelled, DeadlineExceeded, ItemFailed
 from pipelines.graph import Pipeline
 
@@ -62,18 +62,27 @@ def query_field(model: type[BaseModel]) -> str | None:
 
 def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def run(
-        http: Request, payload: BaseModel, asked: float | None, trace: str | None
+        http: Request,
+        payload: BaseModel,
+        asked: float | None,
+        trace: str | None,
+        priority: Lane | None,
     ) -> Response:
         data = payload.model_dump(mode="json")
         budget = gw.timeout_for(asked)
+        lane = priority or "interactive"
         # The body is read: what receive says next is the client going away.
-        request_id, reply = await gw.call(pipeline, data, budget, trace, http.receive)
+        request_id, reply = await gw.call(pipeline, data, budget, trace, http.receive, lane)
         return reply_response(reply, request_id)
 
     async def post(
-        http: Request, payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+        http: Request,
+        payload: BaseModel,
+        timeout_s: Timeout = None,
+        trace: Trace = None,
+        priority: Priority = None,
     ) -> Response:
-        return await run(http, payload, timeout_s, trace)
+        return await run(http, payload, timeout_s, trace, priority)
 
     # FastAPI reads the body model from the annotation; each pipeline has its own.
     post.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
@@ -100,7 +109,8 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
         except ValidationError as exc:
             issues = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]
             return json_response({"detail": validation_issues(issues)}, 422)
-        return await run(kwargs["_request"], payload, kwargs["timeout_s"], kwargs["trace"])
+        asked, trace, priority = kwargs["timeout_s"], kwargs["trace"], kwargs["priority"]
+        return await run(kwargs["_request"], payload, asked, trace, priority)
 
     # The query parameter is named after the model's field (``text``, ``search_term``).
     kw = inspect.Parameter.KEYWORD_ONLY
@@ -110,6 +120,7 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
             inspect.Parameter(field, kw, annotation=Annotated[str, Query(min_length=1)]),
             inspect.Parameter("timeout_s", kw, default=None, annotation=Timeout),
             inspect.Parameter("trace", kw, default=None, annotation=Trace),
+            inspect.Parameter("priority", kw, default=None, annotation=Priority),
         ]
     )
     app.add_api_route(
@@ -159,7 +170,10 @@ class EventStream(StreamingResponse):
 
 def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def stream(
-        payload: BaseModel, timeout_s: Timeout = None, trace: Trace = None
+        payload: BaseModel,
+        timeout_s: Timeout = None,
+        trace: Trace = None,
+        priority: Priority = None,
     ) -> Response:
         budget = gw.timeout_for(timeout_s)
         request_id = new_request_id()
@@ -173,6 +187,7 @@ def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[
                 trace,
                 request_id=request_id,
                 stream=True,
+                lane=priority or "interactive",
             )
         except BaseException:
             gw.replies.forget(request_id)

@@ -11,13 +11,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
-from conveyor.cli import main
+from conveyor.cli import main, status_table
 from conveyor.embedded import free_port
 from conveyor.supervisor import worker_groups
 from pipelines.builtin import builtin_pipelines
 from pipelines.registry import Registry
-from tests.helpers import REPO, wait_ready
+from pipelines.stats import stage_status
+from tests.gateway.test_lanes import put
+from tests.helpers import REPO, Harness, wait_ready
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 
@@ -152,3 +155,15 @@ def test_up_starts_each_model_stage_alone_and_the_function_stages_together() -> 
     functions = "hello.detect,hello.spanish,hello.french"
     assert worker_groups(registry, None) == [("adder", 1), ("multiplier", 1), (functions, 1)]
     assert worker_groups(registry, 3) == [("adder", 3), ("multiplier", 3), (functions, 3)]
+
+
+async def test_status_shows_each_lane(harness: Harness, redis: aioredis.Redis) -> None:
+    await put(harness, "double", "interactive", 2)
+    await put(harness, "double", "bulk", 5)
+    table = status_table([await stage_status(redis, harness.keys, "double")])
+    header, row = table.splitlines()
+    assert header.split() == [
+        "stage", "length", "lag", "pending", "consumers", "interactive", "bulk", "idle",
+    ]  # fmt: skip
+    # totals, then each lane's lag/pending
+    assert row.split() == ["double", "7", "7", "0", "0", "2/0", "5/0", "-"]

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from conveyor._flows import Flow, Map, Post, Sleep
 from conveyor.client import AsyncClient, Client, ConveyorHTTPError
 from conveyor.embedded import free_port
+from pipelines.envelope import decode_request
 from pipelines.model import Item, Result
 from pipelines.stages import BUILTIN, GenerateIn, Stage
 from tests.gateway.test_cancel import Held, cancelled, held_stage, queued, serve
@@ -104,6 +105,38 @@ async def test_call_with_a_payload_or_keywords(harness: Harness) -> None:
     assert "x-conveyor-timeout" not in first.headers
     assert second.headers["x-conveyor-timeout"] == "5"
     assert second.headers["x-trace-id"] == "t-42"
+
+
+async def test_priority_picks_the_lane_each_request_is_queued_on(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    base = await harness.http_server([number_stage()])  # no worker: the streams keep them
+
+    def sync_call() -> None:
+        with Client(base) as client, pytest.raises(ConveyorHTTPError, match="504"):
+            client.call("double", value=1, timeout=0.2, priority="bulk")
+
+    await asyncio.to_thread(sync_call)
+    async with AsyncClient(base) as client:
+        with pytest.raises(ConveyorHTTPError, match="504"):
+            await client.call("double", value=2, timeout=0.2)  # default: interactive
+        await client.submit("double", value=3)  # default: bulk
+        await client.submit("double", value=4, priority="interactive")
+        [late] = await client.map(
+            "double",
+            [{"value": 5}],
+            timeout=0.2,
+            priority="bulk",
+            progress=False,
+            return_exceptions=True,
+        )
+        assert isinstance(late, ConveyorHTTPError)
+        assert late.status == 504
+    queued_on = {}
+    for lane in ("interactive", "bulk"):
+        entries: Any = await redis.xrange(harness.keys.stage_stream("double", lane))
+        queued_on[lane] = [decode_request(fields).payload["value"] for _, fields in entries]
+    assert queued_on == {"interactive": [2, 4], "bulk": [1, 3, 5]}
 
 
 async def test_the_api_key_is_sent_as_a_bearer_token(harness: Harness) -> None:
@@ -553,12 +586,13 @@ def test_the_map_flow_keeps_or_raises_an_error() -> None:
 def test_both_clients_take_the_same_parameters() -> None:
     request = (
         "(self, name: 'str', payload: 'Payload | None' = None, /, *, "
-        "timeout: 'float | None' = None, trace_id: 'str | None' = None, **fields: 'Any')"
+        "timeout: 'float | None' = None, trace_id: 'str | None' = None, "
+        "priority: 'Lane | None' = None, **fields: 'Any')"
     )
     bulk = (
         "(self, name: 'str', inputs: 'Iterable[Payload]', *, concurrency: 'int' = 16, "
         "progress: 'bool' = True, return_exceptions: 'bool' = False, "
-        "timeout: 'float | None' = None)"
+        "timeout: 'float | None' = None, priority: 'Lane | None' = None)"
     )
     for kind in (Client, AsyncClient):
         for method in ("call", "submit", "stream", "stream_events"):

@@ -39,6 +39,7 @@ from redis.retry import Retry
 
 from conveyor.embedded import find_redis_server, free_port
 from gateway.settings import GatewaySettings
+from pipelines.envelope import LANES
 from pipelines.keys import GROUP, Keys
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
@@ -800,6 +801,11 @@ def test_keda_objects_are_well_formed() -> None:
         assert {"lagCount", "activationLagCount", "pendingEntriesCount"} <= kinds, name
 
 
+def lane_streams(keys: Keys, stage: str) -> list[str]:
+    """``stage``'s stream of each priority lane."""
+    return [keys.stage_stream(stage, lane) for lane in LANES]
+
+
 def test_k8s_workers_match_compose_streams_and_drain() -> None:
     common = by_kind("ConfigMap")["conveyor-common"]["data"]
     keys = Keys(common["CONVEYOR_NAMESPACE"])
@@ -824,17 +830,26 @@ def test_k8s_workers_match_compose_streams_and_drain() -> None:
         grace = pod["spec"]["terminationGracePeriodSeconds"]
         counterpart = compose.get(name, compose.get(name.removesuffix("-gpu"), {}))
         assert grace >= seconds(counterpart.get("stop_grace_period", f"{DRAIN_S:g}s")), name
-        # KEDA watches every stream this Deployment reads: its lag and its pending entries.
+        # KEDA watches every stream this Deployment reads, each lane's: its lag and its
+        # pending entries, with the same target on every lane.
         (scaled,) = by_kind("ScaledObject", path).values()
         assert scaled["spec"]["scaleTargetRef"]["name"] == name
         watched: dict[str, set[str]] = {}
+        targets: dict[tuple[str, str], set[str]] = {}
         for trigger in scaled["spec"]["triggers"]:
             meta = trigger["metadata"]
             assert meta["consumerGroup"] == GROUP, name
-            kind = "lag" if "lagCount" in meta else "pending"
+            kind, count = (
+                ("lag", "lagCount") if "lagCount" in meta else ("pending", "pendingEntriesCount")
+            )
             watched.setdefault(meta["stream"], set()).add(kind)
-        expected = {keys.stage_stream(stage): {"lag", "pending"} for stage in stages}
+            stage = next(s for s in stages if meta["stream"] in lane_streams(keys, s))
+            targets.setdefault((stage, kind), set()).add(meta[count])
+        expected = {
+            stream: {"lag", "pending"} for stage in stages for stream in lane_streams(keys, stage)
+        }
         assert watched == expected, f"{name}: triggers {watched}, want {expected}"
+        assert all(len(t) == 1 for t in targets.values()), f"{name}: lanes differ {targets}"
         (budget,) = by_kind("PodDisruptionBudget", path).values()
         assert selects(budget["spec"]["selector"], pod["metadata"]["labels"]), name
         assert selects(deployment["spec"]["selector"], pod["metadata"]["labels"]), name

@@ -211,7 +211,7 @@ async def test_request_that_would_miss_its_deadline_is_refused_at_once(
         "/v1/jobs/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "30"}
     )
     assert resp.status_code == 202  # a request with time to spare is taken
-    assert await redis.xlen(stream) == 21
+    assert await redis.xlen(harness.keys.stage_stream("double", "bulk")) == 1  # a job: bulk
 
 
 def test_a_pipeline_called_jobs_is_refused_when_the_app_is_built() -> None:

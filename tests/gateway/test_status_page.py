@@ -50,6 +50,10 @@ async def test_status_json_counts_outcomes_and_shows_a_live_worker(
     assert double["stage"] == "double"
     assert double["items"] == {"ok": 12, "error": 1, "expired": 0, "cancelled": 2}
     assert (double["lag"], double["pending"], double["dead_letters"]) == (0, 0, 1)
+    assert double["lanes"] == {
+        "interactive": {"lag": 0, "pending": 0},
+        "bulk": {"lag": 0, "pending": 0},
+    }
     [consumer] = double["consumers"]
     assert consumer["name"] == worker.consumer
     assert consumer["alive"] is True
@@ -193,6 +197,10 @@ PAGE_STATE = """(() => {
       Object.fromEntries([...tr.querySelectorAll("[data-outcome]")].map(
         (td) => [td.dataset.outcome, td.textContent])),
     ])),
+    lanes: Object.fromEntries([...document.querySelectorAll("#stages tr")].map((tr) => [
+      tr.dataset.stage,
+      [...tr.querySelectorAll("[data-lane]")].map((e) => `${e.dataset.field} ${e.textContent}`),
+    ])),
     headers: [...document.querySelectorAll("thead th")].map((th) => th.textContent),
     alive: document.querySelectorAll("[data-alive=true]").length,
     text: document.body.innerText,
@@ -302,6 +310,15 @@ async def test_status_page_refreshes_live_in_headless_chromium(
         assert state["outcomes"]["slow"]["cancelled"] == "3"
         assert state["outcomes"]["double"]["cancelled"] == "0"
         assert "cancelled" in state["headers"]
+        # Lag and pending per priority lane; the bulk lane is never used here.
+        lanes = state["lanes"]["slow"]
+        assert [entry.rsplit(" ", 1)[0] for entry in lanes] == [
+            "lag interactive",
+            "lag bulk",
+            "pending interactive",
+            "pending bulk",
+        ]
+        assert lanes[1] == "lag bulk 0"
         assert state["alive"] == 2  # one live worker per stage
         assert "Redis unreachable" not in state["text"]
 
