@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--b-ms", type=float, default=5.0, help="ms per item (5)")
     args = parser.parse_args(argv)
     env = {"BENCH_SYNTHETIC_A_MS": str(args.a_ms), "BENCH_SYNTHETIC_B_MS": str(args.b_ms)}
+    env["CONVEYOR_MAX_BACKLOG"] = str(max(1024, 2 * args.bulk))  # the bulk jobs all wait
     options = Options(max_batch=args.batch, env=env)
     with tempfile.TemporaryDirectory() as tmp, conveyor([STAGE], options, Path(tmp)) as server:
         idle = interactive(server, args.concurrency, args.seconds)

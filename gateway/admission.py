@@ -159,7 +159,8 @@ class Admission:
 
         Args:
             stage: the entry stage.
-            bound: the stage's backlog bound (both lanes together).
+            bound: the stage's backlog bound, for each lane: the request's lane's backlog
+                is held to it.
             timeout_s: the request's time budget.
             max_batch: the stage's batch bound (for the throughput estimate).
             lane: the request's lane (what it waits behind: :data:`AHEAD`).
@@ -184,10 +185,12 @@ class Admission:
         self, view: Reading, stage: str, bound: int, timeout_s: float, max_batch: int, lane: Lane
     ) -> Overloaded | None:
         admitted = self._admitted.get(stage, {})
-        current = sum(view.waiting(admitted))
+        # Each lane has its own bound: a deep bulk backlog never refuses interactive calls.
+        current = sum(view.waiting(admitted, (lane,)))
         if current >= bound:
             return Overloaded(
-                f"stage {stage!r} is at capacity ({current} waiting, bound {bound}); "
+                f"stage {stage!r} is at capacity ({current} waiting in its {lane} lane, bound "
+                f"{bound}); "
                 f"retry after {self.retry_after_s}s",
                 retry_after=self.retry_after_s,
             )

@@ -32,6 +32,9 @@ async def put(harness: Harness, stage: str, lane: Lane, count: int) -> None:
     await harness.enqueue(stage, [{"value": i} for i in range(count)], lane=lane)
 
 
+PRIORITY = "X-Conveyor-Priority"
+
+
 def text_stage() -> Stage:
     # One required string field and streaming: POST, GET ?text= and /stream routes.
     return Stage("held", GenerateIn, runner="unused", streaming=True)
@@ -118,15 +121,23 @@ async def test_a_worker_in_both_lane_groups_is_one_consumer(
     assert status.workers == 1
 
 
-async def test_the_backlog_bound_counts_both_lanes(harness: Harness, redis: aioredis.Redis) -> None:
-    http = await harness.gateway([number_stage()], max_backlog=3, admission_refresh_ms=0)
-    await put(harness, "double", "interactive", 2)
-    await put(harness, "double", "bulk", 1)
-    for headers in ({}, {"X-Conveyor-Priority": "bulk"}):
-        resp = await http.post("/v1/double", json={"value": 1}, headers=headers)
-        assert resp.status_code == 503, resp.text
-        assert "3 waiting, bound 3" in resp.json()["detail"]
-    assert (await http.post("/v1/jobs/double", json={"value": 1})).status_code == 503
+async def test_each_lane_is_held_to_the_backlog_bound_alone(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # A deep bulk backlog refuses bulk work, never an interactive call; and the reverse.
+    stages = [number_stage("deep-bulk"), number_stage("deep-interactive")]
+    http = await harness.gateway(stages, max_backlog=3, admission_refresh_ms=0)
+    await put(harness, "deep-bulk", "bulk", 3)
+    await put(harness, "deep-interactive", "interactive", 3)
+    for stage, full, free in (
+        ("deep-bulk", "bulk", "interactive"),
+        ("deep-interactive", "interactive", "bulk"),
+    ):
+        refused = await http.post(f"/v1/{stage}", json={"value": 1}, headers={PRIORITY: full})
+        assert refused.status_code == 503, refused.text
+        assert f"3 waiting in its {full} lane, bound 3" in refused.json()["detail"]
+        admitted = await http.post(f"/v1/jobs/{stage}", json={"value": 1}, headers={PRIORITY: free})
+        assert admitted.status_code == 202, admitted.text
 
 
 async def test_an_interactive_request_is_predicted_behind_the_interactive_lane_only(

@@ -260,7 +260,9 @@ async def test_replaying_a_dead_lettered_join_branch_answers_its_job(
     left_stream = harness.keys.stage_stream("rj.left")
     await redis.xgroup_create(left_stream, GROUP, id="0", mkstream=True)
     http = await harness.gateway(registry)
-    submitted = await http.post("/v1/jobs/rj", json={"value": 3})
+    # On the interactive lane (a job's default is bulk), the stream watched below.
+    interactive = {"X-Conveyor-Priority": "interactive"}
+    submitted = await http.post("/v1/jobs/rj", json={"value": 3}, headers=interactive)
     assert submitted.status_code == 202, submitted.text
     job_url = f"/v1/jobs/{submitted.json()['id']}"
 
