@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipelines.graph import Pipeline, single
+from pipelines.graph import Pipeline, function, single
 from pipelines.model import Item, Result
 from pipelines.stages import Stage
 from tests.helpers import REPO, NumberIn
@@ -45,7 +45,28 @@ class Crashy:
 SLOW = Stage("slow", NumberIn, "tests.faultapp:Sleepy", max_batch_size=32, batch_wait_ms=50)
 CRASHY = Stage("crashy", NumberIn, "tests.faultapp:Crashy", max_batch_size=16, batch_wait_ms=300)
 
-pipelines: list[Pipeline] = [single(SLOW), single(CRASHY)]
+
+def _pass_on(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"value": payload["value"]}
+
+
+def _slow_pass_on(payload: dict[str, Any]) -> dict[str, Any]:
+    time.sleep(float(os.environ.get("CONVEYOR_TEST_STEP_S", "1")))
+    return {"value": payload["value"]}
+
+
+CHAIN = Pipeline(
+    "chain3",
+    NumberIn,
+    (
+        function("a", _pass_on, then="b"),
+        function("b", _slow_pass_on, then="c"),
+        function("c", _pass_on),
+    ),
+)
+"""Three function steps, the middle one slow (``CONVEYOR_TEST_STEP_S`` per item)."""
+
+pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), CHAIN]
 
 
 def spawn(module: str, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:

@@ -192,7 +192,7 @@ async def test_503_is_retried_after_retry_after_then_raised(harness: Harness) ->
 
     def no_retries() -> ConveyorHTTPError:
         with Client(base, retries=0) as client, pytest.raises(ConveyorHTTPError) as exc:
-            client.submit("double", value=1)
+            client.submit("double", value=1, priority="interactive")  # the full lane
         return exc.value
 
     assert (await asyncio.to_thread(no_retries)).status == 503
