@@ -8,6 +8,12 @@ assembles takes bulk first and fills up with interactive: the rule counts every 
 in ``bulk_every`` whenever it has work, and costs nothing when it has none (a bulk-first
 read of an empty bulk stream simply goes on to interactive).
 
+Bulk waits for the model: while an earlier batch holds it, a batch being assembled takes
+interactive entries only (but on its bulk-first turn), so it cannot fill up with bulk and
+hold a later interactive arrival back by a whole batch; the window tops it up with bulk
+when the model frees (:class:`workers.window.Window`). A read that leaves bulk out waits
+at most :data:`BUSY_BLOCK_MS`, so the model is never left idle while bulk waits.
+
 A read is non-blocking on the first lane, then on the second for what is left; only when
 both gave nothing and the window wants to wait does one blocking XREADGROUP cover every
 lane, so an idle worker still waits in Redis. That one read may return up to ``count``
@@ -25,7 +31,10 @@ import redis.asyncio as aioredis
 
 from pipelines.keys import GROUP
 from pipelines.redisio import text
-from workers.batch import Entry
+from workers.batch import Entry, Runner
+
+BUSY_BLOCK_MS = 20
+"""The longest a read waits on the interactive lane alone (the model busy, bulk held back)."""
 
 
 class Lanes:
@@ -36,12 +45,19 @@ class Lanes:
         streams: the stage's stream of each lane, interactive first.
         consumer: this worker's consumer name.
         bulk_every: every this-many-th batch reads the last lane (bulk) first.
+        runner: the model thread (while it is busy, bulk waits but on its turn).
     """
 
     def __init__(
-        self, client: aioredis.Redis, streams: Sequence[str], consumer: str, bulk_every: int
+        self,
+        client: aioredis.Redis,
+        streams: Sequence[str],
+        consumer: str,
+        bulk_every: int,
+        runner: Runner,
     ) -> None:
         self.client = client
+        self.runner = runner
         self.streams = tuple(streams)
         self.consumer = consumer
         self.bulk_every = bulk_every
@@ -69,6 +85,9 @@ class Lanes:
         not at all) only when no lane has any."""
         taken, self._carry = self._carry[:count], self._carry[count:]
         order = self.order
+        if self.runner.busy and order[0] == self.streams[0]:
+            order = order[:1]  # bulk waits for the model (see above)
+            block_ms = None if block_ms is None else min(block_ms, BUSY_BLOCK_MS)
         for stream in order:
             if len(taken) >= count:
                 return taken

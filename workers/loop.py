@@ -78,10 +78,12 @@ class Worker:
         self.streams = [settings.keys.stage_stream(stage.name, lane) for lane in LANES]
         self.consumer = settings.consumer_name or consumer_name()
         self.client = connect(settings, block_ms=settings.block_ms)
-        self.lanes = Lanes(self.client, self.streams, self.consumer, settings.bulk_every)
         self.clock = RedisClock()
         self.router = Router(registry or Registry([single(stage)]), settings.keys, stage.name)
         self.runner = Runner(stage, settings, model)
+        self.lanes = Lanes(
+            self.client, self.streams, self.consumer, settings.bulk_every, self.runner
+        )
         self._stopping = asyncio.Event()
         self.window = Window(
             stage, settings, self.lanes.read, self.clock, self.runner, self._stopping

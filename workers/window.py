@@ -4,7 +4,8 @@ A batch closes when it is full or when ``batch_wait_ms`` has passed since its *o
 entry arrived (the stream id carries the arrival time); later arrivals never extend it.
 With adaptive batching it goes sooner when waiting would not pay (:mod:`workers.policy`).
 While an earlier batch holds the model, a batch past its window could not start anyway:
-it keeps taking arrivals, in short reads, until the model frees.
+it keeps taking arrivals, in short reads, until the model frees, and then once more
+without waiting (what the reads held back while the model was busy: bulk work).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Window:
         if not entries:
             return []
         close_at = entry_ms(entries[0].id) / 1000.0 + self.wait_s
+        waited_on_model = False
         while len(entries) < self.max_batch and not self._stopping.is_set():
             now = self._clock.now()
             if self.policy and not self._runner.busy and self.policy.go_now(len(entries), now):
@@ -71,7 +73,12 @@ class Window:
             remaining_ms = int((close_at - now) * 1000)
             if remaining_ms < 1:
                 if not self._runner.busy:
+                    if waited_on_model:
+                        # The model just freed: what the reads left out while it was busy
+                        # (bulk, see workers/lanes.py) fills the batch now, without waiting.
+                        entries += await self._take(self.max_batch - len(entries), None)
                     break
+                waited_on_model = True
                 remaining_ms = max(1, min(20, int(self._runner.last_run_s * 250)))
             entries += await self._take(self.max_batch - len(entries), remaining_ms)
         return entries
