@@ -1,29 +1,34 @@
-"""Priority lanes: which of a stage's streams a batch reads first.
+"""Priority lanes: how a batch shares its slots between a stage's two streams.
 
 Each stage has one stream per lane (``Keys.stage_stream(stage, lane)``), each read in the
 one consumer group. A batch takes interactive entries first and fills what is left of it
-with bulk ones. So that bulk is never starved, every ``bulk_every``-th batch this worker
-assembles takes bulk first and fills up with interactive: the rule counts every batch
-(not only those that found both lanes waiting), which guarantees bulk at least one batch
-in ``bulk_every`` whenever it has work, and costs nothing when it has none (a bulk-first
-read of an empty bulk stream simply goes on to interactive).
+with bulk ones. So that bulk is never starved, interactive entries take at most
+``max_batch - reserve`` slots of a batch while bulk has work, ``reserve`` being
+``ceil(max_batch / bulk_every)``: bulk's guaranteed share of every batch. Interactive work
+never waits behind a whole batch of bulk, and takes the reserve too when bulk has none.
+While interactive work is active (read within :data:`ACTIVE_S`), bulk takes only its
+reserve, so batches stay short for the interactive requests still coming; once interactive
+is quiet, bulk fills whole batches.
 
 Bulk waits for the model: while an earlier batch holds it, a batch being assembled takes
-interactive entries only (but on its bulk-first turn), so it cannot fill up with bulk and
-hold a later interactive arrival back by a whole batch; the window tops it up with bulk
-when the model frees (:class:`workers.window.Window`). A read that leaves bulk out waits
-at most :data:`BUSY_BLOCK_MS`, so the model is never left idle while bulk waits.
+interactive entries only, so it cannot fill up with bulk and hold a later interactive
+arrival back by a whole batch; the window tops it up when the model frees
+(:class:`workers.window.Window`), bulk's reserve included. A read that leaves bulk out
+waits at most :data:`BUSY_BLOCK_MS`, so the model is never left idle while bulk waits.
 
-A read is non-blocking on the first lane, then on the second for what is left; only when
-both gave nothing and the window wants to wait does one blocking XREADGROUP cover every
-lane, so an idle worker still waits in Redis. That one read may return up to ``count``
-from each stream at once: what exceeds the batch's bound is already delivered to this
-consumer, so it is kept and handed out first by the next read (never dropped, never
-making a batch larger than its bound; a worker that stops runs it as a last batch).
+A read is non-blocking on each lane in turn; only when every lane gave nothing and the
+window wants to wait does one blocking XREADGROUP cover the lanes, so an idle worker still
+waits in Redis. That one read may return up to ``count`` from each stream at once: what
+exceeds the batch's bound is already delivered to this consumer, so it is kept and handed
+out first by the next read (never dropped, never making a batch larger than its bound; a
+worker that stops runs it as a last batch).
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -35,6 +40,9 @@ from workers.batch import Entry, Runner
 
 BUSY_BLOCK_MS = 20
 """The longest a read waits on the interactive lane alone (the model busy, bulk held back)."""
+ACTIVE_S = 1.0
+"""Interactive work read within this long makes the lane active: bulk then takes only its
+reserve of a batch, so batches stay short for the interactive requests still coming."""
 
 
 class Lanes:
@@ -44,8 +52,9 @@ class Lanes:
         client: Redis client.
         streams: the stage's stream of each lane, interactive first.
         consumer: this worker's consumer name.
-        bulk_every: every this-many-th batch reads the last lane (bulk) first.
-        runner: the model thread (while it is busy, bulk waits but on its turn).
+        max_batch: the stage's batch bound.
+        bulk_every: bulk's reserve is one slot in this many of each batch.
+        runner: the model thread (while it is busy, bulk waits).
     """
 
     def __init__(
@@ -53,27 +62,25 @@ class Lanes:
         client: aioredis.Redis,
         streams: Sequence[str],
         consumer: str,
+        max_batch: int,
         bulk_every: int,
         runner: Runner,
     ) -> None:
         self.client = client
         self.runner = runner
+        self.interactive, self.bulk = streams
         self.streams = tuple(streams)
         self.consumer = consumer
-        self.bulk_every = bulk_every
-        self.batches = 0  # batches assembled so far
+        self.reserve = math.ceil(max_batch / bulk_every)  # bulk's share of a batch
+        self.room = max_batch - self.reserve  # interactive's, while bulk waits
+        self._interactive_taken = 0  # in the batch being assembled
+        self._bulk_taken = 0
+        self._interactive_at = -math.inf  # when interactive work was last read
         self._carry: list[Entry] = []  # delivered by a blocking read past its bound
 
-    @property
-    def order(self) -> tuple[str, ...]:
-        """The streams in the order the batch being assembled reads them."""
-        if (self.batches + 1) % self.bulk_every == 0:
-            return self.streams[::-1]
-        return self.streams
-
     def assembled(self) -> None:
-        """A batch has been assembled: the next one picks its order afresh."""
-        self.batches += 1
+        """A batch has been assembled: the next one starts with its slots free."""
+        self._interactive_taken = self._bulk_taken = 0
 
     def release(self) -> list[Entry]:
         """The entries delivered here but not handed out yet (a drain runs them)."""
@@ -81,22 +88,48 @@ class Lanes:
         return held
 
     async def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to ``count`` new entries, in lane order, blocking up to ``block_ms`` (None:
-        not at all) only when no lane has any."""
+        """Up to ``count`` new entries, interactive first within its room, blocking up to
+        ``block_ms`` (None: not at all) only when no lane has any."""
         taken, self._carry = self._carry[:count], self._carry[count:]
-        order = self.order
-        if self.runner.busy and order[0] == self.streams[0]:
-            order = order[:1]  # bulk waits for the model (see above)
-            block_ms = None if block_ms is None else min(block_ms, BUSY_BLOCK_MS)
-        for stream in order:
-            if len(taken) >= count:
-                return taken
-            taken += await self._xread({stream: ">"}, count - len(taken), None)
-        if taken or block_ms is None:
-            return taken
-        got = await self._xread(dict.fromkeys(order, ">"), count, block_ms)
+        busy = bool(self.runner.busy)
+        room = max(0, min(count - len(taken), self.room - self._interactive_taken))
+        first = await self._take(self.interactive, room)
+        taken += first
+        if not busy:
+            bulk_room = count - len(taken)
+            if time.monotonic() - self._interactive_at < ACTIVE_S:
+                bulk_room = min(bulk_room, self.reserve - self._bulk_taken)
+            taken += await self._take(self.bulk, bulk_room)
+            if len(first) == room and len(taken) < count:
+                # Interactive filled its room and bulk has no more: it takes the reserve.
+                taken += await self._take(self.interactive, count - len(taken))
+        if not taken and block_ms is not None:
+            taken = await self._wait(count, block_ms, busy, room)
+        interactive = sum(1 for e in taken if e.stream == self.interactive)
+        self._interactive_taken += interactive
+        self._bulk_taken += len(taken) - interactive
+        if interactive:
+            self._interactive_at = time.monotonic()
+        return taken
+
+    async def _wait(self, count: int, block_ms: int, busy: bool, room: int) -> list[Entry]:
+        """Nothing is waiting in what this read may take: wait in Redis for new entries."""
+        if not busy:
+            got = await self._xread(dict.fromkeys(self.streams, ">"), count, block_ms)
+        elif room:  # bulk waits for the model (see above): interactive alone, briefly
+            got = await self._xread({self.interactive: ">"}, room, min(block_ms, BUSY_BLOCK_MS))
+        else:  # interactive has used its room, bulk waits for the model: so does this read
+            await asyncio.sleep(min(block_ms, BUSY_BLOCK_MS) / 1000)
+            return []
         self._carry += got[count:]
         return got[:count]
+
+    async def _take(self, stream: str, count: int) -> list[Entry]:
+        """Up to ``count`` new entries of ``stream``, without waiting (none asked: none
+        read: COUNT 0 would mean all)."""
+        if count <= 0:
+            return []
+        return await self._xread({stream: ">"}, count, None)
 
     async def _xread(
         self, streams: dict[str, str], count: int, block_ms: int | None

@@ -81,8 +81,9 @@ class Worker:
         self.clock = RedisClock()
         self.router = Router(registry or Registry([single(stage)]), settings.keys, stage.name)
         self.runner = Runner(stage, settings, model)
+        max_batch = settings.max_batch_size or stage.max_batch_size
         self.lanes = Lanes(
-            self.client, self.streams, self.consumer, settings.bulk_every, self.runner
+            self.client, self.streams, self.consumer, max_batch, settings.bulk_every, self.runner
         )
         self._stopping = asyncio.Event()
         self.window = Window(

@@ -42,9 +42,8 @@ class WorkerSettings(CommonSettings):
         batch_wait_ms: overrides the stage's window when set.
         max_concurrent_batches: batches read ahead and in flight at once (the model
             itself runs one batch at a time; the next is assembled meanwhile).
-        bulk_every: when both lanes have work waiting, every this-many-th batch takes the
-            bulk lane first (the others take interactive first and fill up with bulk):
-            bulk's guaranteed share of batches.
+        bulk_every: bulk's guaranteed share of a batch while both lanes have work: one
+            slot in this many (rounded up); interactive takes the rest first.
         adaptive_batching: go before the window closes when waiting would not raise
             throughput (workers/policy.py); off: always wait out the window.
         block_ms: how long one idle read blocks (also bounds how fast a stop is seen).

@@ -61,11 +61,11 @@ class Window:
 
     async def assemble(self, block_ms: int | None) -> list[Entry]:
         """The next batch; empty when nothing new came within ``block_ms``."""
+        waited_on_model = bool(self._runner.busy)  # a read while it is busy holds bulk back
         entries = await self._take(self.max_batch, block_ms)
         if not entries:
             return []
         close_at = entry_ms(entries[0].id) / 1000.0 + self.wait_s
-        waited_on_model = False
         while len(entries) < self.max_batch and not self._stopping.is_set():
             now = self._clock.now()
             if self.policy and not self._runner.busy and self.policy.go_now(len(entries), now):
@@ -73,14 +73,14 @@ class Window:
             remaining_ms = int((close_at - now) * 1000)
             if remaining_ms < 1:
                 if not self._runner.busy:
-                    if waited_on_model:
-                        # The model just freed: what the reads left out while it was busy
-                        # (bulk, see workers/lanes.py) fills the batch now, without waiting.
-                        entries += await self._take(self.max_batch - len(entries), None)
                     break
                 waited_on_model = True
                 remaining_ms = max(1, min(20, int(self._runner.last_run_s * 250)))
             entries += await self._take(self.max_batch - len(entries), remaining_ms)
+        if waited_on_model and len(entries) < self.max_batch and not self._runner.busy:
+            # The model is free now: what reads held back while it was busy (bulk, see
+            # workers/lanes.py) fills the batch, without waiting.
+            entries += await self._take(self.max_batch - len(entries), None)
         return entries
 
     def learn(self, items: int, run_s: float) -> None:

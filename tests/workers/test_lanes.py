@@ -55,22 +55,33 @@ async def test_a_batch_takes_interactive_first_and_fills_with_bulk(harness: Harn
     await send(harness, "bulk", [1, 2, 3])  # bulk arrived first: it still waits
     await send(harness, "interactive", [101, 102, 103])
     worker = harness.worker(stage, model, bulk_every=1000, adaptive_batching=False)
+    assert await worker.run(max_batches=3, burst=True) == 3
+    # Interactive first; bulk fills its reserve (one slot) while interactive is active.
+    assert model.batches == [[101, 102, 103, 1], [2], [3]]
+
+
+async def test_bulk_fills_whole_batches_once_interactive_is_quiet(harness: Harness) -> None:
+    model = Doubler()
+    stage = number_stage(max_batch_size=4, batch_wait_ms=0)
+    await send(harness, "bulk", list(range(8)))
+    worker = harness.worker(stage, model, bulk_every=4, adaptive_batching=False)
     assert await worker.run(max_batches=2, burst=True) == 2
-    assert model.batches == [[101, 102, 103, 1], [2, 3]]
+    assert model.batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-async def test_bulk_gets_every_bulk_every_th_batch_under_full_interactive_load(
+async def test_bulk_keeps_its_share_of_every_batch_under_full_interactive_load(
     harness: Harness,
 ) -> None:
+    # bulk_every=4, batches of 4: one slot of each batch is bulk's while it has work.
     model = Doubler()
     stage = number_stage(max_batch_size=4, batch_wait_ms=0)
     await send(harness, "interactive", list(range(100, 140)))
-    await send(harness, "bulk", list(range(40)))
+    await send(harness, "bulk", list(range(6)))
     worker = harness.worker(stage, model, bulk_every=4, adaptive_batching=False)
     assert await worker.run(max_batches=8, burst=True) == 8
-    lanes = ["bulk" if all(v < 100 for v in b) else "interactive" for b in model.batches]
+    bulk_per_batch = [sum(1 for v in b if v < 100) for b in model.batches]
     assert [len(b) for b in model.batches] == [4] * 8
-    assert lanes == ["interactive"] * 3 + ["bulk"] + ["interactive"] * 3 + ["bulk"]
+    assert bulk_per_batch == [1] * 6 + [0, 0]  # then interactive takes the reserve too
 
 
 async def test_a_bulk_request_runs_and_is_answered(harness: Harness, redis: aioredis.Redis) -> None:
