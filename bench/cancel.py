@@ -25,6 +25,8 @@ STAGE = "synthetic"
 
 
 LABEL = f'{{stage="{STAGE}"}}'
+STAGE_LABEL = f'stage="{STAGE}"'
+QUEUE = ("conveyor_stage_backlog{", "conveyor_stage_pending{")
 CANCELLED = f'conveyor_stage_items_total{{stage="{STAGE}",outcome="cancelled"}}'
 
 
@@ -60,8 +62,9 @@ def settle(server: ConveyorServer, limit_s: float) -> dict[str, float]:
     give_up_at = time.monotonic() + limit_s
     while True:
         now = stage_counters(server)
-        queued = now.get(f"conveyor_stage_backlog{LABEL}", 1)
-        if queued == 0 and now.get(f"conveyor_stage_pending{LABEL}", 1) == 0:
+        # One series per lane (``lane`` label): the stage holds nothing when all are 0.
+        gauges = [v for k, v in now.items() if k.startswith(QUEUE) and STAGE_LABEL in k]
+        if gauges and not any(gauges):
             return now
         if time.monotonic() > give_up_at:
             raise RuntimeError(f"stage not settled in {limit_s:g} s: {now}")
