@@ -76,6 +76,7 @@ class Lanes:
         self._interactive_taken = 0  # in the batch being assembled
         self._bulk_taken = 0
         self._interactive_at = -math.inf  # when interactive work was last read
+        self._empty = False  # every lane had nothing at the last look
         self._carry: list[Entry] = []  # delivered by a blocking read past its bound
 
     def assembled(self) -> None:
@@ -91,8 +92,15 @@ class Lanes:
         """Up to ``count`` new entries, interactive first within its room, blocking up to
         ``block_ms`` (None: not at all) only when no lane has any."""
         taken, self._carry = self._carry[:count], self._carry[count:]
-        busy = bool(self.runner.busy)
+        # Bulk waits for a busy model, but not in a read that may not wait (burst mode's,
+        # where an empty answer means "nothing left").
+        busy = bool(self.runner.busy) and block_ms is not None
         room = max(0, min(count - len(taken), self.room - self._interactive_taken))
+        if self._empty and not busy and not taken and block_ms is not None:
+            # Every lane was empty at the last look: one blocking read over them all (it
+            # answers at once if something came meanwhile) instead of a look at each first.
+            taken = await self._wait(count, block_ms, busy, room)
+            return self._count(taken)
         first = await self._take(self.interactive, room)
         taken += first
         if not busy:
@@ -104,12 +112,19 @@ class Lanes:
                 # Interactive filled its room and bulk has no more: it takes the reserve.
                 taken += await self._take(self.interactive, count - len(taken))
         if not taken and block_ms is not None:
+            self._empty = not busy  # every lane was looked at, and had nothing
             taken = await self._wait(count, block_ms, busy, room)
+        return self._count(taken)
+
+    def _count(self, taken: list[Entry]) -> list[Entry]:
+        """Note what ``taken`` uses of the batch's slots (and whether anything came)."""
         interactive = sum(1 for e in taken if e.stream == self.interactive)
         self._interactive_taken += interactive
         self._bulk_taken += len(taken) - interactive
         if interactive:
             self._interactive_at = time.monotonic()
+        if taken:
+            self._empty = False
         return taken
 
     async def _wait(self, count: int, block_ms: int, busy: bool, room: int) -> list[Entry]:
