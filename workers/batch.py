@@ -4,6 +4,7 @@ thread the model runs it in."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -110,6 +111,8 @@ class Runner:
         self.last_run_s = 0.0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{stage.name}")
         self._turns = asyncio.Lock()  # FIFO: batches run in the order they asked
+        self._free = asyncio.Event()  # set while busy is 0
+        self._free.set()
 
     async def load(self) -> None:
         """Build the stage's model (in the model thread) unless there is one."""
@@ -123,11 +126,20 @@ class Runner:
         """Hold the model for one batch (:meth:`run` it inside), after the batches that
         asked before; busy from the asking."""
         self.busy += 1
+        self._free.clear()
         try:
             async with self._turns:
                 yield
         finally:
             self.busy -= 1
+            if not self.busy:
+                self._free.set()
+
+    async def freed(self, timeout_s: float) -> None:
+        """Return once no batch holds the model or waits for it, or ``timeout_s`` later."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._free.wait()
 
     async def run(
         self, items: list[Item], emit: Emit | None

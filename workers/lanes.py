@@ -26,7 +26,6 @@ worker that stops runs it as a last batch).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -134,7 +133,7 @@ class Lanes:
         elif room:  # bulk waits for the model (see above): interactive alone, briefly
             got = await self._xread({self.interactive: ">"}, room, min(block_ms, BUSY_BLOCK_MS))
         else:  # interactive has used its room, bulk waits for the model: so does this read
-            await asyncio.sleep(min(block_ms, BUSY_BLOCK_MS) / 1000)
+            await self.runner.freed(min(block_ms, BUSY_BLOCK_MS) / 1000)
             return []
         self._carry += got[count:]
         return got[:count]
