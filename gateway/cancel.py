@@ -18,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from starlette.types import Receive
 
+from gateway.background import Background
 from pipelines.errors import NotFound
 from pipelines.keys import Keys
 from pipelines.records import QUEUED, JobField, JobRecord, job_cancelled, mark_cancelled
@@ -85,7 +86,7 @@ class Cancellations:
         self.clock = clock
         self.write_s = write_s
         self.job_ttl_s = job_ttl_s
-        self._tasks: set[asyncio.Task[bool]] = set()
+        self._pending = Background("cancellation", MAX_PENDING)
 
     async def mark(self, request_id: str, deadline: float) -> bool:
         """Mark ``request_id`` cancelled; False (and a warning) when Redis did not answer.
@@ -109,22 +110,11 @@ class Cancellations:
     def mark_soon(self, request_id: str, deadline: float) -> None:
         """:meth:`mark` in the background: for code that cannot wait (a stream's cleanup,
         which may run while its task is being cancelled)."""
-        if len(self._tasks) >= MAX_PENDING:
-            logger.warning("request %s not cancelled: %d pending", request_id, len(self._tasks))
-            return
-        task = asyncio.create_task(self.mark(request_id, deadline), name=f"cancel-{request_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[bool]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # e.g. NOPERM from an ACL without +set: the request runs to its end.
-            logger.error("a cancellation failed", exc_info=task.exception())
+        self._pending.start(request_id, self.mark(request_id, deadline))
 
     async def close(self) -> None:
         """Let the pending markers be written (each takes at most ``write_s``)."""
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._pending.finish()
 
     async def cancel_job(self, job_id: str, record: JobRecord) -> tuple[bool, dict[str, Any]]:
         """Cancel job ``job_id`` (its ``record`` as read, its owner checked): first its

@@ -15,6 +15,7 @@ import logging
 
 import redis.asyncio as aioredis
 
+from gateway.background import Background
 from pipelines.envelope import Request
 from pipelines.keys import Keys
 from pipelines.redisio import REDIS_DOWN, RedisClock
@@ -38,17 +39,10 @@ class Withdrawals:
         self.client = client
         self.keys = keys
         self.clock = clock
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending = Background("withdrawal", MAX_WITHDRAWALS)
 
     def start(self, request: Request, timeout_s: float) -> None:
         """Withdraw ``request`` (refused with ``timeout_s`` as its budget) in the background."""
-        if len(self._tasks) >= MAX_WITHDRAWALS:
-            logger.warning(
-                "request %s refused but not withdrawn: %d withdrawals pending",
-                request.id,
-                len(self._tasks),
-            )
-            return
         # Only what the withdrawal needs is kept, not the request (its payload can be a MiB).
         rid, marker = request.id, self.keys.done(request.id, request.step)
         job = request.reply_to if request.reply_to.startswith(self.keys.job_prefix) else None
@@ -68,25 +62,14 @@ class Withdrawals:
                     logger.debug("request %s: withdrawal waits for redis: %s", rid, exc)
                     await asyncio.sleep(0.5)
 
-        task = asyncio.create_task(withdraw(), name=f"withdraw-{rid}")
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # e.g. NOPERM from an ACL without +set: the request may still take effect.
-            logger.error("a withdrawal failed", exc_info=task.exception())
+        self._pending.start(rid, withdraw())
 
     async def abandon(self) -> None:
         """Stop every pending withdrawal (the process is stopping), saying how many."""
-        if self._tasks:
+        if self._pending:
             logger.warning(
                 "%d refused request(s) left unwithdrawn at stop; their writes may still take "
                 "effect",
-                len(self._tasks),
+                len(self._pending),
             )
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._pending.cancel()
