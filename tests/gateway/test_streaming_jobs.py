@@ -14,7 +14,7 @@ from pipelines.graph import single
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from pipelines.stages import BUILTIN, GenerateIn, Stage
-from tests.helpers import Doubler, Harness, number_stage
+from tests.helpers import Doubler, Harness, number_stage, until
 
 
 class Gated:
@@ -90,6 +90,11 @@ async def test_batched_generation_streams_each_request_its_own_tokens(harness: H
                 return await read_events(resp, lambda: None)
 
         results = await asyncio.gather(*(one(f"story number {i}") for i in range(3)))
+
+    async def recorded() -> bool:  # a batch is recorded once its publish call returns,
+        return bool(worker.history)  # which may be after its clients have their answers
+
+    await until(recorded, 10)
     assert max(r.size for r in worker.history) == 3  # one batch served all three streams
     for events in results:
         *tokens, (last, final) = events
