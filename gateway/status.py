@@ -62,6 +62,14 @@ class BatchSizes(TypedDict):
     buckets: list[tuple[str, int]]
 
 
+class Tokens(TypedDict):
+    """Estimated tokens of the items the stage's model ran (``real``) and what its
+    batches padded them to (``padded``): ``real / padded`` is its padding efficiency."""
+
+    real: int
+    padded: int
+
+
 class StageRow(TypedDict):
     """One stage's row of ``/status.json``: its :class:`~pipelines.stats.StageStatus`
     (the queue part) and its counters."""
@@ -75,6 +83,7 @@ class StageRow(TypedDict):
     dead_letters: int
     batch_size: BatchSizes
     batches: int
+    tokens: Tokens
 
 
 def stage_row(status: StageStatus, stats: Mapping[str, float], dead_letters: int) -> StageRow:
@@ -104,6 +113,10 @@ def stage_row(status: StageStatus, stats: Mapping[str, float], dead_letters: int
         "dead_letters": dead_letters,
         "batch_size": {"buckets": buckets},
         "batches": int(stats.get("batches", 0)),
+        "tokens": {
+            "real": int(stats.get("tokens", 0)),
+            "padded": int(stats.get("padded_tokens", 0)),
+        },
     }
 
 

@@ -1,6 +1,7 @@
 """The wire envelope: what one stream entry carries, and its encoding.
 
-Each entry in a stage stream or a reply stream has a field ``e`` holding a JSON object.
+Each entry in a stage stream or a reply stream has a field ``e`` holding a JSON object;
+a stage-stream entry also has ``c``, the request's estimated tokens (:mod:`pipelines.tokens`).
 An entry a join step receives also has one field ``b:<branch>`` per branch, holding that
 branch's output as JSON (written by the join script in Redis, merged into ``state`` on
 decoding). JSON (orjson) rather than msgpack: payloads are mostly text and float lists,
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.typing import EncodableT, FieldT
 
 from pipelines.errors import Cancelled, DeadlineExceeded, EnvelopeError
+from pipelines.tokens import COST, estimate
 
 FIELD = b"e"
 """The stream-entry field that holds the encoded envelope."""
@@ -220,7 +222,10 @@ def new_request_id() -> str:
 
 
 def encode(message: Request | Reply) -> dict[FieldT, EncodableT]:
-    """Stream-entry fields for ``message`` (what XADD takes)."""
+    """Stream-entry fields for ``message`` (what XADD takes): a request also carries its
+    estimated tokens (:mod:`pipelines.tokens`), read by length-aware batching."""
+    if isinstance(message, Request):
+        return {FIELD: dumps(message), COST: estimate(message.payload)}
     return {FIELD: dumps(message)}
 
 

@@ -65,6 +65,10 @@ class Stage:
         options: extra keyword arguments for the runner.
         max_batch_size: at most this many items per model call.
         batch_wait_ms: a batch waits at most this long after its oldest item arrived.
+        max_batch_tokens: bound a batch by padded tokens too (its items times its longest
+            item's estimated tokens, :mod:`pipelines.tokens`), and group what a window
+            took into batches of similar length (length-aware batching,
+            :mod:`workers.lengths`). None: batches are bounded by items alone.
         max_backlog: the gateway refuses new requests (503) once the stage's backlog
             (undelivered + in flight, :attr:`pipelines.stats.StageStatus.backlog`) is this.
         summary: one line for the API docs.
@@ -83,6 +87,7 @@ class Stage:
     options: Mapping[str, Any] = field(default_factory=dict)
     max_batch_size: int = 32
     batch_wait_ms: float = 5.0
+    max_batch_tokens: int | None = None
     max_backlog: int = 1024
     summary: str = ""
     replicas: int = 1
@@ -98,6 +103,8 @@ class Stage:
             raise ConfigError(f"stage {self.name!r}: max_batch_size must be >= 1")
         if self.batch_wait_ms < 0:
             raise ConfigError(f"stage {self.name!r}: batch_wait_ms must be >= 0")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ConfigError(f"stage {self.name!r}: max_batch_tokens must be >= 1 (or None)")
         if self.replicas < 1:
             raise ConfigError(f"stage {self.name!r}: replicas must be >= 1")
         if self.max_backlog < 1:
@@ -151,6 +158,7 @@ BUILTIN: dict[str, Stage] = {
             model="minilm",
             hub_model="sentence-transformers/all-MiniLM-L6-v2",
             max_batch_size=32,
+            max_batch_tokens=8192,
             summary="Sentence embedding (mean-pooled, L2-normalised).",
         ),
         Stage(
@@ -160,6 +168,7 @@ BUILTIN: dict[str, Stage] = {
             model="minilm",
             hub_model="distilbert-base-uncased-finetuned-sst-2-english",
             hub_runner="workers.models.hf:TextClassifier",
+            max_batch_tokens=8192,
             summary="Sentiment: POSITIVE or NEGATIVE with a score.",
         ),
         Stage(
@@ -168,6 +177,7 @@ BUILTIN: dict[str, Stage] = {
             "workers.models.hf:TokenClassifier",
             model="tiny:ner",
             hub_model="dslim/bert-base-NER",
+            max_batch_tokens=8192,
             summary="Named entities, aggregated over sub-words.",
         ),
         Stage(

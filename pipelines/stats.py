@@ -273,7 +273,10 @@ async def stage_status(
 async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Iterable[str]) -> str:
     """Prometheus text for the counters, histograms and queue gauges of ``stages``.
 
-    The queue gauges: ``conveyor_stage_backlog`` is a lane's
+    ``conveyor_stage_tokens_total`` counts the estimated tokens (:mod:`pipelines.tokens`)
+    of the items the model ran, ``kind="real"``, and what they were padded to (each
+    batch's items times its longest), ``kind="padded"``: real over padded is the stage's
+    padding efficiency. The queue gauges: ``conveyor_stage_backlog`` is a lane's
     :attr:`~LaneStatus.lag` (entries no worker has read yet; not the backlog, which adds
     the pending ones), ``conveyor_stage_pending`` its :attr:`~LaneStatus.pending`, one
     series per lane (label ``lane``; ``sum by (stage)`` is the stage's);
@@ -287,6 +290,7 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         "# TYPE conveyor_stage_pending gauge",
         "# TYPE conveyor_stage_consumers gauge",
         "# TYPE conveyor_stage_dead_letters_total counter",
+        "# TYPE conveyor_stage_tokens_total counter",
     ]
     out += [f"# TYPE conveyor_stage_{name} histogram" for name in BUCKETS]
     for stage in stages:
@@ -301,6 +305,9 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         out.append(f"conveyor_stage_model_items_total{labels(stage=stage)} {model:g}")
         dead = stats.get("dead_letters", 0)
         out.append(f"conveyor_stage_dead_letters_total{labels(stage=stage)} {dead:g}")
+        for kind, name in (("real", "tokens"), ("padded", "padded_tokens")):
+            count = stats.get(name, 0)
+            out.append(f"conveyor_stage_tokens_total{labels(stage=stage, kind=kind)} {count:g}")
         for name, bounds in BUCKETS.items():
             per = [stats.get(f"h:{name}:{le_label(b)}", 0.0) for b in (*bounds, float("inf"))]
             out += histogram_lines(

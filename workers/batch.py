@@ -170,6 +170,8 @@ class BatchRecord:
         outcomes: items per outcome.
         request_ids: ids of the requests, in batch order.
         trace_ids: their trace ids (logged with the batch).
+        tokens: the estimated tokens of the items the model ran (:mod:`workers.lengths`).
+        padded_tokens: those items times the longest of them: what the model padded to.
     """
 
     size: int
@@ -179,6 +181,8 @@ class BatchRecord:
     outcomes: Counter[str] = field(default_factory=Counter)
     request_ids: list[str] = field(default_factory=list)
     trace_ids: list[str] = field(default_factory=list)
+    tokens: int = 0
+    padded_tokens: int = 0
 
 
 def plain(value: Any) -> Any:

@@ -31,6 +31,7 @@ from pipelines.stages import Stage
 from workers.batch import BatchRecord, Entry, Runner, by_stream
 from workers.intake import Batch, Intake
 from workers.lanes import Lanes
+from workers.lengths import Lengths, item_tokens, padding
 from workers.partials import Partials
 from workers.publish import Published, publish
 from workers.recovery import Letter, Recovery
@@ -99,6 +100,16 @@ class Worker:
             self._publish,
         )
         self.intake = Intake(self.client, stage, self.router, self.recovery)
+        max_tokens = (
+            stage.max_batch_tokens
+            if settings.max_batch_tokens is None
+            else settings.max_batch_tokens
+        )
+        self.lengths = (
+            Lengths(max_tokens, self.window.overhead_tokens, self.model_max_length)
+            if max_tokens
+            else None
+        )
         self.history: deque[BatchRecord] = deque(maxlen=10_000)
         self._joined = False  # the clock calibrated and the group there
         self._fatal: BaseException | None = None  # a batch's unexpected failure ends run()
@@ -162,8 +173,16 @@ class Worker:
                     if burst:
                         break
                     continue
-                batches += 1
-                spawn(entries, suspect)
+                # A length-aware stage runs the window's entries as batches of similar
+                # length, back to back (workers/lengths.py); each takes a slot.
+                groups = (
+                    [entries] if suspect or self.lengths is None else self.lengths.split(entries)
+                )
+                spawn(groups[0], suspect)
+                for group in groups[1:]:
+                    await slots.acquire()
+                    spawn(group, False)
+                batches += len(groups)
             held = self.lanes.release() if self._stopping.is_set() else []
             if held:  # delivered here past a batch's bound (rare): run, not left pending
                 await slots.acquire()
@@ -263,12 +282,23 @@ class Worker:
             await heartbeat.stop()
             if partials is not None:
                 await partials.close()  # every partial is out before the final reply
-        self.window.learn(len(batch.live), batch.record.run_s)
+        real, padded = padding([item_tokens(item, self.model_max_length()) for item in items])
+        batch.record.tokens, batch.record.padded_tokens = real, padded
+        units = padded if self.lengths is not None else len(items)
+        self.window.learn(len(items), units, batch.record.run_s)
+
+    def model_max_length(self) -> int | None:
+        """The model's input cap in tokens, where it has one (``max_length``, as the
+        Hugging Face runners do); None before it loads or without one."""
+        cap = getattr(self.runner.model, "max_length", None)
+        return cap if isinstance(cap, int) and cap > 0 else None
 
     async def _publish_batch(self, batch: Batch) -> None:
         """Publish and ack the batch, count it, and log it in one line."""
         record = batch.record
         counts = stats.batch_fields(record.size, len(batch.live), batch.waits, record.run_s)
+        if record.padded_tokens:
+            counts["tokens"], counts["padded_tokens"] = record.tokens, record.padded_tokens
         if batch.letters:
             counts["dead_letters"] = len(batch.letters)
         gauges = self.window.gauges()
@@ -286,7 +316,7 @@ class Worker:
         self.history.append(record)
         logger.info(
             "stage %s batch=%d ok=%d error=%d expired=%d cancelled=%d wait_max=%.1fms "
-            "run=%.1fms traces=%s",
+            "run=%.1fms tokens=%d/%d traces=%s",
             self.stage.name,
             record.size,
             record.outcomes["ok"],
@@ -295,6 +325,8 @@ class Worker:
             record.outcomes["cancelled"],
             max(batch.waits) * 1000,
             record.run_s * 1000,
+            record.tokens,
+            record.padded_tokens,
             ",".join(record.trace_ids),
         )
 

@@ -40,6 +40,8 @@ class WorkerSettings(CommonSettings):
         cache_dir: where generated models are kept.
         max_batch_size: overrides the stage's bound when set.
         batch_wait_ms: overrides the stage's window when set.
+        max_batch_tokens: overrides the stage's token bound when set; 0 turns
+            length-aware batching off (batches bounded by items alone).
         max_concurrent_batches: batches read ahead and in flight at once (the model
             itself runs one batch at a time; the next is assembled meanwhile).
         bulk_every: bulk's guaranteed share of a batch while both lanes have work: one
@@ -69,6 +71,7 @@ class WorkerSettings(CommonSettings):
     cache_dir: str = Field(default_factory=_default_cache)
     max_batch_size: int | None = Field(default=None, ge=1, le=4096)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=60_000)
+    max_batch_tokens: int | None = Field(default=None, ge=0, le=10_000_000)
     max_concurrent_batches: int = Field(default=2, ge=1, le=64)
     bulk_every: int = Field(default=4, ge=1, le=1000)
     adaptive_batching: bool = True

@@ -17,7 +17,7 @@ from pipelines.redisio import RedisClock, entry_ms
 from pipelines.stages import Stage
 from pipelines.stats import COST_A, COST_B
 from workers.batch import Entry, Runner
-from workers.policy import BatchPolicy
+from workers.policy import OVERHEAD_PRIOR_TOKENS, BatchPolicy
 from workers.settings import WorkerSettings
 
 Read = Callable[[int, int | None], Awaitable[list[Entry]]]
@@ -83,16 +83,22 @@ class Window:
             entries += await self._take(self.max_batch - len(entries), None)
         return entries
 
-    def learn(self, items: int, run_s: float) -> None:
-        """A batch of ``items`` took ``run_s`` of model time."""
+    def learn(self, items: int, units: int, run_s: float) -> None:
+        """A batch of ``items`` took ``run_s`` of model time; ``units`` is what its cost is
+        learned on: ``items`` again, or its padded tokens (a length-aware stage)."""
         if self.policy is not None:
-            self.policy.cost.observe(items, run_s)
+            self.policy.observe(items, units, run_s)
+
+    def overhead_tokens(self) -> float:
+        """A batch's learned fixed cost in tokens (:mod:`workers.lengths` splits by it)."""
+        return self.policy.batch_overhead_tokens() if self.policy else OVERHEAD_PRIOR_TOKENS
 
     def gauges(self) -> dict[str, float] | None:
-        """The learned cost model, for the gateway's admission (see gateway/admission.py)."""
+        """The learned cost model per item, for the gateway's admission (see
+        gateway/admission.py)."""
         if self.policy is None or not self.policy.cost.known:
             return None
-        a, b = self.policy.cost.coefficients()
+        a, b = self.policy.per_item_cost()
         return {COST_A: a, COST_B: b}
 
     async def _take(self, count: int, block_ms: int | None) -> list[Entry]:

@@ -145,6 +145,9 @@ async def test_metrics_show_requests_and_stage_counters(harness: Harness) -> Non
     assert 'conveyor_http_requests_total{route="/v1/double",status="200"} 3' in text
     assert 'conveyor_stage_batch_size_count{stage="double"}' in text
     assert 'conveyor_stage_consumers{stage="double"} 1' in text
+    # Three items of 2 estimated tokens each (no text), padded to nothing more.
+    assert 'conveyor_stage_tokens_total{stage="double",kind="real"} 6' in text
+    assert 'conveyor_stage_tokens_total{stage="double",kind="padded"} 6' in text
 
 
 async def test_openapi_documents_each_stage(harness: Harness) -> None:

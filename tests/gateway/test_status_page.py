@@ -63,6 +63,8 @@ async def test_status_json_counts_outcomes_and_shows_a_live_worker(
     assert [le for le, _ in buckets] == [f"{b:g}" for b in BUCKETS["batch_size"]] + ["+Inf"]
     assert sum(n for _, n in buckets) == double["batches"] >= 1
     assert buckets[-1][1] == 0  # max_batch_size is 8: nothing in the larger buckets
+    # 13 items ran, each estimated at 2 tokens (no text): nothing to pad.
+    assert double["tokens"] == {"real": 26, "padded": 26}
 
 
 async def test_redis_down_is_a_503_and_the_page_still_renders(harness: Harness) -> None:
@@ -201,6 +203,9 @@ PAGE_STATE = """(() => {
       tr.dataset.stage,
       [...tr.querySelectorAll("[data-lane]")].map((e) => `${e.dataset.field} ${e.textContent}`),
     ])),
+    padding: Object.fromEntries([...document.querySelectorAll("#stages tr")].map((tr) => [
+      tr.dataset.stage, tr.querySelector("[data-field=padding]")?.textContent ?? null,
+    ])),
     headers: [...document.querySelectorAll("thead th")].map((th) => th.textContent),
     alive: document.querySelectorAll("[data-alive=true]").length,
     text: document.body.innerText,
@@ -266,6 +271,9 @@ async def test_status_page_refreshes_live_in_headless_chromium(
         harness.run(worker)
     base = await harness.http_server(stages)
     await redis.hincrby(harness.keys.stage_stats("slow"), "items:cancelled", 3)
+    # Padding efficiency: 75%, whatever the few items the test runs add (2 tokens each).
+    await redis.hincrby(harness.keys.stage_stats("slow"), "tokens", 3_000_000)
+    await redis.hincrby(harness.keys.stage_stats("slow"), "padded_tokens", 4_000_000)
     dead = f"redis://127.0.0.1:{free_port()}/0"
     down = await harness.http_server(stages, redis_url=dead, redis_timeout_s=0.5)
 
@@ -310,6 +318,8 @@ async def test_status_page_refreshes_live_in_headless_chromium(
         assert state["outcomes"]["slow"]["cancelled"] == "3"
         assert state["outcomes"]["double"]["cancelled"] == "0"
         assert "cancelled" in state["headers"]
+        assert state["padding"]["slow"] == "padding efficiency 75%"
+        assert state["padding"]["double"] == "padding efficiency 100%"
         # Lag and pending per priority lane; the bulk lane is never used here.
         lanes = state["lanes"]["slow"]
         assert [entry.rsplit(" ", 1)[0] for entry in lanes] == [

@@ -44,6 +44,7 @@ class AnchorSentiment:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.embedder = sentence_encoder(load)
+        self.max_length = self.embedder.max_length  # the input cap, for length-aware batching
         self.temperature = temperature
         anchors = self.embedder.embed([*POSITIVE_ANCHORS, *NEGATIVE_ANCHORS])
         n = len(POSITIVE_ANCHORS)
