@@ -68,7 +68,9 @@ def start_redis(port: int, workdir: Path, *, appendonly: bool = False) -> subpro
     for name, value in config.items():
         args += [f"--{name}", value]
     with (workdir / "redis.log").open("wb") as log:  # the child keeps its own handle
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        # Its own process group: a terminal's Ctrl-C goes to its owner, which stops it
+        # last, after the processes that still write to it (see conveyor/supervisor.py).
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     give_up = time.monotonic() + 20
     while time.monotonic() < give_up:
         if proc.poll() is not None:

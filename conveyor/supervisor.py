@@ -2,9 +2,15 @@
 
 Each runs as its own process, started by module name exactly as a deployment runs it (so
 this module imports neither side). :func:`up` takes the steps in order: start Redis
-(unless ``CONVEYOR_REDIS_URL`` names one), the gateway, the worker groups; then supervise
-until Ctrl-C, SIGTERM or a process exiting unasked; then stop everything, workers and
-gateway first (each drains on SIGTERM), Redis last.
+(unless ``CONVEYOR_REDIS_URL`` names one), the gateway, the worker groups; say when every
+worker has loaded its model and reads its stage (:class:`Readiness`); then supervise
+until Ctrl-C, SIGTERM or a process exiting unasked; then stop in order: the workers
+first (each finishes its batches and leaves its groups), then the gateway (which answers
+what they published meanwhile), then Redis.
+
+Every child runs in its own process group, so the terminal's Ctrl-C reaches ``up`` alone
+and nothing is stopped out of that order (a Redis killed by the same keystroke as the
+workers would leave them unable to leave their groups).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from types import FrameType
 
 from conveyor.autoscale import Autoscaler, AutoscaleSettings
 from conveyor.embedded import free_port, start_redis
+from conveyor.readiness import Readiness
 from pipelines.errors import ConfigError
 from pipelines.registry import Registry, load_registry
 from pipelines.settings import CommonSettings
@@ -146,7 +153,9 @@ class Supervisor:
         print(f"conveyor: embedded redis on 127.0.0.1:{port} ({workdir})", flush=True)
 
     def _spawn(self, module: str, *argv: str) -> Process:
-        return subprocess.Popen([sys.executable, "-m", module, *argv], env=self.env)
+        # Its own process group: see the module's docstring.
+        args = [sys.executable, "-m", module, *argv]
+        return subprocess.Popen(args, env=self.env, process_group=0)
 
     def start_gateway(self) -> None:
         """The gateway process."""
@@ -194,23 +203,35 @@ class Supervisor:
             )
         )
 
+    def workers(self) -> list[tuple[str, Process]]:
+        """Every worker process started (the autoscaler's, draining ones included)."""
+        started = [(n, p) for n, p in self.children if n != "gateway"]
+        return started + (self.autoscaler.processes() if self.autoscaler else [])
+
     def stop(self) -> None:
-        """SIGTERM to every child (the autoscaler's draining ones too), a kill for one
-        still running after :data:`STOP_GRACE_S`; then Redis."""
-        children = self.children + (self.autoscaler.processes() if self.autoscaler else [])
-        for _, proc in children:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for _, proc in children:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stop in order: the workers, then the gateway, then Redis; each step SIGTERM
+        (a graceful drain), a kill for a process still running after
+        :data:`STOP_GRACE_S`."""
+        _terminate(self.workers())
+        _terminate([(n, p) for n, p in self.children if n == "gateway"])
         if self.redis is not None:
-            self.redis.terminate()
-            self.redis.wait(timeout=10)
+            _terminate([("redis-server", self.redis)])
+
+
+def _terminate(procs: list[tuple[str, Process]]) -> None:
+    """SIGTERM to each of ``procs`` still running; wait for all, killing what is still
+    running after :data:`STOP_GRACE_S`."""
+    for _, proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for name, proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"conveyor: {name} did not stop within {STOP_GRACE_S:g}s; killed", flush=True)
+            proc.kill()
+            proc.wait()
 
 
 def up(options: UpOptions) -> int:
@@ -226,9 +247,10 @@ def up(options: UpOptions) -> int:
     scaling = _autoscale_settings(options)
     supervisor = Supervisor(env)
     supervisor.start_redis()
-    signal.signal(signal.SIGINT, _raise_stop)
-    signal.signal(signal.SIGTERM, _raise_stop)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # HUP: terminal closed
+        signal.signal(signum, _raise_stop)
     code = 0
+    readiness: Readiness | None = None
     try:
         supervisor.start_gateway()
         models = [s for s in registry.stages.values() if s.kind == "model"]
@@ -246,9 +268,16 @@ def up(options: UpOptions) -> int:
         print(
             f"conveyor: gateway on http://{options.host}:{options.port} serving "
             f"{', '.join(registry.pipelines)}; {len(supervisor.children) - 1} worker "
-            f"process(es){autoscaled}; Ctrl-C stops",
+            f"process(es){autoscaled} loading their models; Ctrl-C stops",
             flush=True,
         )
+        readiness = Readiness(
+            CommonSettings(redis_url=env["CONVEYOR_REDIS_URL"]),
+            list(registry.stages),
+            lambda: {p.pid for _, p in supervisor.workers()},
+            say,
+        )
+        readiness.start()
         why = supervisor.supervise()
         if why is not None:
             print(f"conveyor: {why}; stopping", flush=True)
@@ -256,5 +285,17 @@ def up(options: UpOptions) -> int:
     except _Stop:
         pass
     finally:
+        if readiness is not None:
+            readiness.stop()
+        # A second Ctrl-C must not cut the ordered stop short (at most STOP_GRACE_S a step).
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+        say("stopping: workers drain and leave their groups, then the gateway, then redis")
         supervisor.stop()
+        say("stopped")
     return code
+
+
+def say(line: str) -> None:
+    """Print one line of ``up``'s own, flushed (its children print to the same terminal)."""
+    print(f"conveyor: {line}", flush=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ from conveyor.cli import main, status_table
 from conveyor.embedded import free_port
 from conveyor.supervisor import worker_groups
 from pipelines.builtin import builtin_pipelines
+from pipelines.keys import Keys
 from pipelines.registry import Registry
 from pipelines.stats import stage_status
 from tests.gateway.test_lanes import put
@@ -65,6 +68,61 @@ def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Pat
     assert code == 0, log.read_text()
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base}/healthz", timeout=1)
+
+
+@pytest.mark.parametrize(("signum", "embedded"), [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_up_says_when_models_are_loaded_and_stops_in_order_without_warnings(
+    tmp_path: Path, cache_dir: Path, redis_url: str, signum: int, embedded: bool
+) -> None:
+    # Embedded: its own Redis, which Ctrl-C used to kill before the workers could leave
+    # their groups. Else the test's, so what the workers left there can be read after.
+    port = free_port()
+    namespace = f"up-{int(signum)}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    if not embedded:
+        env |= {"CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": namespace}
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        # A session of its own, as a terminal's foreground job: Ctrl-C is a SIGINT to the
+        # whole process group, which before this fix held redis, gateway and workers too.
+        proc = subprocess.Popen(
+            [CONVEYOR, "up", "--port", str(port), "--pipelines", "embed,echo"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        give_up = time.monotonic() + 120
+        while "ready: every stage's workers have loaded their models" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < give_up, log.read_text()
+            time.sleep(0.1)  # another process is loading a model; nothing to await here
+        # Ready means ready: the first request needs no retry and waits for no model.
+        started = time.monotonic()
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/embed", json={"text": "hi"}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert time.monotonic() - started < 5
+    finally:
+        os.killpg(proc.pid, signum)
+        code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == 0, text
+    for bad in ("WARNING", "Traceback", "Connection refused", "killed", "ERROR"):
+        assert bad not in text, text
+    assert text.rindex("stopping:") < text.rindex("stopped")
+    # The workers drained and left their groups: nobody is left in them.
+    if not embedded:
+        assert asyncio.run(consumers_left(redis_url, Keys(namespace), ["embed", "echo"])) == []
+
+
+async def consumers_left(redis_url: str, keys: Keys, stages: list[str]) -> list[str]:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        return [c.name for s in stages for c in (await stage_status(client, keys, s)).consumers]
+    finally:
+        await client.aclose()
 
 
 def test_unknown_stage_is_a_clear_error() -> None:
