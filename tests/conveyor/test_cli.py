@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,18 +29,29 @@ from tests.helpers import REPO, Harness, wait_ready
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 
 
-def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Path) -> None:
-    port = free_port()
+def up_env(cache_dir: Path) -> dict[str, str]:
+    """This environment without CONVEYOR_ settings, offline, with the test's model cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
-    log = tmp_path / "up.log"
+    return env | {"CONVEYOR_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+
+
+def start_up(port: int, env: dict[str, str], log: Path, **popen: Any) -> subprocess.Popen[bytes]:
+    """``conveyor up`` serving embed and echo on ``port``, its output in ``log``."""
     with log.open("wb") as out:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [CONVEYOR, "up", "--port", str(port), "--pipelines", "embed,echo"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
+            **popen,
         )
+
+
+def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Path) -> None:
+    port = free_port()
+    env = up_env(cache_dir)
+    log = tmp_path / "up.log"
+    proc = start_up(port, env, log)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, {"conveyor up": proc}, lambda _: log.read_text())
@@ -78,21 +90,13 @@ def test_up_says_when_models_are_loaded_and_stops_in_order_without_warnings(
     # their groups. Else the test's, so what the workers left there can be read after.
     port = free_port()
     namespace = f"up-{int(signum)}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    env = up_env(cache_dir)
     if not embedded:
         env |= {"CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": namespace}
     log = tmp_path / "up.log"
-    with log.open("wb") as out:
-        # A session of its own, as a terminal's foreground job: Ctrl-C is a SIGINT to the
-        # whole process group, which before this fix held redis, gateway and workers too.
-        proc = subprocess.Popen(
-            [CONVEYOR, "up", "--port", str(port), "--pipelines", "embed,echo"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    # A session of its own, as a terminal's foreground job: Ctrl-C is a SIGINT to the
+    # whole process group, which before this fix held redis, gateway and workers too.
+    proc = start_up(port, env, log, start_new_session=True)
     try:
         give_up = time.monotonic() + 120
         while "ready: every stage's workers have loaded their models" not in log.read_text():
