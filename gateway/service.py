@@ -18,6 +18,7 @@ from gateway.admission import Admission
 from gateway.body import problem_detail
 from gateway.cancel import Cancellations, ClientGone, unwatch, watch
 from gateway.edge import ANONYMOUS, RequestMetrics
+from gateway.history import History
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
@@ -73,6 +74,7 @@ class Gateway:
         self.cancellations = Cancellations(
             self.client, self.keys, self.clock, self.write_s, settings.job_ttl_s
         )
+        self.history = History(self.client, self.keys, registry.stages, self.clock)
 
     async def start(self) -> None:
         """Start the reply loop; Redis being down is not fatal (requests get 503)."""
@@ -82,6 +84,7 @@ class Gateway:
             logger.warning("redis unreachable at start (%s); serving 503 until it is back", exc)
         self._task = asyncio.create_task(self.replies.run(), name="reply-dispatcher")
         self._task.add_done_callback(_surface)
+        self.history.start()
         logger.info("gateway %s routing %s", self.gateway_id, ", ".join(self.registry.pipelines))
 
     async def stop(self) -> None:
@@ -95,6 +98,7 @@ class Gateway:
                 await asyncio.gather(self._task, return_exceptions=True)
         if self._calibrating is not None:
             self._calibrating.cancel()
+        await self.history.stop()
         await self.withdrawals.abandon()
         await self.cancellations.close()
         try:  # nobody will read it again; without this it lingers until its TTL

@@ -3,9 +3,11 @@
 The page shows per stage the lag (entries no worker has read yet) and pending entries,
 in all and per priority lane, the
 workers in the consumer group and how long each has been silent, the batch-size
-distribution, item outcomes, dead letters, and a throughput chart the browser computes
-from the cumulative item counters of successive snapshots. Everything it shows is already
-in ``/metrics`` or ``conveyor status``: queue depths, counters and consumer names, never
+distribution and padding efficiency, item outcomes, dead letters, queue wait and run time
+percentiles over the last minute, and a throughput chart: the last minutes as the gateway
+recorded them (:mod:`gateway.history`), then what the browser computes from the
+cumulative item counters of successive snapshots. Everything it shows is derived from
+``/metrics`` or ``conveyor status``: queue depths, counters and consumer names, never
 settings or credentials.
 
 The page is one self-contained HTML file (``status.html``, shipped as package data): no
@@ -24,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.routing import APIRoute
 
+from gateway.history import Latency
 from gateway.service import Gateway
 from pipelines.envelope import LANES
 from pipelines.graph import Pipeline
@@ -84,15 +87,19 @@ class StageRow(TypedDict):
     batch_size: BatchSizes
     batches: int
     tokens: Tokens
+    latency: Latency
 
 
-def stage_row(status: StageStatus, stats: Mapping[str, float], dead_letters: int) -> StageRow:
+def stage_row(
+    status: StageStatus, stats: Mapping[str, float], dead_letters: int, latency: Latency
+) -> StageRow:
     """The ``/status.json`` row of a stage.
 
     Args:
         status: the stage's state.
         stats: its stats hash (:func:`~pipelines.stats.read_stats`).
         dead_letters: entries in its dead-letter stream.
+        latency: its recent queue wait and run time (:meth:`History.latency`).
     """
     consumers: list[ConsumerRow] = [
         {"name": c.name, "pending": c.pending, "idle_ms": c.idle_ms, "alive": c.alive}
@@ -117,6 +124,7 @@ def stage_row(status: StageStatus, stats: Mapping[str, float], dead_letters: int
             "real": int(stats.get("tokens", 0)),
             "padded": int(stats.get("padded_tokens", 0)),
         },
+        "latency": latency,
     }
 
 
@@ -132,7 +140,8 @@ async def read_stage_row(gw: Gateway, stage: str) -> StageRow:
     """
     status = await stage_status(gw.client, gw.keys, stage)
     stats = await read_stats(gw.client, gw.keys, stage)
-    return stage_row(status, stats, int(await gw.client.xlen(gw.keys.dead_letters(stage))))
+    dead_letters = int(await gw.client.xlen(gw.keys.dead_letters(stage)))
+    return stage_row(status, stats, dead_letters, gw.history.latency(stage, stats))
 
 
 def pipelines_html(pipelines: list[Pipeline], docs_url: str | None, ops: dict[str, str]) -> str:
@@ -181,9 +190,10 @@ def status_router(gw: Gateway) -> APIRouter:
     @router.get("/status.json")
     async def status_json() -> Response:
         """Every routed stage: lag, pending (in all, and per lane under ``lanes``),
-        consumers, item outcomes, dead letters,
-        batch sizes; ``time`` is the server's clock in seconds (for rates). 503 when
-        Redis cannot be reached."""
+        consumers, item outcomes, dead letters, batch sizes, tokens (real and padded),
+        queue wait and run time percentiles over the last minute; ``history``: each
+        stage's items/s over the last minutes; ``time`` is the server's clock in seconds
+        (for rates). 503 when Redis cannot be reached."""
         try:
             stages = [await read_stage_row(gw, name) for name in gw.registry.stages]
         except REDIS_DOWN:
@@ -191,9 +201,13 @@ def status_router(gw: Gateway) -> APIRouter:
             return _no_store(down, 503, {"Retry-After": "1"})
         # The Redis clock, not this host's: rates stay right when successive polls are
         # answered by different gateways behind a load balancer.
-        return _no_store(
-            {"time": gw.clock.now(), "stale_after_ms": ALIVE_IDLE_MS, "stages": stages}
-        )
+        snapshot = {
+            "time": gw.clock.now(),
+            "stale_after_ms": ALIVE_IDLE_MS,
+            "stages": stages,
+            "history": gw.history.rates(),
+        }
+        return _no_store(snapshot)
 
     @router.get("/status", response_class=HTMLResponse)
     async def status_page(request: Request) -> HTMLResponse:

@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,9 +19,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port
+from gateway.history import SAMPLE_S, quantile
 from pipelines.metrics import BUCKETS
 from pipelines.stats import OUTCOMES
-from tests.helpers import REPO, Doubler, Harness, number_stage
+from tests.helpers import REPO, Doubler, Harness, number_stage, until
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "test-artifacts"
@@ -65,6 +67,43 @@ async def test_status_json_counts_outcomes_and_shows_a_live_worker(
     assert buckets[-1][1] == 0  # max_batch_size is 8: nothing in the larger buckets
     # 13 items ran, each estimated at 2 tokens (no text): nothing to pad.
     assert double["tokens"] == {"real": 26, "padded": 26}
+
+
+def test_quantiles_interpolate_within_their_bucket() -> None:
+    bounds = (1.0, 2.0, 4.0)
+    assert quantile(bounds, [0, 10, 0, 0], 0.5) == 1.5  # half way through (1, 2]
+    assert quantile(bounds, [10, 0, 0, 0], 0.99) == pytest.approx(0.99)
+    assert quantile(bounds, [0, 0, 0, 5], 0.5) == 4.0  # past the last bound: that bound
+    assert quantile(bounds, [0, 0, 0, 0], 0.5) is None
+
+
+async def test_status_json_has_the_recent_past_and_latency_percentiles(
+    harness: Harness,
+) -> None:
+    stage = number_stage(max_batch_size=1, batch_wait_ms=0)
+    worker = harness.worker(stage, Doubler(delay_s=0.03))  # 30 ms of model time per batch
+    await worker.start()
+    harness.run(worker)
+    http = await harness.gateway([stage])
+    for i in range(5):
+        assert (await http.post("/v1/double", json={"value": i})).status_code == 200
+    snap = (await http.get("/status.json")).json()
+    [double] = snap["stages"]
+    run = double["latency"]["run"]
+    assert 0.025 <= run["p50"] <= 0.05  # within (25 ms, 50 ms], where 30 ms batches fall
+    assert run["p50"] <= run["p99"] <= 0.05
+    assert double["latency"]["queue_wait"]["p50"] < 0.25
+
+    # The gateway read the counters at start and reads them every SAMPLE_S: the requests
+    # above show up as a rate in the history within two readings.
+    async def counted() -> bool:
+        rates = (await http.get("/status.json")).json()["history"]
+        return any(r > 0 for r in rates["stages"]["double"])
+
+    await until(counted, limit_s=4 * SAMPLE_S)
+    history = (await http.get("/status.json")).json()["history"]
+    assert len(history["times"]) == len(history["stages"]["double"]) >= 1
+    assert history["times"] == sorted(history["times"])
 
 
 async def test_redis_down_is_a_503_and_the_page_still_renders(harness: Harness) -> None:
@@ -206,6 +245,11 @@ PAGE_STATE = """(() => {
     padding: Object.fromEntries([...document.querySelectorAll("#stages tr")].map((tr) => [
       tr.dataset.stage, tr.querySelector("[data-field=padding]")?.textContent ?? null,
     ])),
+    latency: Object.fromEntries([...document.querySelectorAll("#stages tr")].map((tr) => [
+      tr.dataset.stage,
+      Object.fromEntries([...tr.querySelectorAll("[data-latency]")].map(
+        (e) => [e.dataset.latency, e.textContent])),
+    ])),
     headers: [...document.querySelectorAll("thead th")].map((th) => th.textContent),
     alive: document.querySelectorAll("[data-alive=true]").length,
     text: document.body.innerText,
@@ -237,7 +281,7 @@ async def wait_for(
 
 
 async def open_page(browser: Chromium, url: str) -> str:
-    """A new 1200x900 tab on ``url``; returns its DevTools session."""
+    """A new 1440x900 tab on ``url``; returns its DevTools session."""
     target = await browser.call("Target.createTarget", url="about:blank")
     attached = await browser.call(
         "Target.attachToTarget", targetId=target["targetId"], flatten=True
@@ -247,7 +291,7 @@ async def open_page(browser: Chromium, url: str) -> str:
     await browser.call(
         "Emulation.setDeviceMetricsOverride",
         session,
-        width=1200,
+        width=1440,
         height=900,
         deviceScaleFactor=1,
         mobile=False,
@@ -288,12 +332,24 @@ async def test_status_page_refreshes_live_in_headless_chromium(
         httpx.AsyncClient(base_url=base, trust_env=False) as http,
         chromium(tmp_path) as browser,
     ):
-        for _ in range(20):  # a burst before the page opens: counters exist, rates start at 0
-            await http.post("/v1/double", json={"value": 1})
         clients = [load(http, "double") for _ in range(6)] + [load(http, "slow")]
         loaders = [asyncio.create_task(c) for c in clients]
+
+        async def recorded() -> bool:  # the gateway's history holds two readings with load
+            rates = (await http.get("/status.json")).json()["history"]["stages"]["double"]
+            return len([r for r in rates if r > 0]) >= 2
+
         try:
+            await until(recorded, limit_s=6 * SAMPLE_S)
             session = await open_page(browser, f"{base}/status")
+            # The recent past is on the chart from the first snapshot: two live snapshots
+            # make one point, so two points after at most two refreshes came from history.
+            first = await wait_for(
+                browser, session, "a first snapshot", 10, lambda s: int(s.get("refreshes", 0)) >= 1
+            )
+            assert int(first["refreshes"]) <= 2, first
+            assert int(first["points"]) >= 2, first
+            assert float(first["throughput"]) > 0, first
             state = await wait_for(
                 browser,
                 session,
@@ -318,8 +374,11 @@ async def test_status_page_refreshes_live_in_headless_chromium(
         assert state["outcomes"]["slow"]["cancelled"] == "3"
         assert state["outcomes"]["double"]["cancelled"] == "0"
         assert "cancelled" in state["headers"]
-        assert state["padding"]["slow"] == "padding efficiency 75%"
-        assert state["padding"]["double"] == "padding efficiency 100%"
+        assert "p50 / p99" in state["headers"]
+        assert re.fullmatch(r"run [\d.,]+ ms / [\d.,]+ ms", state["latency"]["slow"]["run"])
+        assert state["latency"]["slow"]["queue_wait"].startswith("wait ")
+        assert state["padding"]["slow"] == "tokens 75% real"
+        assert state["padding"]["double"] == "tokens 100% real"
         # Lag and pending per priority lane; the bulk lane is never used here.
         lanes = state["lanes"]["slow"]
         assert [entry.rsplit(" ", 1)[0] for entry in lanes] == [
