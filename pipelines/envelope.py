@@ -149,6 +149,9 @@ class Request(BaseModel):
             that arrived later (its stream id says when) was refused to its client with a
             503 and must never take effect.
         lane: its priority lane (:data:`Lane`), kept at every step of its pipeline.
+        traceparent: the W3C trace context of its root span at the gateway, when tracing
+            is on (:mod:`pipelines.tracing`); kept at every step, so each process's spans
+            join the one trace.
     """
 
     # A newer process's added fields are ignored, so a rolling deploy in either order
@@ -169,6 +172,7 @@ class Request(BaseModel):
     stream: bool = False
     enqueue_by: float | None = None
     lane: Lane = "interactive"
+    traceparent: str | None = Field(default=None, max_length=256)
 
 
 class Reply(BaseModel):

@@ -13,6 +13,7 @@ import os
 import signal
 from collections.abc import MutableMapping
 
+from pipelines import tracing
 from pipelines.registry import load_registry
 from workers.loop import Worker
 from workers.settings import WorkerSettings
@@ -59,12 +60,16 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    try:  # uvloop where it exists: less per-command overhead on the Redis round trips
-        import uvloop
-    except ImportError:
-        asyncio.run(_serve(stages))
-    else:
-        uvloop.run(_serve(stages))
+    tracing.configure("conveyor-worker")  # OTEL_* variables; off unless they say
+    try:
+        try:  # uvloop where it exists: less per-command overhead on the Redis round trips
+            import uvloop
+        except ImportError:
+            asyncio.run(_serve(stages))
+        else:
+            uvloop.run(_serve(stages))
+    finally:
+        tracing.shutdown()  # the spans still batched go out
 
 
 if __name__ == "__main__":

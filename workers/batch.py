@@ -170,6 +170,8 @@ class BatchRecord:
         outcomes: items per outcome.
         request_ids: ids of the requests, in batch order.
         trace_ids: their trace ids (logged with the batch).
+        arrivals: when each request arrived (server clock, seconds), as ``request_ids``.
+        ran_at: when the model finished the batch (server clock; 0: it did not run).
         tokens: the estimated tokens of the items the model ran (:mod:`workers.lengths`).
         padded_tokens: those items times the longest of them: what the model padded to.
     """
@@ -181,6 +183,8 @@ class BatchRecord:
     outcomes: Counter[str] = field(default_factory=Counter)
     request_ids: list[str] = field(default_factory=list)
     trace_ids: list[str] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    ran_at: float = 0.0
     tokens: int = 0
     padded_tokens: int = 0
 

@@ -96,6 +96,7 @@ class Intake:
             seen.add(marker)
             record.request_ids.append(req.id)
             record.trace_ids.append(req.trace_id)
+            record.arrivals.append(entry_ms(eid) / 1000.0)
             item = self._admit(batch.out, req, now)
             if item is not None:
                 batch.live.append((req, item))

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from redis.exceptions import ResponseError
 
-from pipelines import stats
+from pipelines import stats, tracing
 from pipelines.envelope import LANES
 from pipelines.graph import single
 from pipelines.model import Model
@@ -37,6 +37,7 @@ from workers.publish import Published, publish
 from workers.recovery import Letter, Recovery
 from workers.route import Outbox, Router
 from workers.settings import WorkerSettings
+from workers.spans import record_batch
 from workers.window import Window
 
 logger = logging.getLogger(__name__)
@@ -278,6 +279,7 @@ class Worker:
                 items = [item for _, item in batch.live]
                 emit = partials.emit if partials.wanted else None
                 batch.results, batch.record.run_s = await self.runner.run(items, emit)
+                batch.record.ran_at = self.clock.now()
         finally:
             await heartbeat.stop()
             if partials is not None:
@@ -314,6 +316,8 @@ class Worker:
         )
         record.outcomes["error"] += len(batch.dropped)
         self.history.append(record)
+        if tracing.STATE.enabled:
+            record_batch(self.stage.name, batch, self.clock.now(), self.consumer)
         logger.info(
             "stage %s batch=%d ok=%d error=%d expired=%d cancelled=%d wait_max=%.1fms "
             "run=%.1fms tokens=%d/%d traces=%s",

@@ -1,0 +1,132 @@
+"""A small OTLP/HTTP trace receiver on loopback: what a collector would receive.
+
+It speaks the protocol the OpenTelemetry SDK's exporter speaks (``POST /v1/traces``, an
+``ExportTraceServiceRequest`` in protobuf, gzip or not) and keeps every span it is sent,
+decoded with the protocol's own generated classes (``opentelemetry-proto``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+
+@dataclass(frozen=True)
+class Received:
+    """One span as the receiver got it.
+
+    Attributes:
+        service: its resource's ``service.name``.
+        name: the span's name.
+        trace_id: 32 hex digits.
+        span_id: 16 hex digits.
+        parent_id: its parent's span id ("" for a root).
+        start_ns: start, ns since the epoch.
+        end_ns: end, ns since the epoch.
+        attributes: its attributes (string, int, float or bool values).
+        links: (trace id, span id) of each span it links to.
+    """
+
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    links: tuple[tuple[str, str], ...]
+
+    @property
+    def ms(self) -> float:
+        """Its duration in milliseconds."""
+        return (self.end_ns - self.start_ns) / 1e6
+
+
+def _value(any_value: Any) -> Any:
+    kind = any_value.WhichOneof("value")
+    return getattr(any_value, kind) if kind else None
+
+
+@dataclass
+class Receiver:
+    """The spans received so far (thread-safe) and where to send them."""
+
+    endpoint: str = ""
+    spans: list[Received] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, body: bytes) -> None:
+        """Decode one export request and keep its spans."""
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        for resource_spans in request.resource_spans:
+            attrs = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+            service = str(attrs.get("service.name", ""))
+            for scope in resource_spans.scope_spans:
+                for s in scope.spans:
+                    received = Received(
+                        service,
+                        s.name,
+                        s.trace_id.hex(),
+                        s.span_id.hex(),
+                        s.parent_span_id.hex(),
+                        s.start_time_unix_nano,
+                        s.end_time_unix_nano,
+                        {a.key: _value(a.value) for a in s.attributes},
+                        tuple((link.trace_id.hex(), link.span_id.hex()) for link in s.links),
+                    )
+                    with self.lock:
+                        self.spans.append(received)
+
+    def of_trace(self, trace_id: str) -> list[Received]:
+        """The spans of one trace, by start time."""
+        with self.lock:
+            return sorted(
+                (s for s in self.spans if s.trace_id == trace_id), key=lambda s: s.start_ns
+            )
+
+
+@contextmanager
+def receiver() -> Iterator[Receiver]:
+    """A receiver listening on a free loopback port until the block ends."""
+    got = Receiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            if self.path != "/v1/traces":
+                self.send_error(404)
+                return
+            got.add(body)
+            answer = ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            del format, args  # quiet: the test reads spans, not access lines
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="otlp-receiver", daemon=True)
+    thread.start()
+    got.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield got
+    finally:
+        server.shutdown()
+        server.server_close()
