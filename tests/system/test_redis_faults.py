@@ -242,19 +242,40 @@ async def test_redis_kill_9_under_job_load_completes_every_job_and_admits_again(
                 await asyncio.sleep(0.01)  # pacing while Redis is down, not a wait
             v += 4
 
+    answered: list[tuple[int, int]] = []  # sync calls (interactive lane): value, doubled
+
+    async def call(first: int) -> None:
+        # Interactive calls beside the bulk jobs: the lanes survive the restart together.
+        v = first
+        while not done_loading.is_set():
+            resp = await http.post("/v1/slow", json={"value": v}, headers=deadline)
+            if resp.status_code == 200:
+                answered.append((v, resp.json()["value"]))
+            else:  # refused while Redis was down, or its reply lost with it
+                assert resp.status_code in (503, 504), resp.text
+                await asyncio.sleep(0.01)  # pacing while Redis is down, not a wait
+            v += 4
+
     async def accepted_at_least(n: int) -> bool:
         return len(accepted) >= n
 
+    async def answered_at_least(n: int) -> bool:
+        return len(answered) >= n
+
+    deadline = {"X-Conveyor-Timeout": "3"}
     loaders = [asyncio.create_task(load(i)) for i in range(4)]
+    loaders += [asyncio.create_task(call(1000 + i)) for i in range(2)]
     try:
         await until(lambda: accepted_at_least(100))
         server.kill()
         server.restart()
-        before = len(accepted)
+        before, calls = len(accepted), len(answered)
         await until(lambda: accepted_at_least(before + 100), limit_s=30)  # admits again
+        await until(lambda: answered_at_least(calls + 20), limit_s=30)  # and answers calls
     finally:
         done_loading.set()
         await asyncio.gather(*loaders)
+    assert all(doubled == 2 * v for v, doubled in answered)
     fresh = aioredis.Redis.from_url(server.url)
     try:
 
