@@ -191,7 +191,7 @@ SENTENCES = (
 
 def lengths(rng: random.Random, count: int) -> list[int]:
     """``count`` text lengths in words from the long-tailed distribution above."""
-    out = []
+    out: list[int] = []
     while len(out) < count:
         words = round(rng.lognormvariate(math.log(MEDIAN_WORDS), SIGMA))
         if words <= MAX_WORDS:  # a redraw keeps the tail smooth up to the cap
