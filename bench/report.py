@@ -189,7 +189,7 @@ def _batching_modes(res: Results, top: int) -> list[Target]:
             continue
         ratio = aware.load.throughput / max(items.load.throughput, 1e-9)
         measured = (
-            f"{ratio:.2f}x ({aware.load.throughput:.0f} / {items.load.throughput:.0f} per s; "
+            f"{ratio:.2f}x ({aware.load.throughput:.1f} / {items.load.throughput:.1f} per s; "
             f"padding {_share(aware.padding)} vs {_share(items.padding)})"
         )
         passed = ratio >= goal
