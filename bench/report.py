@@ -452,8 +452,12 @@ def plot(res: Results, path: Path) -> None:
             if not rows:
                 continue
             xs = [r.concurrency for r in rows]
-            top.plot(xs, [r.load.throughput for r in rows], "o-", label=LABELS[system])
-            bottom.plot(xs, [r.load.pct(0.99) for r in rows], "o-", label=LABELS[system])
+            style = {
+                "label": LABELS[system],
+                "color": f"C{SYSTEMS.index(system)}",
+            }  # same in every panel
+            top.plot(xs, [r.load.throughput for r in rows], "o-", **style)
+            bottom.plot(xs, [r.load.pct(0.99) for r in rows], "o-", **style)
         lim = res.limits.get(workload)
         if lim and workload != "echo":  # echo's limit is millions per second: off the chart
             top.axhline(lim.throughput, ls="--", c="grey", label=f"in-process, batch {lim.batch}")
