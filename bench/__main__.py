@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     add(
         "--quick",
         action="store_true",
-        help="smoke run (< 60 s): few requests per measurement, clients 1 and 64, "
+        help="smoke run (about 2 minutes): few requests per measurement, clients 1 and 64, "
         "scaling 1 and 2 workers; writes to bench/quick/ unless --out is given",
     )
     add(
