@@ -1,10 +1,12 @@
 """``python -m bench``: start, drive and stop every system; write RESULTS.md and results.png.
 
-Systems: conveyor (redis-server + gateway + worker processes), the model in-process (the
-limit), FastAPI + Celery + Redis with one task per request, and one FastAPI process with
-an asyncio queue and a dynamic-batching loop. Workloads: ``echo`` (no model), ``embed``
-(the real MiniLM) and ``synthetic`` (sleeps a + b·n per batch, like an accelerator).
-Everything binds 127.0.0.1 and is stopped when the run ends, however it ends.
+Systems: conveyor (redis-server + gateway + worker processes), the same conveyor with
+item-count batching only, the model in-process (the limit), FastAPI + Celery + Redis with
+one task per request, one FastAPI process with an asyncio queue and a dynamic-batching
+loop, and LitServe. Workloads: ``echo`` (no model), ``embed`` (the real MiniLM on uniform
+sentences), ``mixed`` (the same model on texts of long-tailed length, bench/mixed.jsonl)
+and ``synthetic`` (sleeps a + b·n per batch, like an accelerator). Everything binds
+127.0.0.1 and is stopped when the run ends, however it ends.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-from bench.report import markdown, plot
+from bench.report import markdown, plot, version
 from bench.run import SYSTEMS, Plan, Results, run
 from bench.systems import Options
 from bench.workloads import WORKLOADS
@@ -61,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     add(
         "--quick",
         action="store_true",
-        help="smoke run (< 60 s): few requests per measurement, clients 1 and 64, "
+        help="smoke run (about 2 minutes): few requests per measurement, clients 1 and 64, "
         "scaling 1 and 2 workers; writes to bench/quick/ unless --out is given",
     )
     add(
@@ -132,6 +134,12 @@ def parser() -> argparse.ArgumentParser:
         help="Celery worker pool (default solo: one process, one task at a time)",
     )
     add("--celery-concurrency", type=int, default=1, help="Celery worker concurrency (default 1)")
+    add(
+        "--litserve-batch-timeout-ms",
+        type=float,
+        default=10.0,
+        help="LitServe's batch_timeout (default 10 ms; its max_batch_size is --batch)",
+    )
     add("--device", default="auto", help="model device for every system: auto, cpu, cuda")
     add("--synthetic-a-ms", type=float, default=20.0, help="synthetic: ms per batch (20)")
     add("--synthetic-b-ms", type=float, default=1.0, help="synthetic: ms per item (1)")
@@ -184,6 +192,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
             batch_wait_ms=args.batch_wait_ms,
             celery_pool=args.celery_pool,
             celery_concurrency=args.celery_concurrency,
+            litserve_batch_timeout_ms=args.litserve_batch_timeout_ms,
             env=env,
         ),
     )
@@ -202,16 +211,24 @@ def describe(res: Results) -> str:
 
     return f"""
 Every system runs the same model code (`bench/workloads.py:load_model`) on the same inputs
-(sentences of 8-24 words, `{{"text": ...}}`), device `{o.device}`, torch's default threads.
-The load generator (`bench/loadgen.py`) is a closed loop of keep-alive HTTP/1.1 clients in
-this process; every server binds 127.0.0.1.
+(`{{"text": ...}}`: sentences of 8-24 words for echo, embed and synthetic; for mixed the
+3,000 texts of `bench/mixed.jsonl`, 3-300 words, median 15), device `{o.device}`, torch's
+default threads. `mixed` is served by each system's `embed` model (`/v1/embed`). The load
+generator (`bench/loadgen.py`) is a closed loop of keep-alive HTTP/1.1 clients in this
+process; every server binds 127.0.0.1.
 
 - **conveyor**: redis-server, `python -m gateway` and one `python -m workers STAGE`
-  process per workload (`CONVEYOR_APP=bench.workloads:conveyor_pipelines`: built-in
+  process per stage (`CONVEYOR_APP=bench.workloads:conveyor_pipelines`: built-in
   `echo` and `embed`, and `bench.synthetic:pipelines`); max batch {o.max_batch}, 5 ms
   window, adaptive batching on, 2 batches in flight per worker, torch's idle OpenMP
-  threads sleeping instead of spinning (the defaults). Mean batch from the gateway's
-  `/metrics` (`conveyor_stage_batch_size_sum/_count`).
+  threads sleeping instead of spinning, `embed` batching by length (its
+  `max_batch_tokens`): the defaults. Mean batch from the gateway's `/metrics`
+  (`conveyor_stage_batch_size_sum/_count`), padding from its
+  `conveyor_stage_tokens_total{{kind="real"|"padded"}}`.
+- **conveyor, item-count batching**: the same, every worker started with
+  `CONVEYOR_MAX_BATCH_TOKENS=0` (batches bounded by item count only), measured on embed
+  and mixed. It runs beside the default conveyor, the two measured in alternation, so
+  their ratio is taken in the same minutes.
 - **in-process model**: `predict` called directly in this process, at batch
   {o.max_batch} for throughput and at batch 1 for single-item latency: the ceiling.
 - **FastAPI + Celery**: redis-server as broker and result backend; `celery worker
@@ -223,7 +240,15 @@ this process; every server binds 127.0.0.1.
 - **FastAPI + asyncio batching**: one uvicorn process (`bench/hf_batching.py`): requests
   put (item, future) on an `asyncio.Queue`; a loop per model takes up to {o.max_batch}
   items or what arrives within {o.batch_wait_ms:g} ms of the first, runs `predict` in a
-  thread, resolves the futures. Mean batch from its own counter (`GET /stats`).
+  thread, resolves the futures. Mean batch and padding from its own counters (`GET
+  /stats`; tokens from the attention mask of each batch it tokenizes).
+- **LitServe** {version("litserve")}: `bench/litserve_app.py`, one `LitAPI` per stage
+  with `max_batch_size={o.max_batch}`, `batch_timeout={o.litserve_batch_timeout_ms / 1000:g}`
+  s, one inference worker (`workers_per_device=1`) and one API server
+  (`num_api_servers=1`), otherwise LitServe's defaults (multiprocessing queues through a
+  manager process). Started afresh per stage (an idle inference worker polls its queue
+  every millisecond). CPU counts the launcher and all its processes. Mean batch and
+  padding from counters its workers keep in shared memory (`GET /stats`).
 
 synthetic sleeps {a:g} ms + {b:g} ms per item for each batch (`time.sleep` releases the
 CPU, like waiting on an accelerator). The scaling sweep starts its own conveyor (one
@@ -244,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe
     plan = plan_from(args)
-    needed = ["matplotlib", *(["celery"] if "celery" in plan.systems else [])]
+    needed = ["matplotlib", *(s for s in ("celery", "litserve") if s in plan.systems)]
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         sys.exit(

@@ -8,9 +8,10 @@ runs the model on the batch in a thread and resolves the futures. One batch runs
 time; requests arriving meanwhile queue up and form the next batch.
 
 Served by uvicorn: ``BENCH_WORKLOADS=embed uvicorn bench.hf_batching:app --port 8002``.
-Environment: ``BENCH_WORKLOADS`` (comma-separated, default all), ``BENCH_DEVICE``,
+Environment: ``BENCH_WORKLOADS`` (comma-separated stages, default all), ``BENCH_DEVICE``,
 ``BENCH_MAX_BATCH`` (32), ``BENCH_BATCH_WAIT_MS`` (5). ``GET /stats`` reports items and
-batches run per workload, for the mean batch size.
+batches run per workload, for the mean batch size, and the real and padded tokens of those
+batches (:func:`bench.workloads.count_tokens`), for the padding efficiency.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import orjson
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from bench.workloads import WORKLOADS, load_model
+from bench.workloads import WORKLOADS, Tokens, count_tokens, load_model, stages_of
 from pipelines.model import Item, Model, Result
 from pipelines.stages import TextIn
 
@@ -46,12 +47,14 @@ class Batcher:
 
     Attributes:
         model: the loaded model.
+        tokens: real and padded tokens of its batches (None: the model has no tokenizer).
         queue: requests waiting for a batch.
         items: items run so far.
         batches: batches run so far.
     """
 
     model: Model
+    tokens: Tokens | None = None
     queue: asyncio.Queue[Waiting] = field(default_factory=asyncio.Queue)
     items: int = 0
     batches: int = 0
@@ -94,11 +97,14 @@ _batchers: dict[str, Batcher] = {}
 
 @asynccontextmanager
 async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
-    names = [n.strip() for n in os.environ.get("BENCH_WORKLOADS", ",".join(WORKLOADS)).split(",")]
+    names = [
+        n.strip()
+        for n in os.environ.get("BENCH_WORKLOADS", ",".join(stages_of(list(WORKLOADS)))).split(",")
+    ]
     tasks = []
     for name in filter(None, names):
         model = await asyncio.to_thread(load_model, name, DEVICE)
-        _batchers[name] = Batcher(model)
+        _batchers[name] = Batcher(model, count_tokens(model))
         tasks.append(asyncio.create_task(_batchers[name].run(), name=f"batcher-{name}"))
     try:
         yield
@@ -127,5 +133,14 @@ async def infer(workload: str, body: TextIn) -> Response:
 
 @app.get("/stats")
 async def stats() -> dict[str, dict[str, int]]:
-    """Items and batches run so far, per workload."""
-    return {name: {"items": b.items, "batches": b.batches} for name, b in _batchers.items()}
+    """Items and batches run so far, and their real and padded tokens, per workload."""
+    return {
+        name: {
+            "items": b.items,
+            "batches": b.batches,
+            **(
+                {"real_tokens": b.tokens.real, "padded_tokens": b.tokens.padded} if b.tokens else {}
+            ),
+        }
+        for name, b in _batchers.items()
+    }

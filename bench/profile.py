@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.loadgen import closed_loop
 from bench.systems import HOST, Options, cpu_seconds
 from bench.systems import conveyor as start_conveyor
-from bench.workloads import WORKLOADS, bodies
+from bench.workloads import WORKLOADS, bodies, stage_of
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def profile(workload: str, concurrency: int, seconds: float, workdir: Path) -> S
     with start_conveyor([workload], Options(), workdir, log_name=f"profile-{workload}") as server:
         pids = {
             "gateway": server.procs["gateway"].pid,
-            "worker": server.procs[f"worker {workload} 1"].pid,
+            "worker": server.procs[f"worker {stage_of(workload)} 1"].pid,
             "redis": server.procs["redis"].pid,
         }
         outputs = {role: workdir / f"{workload}-c{concurrency}-{role}.txt" for role in pids}
@@ -138,7 +138,7 @@ def profile(workload: str, concurrency: int, seconds: float, workdir: Path) -> S
                 HOST,
                 server.port,
                 server.path(workload),
-                bodies(100_000),
+                bodies(100_000, workload),
                 concurrency,
                 duration=seconds,
                 warmup=1.5,

@@ -9,17 +9,25 @@ import socket
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.loadgen import LoadResult, closed_loop, open_loop
 from bench.systems import HOST, STARTERS, Options, Server, conveyor
-from bench.workloads import InProcess, bodies, in_process
+from bench.workloads import TOKENIZED, InProcess, bodies, in_process, stage_of, stages_of
 from conveyor.embedded import free_port, start_redis
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("conveyor", "in-process", "celery", "hf-batching")
+SYSTEMS = ("conveyor", "conveyor-items", "in-process", "celery", "hf-batching", "litserve")
+SIDE_BY_SIDE = ("conveyor", "conveyor-items")
+"""Systems run at the same time, their measurements alternating, so that a change in the
+machine's speed during the run touches both alike: the two batching modes are compared by
+their ratio."""
+ONE_STAGE_AT_A_TIME = ("litserve",)
+"""Systems started afresh for each stage: an idle LitServe inference worker polls its
+queue every millisecond, and idle ones would take CPU from the one measured."""
 
 
 @dataclass
@@ -68,6 +76,8 @@ class Row:
         load: what the clients saw.
         mean_batch: items per model call over the measurement.
         cpu_ms: CPU milliseconds the system's processes spent per successful request.
+        padding: real / padded tokens of the batches run over the measurement (None:
+            not counted, or no tokenizer).
     """
 
     system: str
@@ -77,6 +87,7 @@ class Row:
     load: LoadResult
     mean_batch: float
     cpu_ms: float
+    padding: float | None = None
 
 
 @dataclass
@@ -199,18 +210,20 @@ class Results:
 def measure(server: Server, workload: str, concurrency: int, plan: Plan, workers: int = 1) -> Row:
     """Warm up, then one bounded closed-loop measurement of ``workload`` on ``server``."""
     before: list[tuple[float, float] | None] = []
+    tokens_before: list[tuple[float, float] | None] = []
     cpu_before: list[float] = []
 
     def snapshot() -> None:  # as the measurement starts, after the warm-up
         cpu_before.append(server.cpu_seconds())  # first: /proc answers at once, HTTP may wait
         before.append(server.batch_totals(workload))
+        tokens_before.append(server.token_totals(workload))
 
     load = asyncio.run(
         closed_loop(
             HOST,
             server.port,
             server.path(workload),
-            bodies(plan.requests),
+            bodies(plan.requests, workload),
             concurrency,
             duration=plan.seconds,
             warmup=plan.warmup_s,
@@ -225,11 +238,16 @@ def measure(server: Server, workload: str, concurrency: int, plan: Plan, workers
     mean_batch = 1.0
     if before[0] is not None and after is not None:
         mean_batch = (after[0] - before[0][0]) / max(1.0, after[1] - before[0][1])
+    padding = _padding(tokens_before[0], server.token_totals(workload))
+    if padding is None and after is None and workload in TOKENIZED:
+        padding = 1.0  # every batch is one item: nothing to pad
     ok = max(1, load.requests - load.errors)
-    row = Row(server.name, workload, concurrency, workers, load, mean_batch, 1000 * cpu / ok)
+    row = Row(
+        server.name, workload, concurrency, workers, load, mean_batch, 1000 * cpu / ok, padding
+    )
     logger.info(
-        "%-11s %-9s c=%-3d N=%d  %7.1f req/s  p50 %6.1f ms  p99 %6.1f ms  errors %d  "
-        "batch %.1f  cpu %.2f ms/req",
+        "%-14s %-9s c=%-3d N=%d  %7.1f req/s  p50 %6.1f ms  p99 %6.1f ms  errors %d  "
+        "batch %.1f  padding %s  cpu %.2f ms/req",
         row.system,
         workload,
         concurrency,
@@ -239,9 +257,40 @@ def measure(server: Server, workload: str, concurrency: int, plan: Plan, workers
         load.pct(0.99),
         load.errors,
         mean_batch,
+        "-" if padding is None else f"{padding:.2f}",
         row.cpu_ms,
     )
     return row
+
+
+def _padding(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Real / padded tokens between two (real, padded) readings (None: not counted)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def _runs_on(system: str, workload: str) -> bool:
+    """Whether ``system`` is measured on ``workload``: the item-count conveyor only where
+    batches pad (on the others its batches are the default's)."""
+    return system != "conveyor-items" or workload in TOKENIZED
+
+
+def sessions(plan: Plan) -> list[dict[str, list[str]]]:
+    """The served systems' runs, in order: each run starts its systems (with the
+    workloads each is measured on) together and stops them together."""
+    chosen = [s for s in STARTERS if s in plan.systems]
+    out = [{s: list(plan.workloads) for s in chosen if s in SIDE_BY_SIDE}]
+    for system in chosen:
+        if system in ONE_STAGE_AT_A_TIME:
+            out += [
+                {system: [w for w in plan.workloads if stage_of(w) == stage]}
+                for stage in stages_of(plan.workloads)
+            ]
+        elif system not in SIDE_BY_SIDE:
+            out.append({system: list(plan.workloads)})
+    runs = [{s: [w for w in ws if _runs_on(s, w)] for s, ws in run.items()} for run in out]
+    return [{s: ws for s, ws in run.items() if ws} for run in runs if any(run.values())]
 
 
 def run(plan: Plan) -> Results:
@@ -264,13 +313,21 @@ def run(plan: Plan) -> Results:
         results.wake.idle_us,
         results.wake.gap_s * 1000,
     )
-    for system in (s for s in STARTERS if s in plan.systems):
-        logger.info("starting %s", system)
-        with STARTERS[system](plan.workloads, plan.options, workdir) as server:
+    for session in sessions(plan):
+        names = " and ".join(session)
+        served = dict.fromkeys(w for workloads in session.values() for w in workloads)
+        logger.info("starting %s (%s)", names, ", ".join(served))
+        with ExitStack() as stack:
+            servers = {
+                system: stack.enter_context(STARTERS[system](workloads, plan.options, workdir))
+                for system, workloads in session.items()
+            }
             for workload in plan.workloads:
                 for concurrency in plan.concurrencies:
-                    results.rows.append(measure(server, workload, concurrency, plan))
-        logger.info("stopped %s", system)
+                    for system, server in servers.items():  # side by side: alternating
+                        if workload in session[system]:
+                            results.rows.append(measure(server, workload, concurrency, plan))
+        logger.info("stopped %s", names)
     if results.limits_before and results.rows:
         # Measured again once the served systems are done: a VM's speed drifts, and a
         # ratio against a limit taken at another speed would say more of the host.
@@ -322,6 +379,7 @@ def _stricter(a: InProcess, b: InProcess | None) -> InProcess:
         max(a.throughput, b.throughput),
         single.single_p50_ms,
         single.single_p99_ms,
+        a.padding,
     )
 
 

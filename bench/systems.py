@@ -1,10 +1,17 @@
 """Start and stop the systems under test, each as real processes on 127.0.0.1.
 
 - ``conveyor``: redis-server, the gateway (``python -m gateway``) and one worker per
-  workload (``python -m workers STAGE``), as ``conveyor up`` runs them.
+  stage (``python -m workers STAGE``), as ``conveyor up`` runs them; its stages batch as
+  they are defined (the built-in ``embed`` by tokens, where it sets ``max_batch_tokens``).
+- ``conveyor-items``: the same, every worker started with ``CONVEYOR_MAX_BATCH_TOKENS=0``:
+  batches bounded by item count only.
 - ``celery``: redis-server (broker and result backend), a Celery worker and the FastAPI
   app of :mod:`bench.celery_app` under uvicorn.
 - ``hf-batching``: the single FastAPI process of :mod:`bench.hf_batching` under uvicorn.
+- ``litserve``: ``python -m bench.litserve_app``, which starts LitServe's own processes.
+
+A workload is served by its stage (:func:`bench.workloads.stage_of`): ``mixed`` goes to
+``/v1/embed``, with other text.
 
 Each is a context manager that yields a :class:`Server` once every workload answers, and
 stops every process it started on the way out, whatever happened.
@@ -17,13 +24,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
+from bench.workloads import stage_of, stages_of
 from conveyor.embedded import free_port, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +50,8 @@ class Options:
             their own, 5 ms for all three workloads).
         celery_pool: the Celery worker's ``--pool``.
         celery_concurrency: the Celery worker's ``--concurrency``.
+        litserve_batch_timeout_ms: LitServe's ``batch_timeout`` (its batch bound is
+            ``max_batch``).
         env: extra environment for every process (e.g. the synthetic cost).
     """
 
@@ -50,6 +60,7 @@ class Options:
     batch_wait_ms: float = 5.0
     celery_pool: str = "solo"
     celery_concurrency: int = 1
+    litserve_batch_timeout_ms: float = 10.0
     env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -68,8 +79,8 @@ class Server:
     procs: dict[str, subprocess.Popen[bytes]]
 
     def path(self, workload: str) -> str:
-        """The request path of ``workload``."""
-        return f"/v1/{workload}"
+        """The request path of ``workload`` (its stage's)."""
+        return f"/v1/{stage_of(workload)}"
 
     def cpu_seconds(self) -> float:
         """CPU seconds its processes have used so far (Linux /proc)."""
@@ -80,34 +91,70 @@ class Server:
         del workload
         return None
 
+    def token_totals(self, workload: str) -> tuple[float, float] | None:
+        """(real, padded) tokens of the batches run so far for ``workload``; None where
+        the system does not count them."""
+        del workload
+        return None
+
+
+Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+"""Prometheus samples by (metric name, labels)."""
+
+
+def parse_metrics(text: str) -> Series:
+    """The samples of a Prometheus text exposition (comments skipped)."""
+    out: Series = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name, _, labels = series.partition("{")
+        pairs = (pair.split("=", 1) for pair in labels.rstrip("}").split(",") if "=" in pair)
+        out[name, frozenset((k.strip(), v.strip().strip('"')) for k, v in pairs)] = float(value)
+    return out
+
+
+def total(samples: Series, name: str, **labels: str) -> float | None:
+    """The sum of ``name``'s samples that carry ``labels`` (None: there are none)."""
+    wanted = set(labels.items())
+    found = [v for (n, have), v in samples.items() if n == name and wanted <= have]
+    return sum(found) if found else None
+
 
 class ConveyorServer(Server):
-    """conveyor, with its batch counters read from the gateway's ``/metrics``."""
+    """conveyor, with its batch and token counters read from the gateway's ``/metrics``."""
 
     def __init__(
-        self, port: int, procs: dict[str, subprocess.Popen[bytes]], env: dict[str, str], log: Path
+        self,
+        name: str,
+        port: int,
+        procs: dict[str, subprocess.Popen[bytes]],
+        env: dict[str, str],
+        log: Path,
     ) -> None:
-        super().__init__("conveyor", port, procs)
+        super().__init__(name, port, procs)
         self._env = env
         self._log = log
 
-    def _metrics(self) -> dict[str, float]:
-        text = httpx.get(f"http://{HOST}:{self.port}/metrics", timeout=10).text
-        values = {}
-        for line in text.splitlines():
-            if line.startswith("conveyor_stage_"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+    def _metrics(self) -> Series:
+        return parse_metrics(httpx.get(f"http://{HOST}:{self.port}/metrics", timeout=10).text)
 
     def batch_totals(self, workload: str) -> tuple[float, float] | None:
         """(items, batches) the stage has run, from ``conveyor_stage_batch_size_*``."""
-        m = self._metrics()
-        label = f'{{stage="{workload}"}}'
+        m, stage = self._metrics(), stage_of(workload)
         return (
-            m.get(f"conveyor_stage_batch_size_sum{label}", 0.0),
-            m.get(f"conveyor_stage_batch_size_count{label}", 0.0),
+            total(m, "conveyor_stage_batch_size_sum", stage=stage) or 0.0,
+            total(m, "conveyor_stage_batch_size_count", stage=stage) or 0.0,
         )
+
+    def token_totals(self, workload: str) -> tuple[float, float] | None:
+        """(real, padded) tokens the stage has run, from ``conveyor_stage_tokens_total``
+        (None while the gateway does not expose them)."""
+        m, stage = self._metrics(), stage_of(workload)
+        real = total(m, "conveyor_stage_tokens_total", stage=stage, kind="real")
+        padded = total(m, "conveyor_stage_tokens_total", stage=stage, kind="padded")
+        return None if real is None or padded is None else (real, padded)
 
     def workers(self, stage: str) -> int:
         """Worker processes this server runs for ``stage``."""
@@ -121,10 +168,9 @@ class ConveyorServer(Server):
                 [sys.executable, "-m", "workers", stage], self._env, self._log
             )
         give_up = time.monotonic() + READY_TIMEOUT_S
-        label = f'conveyor_stage_consumers{{stage="{stage}"}}'
         while True:
             try:
-                if self._metrics().get(label, 0.0) >= count:
+                if (total(self._metrics(), "conveyor_stage_consumers", stage=stage) or 0) >= count:
                     return
             except httpx.TransportError:
                 pass  # the gateway is still starting
@@ -134,13 +180,27 @@ class ConveyorServer(Server):
             time.sleep(0.2)  # other processes are starting
 
 
-class BatcherServer(Server):
-    """The asyncio batcher, with its batch counters read from its ``/stats``."""
+class StatsServer(Server):
+    """A system that counts its own batches and tokens at ``GET /stats`` (the asyncio
+    batcher, LitServe): ``{stage: {"items", "batches", "real_tokens", "padded_tokens"}}``."""
+
+    def _stats(self, workload: str) -> dict[str, int]:
+        stats: dict[str, dict[str, int]] = httpx.get(
+            f"http://{HOST}:{self.port}/stats", timeout=10
+        ).json()
+        return stats[stage_of(workload)]
 
     def batch_totals(self, workload: str) -> tuple[float, float] | None:
         """(items, batches) its loop for ``workload`` has run."""
-        stats = httpx.get(f"http://{HOST}:{self.port}/stats", timeout=10).json()[workload]
+        stats = self._stats(workload)
         return float(stats["items"]), float(stats["batches"])
+
+    def token_totals(self, workload: str) -> tuple[float, float] | None:
+        """(real, padded) tokens of those batches (None: the model has no tokenizer)."""
+        stats = self._stats(workload)
+        if not stats.get("padded_tokens"):
+            return None
+        return float(stats["real_tokens"]), float(stats["padded_tokens"])
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -168,9 +228,15 @@ def cpu_seconds(pids: list[int]) -> float:
     return sum(cpu.get(pid, 0.0) for pid in tree)
 
 
-def _spawn(args: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    args: list[str], env: Mapping[str, str], log: Path, *, session: bool = False
+) -> subprocess.Popen[bytes]:
+    """Start ``args`` in the repository root, output appended to ``log``; with
+    ``session``, as the leader of a new process group (see :func:`_stop_group`)."""
     with log.open("ab") as out:  # the child keeps its own handle
-        return subprocess.Popen(args, env=dict(env), cwd=ROOT, stdout=out, stderr=out)
+        return subprocess.Popen(
+            args, env=dict(env), cwd=ROOT, stdout=out, stderr=out, start_new_session=session
+        )
 
 
 def _stop(procs: Mapping[str, subprocess.Popen[bytes]]) -> None:
@@ -185,6 +251,15 @@ def _stop(procs: Mapping[str, subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _stop_group(procs: Mapping[str, subprocess.Popen[bytes]]) -> None:
+    """:func:`_stop`, then SIGKILL whatever is left in each process's group: processes
+    it started itself and did not stop (it was started with ``session=True``)."""
+    _stop(procs)
+    for proc in procs.values():
+        with suppress(ProcessLookupError):  # the group is empty: everything exited
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _stop_all_but_redis(procs: Mapping[str, subprocess.Popen[bytes]]) -> None:
@@ -236,16 +311,23 @@ def _redis(workdir: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 @contextmanager
 def conveyor(
-    workloads: list[str], options: Options, workdir: Path, *, log_name: str = "conveyor"
+    workloads: list[str],
+    options: Options,
+    workdir: Path,
+    *,
+    log_name: str = "conveyor",
+    name: str = "conveyor",
 ) -> Iterator[ConveyorServer]:
-    """redis-server, the gateway and one worker per workload, as separate processes.
+    """redis-server, the gateway and one worker per stage, as separate processes.
 
     Args:
-        workloads: the stages to serve, one worker each to begin with.
+        workloads: the workloads to serve; their stages get one worker each to begin with.
         options: how to configure them.
         workdir: where Redis and the process log (``{log_name}.log``) live.
         log_name: names the log file, so two runs in one workdir keep theirs apart.
+        name: the system's name in the results.
     """
+    stages = stages_of(workloads)
     log = workdir / f"{log_name}.log"
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with ExitStack() as stack:
@@ -258,16 +340,29 @@ def conveyor(
             CONVEYOR_HOST=HOST,
             CONVEYOR_PORT=str(port),
             CONVEYOR_APP="bench.workloads:conveyor_pipelines",
-            CONVEYOR_PIPELINES=",".join(workloads),
+            CONVEYOR_PIPELINES=",".join(stages),
             CONVEYOR_DEVICE=options.device,
             CONVEYOR_MAX_BATCH_SIZE=str(options.max_batch),
         )
         procs["redis"] = redis
         procs["gateway"] = _spawn([sys.executable, "-m", "gateway"], env, log)
-        server = ConveyorServer(port, procs, env, log)
-        for workload in workloads:
-            server.scale(workload, 1)
-        _wait_answers(server, workloads, log)
+        server = ConveyorServer(name, port, procs, env, log)
+        for stage in stages:
+            server.scale(stage, 1)
+        _wait_answers(server, stages, log)
+        yield server
+
+
+@contextmanager
+def conveyor_items(
+    workloads: list[str], options: Options, workdir: Path
+) -> Iterator[ConveyorServer]:
+    """:func:`conveyor` with batches bounded by item count only: every worker started
+    with ``CONVEYOR_MAX_BATCH_TOKENS=0``, whatever the stage sets."""
+    options = replace(options, env={**options.env, "CONVEYOR_MAX_BATCH_TOKENS": "0"})
+    with conveyor(
+        workloads, options, workdir, log_name="conveyor-items", name="conveyor-items"
+    ) as server:
         yield server
 
 
@@ -292,28 +387,58 @@ def celery(workloads: list[str], options: Options, workdir: Path) -> Iterator[Se
         procs["celery worker"] = _spawn(worker, env, log)
         procs["api"] = _spawn(_uvicorn("bench.celery_app:api", port), env, log)
         server = Server("celery", port, procs)
-        _wait_answers(server, workloads, log)
+        _wait_answers(server, stages_of(workloads), log)
         yield server
 
 
 @contextmanager
 def hf_batching(workloads: list[str], options: Options, workdir: Path) -> Iterator[Server]:
     """One uvicorn process: FastAPI, an asyncio queue and a batching loop per model."""
-    log = workdir / "hf-batching.log"
+    env = {"BENCH_BATCH_WAIT_MS": str(options.batch_wait_ms)}
+    with _launched("hf-batching", workloads, options, workdir, env) as server:
+        yield server
+
+
+@contextmanager
+def litserve(workloads: list[str], options: Options, workdir: Path) -> Iterator[Server]:
+    """LitServe (:mod:`bench.litserve_app`): its launcher, queue manager, one inference
+    worker per stage and one API server, all descendants of the launcher (their CPU is
+    counted with it)."""
+    env = {"BENCH_BATCH_TIMEOUT_MS": str(options.litserve_batch_timeout_ms)}
+    with _launched("litserve", workloads, options, workdir, env) as server:
+        yield server
+
+
+LAUNCH: dict[str, Callable[[int], list[str]]] = {
+    "hf-batching": lambda port: _uvicorn("bench.hf_batching:app", port),
+    "litserve": lambda port: [sys.executable, "-m", "bench.litserve_app"],
+}
+"""The command of each system that is one process of ours, given its port."""
+
+
+@contextmanager
+def _launched(
+    name: str, workloads: list[str], options: Options, workdir: Path, env: Mapping[str, str]
+) -> Iterator[Server]:
+    """A system started as one process (:data:`LAUNCH`) that counts its own batches at
+    ``/stats``. It leads its own process group, so whatever processes it starts in turn
+    do not outlive the run even if its shutdown hangs."""
+    log = workdir / f"{name}.log"
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with ExitStack() as stack:
-        stack.callback(_stop, procs)
+        stack.callback(_stop_group, procs)
         port = free_port()
-        env = _base_env(options)
-        env.update(
-            BENCH_WORKLOADS=",".join(workloads),
+        full = _base_env(options)
+        full.update(
+            BENCH_WORKLOADS=",".join(stages_of(workloads)),
+            BENCH_PORT=str(port),
             BENCH_DEVICE=options.device,
             BENCH_MAX_BATCH=str(options.max_batch),
-            BENCH_BATCH_WAIT_MS=str(options.batch_wait_ms),
+            **env,
         )
-        procs["server"] = _spawn(_uvicorn("bench.hf_batching:app", port), env, log)
-        server = BatcherServer("hf-batching", port, procs)
-        _wait_answers(server, workloads, log)
+        procs[name] = _spawn(LAUNCH[name](port), full, log, session=True)
+        server = StatsServer(name, port, procs)
+        _wait_answers(server, stages_of(workloads), log)
         yield server
 
 
@@ -324,5 +449,11 @@ def _uvicorn(app: str, port: int) -> list[str]:
     ]
 
 
-STARTERS = {"conveyor": conveyor, "celery": celery, "hf-batching": hf_batching}
+STARTERS = {
+    "conveyor": conveyor,
+    "conveyor-items": conveyor_items,
+    "celery": celery,
+    "hf-batching": hf_batching,
+    "litserve": litserve,
+}
 """The served systems, by name, in the order a run starts them."""

@@ -1,7 +1,10 @@
 """The benchmark's workloads, their request bodies and their models, and the in-process limit.
 
 - ``echo``: no model (:class:`workers.models.toy.Echo`): what serving alone costs.
-- ``embed``: the real all-MiniLM-L6-v2 (:class:`workers.models.hf.Embedder`, model ``minilm``).
+- ``embed``: the real all-MiniLM-L6-v2 (:class:`workers.models.hf.Embedder`, model ``minilm``)
+  on sentences of 8 to 24 words: uniform text, where batching by count pads almost nothing.
+- ``mixed``: the same model, served by the same stage (``embed``), on the texts of
+  ``bench/mixed.jsonl`` (:mod:`bench.corpus`): 3 to 300 words, most short, a long tail.
 - ``synthetic``: a GPU-like cost model that sleeps ``a + b·n`` per batch
   (:class:`bench.synthetic.Synthetic`).
 
@@ -15,7 +18,10 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import orjson
 
@@ -23,7 +29,28 @@ from pipelines.builtin import builtin_pipelines
 from pipelines.graph import Pipeline
 from pipelines.model import Item, Model
 
-WORKLOADS = ("echo", "embed", "synthetic")
+WORKLOADS = ("echo", "embed", "mixed", "synthetic")
+
+TOKENIZED = ("embed", "mixed")
+"""Workloads whose model pads each batch to its longest text: where batching by length
+can matter, and where padding efficiency is measured."""
+
+STAGE = {"mixed": "embed"}
+"""The served model of a workload that shares another's (``mixed`` is ``embed`` on other
+text); any other workload is served under its own name."""
+
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mixed.jsonl")
+
+
+def stage_of(workload: str) -> str:
+    """The stage (and path, ``/v1/STAGE``) that serves ``workload``."""
+    return STAGE.get(workload, workload)
+
+
+def stages_of(workloads: list[str]) -> list[str]:
+    """The stages serving ``workloads``, each once, in order."""
+    return list(dict.fromkeys(stage_of(w) for w in workloads))
+
 
 _SENTENCE = (
     "the quick brown fox jumps over a lazy dog while queues hold requests and workers batch them "
@@ -39,14 +66,62 @@ def texts(n: int) -> list[str]:
     ]
 
 
-def items(n: int) -> list[Item]:
-    """``n`` request payloads, ``{"text": ...}``."""
+@cache
+def _corpus() -> tuple[bytes, ...]:
+    with open(CORPUS, "rb") as lines:
+        return tuple(line.rstrip(b"\n") for line in lines if line.strip())
+
+
+def items(n: int, workload: str = "embed") -> list[Item]:
+    """``n`` request payloads, ``{"text": ...}``: ``mixed``'s corpus, cycled, for
+    ``mixed``; the uniform sentences of :func:`texts` for every other workload."""
+    if workload == "mixed":
+        return [orjson.loads(body) for body in bodies(n, workload)]
     return [{"text": t} for t in texts(n)]
 
 
-def bodies(n: int) -> list[bytes]:
-    """``n`` JSON request bodies (the same shape for every workload and system)."""
+def bodies(n: int, workload: str = "embed") -> list[bytes]:
+    """``n`` JSON request bodies of ``workload`` (the same for every system)."""
+    if workload == "mixed":
+        corpus = _corpus()
+        return [corpus[i % len(corpus)] for i in range(n)]
     return [orjson.dumps(item) for item in items(n)]
+
+
+@dataclass
+class Tokens:
+    """Real and padded tokens of the batches a model has encoded.
+
+    Attributes:
+        real: tokens of the texts themselves (the attention mask's ones).
+        padded: tokens the model ran on: per batch, items x the longest.
+    """
+
+    real: int = 0
+    padded: int = 0
+
+
+def count_tokens(model: Model) -> Tokens | None:
+    """Count the real and padded tokens of every batch ``model`` tokenizes from now on.
+
+    The Hugging Face runners tokenize each batch in one ``encode`` call; this wraps that
+    call on this instance and sums its attention mask, microseconds per batch, with no
+    second tokenization. None for a model with no tokenizer (echo, synthetic).
+    """
+    encode: Callable[..., Any] | None = getattr(model, "encode", None)
+    if encode is None:
+        return None
+    tokens = Tokens()
+
+    def counted(texts: list[str], **kwargs: Any) -> Any:
+        encoding = encode(texts, **kwargs)
+        mask = encoding["attention_mask"]
+        tokens.real += int(mask.sum())
+        tokens.padded += int(mask.numel())
+        return encoding
+
+    setattr(model, "encode", counted)  # noqa: B010 (Model, the protocol, has no encode)
+    return tokens
 
 
 def load_model(workload: str, device: str = "auto") -> Model:
@@ -59,6 +134,7 @@ def load_model(workload: str, device: str = "auto") -> Model:
     Raises:
         ValueError: an unknown workload.
     """
+    workload = stage_of(workload)
     if workload == "echo":
         from workers.models.toy import Echo
 
@@ -94,6 +170,7 @@ class InProcess:
         throughput: items per second at ``batch``.
         single_p50_ms: median time of one ``predict`` call on one item.
         single_p99_ms: 99th percentile of the same.
+        padding: real / padded tokens of the throughput batches (None: no tokenizer).
     """
 
     workload: str
@@ -101,6 +178,7 @@ class InProcess:
     throughput: float
     single_p50_ms: float
     single_p99_ms: float
+    padding: float | None = None
 
 
 def in_process(
@@ -139,17 +217,19 @@ def _time_model(
     workload: str, batch: int, total: int, singles: int, seconds: float, device: str
 ) -> InProcess:
     model = load_model(workload, device)
-    corpus = items(max(total, batch))
+    corpus = items(max(total, batch), workload)
     batches = [corpus[i : i + batch] for i in range(0, len(corpus) - batch + 1, batch)]
     for chunk in batches[:2]:  # warm-up: first calls allocate
         model.predict(chunk)
         model.predict(chunk[:1])
+    tokens = count_tokens(model)
     done = 0
     started = time.perf_counter()
     while done < total and time.perf_counter() - started < seconds:
         model.predict(batches[(done // batch) % len(batches)])
         done += batch
     throughput = done / (time.perf_counter() - started)
+    padding = tokens.real / tokens.padded if tokens and tokens.padded else None
     latencies: list[float] = []
     started = time.perf_counter()
     while len(latencies) < singles and time.perf_counter() - started < seconds:
@@ -158,4 +238,5 @@ def _time_model(
         latencies.append(time.perf_counter() - t0)
     ordered = sorted(latencies)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return InProcess(workload, batch, throughput, 1000 * statistics.median(ordered), 1000 * p99)
+    p50 = 1000 * statistics.median(ordered)
+    return InProcess(workload, batch, throughput, p50, 1000 * p99, padding)
