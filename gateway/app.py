@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from gateway.body import WireRoute
+from gateway.docs import add_docs_routes
 from gateway.edge import OPEN_PATHS, EdgeMiddleware
 from gateway.responses import openapi_document, validation_issues
 from gateway.routes import TIMEOUT_HEADER, TRACE_HEADER, json_response
@@ -84,7 +85,10 @@ def create_app(
         title="conveyor",
         summary="ML models served behind Redis Streams, batched.",
         lifespan=lifespan,
+        docs_url=None,  # served from installed assets instead of a CDN: gateway/docs.py
+        redoc_url=None,
     )
+    add_docs_routes(app)
     app.state.gateway = gw
     app.router.route_class = WireRoute  # bodies parsed as the envelope will carry them
     edge = [413, 401] if settings.api_keys else [413]  # the edge answers these first

@@ -217,7 +217,7 @@ def status_router(gw: Gateway) -> APIRouter:
             for route in request.app.routes
             if isinstance(route, APIRoute) and route.name.startswith("post_")
         }
-        docs_url = request.app.docs_url
+        docs_url = getattr(request.app.state, "docs_url", None)
         listed = pipelines_html(list(gw.registry.pipelines.values()), docs_url, ops)
         return HTMLResponse(page.replace(PIPELINES_MARK, listed))
 
