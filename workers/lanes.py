@@ -10,11 +10,12 @@ While interactive work is active (read within :data:`ACTIVE_S`), bulk takes only
 reserve, so batches stay short for the interactive requests still coming; once interactive
 is quiet, bulk fills whole batches.
 
-Bulk waits for the model: while an earlier batch holds it, a batch being assembled takes
-interactive entries only, so it cannot fill up with bulk and hold a later interactive
-arrival back by a whole batch; the window tops it up when the model frees
-(:class:`workers.window.Window`), bulk's reserve included. A read that leaves bulk out
-waits at most :data:`BUSY_BLOCK_MS`, so the model is never left idle while bulk waits.
+Bulk waits for the model beyond its reserve: while an earlier batch holds it, a batch
+being assembled takes bulk entries only up to the reserve, so it cannot fill up with bulk
+and hold a later interactive arrival back by a whole batch; the window tops it up when the
+model frees (:class:`workers.window.Window`). Interactive takes the reserve too when bulk
+has none, so under interactive load the next batch is whole before the model frees and
+nothing is read between two batches.
 
 A read is non-blocking on each lane in turn; only when every lane gave nothing and the
 window wants to wait does one blocking XREADGROUP cover the lanes, so an idle worker still
@@ -22,10 +23,18 @@ waits in Redis. That one read may return up to ``count`` from each stream at onc
 exceeds the batch's bound is already delivered to this consumer, so it is kept and handed
 out first by the next read (never dropped, never making a batch larger than its bound; a
 worker that stops runs it as a last batch).
+
+Redis ends a blocked read that timed out only at its next timer tick (``1000 / hz`` ms:
+100 ms at the default ``hz 10``), so a short BLOCK overshoots by up to
+:data:`SERVER_TICK_MS`: a 4 ms wait for a window's last arrivals took 85-100 ms (issue
+14's ~70 ms single-item waits). A wait shorter than that is timed here instead: with the
+model busy, until it frees (what comes meanwhile could not run before); with it idle, by
+looking again a few times until the wait is over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -38,7 +47,12 @@ from pipelines.redisio import text
 from workers.batch import Entry, Runner
 
 BUSY_BLOCK_MS = 20
-"""The longest a read waits on the interactive lane alone (the model busy, bulk held back)."""
+"""The longest a read waits for a busy model to free before it returns (empty)."""
+SERVER_TICK_MS = 100
+"""Redis's timer tick at its default ``hz`` (10): a BLOCK shorter than this is not kept to."""
+POLLS = 4
+"""A short wait with the model idle looks for new entries this many times, the last at its
+end."""
 ACTIVE_S = 1.0
 """Interactive work read within this long makes the lane active: bulk then takes only its
 reserve of a batch, so batches stay short for the interactive requests still coming."""
@@ -91,29 +105,40 @@ class Lanes:
         """Up to ``count`` new entries, interactive first within its room, blocking up to
         ``block_ms`` (None: not at all) only when no lane has any."""
         taken, self._carry = self._carry[:count], self._carry[count:]
-        # Bulk waits for a busy model, but not in a read that may not wait (burst mode's,
-        # where an empty answer means "nothing left").
+        # Bulk waits for a busy model beyond its reserve, but not in a read that may not
+        # wait (burst mode's, where an empty answer means "nothing left").
         busy = bool(self.runner.busy) and block_ms is not None
-        room = max(0, min(count - len(taken), self.room - self._interactive_taken))
         if self._empty and not busy and not taken and block_ms is not None:
             # Every lane was empty at the last look: one blocking read over them all (it
             # answers at once if something came meanwhile) instead of a look at each first.
-            taken = await self._wait(count, block_ms, busy, room)
-            return self._count(taken)
-        first = await self._take(self.interactive, room)
-        taken += first
-        if not busy:
-            bulk_room = count - len(taken)
-            if time.monotonic() - self._interactive_at < ACTIVE_S:
-                bulk_room = min(bulk_room, self.reserve - self._bulk_taken)
-            taken += await self._take(self.bulk, bulk_room)
-            if len(first) == room and len(taken) < count:
-                # Interactive filled its room and bulk has no more: it takes the reserve.
-                taken += await self._take(self.interactive, count - len(taken))
+            return self._count(await self._wait(count, block_ms))
+        taken += await self._look(count - len(taken), busy)
         if not taken and block_ms is not None:
             self._empty = not busy  # every lane was looked at, and had nothing
-            taken = await self._wait(count, block_ms, busy, room)
+            if busy:
+                # Nothing read now could run before the model frees: wait for that (an
+                # event, not a BLOCK that could outlast it), then look once more.
+                await self.runner.freed(min(block_ms, BUSY_BLOCK_MS) / 1000)
+                if not self.runner.busy:
+                    taken = await self._look(count, False)
+                    self._empty = not taken
+            else:
+                taken = await self._wait(count, block_ms)
         return self._count(taken)
+
+    async def _look(self, count: int, busy: bool) -> list[Entry]:
+        """Up to ``count`` new entries, without waiting, each lane within its share."""
+        room = max(0, min(count, self.room - self._interactive_taken))
+        first = await self._take(self.interactive, room)
+        taken = list(first)
+        bulk_room = count - len(taken)
+        if busy or time.monotonic() - self._interactive_at < ACTIVE_S:
+            bulk_room = min(bulk_room, self.reserve - self._bulk_taken)
+        taken += await self._take(self.bulk, bulk_room)
+        if len(first) == room and len(taken) < count:
+            # Interactive filled its room and bulk has no more: it takes the reserve.
+            taken += await self._take(self.interactive, count - len(taken))
+        return taken
 
     def _count(self, taken: list[Entry]) -> list[Entry]:
         """Note what ``taken`` uses of the batch's slots (and whether anything came)."""
@@ -126,17 +151,26 @@ class Lanes:
             self._empty = False
         return taken
 
-    async def _wait(self, count: int, block_ms: int, busy: bool, room: int) -> list[Entry]:
-        """Nothing is waiting in what this read may take: wait in Redis for new entries."""
-        if not busy:
-            got = await self._xread(dict.fromkeys(self.streams, ">"), count, block_ms)
-        elif room:  # bulk waits for the model (see above): interactive alone, briefly
-            got = await self._xread({self.interactive: ">"}, room, min(block_ms, BUSY_BLOCK_MS))
-        else:  # interactive has used its room, bulk waits for the model: so does this read
-            await self.runner.freed(min(block_ms, BUSY_BLOCK_MS) / 1000)
-            return []
+    async def _wait(self, count: int, block_ms: int) -> list[Entry]:
+        """Every lane is empty: wait up to ``block_ms`` for new entries, in Redis unless
+        the wait is too short for Redis to keep (see above)."""
+        streams = dict.fromkeys(self.streams, ">")
+        if block_ms >= SERVER_TICK_MS:
+            got = await self._xread(streams, count, block_ms)
+        else:
+            got = await self._poll(streams, count, block_ms)
         self._carry += got[count:]
         return got[:count]
+
+    async def _poll(self, streams: dict[str, str], count: int, block_ms: int) -> list[Entry]:
+        """Look for new entries :data:`POLLS` times over ``block_ms``, until some come."""
+        step_s = block_ms / 1000 / POLLS
+        for _ in range(POLLS):
+            await asyncio.sleep(step_s)  # a timer: the wait itself, precise to ~1 ms
+            got = await self._xread(streams, count, None)
+            if got:
+                return got
+        return []
 
     async def _take(self, stream: str, count: int) -> list[Entry]:
         """Up to ``count`` new entries of ``stream``, without waiting (none asked: none
