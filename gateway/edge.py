@@ -90,7 +90,8 @@ class EdgeMiddleware:
         app: the wrapped application.
         max_body_bytes: the limit.
         metrics: where finished requests are recorded.
-        routes: paths recorded under their own label; others count as ``other``.
+        routes: the pipelines' paths, recorded under their own label when no route
+            template is known (see :meth:`_label`).
         api_keys: accepted keys; empty: no authentication.
         client_timeout_s: how long a request's body may take to arrive (None: no limit).
     """
@@ -202,10 +203,20 @@ class EdgeMiddleware:
                 if not refused:
                     raise
         finally:
-            path = scope["path"]
-            self.metrics.observe(
-                path if path in self.routes else "other", status, time.perf_counter() - started
-            )
+            self.metrics.observe(self._label(scope), status, time.perf_counter() - started)
+
+    def _label(self, scope: Scope) -> str:
+        """A request's ``route`` label: the template of the route that answered it
+        (``/v1/jobs/{job_id}``), set in the scope by the router; a pipeline's path when
+        it was answered before routing (refused at the edge, or by the hot path); else
+        ``other`` (no route matched: its path is left out, so a scan cannot make a
+        label per path)."""
+        route = scope.get("route")
+        template = getattr(route, "path", None)
+        if isinstance(template, str):
+            return template
+        path: str = scope["path"]
+        return path if path in self.routes else "other"
 
     async def _too_large(self, send: Send) -> None:
         detail = f"request body is larger than {self.max_body_bytes} bytes"

@@ -150,6 +150,23 @@ async def test_metrics_show_requests_and_stage_counters(harness: Harness) -> Non
     assert 'conveyor_stage_tokens_total{stage="double",kind="padded"} 6' in text
 
 
+async def test_metrics_label_every_route_by_its_template(harness: Harness) -> None:
+    http = await serving(harness)
+    job = (await http.post("/v1/jobs/double", json={"value": 1})).json()["id"]
+    assert (await http.get(f"/v1/jobs/{job}")).status_code == 200
+    assert (await http.get("/v1/jobs/no-such-job")).status_code == 404
+    assert (await http.get("/status.json")).status_code == 200
+    assert (await http.get("/no/such/path")).status_code == 404
+    text = (await http.get("/metrics")).text
+    assert 'conveyor_http_requests_total{route="/v1/jobs/double",status="202"} 1' in text
+    assert 'conveyor_http_requests_total{route="/v1/jobs/{job_id}",status="200"} 1' in text
+    assert 'conveyor_http_requests_total{route="/v1/jobs/{job_id}",status="404"} 1' in text
+    assert 'conveyor_http_requests_total{route="/status.json",status="200"} 1' in text
+    # No route matched: one label for all such paths, never the path itself.
+    assert 'conveyor_http_requests_total{route="other",status="404"} 1' in text
+    assert "no/such/path" not in text
+
+
 async def test_openapi_documents_each_stage(harness: Harness) -> None:
     http = await serving(harness)
     schema = (await http.get("/openapi.json")).json()
