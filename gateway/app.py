@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from gateway.body import WireRoute
 from gateway.edge import OPEN_PATHS, EdgeMiddleware
+from gateway.fastpath import SyncCalls
 from gateway.responses import openapi_document, validation_issues
 from gateway.routes import TIMEOUT_HEADER, TRACE_HEADER, json_response
 from gateway.routes.jobs import add_job_routes
@@ -108,6 +109,8 @@ def create_app(
     add_ops_routes(app, gw, edge)
     add_job_routes(app, gw, edge)
     add_pipeline_routes(app, gw, edge)
+    # Innermost: the hot path is still behind the edge and CORS, in front of FastAPI.
+    app.add_middleware(SyncCalls, gateway=gw, error_response=error_response)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
