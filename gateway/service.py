@@ -27,6 +27,7 @@ from pipelines.graph import Pipeline
 from pipelines.records import JobRecord, create_job
 from pipelines.redisio import (
     REDIS_DOWN,
+    Enqueuer,
     PoolExhausted,
     RedisClock,
     connect,
@@ -70,6 +71,7 @@ class Gateway:
         self._calibrating: asyncio.Task[None] | None = None
         # An enqueue's write: a wait for a pooled connection, then one for Redis's answer.
         self.write_s = 2 * settings.redis_timeout_s
+        self.enqueuer = Enqueuer(self.client, self.keys, self.write_s)
         self.cancellations = Cancellations(
             self.client, self.keys, self.clock, self.write_s, settings.job_ttl_s
         )
@@ -187,22 +189,22 @@ class Gateway:
             lane=lane,
         )
 
-        async def write() -> None:
-            if job:
-                # The record and the request appear together: a job id handed out exists.
-                pipe = self.client.pipeline(transaction=True)
-                create_job(pipe, request, owner, self.settings.job_ttl_s)
-                enqueue(pipe, self.keys, request)
-                await pipe.execute()
-            else:
-                await enqueue(self.client, self.keys, request)
+        async def write_job() -> None:
+            # The record and the request appear together: a job id handed out exists.
+            pipe = self.client.pipeline(transaction=True)
+            create_job(pipe, request, owner, self.settings.job_ttl_s)
+            enqueue(pipe, self.keys, request)
+            await pipe.execute()
 
         try:
             # Safe to repeat (see on_live_connection): a request enqueued twice runs once.
             # The whole write, pool wait and retry included, ends within write_s, so a
             # write this gateway saw succeed always arrived before the entry's enqueue_by.
-            async with asyncio.timeout(self.write_s):
-                await on_live_connection(self.client, write)
+            if job:
+                async with asyncio.timeout(self.write_s):
+                    await on_live_connection(self.client, write_job)
+            else:  # with the other calls of this moment, in one round trip
+                await self.enqueuer.enqueue(request)
         except PoolExhausted as exc:
             raise refusal(exc) from exc  # no connection came free: nothing was sent
         except (*REDIS_DOWN, TimeoutError) as exc:
