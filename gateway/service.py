@@ -268,18 +268,21 @@ class Gateway:
             )
             if receive is not None:
                 watcher = watch(receive, future, request_id)
+            # Awaited directly (no wait_for task hop, no timeout scope to cancel and
+            # uncancel this task): the reply wakes this handler in the loop iteration after
+            # it is dispatched, and the deadline fails the future itself.
+            expiry = asyncio.get_running_loop().call_later(timeout_s, _expire, future)
             try:
-                # Awaited directly (not through wait_for's extra task hop): the reply wakes
-                # this handler in the loop iteration after it is dispatched.
-                async with asyncio.timeout(timeout_s):
-                    reply = await future
-            except TimeoutError:
+                reply = await future
+            except _Expired:
                 raise DeadlineExceeded(
                     f"no result within {timeout_s:g}s", request_id=request.id
                 ) from None
             except ClientGone:
                 await self.cancellations.mark(request.id, request.deadline)
                 raise Cancelled("the client went away", request_id=request.id) from None
+            finally:
+                expiry.cancel()
         finally:
             self.replies.forget(request_id)
             if watcher is not None:
@@ -326,6 +329,15 @@ class Gateway:
         if not record.readable_by(owner):
             raise NotFound(f"no job {job_id!r} (never submitted, or expired)")
         return record
+
+
+class _Expired(Exception):
+    """A sync call's deadline passed before its reply came."""
+
+
+def _expire(future: asyncio.Future[Reply]) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
 
 
 def _surface(task: asyncio.Task[None]) -> None:
