@@ -112,6 +112,9 @@ class SyncCalls:
         app: the application (the FastAPI routes), which answers everything else.
         gateway: the gateway that enqueues the requests and awaits their replies.
         error_response: the HTTP answer for a conveyor error (the one mapping).
+
+    Attributes:
+        answered: calls it answered itself (the rest went to the route).
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class SyncCalls:
         self.gateway = gateway
         self.error_response = error_response
         self.routes = {f"/v1/{name}": p for name, p in gateway.registry.pipelines.items()}
+        self.answered = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pipeline = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -186,4 +190,5 @@ class SyncCalls:
             response = reply_response(reply, request_id)
         except ConveyorError as exc:
             response = self.error_response(exc)
+        self.answered += 1
         await response(scope, receive, send)
