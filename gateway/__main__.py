@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import uvicorn
@@ -17,8 +18,14 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = GatewaySettings()
+    app = create_app(settings)
+    # What start-up built (modules, routes, schemas) lives as long as the process: moved
+    # out of the collector's sight, a full collection no longer walks it again and again
+    # under load (it showed as a tenth of the gateway's CPU on small fast requests).
+    gc.collect()
+    gc.freeze()
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level="info",

@@ -60,13 +60,19 @@ class Reading:
     at: float
     state: StageStatus
     counted: Counts = field(default_factory=dict)
+    backlogs: dict[Lane, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Read by every admitted request until the next measurement: taken apart once.
+        self.backlogs = {lane: self.state.lane(lane).backlog for lane in LANES}
 
     def waiting(self, admitted: Counts, lanes: Iterable[Lane] = LANES) -> tuple[int, int]:
         """(measured, since) of ``lanes``: their backlog when measured, and what this
         process admitted to them since (``admitted``: its counts now)."""
-        lanes = tuple(lanes)
-        measured = sum(self.state.lane(lane).backlog for lane in lanes)
-        since = sum(admitted.get(lane, 0) - self.counted.get(lane, 0) for lane in lanes)
+        measured = since = 0
+        for lane in lanes:
+            measured += self.backlogs.get(lane, 0)
+            since += admitted.get(lane, 0) - self.counted.get(lane, 0)
         return measured, since
 
     def predicted_s(self, ahead: tuple[int, int], max_batch: int) -> float | None:

@@ -11,10 +11,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from gateway.body import WireRoute
 from gateway.docs import add_docs_routes
 from gateway.edge import OPEN_PATHS, EdgeMiddleware
+from gateway.fastpath import SyncCalls
 from gateway.responses import openapi_document, validation_issues
 from gateway.routes import TIMEOUT_HEADER, TRACE_HEADER, json_response
 from gateway.routes.jobs import add_job_routes
@@ -52,6 +54,37 @@ def error_response(exc: ConveyorError) -> Response:
     return json_response(body, status, headers)
 
 
+class GatewayApp(FastAPI):
+    """FastAPI, without its per-request checks once they are known to be moot.
+
+    For every request FastAPI asks whether OpenTelemetry has been configured since the
+    last one (reading the environment, about a twentieth of the gateway's CPU on a small
+    fast call) and whether a root path is set. Neither changes while conveyor serves:
+    :meth:`settle`, at start, asks once, and with neither, HTTP requests go straight
+    to the middleware stack. A tracer set up after the start is not seen; set it up
+    before, or it is FastAPI's own per-request path that serves (as without this).
+    """
+
+    _direct = False
+
+    def settle(self) -> None:
+        """Decide, once serving starts, whether requests may skip FastAPI's checks."""
+        telemetry = getattr(self, "_native_telemetry", None)  # FastAPI's, where it has one
+        if telemetry is None or telemetry.enabled() or self.root_path:
+            return
+        if self.middleware_stack is None:
+            self.middleware_stack = self.build_middleware_stack()
+        self._direct = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stack = self.middleware_stack
+        if self._direct and stack is not None and scope["type"] == "http":
+            scope["app"] = self
+            await stack(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: GatewaySettings | None = None, registry: Registry | None = None
 ) -> FastAPI:
@@ -76,12 +109,14 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.start()
+        if isinstance(app, GatewayApp):
+            app.settle()
         try:
             yield
         finally:
             await gw.stop()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="conveyor",
         summary="ML models served behind Redis Streams, batched.",
         lifespan=lifespan,
@@ -112,6 +147,8 @@ def create_app(
     add_ops_routes(app, gw, edge)
     add_job_routes(app, gw, edge)
     add_pipeline_routes(app, gw, edge)
+    # Innermost: the hot path is still behind the edge and CORS, in front of FastAPI.
+    app.add_middleware(SyncCalls, gateway=gw, error_response=error_response)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

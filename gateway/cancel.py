@@ -64,7 +64,11 @@ def watch(receive: Receive, waiting: asyncio.Future[Any], request_id: str) -> as
 async def unwatch(task: asyncio.Task[None]) -> None:
     """Stop a :func:`watch` task and wait for it to end (it ends at once: it only waits)."""
     task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    # The task waits on one future, whose cancellation wakes it ahead of this task: one
+    # yield lets it end. Should it be waiting on more, it is waited for.
+    await asyncio.sleep(0)
+    if not task.done():
+        await asyncio.gather(task, return_exceptions=True)
 
 
 class Cancellations:

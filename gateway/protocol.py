@@ -2,11 +2,13 @@
 
 It acts before any ASGI code runs (the middleware of :mod:`gateway.edge` sees a request
 only once its headers are complete), so it answers 408 and 431 itself, on the raw socket.
+It also sends each response in one write (:class:`Corked`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -27,11 +29,52 @@ def _raw_response(status: bytes, detail: str) -> bytes:
     return head % (status, len(body)) + body
 
 
+class Corked:
+    """A transport whose writes within one loop iteration leave in one ``write``.
+
+    uvicorn writes a response's status line and headers, then its body: two writes, and
+    on loopback TCP each is a system call that also does the receiver's work. Held until
+    the end of the iteration they become one, whatever the app sends in between. A close
+    sends what is held first; everything else is the transport's own.
+
+    Args:
+        transport: the connection's transport.
+        loop: the loop it runs on.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Hold ``data`` until the end of this loop iteration."""
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(bytes(data))
+
+    def flush(self) -> None:
+        """Write what is held (nothing once the transport is closing)."""
+        if self._held:
+            data = b"".join(self._held) if len(self._held) > 1 else self._held[0]
+            self._held = []
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        """Write what is held, then close."""
+        self.flush()
+        self._transport.close()
+
+
 def header_deadline_protocol(
     timeout_s: float, max_header_bytes: int = 65_536
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with a deadline on each request's headers, and a bound
-    on their size.
+    on their size (its writes go through :class:`Corked`).
 
     uvicorn bounds only the idle time between requests (``timeout_keep_alive``): a client
     that opens a connection and sends nothing, or sends its headers a byte at a time, holds
@@ -95,7 +138,8 @@ def header_deadline_protocol(
             self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            corked: Any = Corked(transport, self.loop)
+            super().connection_made(corked)
             self._arm()
 
         def on_message_begin(self) -> None:

@@ -28,6 +28,7 @@ from pipelines.graph import Pipeline
 from pipelines.records import JobRecord, create_job
 from pipelines.redisio import (
     REDIS_DOWN,
+    Enqueuer,
     PoolExhausted,
     RedisClock,
     connect,
@@ -71,6 +72,7 @@ class Gateway:
         self._calibrating: asyncio.Task[None] | None = None
         # An enqueue's write: a wait for a pooled connection, then one for Redis's answer.
         self.write_s = 2 * settings.redis_timeout_s
+        self.enqueuer = Enqueuer(self.client, self.keys, self.write_s)
         self.cancellations = Cancellations(
             self.client, self.keys, self.clock, self.write_s, settings.job_ttl_s
         )
@@ -191,22 +193,22 @@ class Gateway:
             lane=lane,
         )
 
-        async def write() -> None:
-            if job:
-                # The record and the request appear together: a job id handed out exists.
-                pipe = self.client.pipeline(transaction=True)
-                create_job(pipe, request, owner, self.settings.job_ttl_s)
-                enqueue(pipe, self.keys, request)
-                await pipe.execute()
-            else:
-                await enqueue(self.client, self.keys, request)
+        async def write_job() -> None:
+            # The record and the request appear together: a job id handed out exists.
+            pipe = self.client.pipeline(transaction=True)
+            create_job(pipe, request, owner, self.settings.job_ttl_s)
+            enqueue(pipe, self.keys, request)
+            await pipe.execute()
 
         try:
             # Safe to repeat (see on_live_connection): a request enqueued twice runs once.
             # The whole write, pool wait and retry included, ends within write_s, so a
             # write this gateway saw succeed always arrived before the entry's enqueue_by.
-            async with asyncio.timeout(self.write_s):
-                await on_live_connection(self.client, write)
+            if job:
+                async with asyncio.timeout(self.write_s):
+                    await on_live_connection(self.client, write_job)
+            else:  # with the other calls of this moment, in one round trip
+                await self.enqueuer.enqueue(request)
         except PoolExhausted as exc:
             raise refusal(exc) from exc  # no connection came free: nothing was sent
         except (*REDIS_DOWN, TimeoutError) as exc:
@@ -270,18 +272,21 @@ class Gateway:
             )
             if receive is not None:
                 watcher = watch(receive, future, request_id)
+            # Awaited directly (no wait_for task hop, no timeout scope to cancel and
+            # uncancel this task): the reply wakes this handler in the loop iteration after
+            # it is dispatched, and the deadline fails the future itself.
+            expiry = asyncio.get_running_loop().call_later(timeout_s, _expire, future)
             try:
-                # Awaited directly (not through wait_for's extra task hop): the reply wakes
-                # this handler in the loop iteration after it is dispatched.
-                async with asyncio.timeout(timeout_s):
-                    reply = await future
-            except TimeoutError:
+                reply = await future
+            except _Expired:
                 raise DeadlineExceeded(
                     f"no result within {timeout_s:g}s", request_id=request.id
                 ) from None
             except ClientGone:
                 await self.cancellations.mark(request.id, request.deadline)
                 raise Cancelled("the client went away", request_id=request.id) from None
+            finally:
+                expiry.cancel()
         finally:
             self.replies.forget(request_id)
             if watcher is not None:
@@ -328,6 +333,15 @@ class Gateway:
         if not record.readable_by(owner):
             raise NotFound(f"no job {job_id!r} (never submitted, or expired)")
         return record
+
+
+class _Expired(Exception):
+    """A sync call's deadline passed before its reply came."""
+
+
+def _expire(future: asyncio.Future[Reply]) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
 
 
 def _surface(task: asyncio.Task[None]) -> None:

@@ -1,0 +1,194 @@
+"""The hot path: ``POST /v1/{pipeline}`` answered without FastAPI's per-request machinery.
+
+FastAPI resolves a route's dependencies, headers and body anew for every request; on a
+small, fast model that costs more CPU than the rest of the gateway together. This
+middleware, inside the edge (keys, body limit, metrics) and CORS, takes a sync call whose
+request is unremarkable, the common case, and does what the FastAPI route would do with
+it: parse the body as :mod:`gateway.body` does, validate it with the pipeline's input
+model, read the three request headers, call :meth:`Gateway.call
+<gateway.service.Gateway.call>` and answer as :func:`~gateway.routes.pipelines.reply_response`
+does.
+
+Anything it is not sure of goes to the FastAPI route with what was read of its body
+replayed, so every refusal is FastAPI's own (the same 422, the same loc, the same
+OpenAPI document): a header that is not plainly valid or appears twice, a content type
+other than JSON, a body that is empty, not JSON, holds what the wire cannot carry, or
+fails validation, a client gone while its body was read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.body import parse_body
+from gateway.routes import PRIORITY_HEADER, TIMEOUT_HEADER, TRACE_HEADER
+from gateway.routes.pipelines import reply_response
+from gateway.service import Gateway
+from pipelines.envelope import LANES, Lane
+from pipelines.errors import ConveyorError
+from pipelines.graph import Pipeline
+
+_TIMEOUT = TIMEOUT_HEADER.lower().encode()
+_TRACE = TRACE_HEADER.lower().encode()
+_PRIORITY = PRIORITY_HEADER.lower().encode()
+_CONTENT_TYPE = b"content-type"
+_WATCHED = frozenset({_TIMEOUT, _TRACE, _PRIORITY, _CONTENT_TYPE})
+_JSON = frozenset({b"application/json", b"application/json; charset=utf-8"})
+_NUMBER = re.compile(rb"[0-9]{1,12}(\.[0-9]{1,12})?")
+_LANES: dict[bytes, Lane] = {lane.encode(): lane for lane in LANES}
+_TRACE_MAX = 128  # as the route's Trace header declares
+
+
+class Plain:
+    """What the hot path needs of a request's headers, when they are plainly valid.
+
+    Attributes:
+        timeout_s: ``X-Conveyor-Timeout``, if sent.
+        trace: ``X-Trace-Id``, if sent.
+        lane: ``X-Conveyor-Priority``, if sent.
+    """
+
+    __slots__ = ("lane", "timeout_s", "trace")
+
+    def __init__(self) -> None:
+        self.timeout_s: float | None = None
+        self.trace: str | None = None
+        self.lane: Lane | None = None
+
+
+def plain_headers(headers: list[tuple[bytes, bytes]]) -> Plain | None:
+    """The request's headers as the route reads them, or None where the route should
+    decide: one of them is sent twice or holds anything but a plainly valid value, or the
+    body is not declared JSON."""
+    seen: dict[bytes, bytes] = {}
+    for name, value in headers:
+        if name in _WATCHED:
+            if name in seen:
+                return None
+            seen[name] = value
+    if seen.get(_CONTENT_TYPE, b"").lower() not in _JSON:
+        return None
+    plain = Plain()
+    timeout = seen.get(_TIMEOUT)
+    if timeout is not None:
+        if _NUMBER.fullmatch(timeout) is None or float(timeout) <= 0:
+            return None
+        plain.timeout_s = float(timeout)
+    trace = seen.get(_TRACE)
+    if trace is not None:
+        if len(trace) > _TRACE_MAX:
+            return None
+        plain.trace = trace.decode("latin-1")  # as Starlette decodes a header
+    priority = seen.get(_PRIORITY)
+    if priority is not None:
+        lane = _LANES.get(priority)
+        if lane is None:
+            return None
+        plain.lane = lane
+    return plain
+
+
+def replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that gives ``messages`` first, then what ``receive`` gives."""
+    pending = list(messages)
+
+    async def again() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return again
+
+
+class SyncCalls:
+    """ASGI middleware answering plain ``POST /v1/{pipeline}`` calls itself (module doc).
+
+    Args:
+        app: the application (the FastAPI routes), which answers everything else.
+        gateway: the gateway that enqueues the requests and awaits their replies.
+        error_response: the HTTP answer for a conveyor error (the one mapping).
+
+    Attributes:
+        answered: calls it answered itself (the rest went to the route).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        gateway: Gateway,
+        error_response: Callable[[ConveyorError], Response],
+    ) -> None:
+        self.app = app
+        self.gateway = gateway
+        self.error_response = error_response
+        self.routes = {f"/v1/{name}": p for name, p in gateway.registry.pipelines.items()}
+        self.answered = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pipeline = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if pipeline is None or scope["method"] != "POST" or scope.get("root_path"):
+            await self.app(scope, receive, send)
+            return
+        plain = plain_headers(scope["headers"])
+        if plain is None:
+            await self.app(scope, receive, send)
+            return
+        messages: list[Message] = []
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # gone (or refused by the edge)
+                await self.app(scope, replay(messages, receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        payload = self._validated(pipeline, b"".join(chunks))
+        if payload is None:
+            await self.app(scope, replay(messages, receive), send)
+            return
+        await self._call(pipeline, payload, plain, scope, receive, send)
+
+    @staticmethod
+    def _validated(pipeline: Pipeline, raw: bytes) -> dict[str, Any] | None:
+        """The body as the route would hand it on, or None where the route refuses it."""
+        if not raw:
+            return None
+        try:
+            return pipeline.input_model.model_validate(parse_body(raw)).model_dump(mode="json")
+        except Exception:
+            # Not JSON, not carried by the wire, not valid (or anything else): the route
+            # meets it again and answers it its own way.
+            return None
+
+    async def _call(
+        self,
+        pipeline: Pipeline,
+        payload: dict[str, Any],
+        plain: Plain,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        gw = self.gateway
+        try:
+            # The body is read: what receive says next is the client going away.
+            request_id, reply = await gw.call(
+                pipeline,
+                payload,
+                gw.timeout_for(plain.timeout_s),
+                plain.trace,
+                receive,
+                plain.lane or "interactive",
+            )
+            response = reply_response(reply, request_id)
+        except ConveyorError as exc:
+            response = self.error_response(exc)
+        self.answered += 1
+        await response(scope, receive, send)

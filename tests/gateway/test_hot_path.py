@@ -1,0 +1,187 @@
+"""The hot path (gateway/fastpath.py) and the shared enqueue round trip (redisio.Enqueuer):
+the hot path answers what it takes exactly as the FastAPI route would, and hands it the
+rest; concurrent enqueues share one round trip, and a round trip that fails fails every
+request in it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+from redis.exceptions import ResponseError
+
+from conveyor.embedded import free_port
+from gateway.app import create_app
+from gateway.fastpath import SyncCalls
+from gateway.settings import GatewaySettings
+from pipelines.graph import single
+from pipelines.keys import Keys
+from pipelines.redisio import REDIS_DOWN, Enqueuer
+from pipelines.registry import Registry
+from tests.helpers import Doubler, Harness, number_stage
+
+PLAIN = {"Content-Type": "application/json"}
+ROUTE = {"Content-Type": "application/vnd.test+json"}  # JSON to FastAPI, not to the hot path
+
+# (body, extra headers, whether the hot path takes it)
+CASES: list[tuple[bytes, dict[str, str], bool]] = [
+    (b'{"value": 3}', {}, True),
+    (b'{"value": 3.0}', {}, True),
+    (b'{"value": 3, "fail": true}', {}, True),  # the worker fails it: 500
+    (b'{"value": 3}', {"X-Conveyor-Timeout": "5"}, True),
+    (b'{"value": 3}', {"X-Conveyor-Timeout": "0.5e1"}, False),
+    (b'{"value": 3}', {"X-Conveyor-Timeout": "0"}, False),
+    (b'{"value": 3}', {"X-Conveyor-Timeout": "inf"}, False),
+    (b'{"value": 3}', {"X-Trace-Id": "t" * 128}, True),
+    (b'{"value": 3}', {"X-Trace-Id": "t" * 129}, False),
+    (b'{"value": 3}', {"X-Conveyor-Priority": "bulk"}, True),
+    (b'{"value": 3}', {"X-Conveyor-Priority": "Bulk"}, False),
+    (b'{"value": "x"}', {}, False),
+    (b'{"value": 1, "extra": 2}', {}, False),
+    (b"{}", {}, False),
+    (b"[]", {}, False),
+    (b"null", {}, False),
+    (b"", {}, False),
+    (b"{not json", {}, False),
+    (b'{"value": NaN}', {}, False),
+    (b'{"value": 1e400}', {}, False),
+    (b'{"value": 1, "fail": "\\ud800"}', {}, False),
+    (b"[" * 100 + b"]" * 100, {}, False),
+]
+
+
+def hot_path(app: FastAPI) -> SyncCalls:
+    """The app's :class:`SyncCalls` (its middleware stack is built by the first request)."""
+    layer: Any = app.middleware_stack
+    while not isinstance(layer, SyncCalls):
+        layer = layer.app
+    return layer
+
+
+def seen(resp: httpx.Response) -> tuple[int, Any, set[str]]:
+    """What a client sees, less the request's own id."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = resp.text
+    if isinstance(body, dict):
+        body.pop("request_id", None)
+    headers = {h for h in resp.headers if h in {"x-request-id", "retry-after", "content-type"}}
+    return resp.status_code, body, headers
+
+
+async def test_the_hot_path_answers_as_the_route_does(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    harness.run(worker)
+    app = create_app(GatewaySettings(reply_block_ms=100), Registry([single(stage)]))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http,
+    ):
+        await http.get("/healthz")
+        calls = hot_path(app)
+        for body, headers, plain in CASES:
+            before = calls.answered
+            hot = await http.post("/v1/double", content=body, headers={**PLAIN, **headers})
+            assert calls.answered == before + plain, (body, headers)
+            route = await http.post("/v1/double", content=body, headers={**ROUTE, **headers})
+            assert calls.answered == before + plain
+            assert seen(hot) == seen(route), (body, headers, hot.text, route.text)
+        # A header sent twice is the route's to read.
+        before = calls.answered
+        twice = [("X-Conveyor-Timeout", "5"), ("X-Conveyor-Timeout", "6"), *PLAIN.items()]
+        resp = await http.post("/v1/double", content=b'{"value": 4}', headers=twice)
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"value": 8}
+        assert calls.answered == before
+
+
+class Counting(aioredis.Connection):
+    """A connection that counts what it sends (one count per write to the socket)."""
+
+    sends = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        Counting.sends += 1
+        await super().send_packed_command(command, check_health)
+
+
+async def test_concurrent_enqueues_share_one_round_trip(
+    harness: Harness, redis_url: str, namespace: str
+) -> None:
+    pool = aioredis.ConnectionPool.from_url(redis_url, connection_class=Counting)
+    client = aioredis.Redis.from_pool(pool)
+    try:
+        await client.ping()  # connected (its handshake counted before the work)
+        enqueuer = Enqueuer(client, Keys(namespace), write_s=10)
+        requests = [harness.request("p", "double", "double", {"value": i}) for i in range(64)]
+        Counting.sends = 0
+        await asyncio.gather(*(enqueuer.enqueue(r) for r in requests))
+        assert Counting.sends == 1
+        assert await client.xlen(Keys(namespace).stage_stream("double")) == 64
+        # One alone is one plain XADD.
+        Counting.sends = 0
+        await enqueuer.enqueue(harness.request("p", "double", "double", {"value": 64}))
+        assert Counting.sends == 1
+        assert await client.xlen(Keys(namespace).stage_stream("double")) == 65
+    finally:
+        await client.aclose()
+
+
+async def test_an_xadd_redis_refuses_fails_only_its_own_request(
+    harness: Harness, redis: aioredis.Redis, namespace: str
+) -> None:
+    keys = Keys(namespace)
+    await redis.set(keys.stage_stream("broken"), "not a stream")
+    enqueuer = Enqueuer(redis, keys, write_s=10)
+    good = [harness.request("p", "double", "double", {"value": i}) for i in range(5)]
+    bad = harness.request("p", "broken", "broken", {"value": 0})
+    outcomes = await asyncio.gather(
+        *(enqueuer.enqueue(r) for r in [*good[:2], bad, *good[2:]]), return_exceptions=True
+    )
+    assert isinstance(outcomes[2], ResponseError)
+    assert [o for i, o in enumerate(outcomes) if i != 2] == [None] * 5
+    assert await redis.xlen(keys.stage_stream("double")) == 5
+
+
+async def test_a_round_trip_that_fails_fails_every_request_in_it(
+    harness: Harness, namespace: str
+) -> None:
+    dead = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1)
+    try:
+        enqueuer = Enqueuer(dead, Keys(namespace), write_s=10)
+        requests = [harness.request("p", "double", "double", {"value": i}) for i in range(20)]
+        async with asyncio.timeout(30):
+            outcomes = await asyncio.gather(
+                *(enqueuer.enqueue(r) for r in requests), return_exceptions=True
+            )
+        assert all(isinstance(o, REDIS_DOWN) for o in outcomes), outcomes
+    finally:
+        await dead.aclose()
+
+
+async def test_a_leader_stopped_midway_fails_those_that_joined_it(
+    harness: Harness, redis: aioredis.Redis, namespace: str
+) -> None:
+    enqueuer = Enqueuer(redis, Keys(namespace), write_s=10)
+    leader = asyncio.create_task(
+        enqueuer.enqueue(harness.request("p", "double", "double", {"value": 1}))
+    )
+    joined = asyncio.create_task(
+        enqueuer.enqueue(harness.request("p", "double", "double", {"value": 2}))
+    )
+    await asyncio.sleep(0)  # the leader waits for company; the second has joined it
+    leader.cancel()
+    with pytest.raises(REDIS_DOWN):
+        await joined
+    with pytest.raises(asyncio.CancelledError):
+        await leader
+    # Nothing was sent; the next enqueue leads a round trip of its own.
+    await enqueuer.enqueue(harness.request("p", "double", "double", {"value": 3}))
+    assert await redis.xlen(Keys(namespace).stage_stream("double")) == 1
