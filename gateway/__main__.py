@@ -10,6 +10,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
+from pipelines import tracing
 
 
 def main() -> None:
@@ -18,6 +19,7 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = GatewaySettings()
+    tracing.configure("conveyor-gateway")  # OTEL_* variables; off unless they say
     app = create_app(settings)
     # What start-up built (modules, routes, schemas) lives as long as the process: moved
     # out of the collector's sight, a full collection no longer walks it again and again
@@ -33,6 +35,7 @@ def main() -> None:
         timeout_graceful_shutdown=10,
         http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
     )
+    tracing.shutdown()  # the spans still batched go out
 
 
 if __name__ == "__main__":

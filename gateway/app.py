@@ -24,6 +24,8 @@ from gateway.routes.ops import add_ops_routes
 from gateway.routes.pipelines import add_pipeline_routes
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
+from gateway.traces import TraceHeaders
+from pipelines import tracing
 from pipelines.errors import RETRY_AFTER_MAX_S, ConfigError, ConveyorError, InvalidInput
 from pipelines.redisio import REDIS_DOWN, refusal
 from pipelines.registry import Registry, load_registry
@@ -160,6 +162,7 @@ def create_app(
                 "X-API-Key",
                 TIMEOUT_HEADER,
                 TRACE_HEADER,
+                tracing.TRACEPARENT,
             ],
         )
     app.add_middleware(  # added last: outermost, so refusals happen before anything else
@@ -170,4 +173,6 @@ def create_app(
         api_keys=settings.api_keys,
         client_timeout_s=settings.client_timeout_s,
     )
+    if tracing.STATE.enabled:  # outside the edge: its refusals carry a traceparent too
+        app.add_middleware(TraceHeaders)
     return app

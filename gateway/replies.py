@@ -12,9 +12,10 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
+from pipelines import tracing
 from pipelines.envelope import Reply, decode_reply
 from pipelines.errors import EnvelopeError
-from pipelines.redisio import REDIS_DOWN
+from pipelines.redisio import REDIS_DOWN, entry_ms
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,10 @@ class ReplyDispatcher:
         client: a client whose socket timeout exceeds ``block_ms``.
         stream: this gateway's reply stream.
         block_ms: how long one XREAD blocks.
+
+    Attributes:
+        written: with tracing on, when each reply handed to a waiter was written (Redis
+            clock, seconds), until the waiter takes it (:meth:`Gateway.call`).
     """
 
     def __init__(self, client: aioredis.Redis, stream: str, block_ms: int) -> None:
@@ -36,6 +41,7 @@ class ReplyDispatcher:
         self._streams: dict[str, asyncio.Queue[Reply]] = {}
         self._last_id = "0-0"
         self._stopping = False
+        self.written: dict[str, float] = {}
 
     def expect(self, request_id: str) -> asyncio.Future[Reply]:
         """A future the reply for ``request_id`` will resolve; register before sending."""
@@ -53,6 +59,8 @@ class ReplyDispatcher:
         """Stop waiting for ``request_id`` (answered, timed out or abandoned)."""
         self._waiters.pop(request_id, None)
         self._streams.pop(request_id, None)
+        if self.written:
+            self.written.pop(request_id, None)
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after its current read (at most ``block_ms``).
@@ -99,4 +107,6 @@ class ReplyDispatcher:
             return  # streamed output for a request that is not streaming (or gone)
         future = self._waiters.pop(reply.id, None)
         if future is not None and not future.done():
+            if tracing.STATE.enabled:  # when it was written: the trace's "reply" span
+                self.written[reply.id] = entry_ms(entry_id) / 1000.0
             future.set_result(reply)

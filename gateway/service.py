@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.types import Receive
 
+from gateway import traces
 from gateway.admission import Admission
 from gateway.body import problem_detail
 from gateway.cancel import Cancellations, ClientGone, unwatch, watch
@@ -22,6 +23,7 @@ from gateway.history import History
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
+from pipelines import tracing
 from pipelines.envelope import Lane, Reply, Request, new_request_id, wire_problem
 from pipelines.errors import Cancelled, DeadlineExceeded, InvalidInput, NotFound
 from pipelines.graph import Pipeline
@@ -168,6 +170,8 @@ class Gateway:
             raise InvalidInput(f"invalid request: {problem.msg}", [problem_detail(problem)])
         entry = pipeline.entry
         bound = self.settings.max_backlog or entry.stage.max_backlog
+        root = traces.current()  # None unless tracing is on
+        started = self.clock.now() if root is not None else 0.0
         try:
             await self._calibrated()
             await self.admission.admit(
@@ -177,6 +181,16 @@ class Gateway:
             raise refusal(exc) from exc
         ctx = {"input": payload}
         request_id = request_id or new_request_id()
+        admitted = 0.0
+        if root is not None:
+            # FastAPI names the span after the route that answered; the hot path has none.
+            route = f"/v1/jobs/{pipeline.name}" if job else f"/v1/{pipeline.name}"
+            route += "/stream" if stream else ""
+            root.update_name(f"POST {route}")
+            root.set_attribute("http.route", route)
+            admitted = self.clock.now()
+            traces.child(root, "admission", started, admitted, **{"conveyor.lane": lane})
+            trace_id = trace_id or tracing.trace_id_of(root)
         reply_to = self.keys.job(request_id) if job else self.reply_stream
         request = Request(
             id=request_id,
@@ -191,6 +205,7 @@ class Gateway:
             stream=stream,
             enqueue_by=self._enqueue_by(),
             lane=lane,
+            traceparent=tracing.traceparent_of(root) if root is not None else None,
         )
 
         async def write_job() -> None:
@@ -218,6 +233,9 @@ class Gateway:
             if isinstance(exc, TimeoutError):
                 exc = RedisTimeoutError(f"no answer within {self.write_s:g}s")
             raise refusal(exc) from exc
+        if root is not None:
+            attributes = {"conveyor.request_id": request.id, "conveyor.stage": entry.stage.name}
+            traces.child(root, "enqueue", admitted, self.clock.now(), **attributes)
         return request
 
     def _enqueue_by(self) -> float:
@@ -287,6 +305,12 @@ class Gateway:
                 raise Cancelled("the client went away", request_id=request.id) from None
             finally:
                 expiry.cancel()
+            root = traces.current()
+            written = self.replies.written.pop(request_id, None)
+            if root is not None and written is not None:
+                traces.child(
+                    root, "reply", written, self.clock.now(), **{"conveyor.stage": reply.stage}
+                )
         finally:
             self.replies.forget(request_id)
             if watcher is not None:

@@ -130,3 +130,26 @@ def receiver() -> Iterator[Receiver]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def waterfall(spans: list[Received], root: Received, width: int = 48) -> str:
+    """A text waterfall of one trace: each span's offset from ``root``, its duration and
+    a bar on ``root``'s time line, nested spans indented under their parent."""
+    by_parent: dict[str, list[Received]] = {}
+    for s in spans:
+        by_parent.setdefault(s.parent_id, []).append(s)
+    scale = width / max(1, root.end_ns - root.start_ns)
+    lines = [f"{'span':<26} {'service':<17} {'start ms':>8} {'ms':>7}  time line"]
+
+    def add(s: Received, depth: int) -> None:
+        begin = round((s.start_ns - root.start_ns) * scale)
+        length = max(1, round((s.end_ns - s.start_ns) * scale))
+        bar = " " * max(0, begin) + "#" * length
+        offset = (s.start_ns - root.start_ns) / 1e6
+        name = "  " * depth + s.name
+        lines.append(f"{name:<26} {s.service:<17} {offset:>8.1f} {s.ms:>7.1f}  |{bar:<{width}}|")
+        for kid in sorted(by_parent.get(s.span_id, []), key=lambda k: k.start_ns):
+            add(kid, depth + 1)
+
+    add(root, 0)
+    return "\n".join(lines)

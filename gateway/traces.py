@@ -1,0 +1,76 @@
+"""The gateway's part of a request's trace (only when tracing is on: :mod:`pipelines.tracing`).
+
+FastAPI's own OpenTelemetry support opens each request's root span (kind SERVER,
+continuing a W3C ``traceparent`` the client sent) once a tracer provider is configured,
+and makes it current while the request is served. The gateway adds under it:
+
+- ``admission`` and ``enqueue``: deciding to take the request, and writing it to its
+  entry stage's stream;
+- ``reply``: from the moment the last stage wrote the reply (its entry id, on the Redis
+  clock) until the gateway had it in hand;
+
+and :class:`TraceHeaders` answers every request with its ``traceparent`` and logs one
+line per request carrying its trace id, so the gateway's log and the trace meet.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from opentelemetry import trace
+from opentelemetry.trace import Span
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipelines import tracing
+
+logger = logging.getLogger(__name__)
+
+
+def current() -> Span | None:
+    """The request's root span, when tracing is on and one is recording."""
+    if not tracing.STATE.enabled:
+        return None
+    span = trace.get_current_span()
+    return span if span.is_recording() else None
+
+
+def child(root: Span, name: str, start_s: float, end_s: float, **attributes: object) -> None:
+    """Record the finished span ``name`` under ``root`` (times on the Redis clock)."""
+    tracing.span(name, tracing.under_span(root), start_s, end_s, attributes)
+
+
+class TraceHeaders:
+    """ASGI middleware (added only when tracing is on): each response carries the
+    request's ``traceparent``, and each request is logged with its trace id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        root = current() if scope["type"] == "http" else None
+        if root is None:
+            await self.app(scope, receive, send)
+            return
+        header = tracing.traceparent_of(root).encode()
+        started = time.perf_counter()
+        status = 0
+
+        async def send_with_header(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message["headers"], (b"traceparent", header)]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_header)
+        finally:
+            logger.info(
+                "%s %s %d in %.1f ms trace=%s",
+                scope["method"],
+                scope["path"],
+                status,
+                (time.perf_counter() - started) * 1000,
+                tracing.trace_id_of(root),
+            )

@@ -1,0 +1,139 @@
+"""OpenTelemetry: one connected trace per request across the gateway and every stage.
+
+Real processes (``python -m gateway``, ``python -m workers`` serving the three steps of
+tests/faultapp.py's ``chain3``) export over OTLP/HTTP, as the SDK does, to a receiver on
+loopback (tests/otlp.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from pathlib import Path
+
+import httpx
+
+from pipelines.tracing import wanted
+from tests.faultapp import spawn
+from tests.helpers import REPO, GatewayProcess
+from tests.otlp import Received, Receiver, receiver, waterfall
+
+ARTIFACTS = REPO / "test-artifacts"
+STEPS = ("chain3.a", "chain3.b", "chain3.c")
+PER_STAGE = ("queue", "batch", "run", "publish")
+GATEWAY = ("admission", "enqueue", "reply")
+
+
+def test_tracing_is_off_unless_the_environment_configures_it() -> None:
+    assert wanted({}) is None
+    assert wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}) == "otlp"
+    assert wanted({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}) == "otlp"
+    assert wanted({"OTEL_TRACES_EXPORTER": "console"}) == "console"
+    assert wanted({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) is None
+    assert wanted({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}) is None
+
+
+def wait_for_spans(
+    got: Receiver, trace_id: str, names: set[str], limit_s: float = 30
+) -> list[Received]:
+    give_up = time.monotonic() + limit_s
+    while True:
+        spans = got.of_trace(trace_id)
+        if names <= {s.name for s in spans}:
+            return spans
+        assert time.monotonic() < give_up, sorted(s.name for s in spans)
+        time.sleep(0.1)  # the exporters send every 100 ms; nothing here to await
+
+
+def test_a_three_step_request_is_one_connected_trace_whose_spans_add_up(
+    redis_url: str, tmp_path: Path
+) -> None:
+    with receiver() as got:
+        otel = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": got.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
+        app = {"CONVEYOR_APP": "tests.faultapp:pipelines", "CONVEYOR_PIPELINES": "chain3"}
+        log = tmp_path / "gateway.log"
+        with GatewayProcess(redis_url, log, **app, **otel) as gateway:
+            ns = gateway.env["CONVEYOR_NAMESPACE"]
+            worker_log = tmp_path / "worker.log"
+            worker = spawn(
+                "workers",
+                ",".join(STEPS),
+                log=worker_log,
+                CONVEYOR_REDIS_URL=redis_url,
+                CONVEYOR_NAMESPACE=ns,
+                CONVEYOR_PIPELINES="chain3",
+                CONVEYOR_TEST_STEP_S="0.05",
+                **otel,
+            )
+            try:
+                # Once untraced, so the traced request finds the worker reading.
+                warm = httpx.post(f"{gateway.base}/v1/chain3", json={"value": 1}, timeout=60)
+                assert warm.status_code == 200, warm.text
+                client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
+                traceparent = f"00-{client_trace}-{client_span}-01"
+                resp = httpx.post(
+                    f"{gateway.base}/v1/chain3",
+                    json={"value": 7},
+                    headers={"traceparent": traceparent},
+                    timeout=60,
+                )
+                assert resp.status_code == 200, resp.text
+                assert resp.json() == {"value": 7}
+                # The answer names the gateway's span in the client's trace.
+                _, trace_id, root_id, _ = resp.headers["traceparent"].split("-")
+                assert trace_id == client_trace
+                wanted_names = {f"{s} {p}" for s in STEPS for p in PER_STAGE} | set(GATEWAY)
+                spans = wait_for_spans(got, trace_id, wanted_names)
+                gateway_log, worker_text = gateway.log(), worker_log.read_text()
+            finally:
+                worker.terminate()
+                worker.wait(timeout=20)
+        batches = {s.span_id: s for s in got.spans if s.trace_id != trace_id}
+
+    by_id = {s.span_id: s for s in spans}
+    root = by_id[root_id]
+    assert root.parent_id == client_span  # continues the client's trace
+    assert root.service == "conveyor-gateway"
+    assert root.name == "POST /v1/chain3"
+    assert root.attributes["http.route"] == "/v1/chain3"
+    # Connected: every span hangs off the root, but each model run, under its batch span.
+    for s in spans:
+        if s is root:
+            continue
+        if s.name.endswith(" run"):
+            assert by_id[s.parent_id].name == s.name.replace(" run", " batch"), s
+        else:
+            assert s.parent_id == root_id or by_id[s.parent_id].parent_id == root_id, s
+    services = {s.name: s.service for s in spans}
+    assert services["admission"] == services["reply"] == "conveyor-gateway"
+    assert services["chain3.b run"] == "conveyor-worker"
+    # Each request's batch span links to the span of the batch it ran in, with its size.
+    for step in STEPS:
+        (joined,) = [s for s in spans if s.name == f"{step} batch"]
+        assert joined.attributes["conveyor.batch.size"] == 1
+        ((linked_trace, linked_span),) = joined.links
+        assert batches[linked_span].name == f"{step} batch"
+        assert batches[linked_span].attributes["conveyor.batch.size"] == 1
+        assert batches[linked_span].trace_id == linked_trace
+    # The spans tile the request's time: in order, and adding up to the root's duration.
+    tiles = {s.name: s for s in spans if s.parent_id == root_id}
+    expected = ["admission", "enqueue"]
+    for step in STEPS:
+        expected += [f"{step} queue", f"{step} batch", f"{step} publish"]
+    expected.append("reply")
+    for before, after in itertools.pairwise(expected):
+        # In order; a stream entry's time (its id) has millisecond resolution.
+        assert tiles[after].start_ns >= tiles[before].start_ns - 1_000_000, (before, after)
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "trace.txt").write_text(waterfall(spans, root) + "\n")
+    total = sum(tiles[name].ms for name in expected)
+    assert abs(total - root.ms) <= max(0.15 * root.ms, 15), (total, root.ms)
+    (run_b,) = [s for s in spans if s.name == "chain3.b run"]
+    assert run_b.ms >= 50  # the step's own 50 ms
+    # Both sides' log lines carry the trace id.
+    assert f"trace={trace_id}" in gateway_log
+    assert trace_id in worker_text
