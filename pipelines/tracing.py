@@ -10,13 +10,15 @@ exporter is the SDK's OTLP/HTTP one, batched (``OTEL_BSP_*``), sampled as
 :data:`STATE.enabled` first, so a request pays one attribute read.
 
 A request's trace starts at the gateway (a W3C ``traceparent`` header continues the
-client's), whose server span is the request's root. Its context travels in the envelope
-(``Request.traceparent``), unchanged through every step of a pipeline, so every process
-that touches the request adds spans under that root: the gateway its admission and enqueue
-and the wait for the reply, each stage its ``queue`` (the wait in the stream), ``run``
-(the model, linked to the span of the batch the request joined) and ``publish``. All
-spans are timed on the Redis clock (:class:`~pipelines.redisio.RedisClock`), the clock the
-stream ids are on, so the spans of one trace line up whichever machine made them.
+client's), whose server span (FastAPI's own, see :mod:`gateway.traces`) is the request's
+root. Its context travels in the envelope (``Request.traceparent``), unchanged through
+every step of a pipeline, so every process that touches the request adds spans under that
+root: the gateway its admission, enqueue and reply, each stage its ``queue`` (the wait in
+the stream), ``batch`` (linked to the span of the batch the request joined), ``run`` (the
+model) and ``publish`` (:mod:`workers.spans`). The spans conveyor makes are timed on the
+Redis clock (:class:`~pipelines.redisio.RedisClock`), the clock the stream ids are on, so
+the spans of one trace line up whichever machine made them (a stream id has millisecond
+resolution: a ``queue`` span may start up to 1 ms early).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, Span, SpanKind, Tracer
+from opentelemetry.trace import Link, Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 logger = logging.getLogger(__name__)
@@ -112,12 +114,13 @@ def ns(seconds: float) -> int:
 
 
 def parent(traceparent: str | None) -> Context | None:
-    """The context a ``traceparent`` value names (None: none, or not a valid one)."""
+    """The context a ``traceparent`` value names; None when there is none, it is not
+    valid, or its trace is not sampled (its spans would not be recorded anyway)."""
     if not traceparent:
         return None
     context = _PROPAGATOR.extract({TRACEPARENT: traceparent})
-    valid = trace.get_current_span(context).get_span_context().is_valid
-    return context if valid else None
+    named = trace.get_current_span(context).get_span_context()
+    return context if named.is_valid and named.trace_flags.sampled else None
 
 
 def traceparent_of(span: Span) -> str:
@@ -152,20 +155,6 @@ def span(
     )
     made.end(end_time=ns(max(start_s, end_s)))
     return made
-
-
-def start_root(
-    name: str, traceparent: str | None, start_s: float, attributes: Mapping[str, Any]
-) -> Span:
-    """Start a request's root span at the gateway (kind SERVER), continuing
-    ``traceparent``'s trace when the client sent one; the caller ends it."""
-    return tracer().start_span(
-        name,
-        context=parent(traceparent),
-        kind=SpanKind.SERVER,
-        start_time=ns(start_s),
-        attributes=attributes,
-    )
 
 
 def under_span(made: Span) -> Context:
