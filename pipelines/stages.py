@@ -228,6 +228,7 @@ BUILTIN: dict[str, Stage] = {
             hub_model="sentence-transformers/all-MiniLM-L6-v2",
             max_batch_size=32,
             max_batch_tokens=8192,
+            memory_mb=1024,
             summary="Sentence embedding (mean-pooled, L2-normalised).",
         ),
         Stage(
@@ -238,6 +239,7 @@ BUILTIN: dict[str, Stage] = {
             hub_model="distilbert-base-uncased-finetuned-sst-2-english",
             hub_runner="workers.models.hf:TextClassifier",
             max_batch_tokens=8192,
+            memory_mb=1024,
             summary="Sentiment: POSITIVE or NEGATIVE with a score.",
         ),
         Stage(
@@ -247,6 +249,7 @@ BUILTIN: dict[str, Stage] = {
             model="tiny:ner",
             hub_model="dslim/bert-base-NER",
             max_batch_tokens=8192,
+            memory_mb=1024,
             summary="Named entities, aggregated over sub-words.",
         ),
         Stage(
@@ -257,6 +260,7 @@ BUILTIN: dict[str, Stage] = {
             hub_model="sshleifer/distilbart-cnn-12-6",
             hub_runner="workers.models.hf:Summarizer",
             max_batch_size=8,
+            memory_mb=1024,
             summary="Summary of a text.",
         ),
         Stage(
@@ -267,6 +271,7 @@ BUILTIN: dict[str, Stage] = {
             hub_model="gpt2",
             max_batch_size=8,
             streaming=True,
+            memory_mb=1024,
             summary="Text continuation.",
         ),
         Stage(
