@@ -77,13 +77,15 @@ class AutoscaleSettings(BaseSettings):
             wrong = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors())
             raise ConfigError(f"autoscale settings: {wrong.replace('Value error, ', '')}") from exc
 
-    def scaler(self, stage: Stage) -> Scaler:
-        """A scaler for ``stage`` (whose ``max_batch_size`` is the default target).
+    def scaler(self, *stages: Stage) -> Scaler:
+        """A scaler for the worker processes serving ``stages`` (one, or the stages on one
+        model's weights: their backlogs add up, :meth:`Autoscaler.apply`); the default
+        target is the smallest of their ``max_batch_size``.
 
         Args:
-            stage: the model stage.
+            stages: the model stages one process serves.
         """
-        target = self.target_backlog or stage.max_batch_size
+        target = self.target_backlog or min(s.max_batch_size for s in stages)
         return Scaler(
             self.min_workers, self.max_workers, target, self.up_cooldown_s, self.down_cooldown_s
         )
@@ -152,15 +154,23 @@ class Scaler:
 class Autoscaler:
     """Keeps each stage's worker processes at what its :class:`Scaler` decides.
 
+    A scaler may be named for several stages (``embed,sentiment,summarize``: the stages
+    one process serves, on one model's weights): its backlog is theirs added up.
+
     Args:
-        scalers: per stage name, its scaler.
-        spawn: starts one worker process for the named stage.
+        scalers: per stage name (or comma-separated names), its scaler.
+        spawn: starts one worker process for the named stage(s); may raise
+            :class:`~pipelines.errors.ConfigError` when there is no room for it (no GPU
+            share left, :mod:`conveyor.placement`): the stage stays as it is.
         drain_timeout_s: a stopped worker still running after this long is killed.
+        released: told of each stopped worker once it has exited (its GPU share is
+            free again).
     """
 
     scalers: dict[str, Scaler]
     spawn: Callable[[str], Popen[bytes]]
     drain_timeout_s: float = 30.0
+    released: Callable[[Popen[bytes]], None] = lambda proc: None
     running: dict[str, list[Popen[bytes]]] = field(default_factory=dict)
     draining: list[tuple[str, Popen[bytes], float]] = field(default_factory=list)  # + SIGTERM time
 
@@ -172,17 +182,18 @@ class Autoscaler:
             now: monotonic time, seconds.
         """
         for stage, scaler in self.scalers.items():
-            st = statuses[stage]
+            st = [statuses[s] for s in stage.split(",")]
+            backlog = sum(s.backlog for s in st)
             current = len(self.running.get(stage, []))
-            new = scaler.decide(current, st.backlog, now)
+            new = scaler.decide(current, backlog, now)
             if new != current:
                 logger.info(
                     "stage %s: %d -> %d worker(s) (lag %d, pending %d, target %d each)",
                     stage,
                     current,
                     new,
-                    st.lag,
-                    st.pending,
+                    sum(s.lag for s in st),
+                    sum(s.pending for s in st),
                     scaler.target,
                 )
                 self._resize(stage, new, now)
@@ -190,7 +201,11 @@ class Autoscaler:
     def _resize(self, stage: str, n: int, now: float) -> None:
         procs = self.running.setdefault(stage, [])
         while len(procs) < n:
-            procs.append(self.spawn(stage))
+            try:
+                procs.append(self.spawn(stage))
+            except ConfigError as exc:
+                logger.warning("stage %s: stays at %d worker(s): %s", stage, len(procs), exc)
+                return
         while len(procs) > n:
             proc = procs.pop()  # the newest: perhaps still loading, holding the least
             proc.send_signal(signal.SIGTERM)
@@ -209,6 +224,7 @@ class Autoscaler:
                 proc.wait()
             if proc.returncode is not None:
                 self.draining.remove((stage, proc, since))
+                self.released(proc)
         gone = [(s, p) for s, procs in self.running.items() for p in procs if p.poll() is not None]
         return f"worker {gone[0][0]} (pid {gone[0][1].pid})" if gone else None
 
@@ -245,7 +261,8 @@ class Autoscaler:
                 if exited := self.reap(time.monotonic()) or watch():
                     return f"{exited} exited"
                 try:
-                    got = [await stage_status(client, settings.keys, s) for s in self.scalers]
+                    names = [s for key in self.scalers for s in key.split(",")]
+                    got = [await stage_status(client, settings.keys, s) for s in names]
                     self.apply({st.stage: st for st in got}, time.monotonic())
                 except (RedisError, OSError) as exc:
                     logger.warning("tick failed (%s); the next one retries", exc)

@@ -23,17 +23,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 
+from pydantic import ValidationError
+
 from conveyor.autoscale import Autoscaler, AutoscaleSettings
 from conveyor.embedded import free_port, start_redis
+from conveyor.placement import (
+    Group,
+    Placed,
+    PlacementSettings,
+    Placer,
+    host_placer,
+    worker_groups,
+)
 from conveyor.readiness import Readiness
 from pipelines.errors import ConfigError
-from pipelines.registry import Registry, load_registry
+from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
-from pipelines.stages import Stage
+from pipelines.stages import Stage, resource_errors
+
+__all__ = ["Supervisor", "UpOptions", "up", "worker_groups"]
 
 STOP_GRACE_S = 15.0
 """A process still running this long after SIGTERM is killed."""
@@ -75,24 +87,6 @@ class _Stop(Exception):
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop
-
-
-def worker_groups(registry: Registry, replicas: int | None) -> list[tuple[str, int]]:
-    """The worker processes ``up`` starts: (comma-separated stages, copies).
-
-    Each model stage gets its own processes (its ``replicas``, or ``replicas`` when
-    given); the function stages, light by nature, share one group.
-
-    Args:
-        registry: the pipelines served.
-        replicas: copies of each group (None: each model stage's own, one of the rest).
-    """
-    stages = registry.stages.values()
-    groups = [(s.name, replicas or s.replicas) for s in stages if s.kind == "model"]
-    functions = [s.name for s in stages if s.kind == "function"]
-    if functions:
-        groups.append((",".join(functions), replicas or 1))
-    return groups
 
 
 def _child_env(options: UpOptions) -> dict[str, str]:
@@ -137,10 +131,12 @@ class Supervisor:
     """
 
     env: dict[str, str]
+    placer: Placer | None = None  # None: every worker with ``env`` alone
     children: list[tuple[str, Process]] = field(default_factory=list)  # gateway, workers
     redis: Process | None = None
     autoscaler: Autoscaler | None = None
     interval_s: float = 1.0  # between the autoscaler's ticks
+    placed: dict[int, Placed] = field(default_factory=dict)  # by pid
 
     def start_redis(self) -> None:
         """An embedded redis-server on a free port, unless ``CONVEYOR_REDIS_URL`` is set."""
@@ -152,36 +148,62 @@ class Supervisor:
         self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
         print(f"conveyor: embedded redis on 127.0.0.1:{port} ({workdir})", flush=True)
 
-    def _spawn(self, module: str, *argv: str) -> Process:
+    def _spawn(self, module: str, *argv: str, env: dict[str, str] | None = None) -> Process:
         # Its own process group: see the module's docstring.
         args = [sys.executable, "-m", module, *argv]
-        return subprocess.Popen(args, env=self.env, process_group=0)
+        return subprocess.Popen(args, env=self.env | (env or {}), process_group=0)
+
+    def _spawn_placed(self, placed: Placed) -> Process:
+        proc = self._spawn("workers", placed.group.name, env=placed.env())
+        self.placed[proc.pid] = placed
+        return proc
+
+    def _spawn_group(self, group: Group) -> Process:
+        """One more worker of ``group``, placed (the autoscaler's spawn); raises
+        :class:`~conveyor.placement.PlacementError` when its GPU share does not fit."""
+        if self.placer is None:
+            return self._spawn("workers", group.name)
+        placed = self.placer.one(group)
+        say(f"worker {group.name}: {placed.describe()}")
+        return self._spawn_placed(placed)
+
+    def _release(self, proc: Process) -> None:
+        placed = self.placed.pop(proc.pid, None)
+        if placed is not None and self.placer is not None:
+            self.placer.release(placed)
 
     def start_gateway(self) -> None:
         """The gateway process."""
         self.children.append(("gateway", self._spawn("gateway")))
 
-    def start_workers(self, groups: list[tuple[str, int]]) -> None:
-        """``copies`` worker processes of each group of stages.
+    def start_workers(self, placed: list[Placed]) -> None:
+        """The worker processes, each where it was placed (its GPUs, its threads).
 
         Args:
-            groups: (comma-separated stages, copies), as :func:`worker_groups` gives.
+            placed: one per process, as :meth:`Placer.all` gives.
         """
-        for group, copies in groups:
-            for i in range(copies):
-                self.children.append((f"worker {group}#{i}", self._spawn("workers", group)))
+        copies: dict[str, int] = {}
+        for p in placed:
+            i = copies[p.group.name] = copies.get(p.group.name, -1) + 1
+            say(f"worker {p.group.name}#{i}: {p.describe()}")
+            self.children.append((f"worker {p.group.name}#{i}", self._spawn_placed(p)))
 
-    def start_autoscaler(self, stages: list[Stage], scaling: AutoscaleSettings) -> None:
-        """An autoscaler for ``stages``; it starts their workers on its first tick.
+    def start_autoscaler(
+        self, groups: list[Group], stages: dict[str, Stage], scaling: AutoscaleSettings
+    ) -> None:
+        """An autoscaler for ``groups``; it starts their workers on its first tick, each
+        placed as :meth:`start_workers` places them.
 
         Args:
-            stages: the model stages it scales.
+            groups: the model stages' groups it scales.
+            stages: the stages, by name.
             scaling: its settings.
         """
         self.autoscaler = Autoscaler(
-            {s.name: scaling.scaler(s) for s in stages},
-            lambda stage: self._spawn("workers", stage),
+            {g.name: scaling.scaler(*(stages[n] for n in g.stages)) for g in groups},
+            lambda name: self._spawn_group(next(g for g in groups if g.name == name)),
             scaling.drain_timeout_s,
+            released=self._release,
         )
         self.interval_s = scaling.interval_s
 
@@ -245,7 +267,24 @@ def up(options: UpOptions) -> int:
     env = _child_env(options)
     registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
     scaling = _autoscale_settings(options)
-    supervisor = Supervisor(env)
+    try:
+        settings = PlacementSettings()
+    except ValidationError as exc:
+        raise ConfigError(f"settings: {resource_errors(exc)}") from None
+    groups = worker_groups(registry, options.replicas, settings)
+    scaled = [g for g in groups if not g.light] if scaling is not None else []
+    fixed = [g for g in groups if g not in scaled]  # the autoscaler starts the others
+    # Cores are divided among the model processes up may run at once.
+    most = sum(g.replicas for g in fixed if not g.light)
+    most += sum(1 for g in scaled if not g.light) * (scaling.max_workers if scaling else 0)
+    place = host_placer(settings, env, most)
+    placed = place.all(fixed)
+    if scaling is not None:
+        # Their first workers must fit too: tried, then given back for the autoscaler.
+        for p in place.all(replace(g, replicas=scaling.min_workers) for g in scaled):
+            place.release(p)
+    say(f"placement: {place.describe()}")
+    supervisor = Supervisor(env, place)
     supervisor.start_redis()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # HUP: terminal closed
         signal.signal(signum, _raise_stop)
@@ -253,16 +292,12 @@ def up(options: UpOptions) -> int:
     readiness: Readiness | None = None
     try:
         supervisor.start_gateway()
-        models = [s for s in registry.stages.values() if s.kind == "model"]
-        scaled = models if scaling is not None else []
-        names = [s.name for s in scaled]  # the autoscaler starts these
-        groups = worker_groups(registry, options.replicas)
-        supervisor.start_workers([g for g in groups if g[0] not in names])
+        supervisor.start_workers(placed)
         autoscaled = ""
         if scaling is not None and scaled:
-            supervisor.start_autoscaler(scaled, scaling)
+            supervisor.start_autoscaler(scaled, registry.stages, scaling)
             autoscaled = (
-                f"; autoscaling {', '.join(names)} "
+                f"; autoscaling {', '.join(g.name for g in scaled)} "
                 f"({scaling.min_workers} to {scaling.max_workers} workers each)"
             )
         print(

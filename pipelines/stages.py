@@ -12,10 +12,10 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipelines.errors import ConfigError
 from pipelines.model import Model
@@ -51,6 +51,44 @@ class AnyIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?", re.ASCII)
+"""A device setting: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+
+
+class Resources(BaseModel):
+    """A stage's resources as ``CONVEYOR_RESOURCES`` overrides them, per stage:
+    ``{"embed": {"gpus": 0.5, "threads": 2}}``; the fields are :class:`Stage`'s."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    threads: int | None = Field(default=None, ge=1, le=1024)
+    device: str | None = None
+    gpus: float = Field(default=0, ge=0, le=64, allow_inf_nan=False)
+    memory_mb: int | None = Field(default=None, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device_ok(cls, value: str | None) -> str | None:
+        if value is not None and not DEVICE_RE.fullmatch(value):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_ok(cls, value: float) -> float:
+        if value > 1 and value != int(value):
+            raise ValueError("above 1 must be a whole number of GPUs (a model spanning them)")
+        return value
+
+
+def resource_errors(exc: ValidationError) -> str:
+    """``exc``'s errors as one line naming each field."""
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )
+
+
 @dataclass(frozen=True)
 class Stage:
     """One model stage, served by workers reading the stage's stream.
@@ -76,6 +114,16 @@ class Stage:
         streaming: its runner can stream output (``/v1/{name}/stream`` is offered).
         kind: ``"function"`` for a pipeline's function step (set by
             :func:`pipelines.graph.function`), else ``"model"``.
+        threads: torch intra-op threads of a worker process serving it (None: what
+            ``conveyor up`` divides the cores into, else ``CONVEYOR_THREADS``, else
+            torch's default).
+        device: where its model runs, over the process's ``CONVEYOR_DEVICE``: ``auto``,
+            ``cpu``, ``cuda`` or ``cuda:N`` (None: the process's setting).
+        gpus: the GPU share one worker of it reserves: ``0.5`` (two such workers share a
+            GPU), ``1``, or a whole number above 1 for a model spanning that many GPUs.
+            0: none reserved (on a GPU host ``conveyor up`` still spreads such workers
+            over the GPUs, unless its device is ``cpu``); :mod:`conveyor.placement`.
+        memory_mb: what one worker of it holds (MiB), for the deploy files' requests.
     """
 
     name: str
@@ -93,6 +141,10 @@ class Stage:
     replicas: int = 1
     streaming: bool = False
     kind: Kind = "model"
+    threads: int | None = None
+    device: str | None = None
+    gpus: float = 0
+    memory_mb: int | None = None
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -111,6 +163,23 @@ class Stage:
             raise ConfigError(f"stage {self.name!r}: max_backlog must be >= 1")
         if self.kind not in ("model", "function"):
             raise ConfigError(f"stage {self.name!r}: kind must be 'model' or 'function'")
+        try:
+            Resources(
+                threads=self.threads, device=self.device, gpus=self.gpus, memory_mb=self.memory_mb
+            )
+        except ValidationError as exc:
+            raise ConfigError(f"stage {self.name!r}: {resource_errors(exc)}") from None
+
+    def with_resources(self, resources: Resources | None) -> Stage:
+        """This stage with the fields ``resources`` sets (from ``CONVEYOR_RESOURCES``)
+        replacing its own.
+
+        Args:
+            resources: the stage's entry of the resources setting (None: none).
+        """
+        if resources is None:
+            return self
+        return replace(self, **resources.model_dump(exclude_unset=True))
 
     def model_for(self, profile: Profile) -> str:
         """The model spec to load under ``profile``."""
@@ -159,6 +228,7 @@ BUILTIN: dict[str, Stage] = {
             hub_model="sentence-transformers/all-MiniLM-L6-v2",
             max_batch_size=32,
             max_batch_tokens=8192,
+            memory_mb=1024,
             summary="Sentence embedding (mean-pooled, L2-normalised).",
         ),
         Stage(
@@ -169,6 +239,7 @@ BUILTIN: dict[str, Stage] = {
             hub_model="distilbert-base-uncased-finetuned-sst-2-english",
             hub_runner="workers.models.hf:TextClassifier",
             max_batch_tokens=8192,
+            memory_mb=1024,
             summary="Sentiment: POSITIVE or NEGATIVE with a score.",
         ),
         Stage(
@@ -178,6 +249,7 @@ BUILTIN: dict[str, Stage] = {
             model="tiny:ner",
             hub_model="dslim/bert-base-NER",
             max_batch_tokens=8192,
+            memory_mb=1024,
             summary="Named entities, aggregated over sub-words.",
         ),
         Stage(
@@ -188,6 +260,7 @@ BUILTIN: dict[str, Stage] = {
             hub_model="sshleifer/distilbart-cnn-12-6",
             hub_runner="workers.models.hf:Summarizer",
             max_batch_size=8,
+            memory_mb=1024,
             summary="Summary of a text.",
         ),
         Stage(
@@ -198,6 +271,7 @@ BUILTIN: dict[str, Stage] = {
             hub_model="gpt2",
             max_batch_size=8,
             streaming=True,
+            memory_mb=1024,
             summary="Text continuation.",
         ),
         Stage(

@@ -1,13 +1,17 @@
 """``python -m workers STAGE[,STAGE...]``: serve stages until SIGTERM or Ctrl-C.
 
-One process usually serves one model stage; the light function stages of pipelines can
-share a process (each stage still has its own batch loop and model thread).
+One process usually serves one model stage, or the stages on one model's weights (the
+built-in embed, sentiment and summarize: one copy of MiniLM, their batches taking turns in
+one model thread); the light function stages of pipelines can share a process. Each stage
+keeps its own stream, batch loop and metrics. ``CONVEYOR_RESOURCES`` overrides a stage's
+``threads`` and ``device`` here (:class:`~pipelines.stages.Resources`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import logging
 import os
@@ -16,6 +20,7 @@ from collections.abc import MutableMapping
 
 from pipelines import tracing
 from pipelines.registry import load_registry
+from workers.build import process_threads
 from workers.loop import Worker
 from workers.settings import WorkerSettings
 
@@ -28,12 +33,29 @@ def configure_openmp(settings: WorkerSettings, environ: MutableMapping[str, str]
         environ.setdefault("GOMP_SPINCOUNT", str(settings.openmp_spin_count))
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``).
+
+    Loading a model frees as much as it keeps (checkpoint buffers, a dtype's conversion,
+    the import machinery); glibc keeps those pages, so without this they stay in the
+    worker's RSS for its lifetime (``python -m bench.rss``). Elsewhere than glibc: nothing.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 async def _serve(stage_names: list[str]) -> None:
     settings = WorkerSettings()
     # Read once, when torch loads its OpenMP runtime: before any model or app import.
     configure_openmp(settings, os.environ)
     registry = load_registry(settings.app, settings.pipelines)
-    workers = [Worker(registry.stage(name), settings, registry=registry) for name in stage_names]
+    stages = [registry.stage(n).with_resources(settings.resources.get(n)) for n in stage_names]
+    settings = settings.model_copy(update={"threads": process_threads(stages, settings)})
+    workers = [Worker(stage, settings, registry=registry) for stage in stages]
     loop = asyncio.get_running_loop()
 
     def stop_all() -> None:
@@ -48,6 +70,7 @@ async def _serve(stage_names: list[str]) -> None:
         # as the process: left to the collector, each full collection walks it all, a
         # 100-150 ms pause of every batch in flight.
         gc.freeze()
+        release_freed_memory()
         await asyncio.gather(*(w.run() for w in workers))
     except BaseException:
         stop_all()  # one stage failing stops its siblings in this process too

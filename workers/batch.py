@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -88,12 +89,64 @@ def timed_run(
     return results, time.perf_counter() - started
 
 
+class ModelThread:
+    """The one thread a loaded model runs in, and the turns batches take on it.
+
+    Stages of one process whose models share weights (their models name the same
+    ``weights_key``) share one :class:`ModelThread` (:func:`model_thread`), so their
+    batches take turns on the weights and never run on them at once.
+
+    Attributes:
+        busy: batches waiting for their turn or in it, of every stage on it.
+        users: the runners on it; the thread goes with the last.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{name}")
+        self.turns = asyncio.Lock()  # FIFO: batches run in the order they asked
+        self.free = asyncio.Event()  # set while busy is 0
+        self.free.set()
+        self.busy = 0
+        self.users = 1
+
+    def release(self) -> None:
+        """One runner less; the last lets the thread go (a batch in it finishes)."""
+        self.users -= 1
+        if not self.users:
+            self.executor.shutdown(wait=False)
+
+
+_SHARED: weakref.WeakValueDictionary[tuple[object, Hashable], ModelThread] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def model_thread(weights_key: Hashable, name: str) -> ModelThread:
+    """The model thread of the weights ``weights_key`` names in this event loop: the one
+    another stage already runs them in, else a new one.
+
+    Args:
+        weights_key: what the model says its weights are (hashable).
+        name: names a new thread (``model-{name}``).
+    """
+    key = (asyncio.get_running_loop(), weights_key)  # asyncio's lock belongs to one loop
+    found = _SHARED.get(key)
+    if found is not None:
+        found.users += 1
+        return found
+    _SHARED[key] = made = ModelThread(name)
+    return made
+
+
 class Runner:
     """The stage's model and the one thread it runs in, a batch at a time.
 
     A batch runs in its turn (:meth:`turn`), taken in the order asked for, so what it does
     just before the model starts (ask which of its requests were cancelled while it
-    waited) is done when the model is free, not when the batch closed.
+    waited) is done when the model is free, not when the batch closed. A model that names
+    its weights (a ``weights_key`` attribute, as the Hugging Face runners do) runs in the
+    thread of the other stages of the process on the same weights (:func:`model_thread`):
+    their batches take turns, and :attr:`busy` counts theirs too.
 
     Args:
         stage: the stage served.
@@ -101,40 +154,48 @@ class Runner:
         model: an already-built model (tests, embedding); built by :meth:`load` if None.
 
     Attributes:
-        busy: batches waiting for their turn or in it.
         last_run_s: the model time of the last batch.
     """
 
     def __init__(self, stage: Stage, settings: WorkerSettings, model: Model | None) -> None:
         self.stage, self.settings, self.model = stage, settings, model
-        self.busy = 0
         self.last_run_s = 0.0
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{stage.name}")
-        self._turns = asyncio.Lock()  # FIFO: batches run in the order they asked
-        self._free = asyncio.Event()  # set while busy is 0
-        self._free.set()
+        self.thread = ModelThread(stage.name)
+        self._shared = False
+
+    @property
+    def busy(self) -> int:
+        """Batches waiting for the model or in it (its sharers' included)."""
+        return self.thread.busy
 
     async def load(self) -> None:
-        """Build the stage's model (in the model thread) unless there is one."""
+        """Build the stage's model (in the model thread) unless there is one; then move
+        to the thread of its weights' other stages, if any."""
         if self.model is None:
             loop = asyncio.get_running_loop()
             args = (self.stage, self.settings)
-            self.model = await loop.run_in_executor(self._executor, build_model, *args)
+            self.model = await loop.run_in_executor(self.thread.executor, build_model, *args)
+        key = getattr(self.model, "weights_key", None)
+        if key is not None and not self._shared:
+            self._shared = True
+            self.thread.release()
+            self.thread = model_thread(key, self.stage.name)
 
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
         """Hold the model for one batch (:meth:`run` it inside), after the batches that
         asked before; busy from the asking."""
-        self.busy += 1
-        self._free.clear()
+        thread = self.thread
+        thread.busy += 1
+        thread.free.clear()
         try:
-            async with self._turns:
+            async with thread.turns:
                 yield
         finally:
-            self.busy -= 1
-            if not self.busy:
-                self._free.set()
-        if self.busy:
+            thread.busy -= 1
+            if not thread.busy:
+                thread.free.set()
+        if thread.busy:
             # The next batch takes the model (sends its cancellation check) before this
             # one spends the event loop on its results and their publish, which would
             # keep the model idle meanwhile (~4 ms a batch of 32 embeddings).
@@ -144,7 +205,7 @@ class Runner:
         """Return once no batch holds the model or waits for it, or ``timeout_s`` later."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                await self._free.wait()
+                await self.thread.free.wait()
 
     async def run(
         self, items: list[Item], emit: Emit | None
@@ -154,13 +215,14 @@ class Runner:
         assert self.model is not None
         loop = asyncio.get_running_loop()
         args = (self.model, items, emit)
-        results, run_s = await loop.run_in_executor(self._executor, timed_run, *args)
+        results, run_s = await loop.run_in_executor(self.thread.executor, timed_run, *args)
         self.last_run_s = run_s
         return results, run_s
 
     def close(self) -> None:
-        """Let the model thread go (a batch still in it finishes on its own)."""
-        self._executor.shutdown(wait=False)
+        """Let the model thread go, unless another stage still runs in it (a batch still
+        in it finishes on its own)."""
+        self.thread.release()
 
 
 @dataclass

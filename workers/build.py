@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -16,13 +17,24 @@ _LOAD_LOCK = threading.Lock()
 
 
 def _set_threads(threads: int | None) -> None:
-    if threads is None:
-        return
-    try:
-        import torch
-    except ImportError:  # a framework-free runner: nothing to set
-        return
-    torch.set_num_threads(threads)
+    torch = sys.modules.get("torch")
+    # Only once a model imported torch: a framework-free runner (a function step, a toy)
+    # must not pay its ~200 MB for nothing.
+    if threads is not None and torch is not None:
+        torch.set_num_threads(threads)
+
+
+def process_threads(stages: list[Stage], settings: WorkerSettings) -> int | None:
+    """The torch threads of a process serving ``stages``: the most any of them asks for
+    (:attr:`Stage.threads`, after ``CONVEYOR_RESOURCES``), else ``CONVEYOR_THREADS``
+    (None: torch's default). torch has one intra-op pool per process, so stages sharing a
+    process share it.
+
+    Args:
+        stages: the stages the process serves, with their resources applied.
+        settings: the worker's settings.
+    """
+    return max((s.threads for s in stages if s.threads), default=settings.threads)
 
 
 def build_model(stage: Stage, settings: WorkerSettings) -> Model:
@@ -30,7 +42,9 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
 
     Args:
         stage: the stage to serve.
-        settings: the worker's settings (profile, overrides, device, dtype, threads).
+        settings: the worker's settings (profile, overrides, device, dtype, threads); the
+            stage's own ``device`` wins over the settings' (``threads`` is the process's:
+            :func:`process_threads`).
 
     Raises:
         ConfigError: the runner cannot be imported or does not return a model.
@@ -38,7 +52,7 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
     factory = stage.factory(settings.model_profile)
     options: dict[str, Any] = {
         "model": settings.models.get(stage.name, stage.model_for(settings.model_profile)),
-        "device": settings.device,
+        "device": stage.device or settings.device,
         "dtype": settings.dtype,
         "cache_dir": settings.cache_dir,
         **stage.options,
@@ -46,8 +60,8 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
     # transformers builds models under a process-wide "meta device" context, which two
     # threads loading at once corrupt; one process may host several stages, so loads queue.
     with _LOAD_LOCK:
-        _set_threads(settings.threads)
         model = factory(**options)
+        _set_threads(settings.threads)
     if not callable(getattr(model, "predict", None)):
         raise ConfigError(
             f"stage {stage.name!r}: runner built {type(model).__name__}, no predict()"

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from pipelines.settings import CommonSettings
+from pipelines.stages import Resources
 
 
 def _default_cache() -> str:
@@ -24,7 +25,11 @@ class WorkerSettings(CommonSettings):
         models: per-stage model override, e.g. ``{"generate": "gpt2"}`` (JSON in env).
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
-        threads: torch intra-op threads for this process (unset: torch's default).
+        threads: torch intra-op threads for this process (unset: torch's default); a
+            stage's own ``threads`` wins (:func:`workers.build.process_threads`).
+        resources: per-stage resources over the stages' own (``threads``, ``device``,
+            ``gpus``, ``memory_mb``), e.g. ``{"embed": {"gpus": 0.5, "threads": 2}}``
+            (JSON in env); :class:`~pipelines.stages.Resources`.
         spin_wait: let torch's idle OpenMP threads spin between parallel regions
             (``OMP_WAIT_POLICY=ACTIVE``). Off by default: they sleep when idle
             (``PASSIVE``), leaving the cores to the event loop, Redis and the gateway,
@@ -66,6 +71,7 @@ class WorkerSettings(CommonSettings):
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = Field(default=None, ge=1)
+    resources: dict[str, Resources] = Field(default_factory=dict)
     spin_wait: bool = False
     openmp_spin_count: int = Field(default=10_000, ge=0)
     cache_dir: str = Field(default_factory=_default_cache)

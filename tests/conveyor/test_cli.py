@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from conveyor.cli import main, status_table
 from conveyor.embedded import free_port
+from conveyor.placement import PlacementSettings
 from conveyor.supervisor import worker_groups
 from pipelines.builtin import builtin_pipelines
 from pipelines.keys import Keys
@@ -212,11 +213,18 @@ def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Pa
     assert code == 0, log.read_text()
 
 
-def test_up_starts_each_model_stage_alone_and_the_function_stages_together() -> None:
+def test_up_groups_the_stages_that_load_nothing_and_the_function_stages() -> None:
     registry = Registry(builtin_pipelines()).select(("chain", "hello"))
     functions = "hello.detect,hello.spanish,hello.french"
-    assert worker_groups(registry, None) == [("adder", 1), ("multiplier", 1), (functions, 1)]
-    assert worker_groups(registry, 3) == [("adder", 3), ("multiplier", 3), (functions, 3)]
+    settings = PlacementSettings()
+
+    def groups(replicas: int | None) -> list[tuple[str, int]]:
+        return [(g.name, g.replicas) for g in worker_groups(registry, replicas, settings)]
+
+    assert groups(None) == [("adder,multiplier", 1), (functions, 1)]
+    assert groups(3) == [("adder,multiplier", 3), (functions, 3)]
+    settings = PlacementSettings(share_models=False)
+    assert groups(None) == [("adder", 1), ("multiplier", 1), (functions, 1)]
 
 
 async def test_status_shows_each_lane(harness: Harness, redis: aioredis.Redis) -> None:

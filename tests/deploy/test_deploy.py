@@ -14,6 +14,8 @@ be denied.
 from __future__ import annotations
 
 import functools
+import json
+import math
 import os
 import re
 import shutil
@@ -1059,3 +1061,71 @@ def _run_compose_services(
             assert "Application shutdown complete" in output, output
         else:
             assert code == 0, f"{name} exited {code} on SIGTERM:\n{output}"
+
+
+# --- resources per stage: the deploy files ask what the stages say -------------------------
+
+
+def quantity_mib(value: str | int) -> float:
+    """A Kubernetes or compose memory quantity (``1Gi``, ``512Mi``, ``2g``, ``1024m``) in MiB."""
+    text = str(value)
+    units = {"Gi": 1024, "Mi": 1, "g": 1024, "m": 1, "G": 1000**3 / 2**20, "M": 1000**2 / 2**20}
+    for suffix, scale in units.items():
+        if text.endswith(suffix):
+            return float(text.removesuffix(suffix)) * scale
+    return float(text) / 2**20
+
+
+def cores(value: str | int | float) -> float:
+    """A CPU quantity (``"2"``, ``250m``, ``1.5``) in cores."""
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def stage_asks(stages: list[str], env: Mapping[str, str]) -> tuple[int, int | None, int | None]:
+    """What a worker serving ``stages`` with ``env`` asks: whole GPUs (its GPU share rounded
+    up), torch threads (a stage's own, else ``CONVEYOR_THREADS``) and memory (MiB)."""
+    settings = WorkerSettings(resources=json.loads(env.get("CONVEYOR_RESOURCES", "{}")))
+    registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
+    found = [registry.stage(s).with_resources(settings.resources.get(s)) for s in stages]
+    threads = max((s.threads for s in found if s.threads), default=None)
+    if threads is None and env.get("CONVEYOR_THREADS"):
+        threads = int(env["CONVEYOR_THREADS"])
+    memory = max((s.memory_mb for s in found if s.memory_mb), default=None)
+    return math.ceil(max(s.gpus for s in found)), threads, memory
+
+
+def test_deploy_files_request_the_gpus_cpus_and_memory_their_stages_ask() -> None:
+    checked = 0
+    for name, service in load_compose().items():
+        if role(name) != "worker":
+            continue
+        env = service_env(service)
+        gpus, threads, memory = stage_asks(worker_stages(service["command"]), env)
+        resources = service["deploy"]["resources"]
+        devices = resources["reservations"].get("devices", [])
+        assert sum(int(d["count"]) for d in devices) == gpus, f"{name}: GPUs"
+        assert all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+        if gpus:
+            assert env.get("CONVEYOR_DEVICE", "auto") != "cpu", f"{name}: a GPU for a cpu device"
+        assert cores(resources["limits"]["cpus"]) == threads, f"{name}: cores != threads"
+        if memory is not None:
+            assert quantity_mib(resources["reservations"]["memory"]) == memory, name
+        assert quantity_mib(resources["limits"]["memory"]) >= quantity_mib(
+            resources["reservations"]["memory"]
+        ), name
+        checked += 1
+    for name, deployment in by_kind("Deployment").items():
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        if role(name) != "worker":
+            continue
+        env = container_env(deployment)
+        gpus, threads, memory = stage_asks(worker_stages(container["command"]), env)
+        limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+        assert int(limits.get("nvidia.com/gpu", 0)) == gpus, f"{name}: GPUs"
+        assert cores(limits["cpu"]) == threads, f"{name}: cpu limit != torch threads"
+        if memory is not None:
+            assert quantity_mib(requests["memory"]) == memory, f"{name}: memory request"
+        assert quantity_mib(limits["memory"]) >= quantity_mib(requests["memory"]), name
+        checked += 1
+    assert checked >= 12  # every compose worker and every Deployment of a worker

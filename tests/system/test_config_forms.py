@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from conveyor.autoscale import AutoscaleSettings
+from conveyor.placement import PlacementSettings
 from gateway.settings import GatewaySettings
 from pipelines.builtin.wikisummary import WikiSettings
 from pipelines.settings import CommonSettings
@@ -31,6 +32,7 @@ SETTINGS: tuple[type[BaseSettings], ...] = (
     GatewaySettings,
     WorkerSettings,
     AutoscaleSettings,
+    PlacementSettings,
     WikiSettings,
     CommonSettings,
 )

@@ -61,6 +61,7 @@ class ExtractiveSummarizer:
             raise ValueError(f"num_sentences must be at least 1, got {num_sentences}")
         started = time.perf_counter()
         self.embedder = sentence_encoder(load, batch_size)
+        self.weights_key = self.embedder.weights_key  # one model thread with its sharers
         self.num_sentences = num_sentences
         logger.info(
             "ExtractiveSummarizer loaded %s on %s as %s in %.2fs (num_sentences=%d)",

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -160,12 +162,61 @@ class LoadOptions:
             raise ValueError(f"max_length must be at least 1, got {self.max_length}")
 
 
+WeightsKey = tuple[str, str, str, str]
+"""What identifies loaded weights: (resolved model path, model class, device, dtype)."""
+
+
+class Weights:
+    """One loaded model, shared by every runner in the process that asks for the same
+    :data:`WeightsKey` (kept while one of them holds it: see :func:`load_weights`).
+
+    Attributes:
+        key: what it was loaded as.
+        model: the ``PreTrainedModel``, on its device, in eval mode.
+    """
+
+    def __init__(self, key: WeightsKey, model: PreTrainedModel) -> None:
+        self.key, self.model = key, model
+
+
+_WEIGHTS: weakref.WeakValueDictionary[WeightsKey, Weights] = weakref.WeakValueDictionary()
+_WEIGHTS_LOCK = threading.Lock()
+
+
+def load_weights(path: str, auto_cls: Any, device: torch.device, dtype: torch.dtype) -> Weights:
+    """The model at ``path`` as ``auto_cls`` on ``device`` in ``dtype``: loaded once per
+    process while some runner holds it, so stages on the same weights (the built-in embed,
+    sentiment and summarize all sit on MiniLM) hold one copy. Tokenizers are not shared:
+    they are small, and a runner may set their padding side.
+
+    Args:
+        path: what ``from_pretrained`` reads (:func:`resolve_model_path`).
+        auto_cls: the ``AutoModel...`` class that loads it.
+        device: where it runs.
+        dtype: its weights' dtype.
+    """
+    key = (path, f"{auto_cls.__module__}.{auto_cls.__qualname__}", str(device), str(dtype))
+    with _WEIGHTS_LOCK:
+        found = _WEIGHTS.get(key)
+        if found is not None:
+            logger.info("%s on %s as %s: already loaded, shared", path, device, dtype)
+            return found
+        loaded: PreTrainedModel = auto_cls.from_pretrained(path, dtype=dtype)
+        # PreTrainedModel.to is wrapped with functools.wraps, which mypy reads as an
+        # unbound function still expecting `self`; the call itself is ordinary.
+        weights = Weights(key, loaded.to(device).eval())  # type: ignore[arg-type]
+        _WEIGHTS[key] = weights
+        return weights
+
+
 class HFRunner:
     """Loads a tokenizer and a model through ``from_pretrained``; the runners' base.
 
     A subclass names its ``AutoModel...`` class (which picks the architecture from the
     config) in :attr:`auto_cls`, takes its own options as keywords and forwards the rest
-    (``**load``) here.
+    (``**load``) here. Runners of one process on the same weights share one copy
+    (:func:`load_weights`); :attr:`weights_key` says which, so the worker runs their
+    batches in one model thread, one at a time (:class:`workers.batch.Runner`).
 
     Args:
         load: the fields of :class:`LoadOptions`, kept as :attr:`load`.
@@ -183,10 +234,9 @@ class HFRunner:
         self.dtype = resolve_dtype(self.load.dtype, self.device)
         self.model_path = resolve_model_path(self.load.model, self.load.cache_dir)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
-        loaded: PreTrainedModel = self.auto_cls.from_pretrained(self.model_path, dtype=self.dtype)
-        # PreTrainedModel.to is wrapped with functools.wraps, which mypy reads as an
-        # unbound function still expecting `self`; the call itself is ordinary.
-        self.model = loaded.to(self.device).eval()  # type: ignore[arg-type]
+        self.weights = load_weights(self.model_path, self.auto_cls, self.device, self.dtype)
+        self.weights_key: WeightsKey = self.weights.key
+        self.model: Any = self.weights.model  # as `.to()` types it: generate() and all
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_length = min(
             self.load.max_length,

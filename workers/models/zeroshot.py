@@ -44,6 +44,7 @@ class AnchorSentiment:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.embedder = sentence_encoder(load)
+        self.weights_key = self.embedder.weights_key  # one model thread with its sharers
         self.max_length = self.embedder.max_length  # the input cap, for length-aware batching
         self.temperature = temperature
         anchors = self.embedder.embed([*POSITIVE_ANCHORS, *NEGATIVE_ANCHORS])
