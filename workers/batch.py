@@ -131,7 +131,7 @@ def model_thread(weights_key: Hashable, name: str) -> ModelThread:
     """
     key = (asyncio.get_running_loop(), weights_key)  # asyncio's lock belongs to one loop
     found = _SHARED.get(key)
-    if found is not None:
+    if found is not None and found.users:  # one whose last user left has let its thread go
         found.users += 1
         return found
     _SHARED[key] = made = ModelThread(name)

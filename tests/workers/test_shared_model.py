@@ -109,6 +109,24 @@ async def test_stages_on_different_models_keep_their_own_threads(harness: Harnes
     assert len({thread for _, thread, _, _ in log}) == 2
 
 
+async def test_a_worker_on_weights_another_worker_left_gets_a_live_thread(
+    harness: Harness,
+) -> None:
+    # The first worker on the weights stops and lets its model thread go; a later one on
+    # the same weights, in the same event loop (a restarted stage, or the next test),
+    # must not be handed that stopped thread.
+    log: list[tuple[str, int, float, float]] = []
+    first = harness.worker(number_stage("a"), Recorder("reused", log, "a"))
+    await first.start()
+    first.runner.close()
+    later = harness.worker(number_stage("a"), Recorder("reused", log, "a"))
+    await later.start()
+    assert later.runner.thread is not first.runner.thread
+    await harness.enqueue("a", [{"value": 1}])
+    assert await later.run(burst=True) == 1
+    assert [name for name, *_ in log] == ["a"]
+
+
 async def test_the_builtin_stages_on_minilm_load_it_once_in_one_worker_process(
     harness: Harness,
 ) -> None:
