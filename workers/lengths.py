@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pipelines.envelope import FIELD
 from pipelines.model import Item
 from pipelines.tokens import capped, entry_cost, estimate
-from workers.batch import Entry
+from workers.batch import BatchRecord, Entry
 
 
 def entry_tokens(entry: Entry, max_length: int | None) -> int:
@@ -42,6 +42,20 @@ def item_tokens(item: Item, max_length: int | None) -> int:
 def padding(tokens: Sequence[int]) -> tuple[int, int]:
     """(real, padded) tokens of a batch of items of ``tokens`` each."""
     return sum(tokens), len(tokens) * max(tokens, default=0)
+
+
+def input_cap(model: object) -> int | None:
+    """A model's input cap in tokens, where it has one (``max_length``, as the Hugging
+    Face runners do); None without one (or before it loads)."""
+    cap = getattr(model, "max_length", None)
+    return cap if isinstance(cap, int) and cap > 0 else None
+
+
+def account(record: BatchRecord, items: list[Item], cap: int | None) -> int:
+    """Note the real and padded tokens of the items a batch ran in its record; returns
+    the padded ones (what a length-aware stage learns its cost on)."""
+    record.tokens, record.padded_tokens = padding([item_tokens(i, cap) for i in items])
+    return record.padded_tokens
 
 
 def cuts(tokens: Sequence[int], max_tokens: int, overhead: float) -> list[int]:

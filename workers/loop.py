@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from redis.exceptions import ResponseError
 
-from pipelines import stats, tracing
+from pipelines import tracing
 from pipelines.envelope import LANES
 from pipelines.graph import single
 from pipelines.model import Model
@@ -31,10 +31,11 @@ from pipelines.stages import Stage
 from workers.batch import BatchRecord, Entry, Runner, by_stream
 from workers.intake import Batch, Intake
 from workers.lanes import Lanes
-from workers.lengths import Lengths, item_tokens, padding
+from workers.lengths import Lengths, account, input_cap
 from workers.partials import Partials
 from workers.publish import Published, publish
 from workers.recovery import Letter, Recovery
+from workers.report import batch_counts, log_batch, tally
 from workers.route import Outbox, Router
 from workers.settings import WorkerSettings
 from workers.spans import record_batch
@@ -107,7 +108,7 @@ class Worker:
             else settings.max_batch_tokens
         )
         self.lengths = (
-            Lengths(max_tokens, self.window.overhead_tokens, self.model_max_length)
+            Lengths(max_tokens, self.window.overhead_tokens, lambda: input_cap(self.runner.model))
             if max_tokens
             else None
         )
@@ -284,55 +285,21 @@ class Worker:
             await heartbeat.stop()
             if partials is not None:
                 await partials.close()  # every partial is out before the final reply
-        real, padded = padding([item_tokens(item, self.model_max_length()) for item in items])
-        batch.record.tokens, batch.record.padded_tokens = real, padded
+        padded = account(batch.record, items, input_cap(self.runner.model))
         units = padded if self.lengths is not None else len(items)
         self.window.learn(len(items), units, batch.record.run_s)
 
-    def model_max_length(self) -> int | None:
-        """The model's input cap in tokens, where it has one (``max_length``, as the
-        Hugging Face runners do); None before it loads or without one."""
-        cap = getattr(self.runner.model, "max_length", None)
-        return cap if isinstance(cap, int) and cap > 0 else None
-
     async def _publish_batch(self, batch: Batch) -> None:
         """Publish and ack the batch, count it, and log it in one line."""
-        record = batch.record
-        counts = stats.batch_fields(record.size, len(batch.live), batch.waits, record.run_s)
-        if record.padded_tokens:
-            counts["tokens"], counts["padded_tokens"] = record.tokens, record.padded_tokens
-        if batch.letters:
-            counts["dead_letters"] = len(batch.letters)
-        gauges = self.window.gauges()
-        out = batch.out
+        counts, gauges = batch_counts(batch), self.window.gauges()
         published = await self._publish(
-            out, batch.entries, counts, batch.letters, gauges, batch.dropped
+            batch.out, batch.entries, counts, batch.letters, gauges, batch.dropped
         )
-        # Counted as publish counts them: one outcome per request (see Effects.outcome),
-        # cancelled for those it found cancelled.
-        record.outcomes.update(
-            "cancelled" if marker in published.cancelled else effects.outcome()
-            for marker, effects in out.effects.items()
-        )
-        record.outcomes["error"] += len(batch.dropped)
-        self.history.append(record)
+        tally(batch, published)
+        self.history.append(batch.record)
         if tracing.STATE.enabled:
             record_batch(self.stage.name, batch, self.clock.now(), self.consumer)
-        logger.info(
-            "stage %s batch=%d ok=%d error=%d expired=%d cancelled=%d wait_max=%.1fms "
-            "run=%.1fms tokens=%d/%d traces=%s",
-            self.stage.name,
-            record.size,
-            record.outcomes["ok"],
-            record.outcomes["error"],
-            record.outcomes["expired"],
-            record.outcomes["cancelled"],
-            max(batch.waits) * 1000,
-            record.run_s * 1000,
-            record.tokens,
-            record.padded_tokens,
-            ",".join(record.trace_ids),
-        )
+        log_batch(self.stage.name, batch)
 
     async def _publish(
         self,
