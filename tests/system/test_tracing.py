@@ -86,6 +86,17 @@ def test_a_three_step_request_is_one_connected_trace_whose_spans_add_up(
                 # The answer names the gateway's span in the client's trace.
                 _, trace_id, root_id, _ = resp.headers["traceparent"].split("-")
                 assert trace_id == client_trace
+                # A malformed traceparent is ignored: the request is served in a new trace.
+                for bad in ("garbage", f"00-{'0' * 32}-{client_span}-01", "00-" + "z" * 52):
+                    other = httpx.post(
+                        f"{gateway.base}/v1/chain3",
+                        json={"value": 1},
+                        headers={"traceparent": bad},
+                        timeout=60,
+                    )
+                    assert other.status_code == 200, (bad, other.text)
+                    fresh = other.headers["traceparent"].split("-")[1]
+                    assert fresh not in (client_trace, "0" * 32), bad
                 wanted_names = {f"{s} {p}" for s in STEPS for p in PER_STAGE} | set(GATEWAY)
                 spans = wait_for_spans(got, trace_id, wanted_names)
                 gateway_log, worker_text = gateway.log(), worker_log.read_text()

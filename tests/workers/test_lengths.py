@@ -197,6 +197,27 @@ def test_a_split_runs_every_entry_once_each_group_in_arrival_order(
         assert group == sorted(group, key=entries.index)
 
 
+async def test_hostile_estimates_in_entries_neither_crash_nor_lose_them(harness: Harness) -> None:
+    # The estimate field is only a hint: any foreign value in it falls back to the
+    # envelope's length, a huge one only sends its entry alone.
+    model = Lengths()
+    requests = await harness.enqueue("lens", [{"text": f"t{i}"} for i in range(5)])
+    stream = harness.keys.stage_stream("lens")
+    hostile = [b"-5", b"abc", b"99999999999999999999999", b"", "\u0663".encode()]
+    for (entry_id, fields), value in zip(
+        await entries_of(harness.redis, stream), hostile, strict=True
+    ):
+        await harness.redis.xdel(stream, entry_id)
+        await harness.redis.xadd(stream, {FIELD: fields[FIELD], COST: value})
+    worker = harness.worker(text_stage(max_batch_tokens=64), model)
+    await worker.run(burst=True)
+    assert sorted(t for batch in model.batches for t in batch) == sorted(
+        r.payload["text"] for r in requests
+    )
+    answered = await entries_of(harness.redis, harness.keys.reply_stream("test"))
+    assert len(answered) == 5
+
+
 def test_the_cost_is_learned_in_tokens_and_predicted_per_item() -> None:
     policy = BatchPolicy(32)
     assert policy.batch_overhead_tokens() == OVERHEAD_PRIOR_TOKENS
