@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port, start_redis
-from pipelines.envelope import decode_reply
+from pipelines.envelope import LANES, Lane, decode_reply
 from pipelines.keys import GROUP
 from pipelines.redisio import text
 from pipelines.stats import stage_status
@@ -181,12 +181,15 @@ async def _at_least(redis: aioredis.Redis, stream: str, n: int) -> bool:
     return await answered(redis, stream) >= n
 
 
+@pytest.mark.parametrize("lane", LANES)
 async def test_paused_worker_resumed_doubles_no_reply_and_no_count(
-    harness: Harness, redis: aioredis.Redis, tmp_path: Path
+    harness: Harness, redis: aioredis.Redis, tmp_path: Path, lane: Lane
 ) -> None:
-    sent = await harness.enqueue("slow", [{"value": i} for i in range(32)])
+    # On either lane: a bulk batch paused mid-run is reclaimed from its lane's stream too.
+    sent = await harness.enqueue("slow", [{"value": i} for i in range(32)], lane=lane)
     paused = slow_worker(tmp_path, CONVEYOR_TEST_DELAY_S="4", CONVEYOR_BLOCK_MS="100")
-    stream, reply_stream = harness.keys.stage_stream("slow"), harness.keys.reply_stream("test")
+    stream = harness.keys.stage_stream("slow", lane)
+    reply_stream = harness.keys.reply_stream("test")
     try:
 
         async def holding_all() -> bool:
