@@ -42,13 +42,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def start_redis(port: int, workdir: Path, *, appendonly: bool = False) -> subprocess.Popen[bytes]:
+def start_redis(
+    port: int, workdir: Path, *, appendonly: bool = False, cluster: bool = False
+) -> subprocess.Popen[bytes]:
     """Start redis-server on 127.0.0.1:``port`` and return once it accepts connections.
 
     Args:
         port: the port to bind.
         workdir: its working directory (AOF files live there).
         appendonly: persist every write (``appendfsync always``).
+        cluster: start it as a Redis Cluster node (its ``nodes.conf`` in ``workdir``);
+            it serves nothing until a cluster is created over it.
 
     Raises:
         ConfigError: it exited or did not accept connections within 20 s.
@@ -64,6 +68,8 @@ def start_redis(port: int, workdir: Path, *, appendonly: bool = False) -> subpro
         "maxmemory-policy": "noeviction",
         "protected-mode": "yes",
     }
+    if cluster:
+        config |= {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"}
     args = [find_redis_server()]
     for name, value in config.items():
         args += [f"--{name}", value]
