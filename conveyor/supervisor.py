@@ -146,7 +146,7 @@ class Supervisor:
         workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
         self.redis = start_redis(port, workdir)
         self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
-        print(f"conveyor: embedded redis on 127.0.0.1:{port} ({workdir})", flush=True)
+        say(f"embedded redis on 127.0.0.1:{port} ({workdir})")
 
     def _spawn(self, module: str, *argv: str, env: dict[str, str] | None = None) -> Process:
         # Its own process group: see the module's docstring.
@@ -251,7 +251,7 @@ def _terminate(procs: list[tuple[str, Process]]) -> None:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"conveyor: {name} did not stop within {STOP_GRACE_S:g}s; killed", flush=True)
+            say(f"{name} did not stop within {STOP_GRACE_S:g}s; killed")
             proc.kill()
             proc.wait()
 
@@ -300,11 +300,10 @@ def up(options: UpOptions) -> int:
                 f"; autoscaling {', '.join(g.name for g in scaled)} "
                 f"({scaling.min_workers} to {scaling.max_workers} workers each)"
             )
-        print(
-            f"conveyor: gateway on http://{options.host}:{options.port} serving "
+        say(
+            f"gateway on http://{options.host}:{options.port} serving "
             f"{', '.join(registry.pipelines)}; {len(supervisor.children) - 1} worker "
-            f"process(es){autoscaled} loading their models; Ctrl-C stops",
-            flush=True,
+            f"process(es){autoscaled} loading their models; Ctrl-C stops"
         )
         readiness = Readiness(
             CommonSettings(redis_url=env["CONVEYOR_REDIS_URL"]),
@@ -315,7 +314,7 @@ def up(options: UpOptions) -> int:
         readiness.start()
         why = supervisor.supervise()
         if why is not None:
-            print(f"conveyor: {why}; stopping", flush=True)
+            say(f"{why}; stopping")
             code = 1
     except _Stop:
         pass

@@ -12,7 +12,7 @@ from typing import Any
 
 from pipelines.graph import Pipeline, function, single
 from pipelines.model import Item, Result
-from pipelines.stages import Stage
+from pipelines.stages import Stage, TextIn
 from tests.helpers import REPO, NumberIn
 
 
@@ -42,7 +42,21 @@ class Crashy:
         return [{"value": item["value"] * 2} for item in items]
 
 
+class SlowTexts:
+    """Answers each text's length after sleeping ``CONVEYOR_TEST_DELAY_S`` per batch."""
+
+    def __init__(self, **options: Any) -> None:
+        self.delay_s = float(os.environ.get("CONVEYOR_TEST_DELAY_S", "0"))
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Sleep, then measure."""
+        time.sleep(self.delay_s)
+        return [{"n": len(item["text"])} for item in items]
+
+
 SLOW = Stage("slow", NumberIn, "tests.faultapp:Sleepy", max_batch_size=32, batch_wait_ms=50)
+TEXTS = Stage("texts", TextIn, "tests.faultapp:SlowTexts", batch_wait_ms=50, max_batch_tokens=8192)
+"""Length-aware: a window of short and long texts runs as two batches, back to back."""
 CRASHY = Stage("crashy", NumberIn, "tests.faultapp:Crashy", max_batch_size=16, batch_wait_ms=300)
 
 
@@ -66,7 +80,7 @@ CHAIN = Pipeline(
 )
 """Three function steps, the middle one slow (``CONVEYOR_TEST_STEP_S`` per item)."""
 
-pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), CHAIN]
+pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), single(TEXTS), CHAIN]
 
 
 def spawn(module: str, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:

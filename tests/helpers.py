@@ -65,6 +65,24 @@ def wait_ready(
     pytest.fail(f"gateway not ready within {limit_s:g} s")
 
 
+def up_env(**extra: str) -> dict[str, str]:
+    """``conveyor up``'s environment for a test: this one without its ``CONVEYOR_*``
+    settings, this checkout's code, offline, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    return env | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **extra}
+
+
+def wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes], limit_s: float = 120) -> str:
+    """Wait until ``proc``'s output, written to ``log``, holds ``text``; returns it all.
+    Fails if the process exits first or ``limit_s`` passes."""
+    give_up = time.monotonic() + limit_s
+    while text not in (out := log.read_text()):
+        assert proc.poll() is None, out
+        assert time.monotonic() < give_up, out
+        time.sleep(0.1)  # another process writes its log as it starts; nothing to await
+    return out
+
+
 class NumberIn(BaseModel):
     """Input of the test stages."""
 

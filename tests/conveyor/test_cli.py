@@ -25,15 +25,9 @@ from pipelines.keys import Keys
 from pipelines.registry import Registry
 from pipelines.stats import stage_status
 from tests.gateway.test_lanes import put
-from tests.helpers import REPO, Harness, wait_ready
+from tests.helpers import REPO, Harness, up_env, wait_for_line, wait_ready
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
-
-
-def up_env(cache_dir: Path) -> dict[str, str]:
-    """This environment without CONVEYOR_ settings, offline, with the test's model cache."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    return env | {"CONVEYOR_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
 
 
 def start_up(port: int, env: dict[str, str], log: Path, **popen: Any) -> subprocess.Popen[bytes]:
@@ -50,7 +44,7 @@ def start_up(port: int, env: dict[str, str], log: Path, **popen: Any) -> subproc
 
 def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Path) -> None:
     port = free_port()
-    env = up_env(cache_dir)
+    env = up_env(CONVEYOR_CACHE_DIR=str(cache_dir))
     log = tmp_path / "up.log"
     proc = start_up(port, env, log)
     base = f"http://127.0.0.1:{port}"
@@ -91,7 +85,7 @@ def test_up_says_when_models_are_loaded_and_stops_in_order_without_warnings(
     # their groups. Else the test's, so what the workers left there can be read after.
     port = free_port()
     namespace = f"up-{int(signum)}"
-    env = up_env(cache_dir)
+    env = up_env(CONVEYOR_CACHE_DIR=str(cache_dir))
     if not embedded:
         env |= {"CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": namespace}
     log = tmp_path / "up.log"
@@ -99,11 +93,7 @@ def test_up_says_when_models_are_loaded_and_stops_in_order_without_warnings(
     # whole process group, which before this fix held redis, gateway and workers too.
     proc = start_up(port, env, log, start_new_session=True)
     try:
-        give_up = time.monotonic() + 120
-        while "ready: every stage's workers have loaded their models" not in log.read_text():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < give_up, log.read_text()
-            time.sleep(0.1)  # another process is loading a model; nothing to await here
+        wait_for_line(log, "ready: every stage's workers have loaded their models", proc)
         # Ready means ready: the first request needs no retry and waits for no model.
         started = time.monotonic()
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/embed", json={"text": "hi"}, timeout=60)

@@ -5,12 +5,10 @@ stages sharing one model's process, and the autoscaler placing the workers it ad
 from __future__ import annotations
 
 import logging
-import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from subprocess import Popen
 
@@ -36,7 +34,7 @@ from pipelines.errors import ConfigError
 from pipelines.registry import Registry, load_registry
 from pipelines.stages import BUILTIN, Resources, Stage, TextIn
 from pipelines.stats import StageStatus
-from tests.helpers import REPO
+from tests.helpers import REPO, up_env, wait_for_line
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 
@@ -301,12 +299,6 @@ def environ(pid: int) -> dict[str, str]:
     return dict(kv.decode().partition("=")[::2] for kv in raw if b"=" in kv)
 
 
-def up_env(**extra: str) -> dict[str, str]:
-    """``conveyor up``'s environment for these tests: the worktree's code, no Redis given."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    return env | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **extra}
-
-
 def test_up_starts_each_worker_with_its_own_gpus_and_threads(tmp_path: Path) -> None:
     log = tmp_path / "up.log"
     resources = '{"adder": {"gpus": 0.5}, "multiplier": {"gpus": 1, "threads": 3}}'
@@ -315,12 +307,7 @@ def test_up_starts_each_worker_with_its_own_gpus_and_threads(tmp_path: Path) -> 
     with log.open("wb") as out:
         up = Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 90
-        while "conveyor: ready:" not in log.read_text():
-            assert up.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        text = log.read_text()
+        text = wait_for_line(log, "conveyor: ready:", up, limit_s=90)
         assert "conveyor: placement: GPU(s) 0,1;" in text
         assert "conveyor: worker adder#0: GPU 1 (0.5 reserved)" in text
         assert "conveyor: worker multiplier#0: GPU 0 (1 reserved), 3 torch thread(s)" in text

@@ -23,7 +23,7 @@ from pipelines.envelope import LANES, Lane, decode_reply
 from pipelines.keys import GROUP
 from pipelines.redisio import text
 from pipelines.stats import stage_status
-from tests.faultapp import SLOW, spawn
+from tests.faultapp import SLOW, TEXTS, SlowTexts, spawn
 from tests.helpers import Doubler, Harness, number_stage, until, wait_ready
 
 
@@ -215,6 +215,44 @@ async def test_paused_worker_resumed_doubles_no_reply_and_no_count(
     assert items == {"items:ok": 32}  # 64 before: the resumed batch was counted too
     assert stats["model_items"] == 64  # the duplicated work is visible
     assert (await redis.xpending(stream, GROUP))["pending"] == 0
+
+
+async def test_a_worker_killed_between_the_batches_of_a_length_aware_window_loses_none(
+    harness: Harness, redis: aioredis.Redis, tmp_path: Path
+) -> None:
+    # One window of short and long texts runs as two batches, back to back; the worker
+    # dies after publishing the first, while the second runs: its entries, still pending,
+    # are reclaimed and answered once, and the first batch's are not run again.
+    texts = [f"s{i}" for i in range(8)] + [" ".join(["long"] * 300) + str(i) for i in range(8)]
+    sent = await harness.enqueue("texts", [{"text": t} for t in texts])
+    victim = spawn(
+        "workers",
+        "texts",
+        log=tmp_path / "worker.log",
+        CONVEYOR_TEST_DELAY_S="1.5",
+        CONVEYOR_BLOCK_MS="100",
+    )
+    reply_stream = harness.keys.reply_stream("test")
+    try:
+        await until(lambda: _at_least(redis, reply_stream, 8), limit_s=60)  # the short ones
+        victim.kill()  # the long ones' batch is running
+        victim.wait(timeout=10)
+        assert await answered(redis, reply_stream) == 8
+        survivor = harness.worker(TEXTS, SlowTexts(), min_idle_ms=300, reclaim_interval_ms=50)
+        harness.run(survivor)
+        await until(lambda: _at_least(redis, reply_stream, 16))
+    finally:
+        stop(victim)
+    replies = [decode_reply(f or {}) for _, f in await redis.xrange(reply_stream) or []]
+    assert sorted(r.id for r in replies) == sorted(r.id for r in sent)  # none lost or doubled
+    by_id = {r.id: r.result for r in replies}
+    assert [by_id[r.id] for r in sent] == [{"n": len(t)} for t in texts]
+    first = [r.id for r in replies[:8]]
+    assert sorted(first) == sorted(r.id for r in sent[:8])  # the short batch went first
+    stats = await harness.stats("texts")
+    assert stats["items:ok"] == 16
+    assert stats["model_items"] == 16  # counted as published: the dead worker's run is not
+    assert (await stage_status(redis, harness.keys, "texts")).pending == 0
 
 
 async def test_redis_kill_9_under_job_load_completes_every_job_and_admits_again(
