@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from pipelines.envelope import decode_request
 from pipelines.errors import ConfigError, EnvelopeError
+from pipelines.keys import Keys
 from pipelines.records import DeadLetter
 from pipelines.redisio import RedisClock, connect, enqueue, text
 from pipelines.registry import load_registry
@@ -49,17 +50,18 @@ async def dlq_command(action: str, stage: str, entry_id: str | None, timeout_s: 
     entry_id = stream_id(entry_id)
     settings = CommonSettings()
     client = connect(settings)
-    dlq = settings.keys.dead_letters(stage)
     try:
-        raw = await client.xrange(dlq, min=entry_id or "-", max=entry_id or "+") or []
-        entries: list[Entry] = cast(list[Any], raw)
-        if action == "list":
-            _list(dlq, entries)
-        elif action == "replay":
-            await _replay(client, settings, stage, entries, timeout_s)
-        else:
-            removed = await client.xdel(dlq, *[eid for eid, _ in entries]) if entries else 0
-            print(f"purged {removed} dead letter(s) from {dlq}")
+        for keys in settings.keys.each():  # each partition has its own dead letters
+            dlq = keys.dead_letters(stage)
+            raw = await client.xrange(dlq, min=entry_id or "-", max=entry_id or "+") or []
+            entries: list[Entry] = cast(list[Any], raw)
+            if action == "list":
+                _list(dlq, entries)
+            elif action == "replay":
+                await _replay(client, settings, keys, stage, entries, timeout_s)
+            else:
+                removed = await client.xdel(dlq, *[eid for eid, _ in entries]) if entries else 0
+                print(f"purged {removed} dead letter(s) from {dlq}")
     finally:
         await client.aclose()
     return 0
@@ -80,11 +82,11 @@ def _list(dlq: str, entries: list[Entry]) -> None:
 async def _replay(
     client: aioredis.Redis,
     settings: CommonSettings,
+    keys: Keys,
     stage: str,
     entries: list[Entry],
     timeout_s: float,
 ) -> None:
-    keys = settings.keys
     dlq = keys.dead_letters(stage)
     clock = RedisClock()
     await clock.calibrate(client)
@@ -96,6 +98,11 @@ async def _replay(
         try:
             req = decode_request(fields)
         except EnvelopeError:  # nothing to run: left where it is, reported below
+            skipped.append(text(eid))
+            continue
+        if keys.of(req.id).partition != keys.partition:
+            # Not a request of this partition (written under another partition count):
+            # its replay would cross slots. Left where it is, reported below.
             skipped.append(text(eid))
             continue
         pipeline = registry.pipelines.get(req.pipeline)
@@ -136,7 +143,7 @@ async def _replay(
         )
     if skipped:
         print(
-            f"conveyor: skipped {len(skipped)} undecodable dead letter(s), left in "
+            f"conveyor: skipped {len(skipped)} undecodable or foreign dead letter(s), left in "
             f"{dlq} (`conveyor dlq list {stage}` shows why): {', '.join(skipped)}",
             file=sys.stderr,
         )

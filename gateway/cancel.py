@@ -101,7 +101,8 @@ class Cancellations:
         """
 
         def write() -> Any:
-            return mark_cancelled(self.client, self.keys, request_id, deadline, self.clock.now())
+            keys = self.keys.of(request_id)
+            return mark_cancelled(self.client, keys, request_id, deadline, self.clock.now())
 
         try:
             async with asyncio.timeout(self.write_s):
@@ -138,13 +139,14 @@ class Cancellations:
             return False, view  # finished: a marker would change nothing
         # A record from before deadlines were kept may run for as long as it is kept.
         deadline = record.deadline or self.clock.now() + self.job_ttl_s
-        key = self.keys.job(job_id)
+        keys = self.keys.of(job_id)
+        key = keys.job(job_id)
 
         async def mark_then_read() -> list[Any]:
             # One transaction: the status read is the one the marker was set against. A
             # worker publishing after it discards its result (workers/publish.py).
             pipe = self.client.pipeline(transaction=True)
-            mark_cancelled(pipe, self.keys, job_id, deadline, self.clock.now())
+            mark_cancelled(pipe, keys, job_id, deadline, self.clock.now())
             pipe.hgetall(key)
             return list(await pipe.execute())
 

@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 
 from pipelines.keys import Keys
 from pipelines.metrics import BUCKETS, le_label
-from pipelines.redisio import REDIS_DOWN, RedisClock, text
-from pipelines.stats import OUTCOMES
+from pipelines.redisio import REDIS_DOWN, RedisClock
+from pipelines.stats import OUTCOMES, merge_stats
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +119,16 @@ class History:
                 await self._task
 
     async def sample(self) -> None:
-        """Take one reading (one round trip for every stage)."""
-        pipe = self.client.pipeline(transaction=False)
+        """Take one reading (one round trip for every stage and partition)."""
+        parts = self.keys.each()
+        pipe = self.client.pipeline(transaction=False)  # a cluster splits it by shard
         for stage in self.stages:
-            pipe.hgetall(self.keys.stage_stats(stage))
+            for part in parts:
+                pipe.hgetall(part.stage_stats(stage))
         answers = await pipe.execute()
+        n = len(parts)
         stats = {
-            stage: {text(k): float(v) for k, v in raw.items()}
-            for stage, raw in zip(self.stages, answers, strict=True)
+            stage: merge_stats(answers[i * n : (i + 1) * n]) for i, stage in enumerate(self.stages)
         }
         self.samples.append(Sample(self.clock.now(), stats))
 

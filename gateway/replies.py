@@ -1,7 +1,9 @@
 """One loop per gateway process reads its reply stream and resolves waiting futures.
 
 No connection is held per waiting request and nothing polls: the loop blocks on
-XREAD of this process's own reply stream and wakes each waiter by request id.
+XREAD of this process's own reply streams (one per partition) and wakes each waiter by
+request id. On a Redis Cluster one XREAD cannot span slots, so each partition's stream
+has a reading loop of its own.
 """
 
 from __future__ import annotations
@@ -25,21 +27,25 @@ class ReplyDispatcher:
 
     Args:
         client: a client whose socket timeout exceeds ``block_ms``.
-        stream: this gateway's reply stream.
+        streams: this gateway's reply streams, one per partition.
         block_ms: how long one XREAD blocks.
+        per_slot: read each stream on its own (a cluster client), not all in one XREAD.
 
     Attributes:
         written: with tracing on, when each reply handed to a waiter was written (Redis
             clock, seconds), until the waiter takes it (:meth:`Gateway.call`).
     """
 
-    def __init__(self, client: aioredis.Redis, stream: str, block_ms: int) -> None:
+    def __init__(
+        self, client: aioredis.Redis, streams: list[str], block_ms: int, *, per_slot: bool = False
+    ) -> None:
         self.client = client
-        self.stream = stream
+        self.streams = streams
         self.block_ms = block_ms
+        self.per_slot = per_slot
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._streams: dict[str, asyncio.Queue[Reply]] = {}
-        self._last_id = "0-0"
+        self._last_ids = dict.fromkeys(streams, "0-0")
         self._stopping = False
         self.written: dict[str, float] = {}
 
@@ -72,11 +78,22 @@ class ReplyDispatcher:
 
     async def run(self) -> None:
         """Read and dispatch until stopped; Redis outages are waited out."""
+        if not self.per_slot:
+            await self._read(self.streams)
+            return
+        readers = [asyncio.create_task(self._read([s])) for s in self.streams]
+        try:
+            await asyncio.gather(*readers)
+        finally:  # one failing stops the rest (the gateway logs it)
+            self._stopping = True
+            await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _read(self, streams: list[str]) -> None:
         backoff = 0.1
         while not self._stopping:
             try:
                 response = await self.client.xread(
-                    {self.stream: self._last_id}, count=1024, block=self.block_ms
+                    {s: self._last_ids[s] for s in streams}, count=1024, block=self.block_ms
                 )
                 backoff = 0.1
             except REDIS_DOWN as exc:
@@ -84,9 +101,10 @@ class ReplyDispatcher:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            for _stream, entries in cast(list[Any], response or []):
+            for stream, entries in cast(list[Any], response or []):
+                name = stream.decode() if isinstance(stream, bytes) else stream
                 for entry_id, fields in entries:
-                    self._last_id = entry_id.decode()
+                    self._last_ids[name] = entry_id.decode()
                     self._dispatch(entry_id, fields)
             if response:
                 # Let the woken handlers answer their clients before the next read is

@@ -30,8 +30,8 @@ from pipelines.graph import Pipeline
 from pipelines.records import JobRecord, create_job
 from pipelines.redisio import (
     REDIS_DOWN,
+    SATURATED,
     Enqueuer,
-    PoolExhausted,
     RedisClock,
     connect,
     enqueue,
@@ -56,12 +56,15 @@ class Gateway:
         self.registry = registry
         self.keys = settings.keys
         self.gateway_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.reply_stream = self.keys.reply_stream(self.gateway_id)
+        # One per partition: a worker publishes a reply in its request's slot.
+        self.reply_streams = [k.reply_stream(self.gateway_id) for k in self.keys.each()]
         self.clock = RedisClock()
         self.metrics = RequestMetrics()
         self.client: aioredis.Redis = connect(settings)
         self._reader = connect(settings, block_ms=settings.reply_block_ms)
-        self.replies = ReplyDispatcher(self._reader, self.reply_stream, settings.reply_block_ms)
+        self.replies = ReplyDispatcher(
+            self._reader, self.reply_streams, settings.reply_block_ms, per_slot=settings.cluster
+        )
         self.admission = Admission(
             self.client,
             self.keys,
@@ -105,10 +108,11 @@ class Gateway:
         await self.history.stop()
         await self.withdrawals.abandon()
         await self.cancellations.close()
-        try:  # nobody will read it again; without this it lingers until its TTL
-            await self.client.delete(self.reply_stream)
+        try:  # nobody will read them again; without this they linger until their TTL
+            for stream in self.reply_streams:  # one at a time: each in its own slot
+                await self.client.delete(stream)
         except REDIS_DOWN as exc:
-            logger.warning("reply stream %s left to expire: %s", self.reply_stream, exc)
+            logger.warning("reply streams %s left to expire: %s", self.reply_streams, exc)
         await self._reader.aclose()
         await self.client.aclose()
 
@@ -124,7 +128,7 @@ class Gateway:
         """Whether Redis answers (a stage with no worker is not a readiness failure)."""
         try:
             return bool(await self.client.ping())
-        except PoolExhausted:
+        except SATURATED:
             return True  # saturated, not down: taking it out of rotation would only spread it
         except REDIS_DOWN:
             return False
@@ -191,7 +195,8 @@ class Gateway:
             admitted = self.clock.now()
             traces.child(root, "admission", started, admitted, **{"conveyor.lane": lane})
             trace_id = trace_id or tracing.trace_id_of(root)
-        reply_to = self.keys.job(request_id) if job else self.reply_stream
+        keys = self.keys.of(request_id)  # the partition of everything it touches
+        reply_to = keys.job(request_id) if job else keys.reply_stream(self.gateway_id)
         request = Request(
             id=request_id,
             pipeline=pipeline.name,
@@ -224,7 +229,7 @@ class Gateway:
                     await on_live_connection(self.client, write_job)
             else:  # with the other calls of this moment, in one round trip
                 await self.enqueuer.enqueue(request)
-        except PoolExhausted as exc:
+        except SATURATED as exc:
             raise refusal(exc) from exc  # no connection came free: nothing was sent
         except (*REDIS_DOWN, TimeoutError) as exc:
             # The write may have been sent and still run (Redis stalled, not gone): the
@@ -349,7 +354,7 @@ class Gateway:
     async def _record(self, job_id: str, owner: str) -> JobRecord:
         try:
             raw = await on_live_connection(
-                self.client, lambda: self.client.hgetall(self.keys.job(job_id))
+                self.client, lambda: self.client.hgetall(self.keys.of(job_id).job(job_id))
             )
         except REDIS_DOWN as exc:
             raise refusal(exc) from exc

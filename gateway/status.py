@@ -140,7 +140,9 @@ async def read_stage_row(gw: Gateway, stage: str) -> StageRow:
     """
     status = await stage_status(gw.client, gw.keys, stage)
     stats = await read_stats(gw.client, gw.keys, stage)
-    dead_letters = int(await gw.client.xlen(gw.keys.dead_letters(stage)))
+    dead_letters = 0
+    for part in gw.keys.each():
+        dead_letters += int(await gw.client.xlen(part.dead_letters(stage)))
     return stage_row(status, stats, dead_letters, gw.history.latency(stage, stats))
 
 

@@ -44,8 +44,9 @@ class Withdrawals:
     def start(self, request: Request, timeout_s: float) -> None:
         """Withdraw ``request`` (refused with ``timeout_s`` as its budget) in the background."""
         # Only what the withdrawal needs is kept, not the request (its payload can be a MiB).
-        rid, marker = request.id, self.keys.done(request.id, request.step)
-        job = request.reply_to if request.reply_to.startswith(self.keys.job_prefix) else None
+        keys = self.keys.of(request.id)
+        rid, marker = request.id, keys.done(request.id, request.step)
+        job = request.reply_to if request.reply_to.startswith(keys.job_prefix) else None
         ttl = int(timeout_s) + 120  # past anything a worker could still publish for it
         until = request.deadline + 60
 

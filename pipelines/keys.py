@@ -1,35 +1,94 @@
 """Every Redis key and stream name conveyor uses, built in one place.
 
-All names live under one namespace, written as a Redis Cluster hash tag
-(``{conveyor}:...``), so every key of a deployment maps to one cluster slot and the
-script that publishes results and acks a batch never crosses slots. A deployment
-that outgrows one shard runs several namespaces.
+All names live under one namespace, split into partitions. Each partition's keys share
+one Redis Cluster hash tag, so they map to one cluster slot, and the script that
+publishes a batch's results and acks it never crosses slots. One partition (the
+default) is the tag ``{namespace}``: every key of the deployment in one slot, on one
+shard. With ``P`` partitions, partition ``k`` is ``{namespace.p<k>}`` (plus a suffix
+that places its slot in the ``k``-th ``P``-th of the slot space, so partitions spread
+evenly over shards that split the slots evenly, as ``redis-cli --cluster create``
+does). A request belongs to the partition its id hashes to (:meth:`Keys.of`), and
+everything it touches (every stage stream of its pipeline, its join state and markers,
+its job record, its reply stream) is its partition's.
 """
 
 from __future__ import annotations
 
 import re
+import zlib
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 GROUP = "workers"
 """The consumer group every stage stream is read by."""
 
+MAX_PARTITIONS = 1024
+"""The most partitions a namespace may have."""
+
+
+def partition_tag(namespace: str, partition: int, partitions: int) -> str:
+    """The hash tag (without braces) of ``partition`` of ``partitions``.
+
+    One partition is the namespace itself (the names conveyor had before partitions).
+    Otherwise ``<namespace>.p<k>``, or the first ``<namespace>.p<k>.<n>`` whose slot
+    lies in the ``k``-th ``partitions``-th of the slot space: a cluster whose shards
+    hold equal runs of slots then holds equal numbers of partitions (a plain hash would
+    put three partitions on one shard of three a ninth of the time).
+    """
+    if partitions == 1:
+        return namespace
+    low = partition * REDIS_CLUSTER_HASH_SLOTS // partitions
+    high = (partition + 1) * REDIS_CLUSTER_HASH_SLOTS // partitions
+    tag, n = f"{namespace}.p{partition}", 0
+    while not low <= key_slot(tag.encode()) < high:
+        n += 1
+        tag = f"{namespace}.p{partition}.{n}"
+    return tag
+
 
 class Keys:
-    """Builds the key names of one namespace.
+    """Builds the key names of one partition of a namespace.
 
     Args:
-        namespace: letters, digits, ``_ . -``; becomes the hash tag ``{namespace}``.
+        namespace: letters, digits, ``_ . -``; with one partition, the hash tag
+            ``{namespace}``.
+        partitions: how many partitions the namespace has (every process of a
+            deployment must agree: it decides which partition a request id is in).
+        partition: which of them these keys are (0 to ``partitions - 1``).
     """
 
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, partitions: int = 1, partition: int = 0) -> None:
         if not _NAMESPACE_RE.match(namespace):
             raise ValueError(
                 f"namespace {namespace!r} must be 1-64 letters, digits, '_', '.' or '-'"
             )
+        if not 1 <= partitions <= MAX_PARTITIONS or not 0 <= partition < partitions:
+            raise ValueError(
+                f"partition {partition} of {partitions}: partitions must be 1-{MAX_PARTITIONS}"
+            )
         self.namespace = namespace
-        self.prefix = "{" + namespace + "}"
+        self.partitions = partitions
+        self.partition = partition
+        self.prefix = "{" + partition_tag(namespace, partition, partitions) + "}"
+
+    def at(self, partition: int) -> Keys:
+        """The keys of ``partition`` of this namespace."""
+        if partition == self.partition:
+            return self
+        return Keys(self.namespace, self.partitions, partition)
+
+    def each(self) -> list[Keys]:
+        """The keys of every partition, in order."""
+        return [self.at(k) for k in range(self.partitions)]
+
+    def of(self, request_id: str) -> Keys:
+        """The keys of the partition ``request_id`` belongs to (a hash of the id: ids
+        conveyor makes are random, so requests spread evenly)."""
+        if self.partitions == 1:
+            return self
+        return self.at(zlib.crc32(request_id.encode()) % self.partitions)
 
     def stage_stream(self, stage: str, lane: str = "interactive") -> str:
         """The stream a stage's workers read the requests of ``lane`` from (the
@@ -79,8 +138,9 @@ class Keys:
         return f"{self.prefix}:dlq:{stage}"
 
     def stages_set(self) -> str:
-        """The set of stage names that have ever had a worker (for status views)."""
-        return f"{self.prefix}:stages"
+        """The set of stage names that have ever had a worker (for status views; kept in
+        partition 0)."""
+        return f"{self.at(0).prefix}:stages"
 
     def is_reply_target(self, key: str) -> bool:
         """Whether ``key`` is a reply stream or a job record of this namespace (what a

@@ -7,11 +7,18 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    ClusterError,
+    MaxConnectionsError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipelines.envelope import Request, encode
@@ -21,9 +28,18 @@ from pipelines.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+REDIS_DOWN = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterError,
+    TryAgainError,
+    SlotNotCoveredError,
+)
 """What a client raises when Redis cannot be reached (as opposed to an error it answers).
-It includes :class:`PoolExhausted`, which a caller that answers clients tells apart."""
+A Redis Cluster adds its own: a shard down (CLUSTERDOWN, MASTERDOWN), slots moving
+(TRYAGAIN), a slot no node serves. It includes :data:`SATURATED`, which a caller that
+answers clients tells apart."""
 
 
 class PoolExhausted(RedisConnectionError):
@@ -47,7 +63,7 @@ def refusal(exc: BaseException) -> ConveyorError:
     """What a client is told when a Redis command failed with one of :data:`REDIS_DOWN`:
     overload (503) when this process waited too long for a pooled connection, else that
     the queue is unreachable (503); both with a Retry-After."""
-    if isinstance(exc, PoolExhausted):
+    if isinstance(exc, SATURATED):
         return Overloaded(f"the gateway is saturated: {exc}; retry shortly", retry_after=1.0)
     return Unavailable("the queue is unreachable; retry shortly", 1.0)
 
@@ -69,6 +85,10 @@ class _Pool(aioredis.BlockingConnectionPool):
             raise
 
 
+SATURATED = (PoolExhausted, MaxConnectionsError)
+"""This process's connections to Redis are all in use (the cluster client's per-node
+bound raises the second): overload here, not an outage; nothing was sent."""
+
 T = TypeVar("T")
 
 
@@ -88,20 +108,23 @@ async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitabl
     """
     try:
         return await call()
-    except PoolExhausted:
+    except SATURATED:
         raise
     except RedisConnectionError as exc:
         logger.warning("redis command failed on a dead connection (%s); retrying once", exc)
-        await client.connection_pool.disconnect(inuse_connections=False)
+        # The cluster client drops a failed node's connections itself.
+        if not isinstance(client, RedisCluster):
+            await client.connection_pool.disconnect(inuse_connections=False)
         try:
             return await call()
-        except PoolExhausted as again:
+        except SATURATED as again:
             # The first try may have run: this is no longer "nothing was sent".
             raise RedisConnectionError(f"{exc}; then {again}") from again
 
 
 def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
-    """An asyncio client for ``settings.redis_url``.
+    """An asyncio client for ``settings.redis_url``: redis-py's cluster client for a
+    ``redis+cluster://`` URL, else a plain one.
 
     Args:
         settings: the process's settings (URL and timeouts).
@@ -109,6 +132,18 @@ def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
             above it so a blocking read is not cut short, yet a dead server is noticed.
     """
     timeout = settings.redis_timeout_s + block_ms / 1000.0
+    if settings.cluster:
+        url = settings.redis_url.replace("+cluster", "", 1)
+        cluster = RedisCluster.from_url(
+            url,
+            max_connections=settings.redis_max_connections,  # per node
+            socket_timeout=timeout,
+            socket_connect_timeout=settings.redis_timeout_s,
+            health_check_interval=30,
+        )
+        # The cluster client takes the same commands, routing each by its keys' slot;
+        # conveyor's multi-key commands keep to one partition, hence one slot.
+        return cast(aioredis.Redis, cluster)
     # A blocking pool: past max_connections, a command waits (up to the timeout) for a
     # free connection instead of failing at once as the default pool does.
     pool = _Pool.from_url(
@@ -142,7 +177,8 @@ def group_missing(exc: ResponseError) -> bool:
 
 
 def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[bytes | str]:
-    """XADD ``request`` to its stage's stream of its lane (``Keys.stage_stream``).
+    """XADD ``request`` to its stage's stream of its lane (``Keys.stage_stream``), in the
+    partition of its id (:meth:`Keys.of`).
 
     The one way a request is put on a stream from outside a worker (the gateway, a
     replayed dead letter, the tests); a worker's hand-overs go through its publish script.
@@ -150,10 +186,11 @@ def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[by
     Args:
         redis: a client, whose command is returned to be awaited; or a pipeline or
             transaction, on which the command is queued with the rest.
-        keys: the namespace's key names.
+        keys: the namespace's key names (any partition's).
         request: what to enqueue.
     """
-    return redis.xadd(keys.stage_stream(request.stage, request.lane), encode(request))
+    stream = keys.of(request.id).stage_stream(request.stage, request.lane)
+    return redis.xadd(stream, encode(request))
 
 
 class Enqueuer:
@@ -161,8 +198,9 @@ class Enqueuer:
 
     Concurrent callers (a gateway under load) each :meth:`enqueue` one request. The first
     of an iteration leads: it yields once, so that the others of that iteration join it,
-    then sends every XADD in one pipeline (not a transaction: each entry is its own)
-    and hands each caller its own outcome. One request alone is one XADD, as before.
+    then sends every XADD in one pipeline (not a transaction: each entry is its own; on a
+    cluster, the client splits it by shard) and hands each caller its own outcome. One
+    request alone is one XADD, as before.
 
     Nothing joined is dropped: a round trip that fails fails every request in it, with
     what the leader saw (a leader stopped midway fails the rest with a connection error,

@@ -7,7 +7,13 @@ import json
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipelines.keys import Keys
+from pipelines.keys import MAX_PARTITIONS, Keys
+
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+"""URL schemes naming a node of a Redis Cluster (the cluster client is used)."""
+
+URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
+"""What ``CONVEYOR_REDIS_URL`` may start with."""
 
 MAX_DEADLINE_S = 30 * 86_400
 """The longest time budget a request may have (30 days)."""
@@ -18,7 +24,13 @@ class CommonSettings(BaseSettings):
 
     Attributes:
         redis_url: ``redis://`` or ``rediss://`` URL; user, password and db are honoured.
+            ``redis+cluster://`` (or ``rediss+cluster://``) names one node of a Redis
+            Cluster: the cluster client finds the others and routes each key to its
+            shard.
         namespace: key namespace, also the Redis Cluster hash tag.
+        partitions: how many partitions (hash slots) the namespace's streams are split
+            into (:mod:`pipelines.keys`): spread over a cluster's shards, they carry
+            more than one shard can. Every process of a deployment must set the same.
         redis_timeout_s: connect and command timeout; Redis being down fails this fast.
         redis_max_connections: connections per process; more concurrent commands wait.
         app: ``module:attr`` naming a Pipeline, a list of them, or a function returning
@@ -32,6 +44,7 @@ class CommonSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "conveyor"
+    partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
     redis_timeout_s: float = Field(default=2.0, gt=0, le=300, allow_inf_nan=False)
     redis_max_connections: int = Field(default=64, ge=2, le=10_000)
     app: str | None = None
@@ -47,14 +60,20 @@ class CommonSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _url_ok(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        if not value.startswith(URL_SCHEMES):
+            raise ValueError("must start with " + ", ".join(URL_SCHEMES))
         return value
 
     @property
+    def cluster(self) -> bool:
+        """Whether :attr:`redis_url` names a Redis Cluster."""
+        return self.redis_url.startswith(CLUSTER_SCHEMES)
+
+    @property
     def keys(self) -> Keys:
-        """Key names of :attr:`namespace`."""
-        return Keys(self.namespace)
+        """Key names of :attr:`namespace`: partition 0's (:meth:`Keys.at`, :meth:`Keys.of`
+        and :meth:`Keys.each` give the others)."""
+        return Keys(self.namespace, self.partitions)
 
 
 def comma_list(value: object) -> object:

@@ -9,7 +9,7 @@ process (gateway ``/metrics``, ``conveyor status``) renders them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +66,34 @@ def batch_fields(
     return fields
 
 
+def merge_stats(hashes: Iterable[Mapping[Any, Any]]) -> dict[str, float]:
+    """One stage's stats from its partitions' hashes (HGETALL answers): counters and
+    buckets summed; the learned costs (:data:`COST_A`, :data:`COST_B`) averaged over the
+    partitions that have learned them (each partition's workers learn the same model)."""
+    total: dict[str, float] = {}
+    costs: dict[str, list[float]] = {COST_A: [], COST_B: []}
+    for raw in hashes:
+        for k, v in raw.items():
+            name, value = text(k), float(v)
+            if name in costs:
+                costs[name].append(value)
+            else:
+                total[name] = total.get(name, 0.0) + value
+    for name, learned in costs.items():
+        if learned:
+            total[name] = sum(learned) / len(learned)
+    return total
+
+
 async def read_stats(client: aioredis.Redis, keys: Keys, stage: str) -> dict[str, float]:
-    """A stage's stats hash as floats (empty when the stage never ran)."""
-    raw = await client.hgetall(keys.stage_stats(stage))
-    return {text(k): float(v) for k, v in raw.items()}
+    """A stage's stats, summed over its partitions (:func:`merge_stats`; empty when the
+    stage never ran)."""
+    if keys.partitions == 1:
+        return merge_stats([await client.hgetall(keys.stage_stats(stage))])
+    pipe = client.pipeline(transaction=False)  # one round trip; a cluster splits it by shard
+    for part in keys.each():
+        pipe.hgetall(part.stage_stats(stage))
+    return merge_stats(await pipe.execute())
 
 
 @dataclass(frozen=True)
@@ -213,24 +237,72 @@ def _queue_answers(answers: list[Any]) -> tuple[int, list[Any] | None, list[Any]
     return int(length), groups, consumers
 
 
+def _add(consumers: dict[str, Consumer], name: str, pending: int, idle: int) -> None:
+    """Add a consumer to ``consumers``: one already there by that name (the same worker
+    in another lane or partition) gets its pending summed and the shorter idle time."""
+    seen = consumers.get(name)
+    if seen is not None:
+        pending, idle = seen.pending + pending, min(seen.idle_ms, idle)
+    consumers[name] = Consumer(name, pending, idle)
+
+
 def _merge(consumers: dict[str, Consumer], answer: list[Any]) -> None:
     """Add one lane group's XINFO CONSUMERS to ``consumers`` (by name)."""
     for c in answer:
-        name, pending, idle = text(c["name"]), int(c["pending"]), int(c["idle"])
-        seen = consumers.get(name)
-        if seen is not None:
-            pending, idle = seen.pending + pending, min(seen.idle_ms, idle)
-        consumers[name] = Consumer(name, pending, idle)
+        _add(consumers, text(c["name"]), int(c["pending"]), int(c["idle"]))
 
 
 async def stage_status(
     client: aioredis.Redis, keys: Keys, stage: str, *, costs: bool = False, lag_cap: int = 100_000
 ) -> StageStatus:
-    """A stage's state, both lanes read in one round trip (more when a lag must be counted).
+    """A stage's state, summed over its partitions: each partition's lanes read in one
+    round trip (more when a lag must be counted); a consumer serving several partitions
+    (the same name in each) counts once.
 
     Args:
         client: Redis client.
-        keys: key names.
+        keys: key names (the namespace's: every partition is read).
+        stage: the stage.
+        costs: also read the learned batch cost (``a``, ``b``; else 0), averaged over
+            the partitions that learned it.
+        lag_cap: as :func:`partition_status`.
+    """
+    parts = [
+        await partition_status(client, part, stage, costs=costs, lag_cap=lag_cap)
+        for part in keys.each()
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    total = StageStatus(stage)
+    consumers: dict[str, Consumer] = {}
+    learned = [(p.a, p.b) for p in parts if p.a or p.b]
+    if learned:
+        total.a = sum(a for a, _ in learned) / len(learned)
+        total.b = sum(b for _, b in learned) / len(learned)
+    for part in parts:
+        total.length += part.length
+        total.lag += part.lag
+        total.pending += part.pending
+        for lane, got in part.lanes.items():
+            have = total.lane(lane)
+            total.lanes[lane] = LaneStatus(
+                have.length + got.length, have.lag + got.lag, have.pending + got.pending
+            )
+        for c in part.consumers:
+            _add(consumers, c.name, c.pending, c.idle_ms)
+    total.consumers = list(consumers.values())
+    return total
+
+
+async def partition_status(
+    client: aioredis.Redis, keys: Keys, stage: str, *, costs: bool = False, lag_cap: int = 100_000
+) -> StageStatus:
+    """A stage's state in one partition, both lanes read in one round trip (more when a
+    lag must be counted).
+
+    Args:
+        client: Redis client.
+        keys: the partition's key names.
         stage: the stage.
         costs: also read the learned batch cost (``a``, ``b``; else 0): admission needs
             it, and it takes a read of the stats hash (HMGET), which not every ACL user has.

@@ -27,11 +27,12 @@ from gateway.settings import GatewaySettings
 from pipelines.envelope import Lane, Request, new_request_id
 from pipelines.graph import single
 from pipelines.model import Item, Model, Result
-from pipelines.redisio import enqueue, text
+from pipelines.redisio import enqueue
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
-from workers.loop import Worker
+from pipelines.stats import read_stats
+from workers.loop import Worker, partition_workers
 from workers.settings import WorkerSettings
 
 
@@ -161,11 +162,15 @@ class Harness:
         return task
 
     async def start_workers(self, registry: Registry) -> None:
-        """A running worker for every stage of ``registry`` (real runners), models loaded."""
+        """A running worker for every stage of ``registry`` (real runners), models loaded;
+        one per partition (``CONVEYOR_PARTITIONS``), as ``python -m workers`` starts."""
+        settings = WorkerSettings(block_ms=100, device="cpu", threads=1)
         workers = [
-            self.worker(stage, registry=registry, device="cpu", threads=1)
+            w
             for stage in registry.stages.values()
+            for w in partition_workers(stage, settings, registry)
         ]
+        self._workers += workers
         for w in workers:
             await w.start()
         for w in workers:
@@ -249,9 +254,9 @@ class Harness:
         return requests
 
     async def stats(self, stage: str) -> dict[str, int]:
-        """The stage's integer counters from its Redis stats hash."""
-        raw = await self.redis.hgetall(self.keys.stage_stats(stage))
-        return {text(k): int(float(v)) for k, v in raw.items() if b":sum" not in k}
+        """The stage's integer counters from its Redis stats hashes (every partition's)."""
+        raw = await read_stats(self.redis, self.keys, stage)
+        return {k: int(v) for k, v in raw.items() if ":sum" not in k}
 
     async def close_gateways(self) -> None:
         """Stop every gateway app started so far (their lifespans end)."""

@@ -21,7 +21,7 @@ from collections.abc import MutableMapping
 from pipelines import tracing
 from pipelines.registry import load_registry
 from workers.build import process_threads
-from workers.loop import Worker
+from workers.loop import partition_workers
 from workers.settings import WorkerSettings
 
 
@@ -55,7 +55,7 @@ async def _serve(stage_names: list[str]) -> None:
     registry = load_registry(settings.app, settings.pipelines)
     stages = [registry.stage(n).with_resources(settings.resources.get(n)) for n in stage_names]
     settings = settings.model_copy(update={"threads": process_threads(stages, settings)})
-    workers = [Worker(stage, settings, registry=registry) for stage in stages]
+    workers = [w for stage in stages for w in partition_workers(stage, settings, registry)]
     loop = asyncio.get_running_loop()
 
     def stop_all() -> None:

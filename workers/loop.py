@@ -63,6 +63,12 @@ class Worker:
         settings: the worker's settings.
         model: an already-built model (tests, embedding); built from the stage if None.
         registry: the pipelines whose steps run on this stage (default: the stage alone).
+        partition: the partition of the stage's streams it reads (:mod:`pipelines.keys`);
+            everything it writes for a request stays in that partition.
+        runner: the model runner of another partition's worker of the same stage in this
+            process (:func:`partition_workers`): the model is loaded once and their
+            batches take turns on it.
+        consumer: its consumer name (default: the settings', else a fresh one).
 
     Attributes:
         consumer: this worker's consumer name in the stage's group.
@@ -76,14 +82,20 @@ class Worker:
         settings: WorkerSettings,
         model: Model | None = None,
         registry: Registry | None = None,
+        *,
+        partition: int = 0,
+        runner: Runner | None = None,
+        consumer: str | None = None,
     ) -> None:
         self.stage, self.settings = stage, settings
-        self.streams = [settings.keys.stage_stream(stage.name, lane) for lane in LANES]
-        self.consumer = settings.consumer_name or consumer_name()
+        self.keys = settings.keys.at(partition)
+        self.streams = [self.keys.stage_stream(stage.name, lane) for lane in LANES]
+        self.consumer = consumer or settings.consumer_name or consumer_name()
         self.client = connect(settings, block_ms=settings.block_ms)
         self.clock = RedisClock()
-        self.router = Router(registry or Registry([single(stage)]), settings.keys, stage.name)
-        self.runner = Runner(stage, settings, model)
+        self.router = Router(registry or Registry([single(stage)]), self.keys, stage.name)
+        self._owns_runner = runner is None
+        self.runner = runner or Runner(stage, settings, model)
         max_batch = settings.max_batch_size or stage.max_batch_size
         self.lanes = Lanes(
             self.client, self.streams, self.consumer, max_batch, settings.bulk_every, self.runner
@@ -129,9 +141,10 @@ class Worker:
         await self.runner.load()
 
     async def close(self) -> None:
-        """Release the connection and the model thread."""
+        """Release the connection and the model thread (if it is this worker's)."""
         await self.client.aclose()
-        self.runner.close()
+        if self._owns_runner:
+            self.runner.close()
 
     async def run(self, *, max_batches: int | None = None, burst: bool = False) -> int:
         """Serve until stopped; returns the number of batches run.
@@ -212,7 +225,7 @@ class Worker:
     async def _read_failed(self, exc: BaseException, backoff: float) -> float:
         """Wait out a failed read (Redis unreachable) or re-create a lost group; returns
         the next backoff."""
-        if not isinstance(exc, ResponseError):
+        if isinstance(exc, REDIS_DOWN) or not isinstance(exc, ResponseError):
             logger.warning(
                 "stage %s: redis unreachable (%s); retry in %.1fs", self.stage.name, exc, backoff
             )
@@ -231,7 +244,7 @@ class Worker:
     async def _ensure_stream(self) -> None:
         for stream in self.streams:
             await ensure_group(self.client, stream)
-        await self.client.sadd(self.settings.keys.stages_set(), self.stage.name)
+        await self.client.sadd(self.keys.stages_set(), self.stage.name)
 
     def _finished(
         self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore
@@ -276,7 +289,7 @@ class Worker:
                     return
                 requests = [req for req, _ in batch.live]
                 loop = asyncio.get_running_loop()
-                partials = Partials(self.client, requests, self.settings, loop)
+                partials = Partials(self.client, requests, self.settings, loop, self.keys)
                 items = [item for _, item in batch.live]
                 emit = partials.emit if partials.wanted else None
                 batch.results, batch.record.run_s = await self.runner.run(items, emit)
@@ -313,7 +326,7 @@ class Worker:
         """Publish ``out``, ack ``entries`` (each on its lane's stream) and add ``counts``
         to the stage's stats in one call (:func:`workers.publish.publish`, which
         documents the rest)."""
-        keys = self.settings.keys
+        keys = self.keys
         return await publish(
             self.client,
             out,
@@ -330,3 +343,32 @@ class Worker:
             gauges=gauges,
             dropped=dropped,
         )
+
+
+def partition_workers(
+    stage: Stage, settings: WorkerSettings, registry: Registry | None = None
+) -> list[Worker]:
+    """One :class:`Worker` per partition of ``stage`` (``CONVEYOR_PARTITIONS``), sharing
+    one model runner and one consumer name: the model loads once, the partitions'
+    batches take turns on it, and status views count one worker.
+
+    A read cannot span partitions on a Redis Cluster (their streams are in different
+    slots), so each partition has its own loop, window and recovery.
+
+    Args:
+        stage: the stage to serve.
+        settings: the worker's settings.
+        registry: the pipelines whose steps run on this stage.
+    """
+    first = Worker(stage, settings, registry=registry)
+    return [first] + [
+        Worker(
+            stage,
+            settings,
+            registry=registry,
+            partition=k,
+            runner=first.runner,
+            consumer=first.consumer,
+        )
+        for k in range(1, settings.partitions)
+    ]

@@ -9,6 +9,7 @@ import time
 import redis.asyncio as aioredis
 
 from pipelines.envelope import Reply, Request, encode
+from pipelines.keys import Keys
 from pipelines.records import cancelled_among
 from pipelines.redisio import REDIS_DOWN
 from workers.settings import WorkerSettings
@@ -28,6 +29,7 @@ class Partials:
         requests: the batch's live requests, in model order.
         settings: the worker's settings (reply stream cap).
         loop: the worker's event loop.
+        keys: the partition's key names (where its cancellation markers are).
 
     ``emit`` runs in the model thread and hands over to the event loop; a drain task
     writes only what each client has not seen yet (a retried batch re-emits from the
@@ -46,8 +48,10 @@ class Partials:
         requests: list[Request],
         settings: WorkerSettings,
         loop: asyncio.AbstractEventLoop,
+        keys: Keys,
     ) -> None:
         self.client = client
+        self.keys = keys
         self.requests = requests
         self.settings = settings
         self.loop = loop
@@ -112,7 +116,7 @@ class Partials:
         rows = [i for i, r in enumerate(self.requests) if r.stream and not self.cancelled[i]]
         ids = [self.requests[i].id for i in rows]
         try:
-            found = await cancelled_among(self.client, self.settings.keys, ids)
+            found = await cancelled_among(self.client, self.keys, ids)
         except REDIS_DOWN as exc:
             logger.warning("could not check for cancelled requests: %s", exc)
             return

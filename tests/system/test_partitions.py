@@ -1,0 +1,177 @@
+"""Partitioned streams (issue 17): three partitions on one Redis and on a real three-node
+Redis Cluster, through the real gateway and real workers.
+
+Each test runs on both. On the cluster, the three partitions' slots are on three shards,
+so every request's keys, scripts and transactions must stay in its partition's slot or
+Redis refuses them (CROSSSLOT): a test passing there proves they do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from gateway.routes import PRIORITY_HEADER
+from pipelines.builtin import builtin_pipelines
+from pipelines.keys import Keys
+from pipelines.redisio import connect
+from pipelines.registry import Registry
+from pipelines.settings import CommonSettings
+from tests.cluster import Cluster, cluster
+from tests.helpers import Harness, until
+
+PARTITIONS = 3
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A real three-node Redis Cluster for this module's tests."""
+    with cluster(tmp_path_factory.mktemp("cluster")) as nodes:
+        yield nodes
+
+
+@pytest.fixture(params=["one-server", "cluster"])
+async def parted(
+    request: pytest.FixtureRequest, env: None, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Harness]:
+    """A harness whose every process uses three partitions, on the session's Redis or
+    (``redis+cluster://``) on the cluster."""
+    if request.param == "cluster":
+        nodes: Cluster = request.getfixturevalue("redis_cluster")
+        monkeypatch.setenv("CONVEYOR_REDIS_URL", nodes.url.replace("redis://", "redis+cluster://"))
+    monkeypatch.setenv("CONVEYOR_PARTITIONS", str(PARTITIONS))
+    client = connect(CommonSettings())
+    assert isinstance(client, RedisCluster) == (request.param == "cluster")
+    harness = Harness(client)
+    try:
+        yield harness
+    finally:
+        await harness.close()
+        await client.aclose()
+
+
+def builtins(*names: str) -> Registry:
+    return Registry(builtin_pipelines()).select(names)
+
+
+async def per_partition(harness: Harness, stage: str, field: str) -> list[int]:
+    """``field`` of the stage's stats hash in each partition."""
+    got = []
+    for part in harness.keys.each():
+        value = await harness.redis.hget(part.stage_stats(stage), field)
+        got.append(int(float(value or 0)))
+    return got
+
+
+async def test_partitions_are_on_different_shards_of_a_cluster(redis_cluster: Cluster) -> None:
+    client = RedisCluster.from_url(redis_cluster.url)
+    try:
+        await client.initialize()  # learns which node serves which slots
+        keys = Keys("conveyor", PARTITIONS)
+        nodes = {str(client.get_node_from_key(k.stage_stream("embed"))) for k in keys.each()}
+        assert len(nodes) == PARTITIONS  # one partition per shard: the slots were chosen so
+    finally:
+        await client.aclose()
+
+
+async def test_sync_calls_spread_over_partitions_and_are_each_answered_once(
+    parted: Harness,
+) -> None:
+    http = await parted.serve(builtins("chain"))
+    got = await asyncio.gather(*(http.post("/v1/chain", json={"value": v}) for v in range(60)))
+    assert [r.json() for r in got] == [{"value": (v + 1) * 2} for v in range(60)]
+    spread = await per_partition(parted, "adder", "items:ok")
+    assert sum(spread) == 60
+    assert all(n > 0 for n in spread), spread  # every partition took some
+    # Every view sums the partitions.
+    assert (await parted.stats("multiplier"))["items:ok"] == 60
+    status = (await http.get("/status.json")).json()
+    adder = next(s for s in status["stages"] if s["stage"] == "adder")
+    assert adder["items"]["ok"] == 60
+    assert len(adder["consumers"]) == 1  # one worker serving three partitions is one
+    metrics = (await http.get("/metrics")).text
+    assert 'conveyor_stage_items_total{stage="adder",outcome="ok"} 60' in metrics
+
+
+async def test_fan_out_join_and_route_within_each_partition(parted: Harness) -> None:
+    http = await parted.serve(builtins("broadcast", "hello"))
+    fanned = await asyncio.gather(
+        *(http.post("/v1/broadcast", json={"value": v}) for v in range(24))
+    )
+    assert [r.json() for r in fanned] == [
+        {"results": [{"value": v + 1}, {"value": v * 2}]} for v in range(24)
+    ]
+    languages = ["spanish", "french", "klingon"] * 6
+    routed = await asyncio.gather(
+        *(http.post("/v1/hello", json={"language": lang, "name": "Ada"}) for lang in languages)
+    )
+    messages = {"spanish": "Hola Ada", "french": "Bonjour Ada", "klingon": "Please try again."}
+    assert [r.json()["message"] for r in routed] == [messages[lang] for lang in languages]
+    assert (await parted.stats("hello.french"))["items:ok"] == 6  # the rest were rejected early
+    assert all(n > 0 for n in await per_partition(parted, "hello.detect", "items:ok"))
+
+
+async def test_jobs_are_found_and_cancelled_in_their_partition(parted: Harness) -> None:
+    registry = builtins("chain")
+    http = await parted.gateway(registry)  # no worker yet: every job stays queued
+    ids = []
+    for v in range(12):
+        resp = await http.post("/v1/jobs/chain", json={"value": v})
+        assert resp.status_code == 202, resp.text
+        ids.append(resp.json()["id"])
+    assert {parted.keys.of(i).partition for i in ids} == set(range(PARTITIONS))
+    cancelled = ids[::3]
+    for job in cancelled:
+        resp = await http.delete(f"/v1/jobs/{job}")
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["status"] == "cancelled"
+    await parted.start_workers(registry)
+
+    async def finished() -> bool:
+        views = [(await http.get(f"/v1/jobs/{j}")).json() for j in ids]
+        return all(v["status"] != "queued" for v in views)
+
+    await until(finished)
+    for v, job in enumerate(ids):
+        view = (await http.get(f"/v1/jobs/{job}")).json()
+        if job in cancelled:
+            assert view["status"] == "cancelled", view
+        else:
+            assert view["status"] == "done", view
+            assert view["result"] == {"value": (v + 1) * 2}
+    # The cancelled ones never ran: the model took only the others.
+    assert (await parted.stats("adder")).get("model_items", 0) == len(ids) - len(cancelled)
+    assert (await http.get("/v1/jobs/no-such-job")).status_code == 404
+
+
+async def test_both_lanes_of_every_partition_are_served(parted: Harness) -> None:
+    http = await parted.serve(builtins("chain"))
+
+    async def call(v: int, lane: str) -> httpx.Response:
+        return await http.post("/v1/chain", json={"value": v}, headers={PRIORITY_HEADER: lane})
+
+    lanes = ["interactive", "bulk"] * 15
+    got = await asyncio.gather(*(call(v, lane) for v, lane in enumerate(lanes)))
+    assert [r.json() for r in got] == [{"value": (v + 1) * 2} for v in range(30)]
+    status: dict[str, Any] = (await http.get("/status.json")).json()
+    adder = next(s for s in status["stages"] if s["stage"] == "adder")
+    assert adder["lag"] == adder["pending"] == 0
+    assert all(n > 0 for n in await per_partition(parted, "adder", "items:ok"))
+
+
+async def test_a_namespace_of_one_partition_keeps_its_key_names(tmp_path: Path) -> None:
+    del tmp_path
+    one = Keys("conveyor")
+    assert one.stage_stream("embed") == "{conveyor}:stage:embed"
+    assert one.of("any-id") is one
+    assert [k.prefix for k in Keys("conveyor", 3).each()] == [
+        "{conveyor.p0}",
+        "{conveyor.p1}",
+        "{conveyor.p2.1}",
+    ]
