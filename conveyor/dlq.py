@@ -18,7 +18,7 @@ from pipelines.envelope import decode_request
 from pipelines.errors import ConfigError, EnvelopeError
 from pipelines.keys import Keys
 from pipelines.records import DeadLetter
-from pipelines.redisio import RedisClock, connect, enqueue, text
+from pipelines.redisio import RedisClock, connect, enqueue, in_order, text
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
 
@@ -123,7 +123,7 @@ async def _replay(
                 "enqueue_by": None,
             }
         )
-        pipe = client.pipeline(transaction=True)
+        pipe = in_order(client)
         enqueue(pipe, keys, again)  # to the stage's stream of the request's lane
         pipe.xdel(dlq, eid)
         # Dead-lettering published the request's error; a replay may publish again.

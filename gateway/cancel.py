@@ -22,7 +22,14 @@ from gateway.background import Background
 from pipelines.errors import NotFound
 from pipelines.keys import Keys
 from pipelines.records import QUEUED, JobField, JobRecord, job_cancelled, mark_cancelled
-from pipelines.redisio import REDIS_DOWN, RedisClock, on_live_connection, refusal, text
+from pipelines.redisio import (
+    REDIS_DOWN,
+    RedisClock,
+    in_order,
+    on_live_connection,
+    refusal,
+    text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,13 +152,13 @@ class Cancellations:
         async def mark_then_read() -> list[Any]:
             # One transaction: the status read is the one the marker was set against. A
             # worker publishing after it discards its result (workers/publish.py).
-            pipe = self.client.pipeline(transaction=True)
+            pipe = in_order(self.client)
             mark_cancelled(pipe, keys, job_id, deadline, self.clock.now())
             pipe.hgetall(key)
             return list(await pipe.execute())
 
         async def finish() -> Any:
-            pipe = self.client.pipeline(transaction=True)
+            pipe = in_order(self.client)
             pipe.hset(key, mapping=job_cancelled())
             pipe.expire(key, self.job_ttl_s)  # as a finished job's record is kept
             return await pipe.execute()

@@ -35,6 +35,7 @@ from pipelines.redisio import (
     RedisClock,
     connect,
     enqueue,
+    in_order,
     on_live_connection,
     refusal,
 )
@@ -215,7 +216,7 @@ class Gateway:
 
         async def write_job() -> None:
             # The record and the request appear together: a job id handed out exists.
-            pipe = self.client.pipeline(transaction=True)
+            pipe = in_order(self.client)
             create_job(pipe, request, owner, self.settings.job_ttl_s)
             enqueue(pipe, self.keys, request)
             await pipe.execute()

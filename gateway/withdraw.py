@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from gateway.background import Background
 from pipelines.envelope import Request
 from pipelines.keys import Keys
-from pipelines.redisio import REDIS_DOWN, RedisClock
+from pipelines.redisio import REDIS_DOWN, RedisClock, in_order
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Withdrawals:
         async def withdraw() -> None:
             while self.clock.now() < until:
                 try:
-                    pipe = self.client.pipeline(transaction=True)
+                    pipe = in_order(self.client)
                     pipe.set(marker, "withdrawn", ex=ttl)
                     if job is not None:
                         pipe.delete(job)

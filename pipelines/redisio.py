@@ -10,10 +10,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import (
     ClusterError,
     MaxConnectionsError,
+    RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
@@ -122,6 +123,56 @@ async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitabl
             raise RedisConnectionError(f"{exc}; then {again}") from again
 
 
+_CLIENT_INTERNALS = ("/redis/", "/asyncio/", "uvloop/")
+"""Where in a traceback an error is redis-py's connection handling, not conveyor's."""
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is redis-py's cluster client tripping over a connection closed
+    under it. While a shard is down, redis-py 8.1's asyncio cluster client drops the
+    node's connections while other commands are using them, and those fail with
+    ``AttributeError`` (a writer already ``None``) or ``RuntimeError`` (uvloop: "the
+    handler is closed") from inside its connection code (redis/redis-py#3835 is one of
+    that family). For conveyor they are what they mean: the node is unreachable."""
+    if not isinstance(exc, AttributeError | RuntimeError | TypeError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and any(p in tb.tb_frame.f_code.co_filename for p in _CLIENT_INTERNALS)
+
+
+class _ClusterPipeline(ClusterPipeline):
+    """A cluster pipeline whose connection-lost slips (:func:`_connection_lost`) raise
+    ``ConnectionError``."""
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except Exception as exc:
+            if _connection_lost(exc):
+                raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
+            raise
+
+
+class _Cluster(RedisCluster):
+    """redis-py's cluster client, whose connection-lost slips (:func:`_connection_lost`)
+    raise ``ConnectionError``, as the plain client's do."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except Exception as exc:
+            if _connection_lost(exc):
+                raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
+            raise
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is not supported by a cluster")
+        return _ClusterPipeline(self, transaction)  # type: ignore[abstract]
+
+
 def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
     """An asyncio client for ``settings.redis_url``: redis-py's cluster client for a
     ``redis+cluster://`` URL, else a plain one.
@@ -134,7 +185,7 @@ def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
     timeout = settings.redis_timeout_s + block_ms / 1000.0
     if settings.cluster:
         url = settings.redis_url.replace("+cluster", "", 1)
-        cluster = RedisCluster.from_url(
+        cluster = _Cluster.from_url(
             url,
             max_connections=settings.redis_max_connections,  # per node
             socket_timeout=timeout,
@@ -155,6 +206,24 @@ def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
         health_check_interval=30,
     )
     return aioredis.Redis.from_pool(pool)
+
+
+def in_order(client: aioredis.Redis) -> Any:
+    """A pipeline for a few commands on one partition's keys that must apply in order, in
+    one round trip: MULTI/EXEC on a plain client; on a cluster client, a plain pipeline,
+    in order but not isolated from other clients' commands.
+
+    redis-py's asyncio cluster transactions (8.1) run every queued command through
+    ``asyncio.run`` in a thread of its own, on another event loop than the client's
+    connections: slow, and broken outright when that command is the client's first
+    (it connects on the wrong loop). Every caller's writes stay safe in order alone: a
+    job's record and its request (a failure between the two is answered 503 and
+    withdrawn), a cancellation marker then the status it was set against (a worker's
+    publish checks the marker atomically in its script), a withdrawal's marker and
+    deletion; and the status read (a lag is checked against a length read a moment
+    apart, and counted when it cannot be true).
+    """
+    return client.pipeline(transaction=not isinstance(client, RedisCluster))
 
 
 async def ensure_group(client: aioredis.Redis, stream: str) -> None:
@@ -267,10 +336,32 @@ class Enqueuer:
                 return [await enqueue(self.client, self.keys, requests[0])]
             except ResponseError as exc:
                 return [exc]
-        pipe = self.client.pipeline(transaction=False)
-        for request in requests:
-            enqueue(pipe, self.keys, request)
-        return list(await pipe.execute(raise_on_error=False))
+        if not isinstance(self.client, RedisCluster):
+            pipe = self.client.pipeline(transaction=False)
+            for request in requests:
+                enqueue(pipe, self.keys, request)
+            return list(await pipe.execute(raise_on_error=False))
+        # On a cluster, each partition's XADDs go in a round trip of their own, side by
+        # side: a shard down fails its partition's requests, not the others' (one
+        # pipeline over every shard fails whole, though the others' entries were added).
+        parts: dict[int, list[int]] = {}
+        for i, request in enumerate(requests):
+            parts.setdefault(self.keys.of(request.id).partition, []).append(i)
+        outcomes: list[Any] = [None] * len(requests)
+
+        async def send(rows: list[int]) -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for i in rows:
+                enqueue(pipe, self.keys, requests[i])
+            try:
+                answers = list(await pipe.execute(raise_on_error=False))
+            except REDIS_DOWN as exc:
+                answers = [exc] * len(rows)
+            for i, answer in zip(rows, answers, strict=True):
+                outcomes[i] = answer
+
+        await asyncio.gather(*(send(rows) for rows in parts.values()))
+        return outcomes
 
 
 class RedisClock:

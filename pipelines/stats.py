@@ -19,7 +19,7 @@ from redis.exceptions import ResponseError
 from pipelines.envelope import LANES, Lane
 from pipelines.keys import GROUP, Keys
 from pipelines.metrics import BUCKETS, Histogram, histogram_lines, labels, le_label
-from pipelines.redisio import text
+from pipelines.redisio import in_order, text
 
 OUTCOMES = ("ok", "error", "expired", "cancelled")
 
@@ -311,7 +311,7 @@ async def partition_status(
     """
     streams = {lane: keys.stage_stream(stage, lane) for lane in LANES}
     # One transaction: each lag is checked against its length, so all describe one moment.
-    pipe = client.pipeline(transaction=True)
+    pipe = in_order(client)
     for stream in streams.values():
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)
