@@ -1,4 +1,5 @@
-"""The ``conveyor`` command: ``up``, ``gateway``, ``worker``, ``status``, ``graph``, ``dlq``.
+"""The ``conveyor`` command: ``up``, ``gateway``, ``worker``, ``status``, ``graph``, ``dlq``,
+``keda``.
 
 ``up`` supervises separate processes (an embedded redis-server, one gateway, the
 workers) exactly as a deployment runs them (:mod:`conveyor.supervisor`); ``gateway`` and
@@ -22,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor import supervisor
 from conveyor.dlq import dlq_command
+from conveyor.keda import TriggerOptions, triggers
 from pipelines.envelope import LANES
 from pipelines.errors import ConveyorError
 from pipelines.redisio import connect, text
@@ -142,6 +144,22 @@ def main(argv: list[str] | None = None) -> None:
         "status",
         help="per stage: length, lag, pending, consumers, each lane's lag/pending, idle",
     )
+    keda = sub.add_parser(
+        "keda", help="a stage's KEDA triggers: lag and pending of every lane and partition"
+    )
+    keda.add_argument("stage")
+    keda.add_argument(
+        "--address",
+        default="redis.conveyor.svc.cluster.local:6379",
+        help="Redis host:port as KEDA reaches it (a cluster: node,node,...)",
+    )
+    keda.add_argument(
+        "--target",
+        type=_int_in(1),
+        default=64,
+        help="entries per worker (max_batch_size x max_concurrent_batches)",
+    )
+    keda.add_argument("--auth", default="conveyor-redis-keda", help="TriggerAuthentication")
     dlq = sub.add_parser("dlq", help="dead letters of a stage: list, replay or purge")
     dlq.add_argument("action", choices=["list", "replay", "purge"])
     dlq.add_argument("stage")
@@ -179,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "graph":
             app = args.app or os.environ.get("CONVEYOR_APP")
             print(load_registry(app, args.name).pipeline(args.name).describe())
+        elif args.command == "keda":
+            settings = CommonSettings()
+            where = TriggerOptions(args.address, args.target, args.auth, settings.cluster)
+            print(triggers(settings.keys, args.stage, where), end="")
         elif args.command == "dlq":
             sys.exit(asyncio.run(dlq_command(args.action, args.stage, args.id, args.timeout)))
         else:

@@ -92,6 +92,7 @@ async def _replay(
     await clock.calibrate(client)
     replayed: Counter[str] = Counter()  # by the stream (lane) each went back to
     skipped: list[str] = []
+    foreign: list[str] = []
     branches: list[str] = []
     registry = load_registry(settings.app, settings.pipelines)
     for eid, fields in entries:
@@ -103,7 +104,7 @@ async def _replay(
         if keys.of(req.id).partition != keys.partition:
             # Not a request of this partition (written under another partition count):
             # its replay would cross slots. Left where it is, reported below.
-            skipped.append(text(eid))
+            foreign.append(text(eid))
             continue
         pipeline = registry.pipelines.get(req.pipeline)
         if (
@@ -141,9 +142,16 @@ async def _replay(
             f"send those requests again: {', '.join(branches)}",
             file=sys.stderr,
         )
+    if foreign:
+        print(
+            f"conveyor: skipped {len(foreign)} dead letter(s) of requests of another "
+            f"partition, left in {dlq} (written with another CONVEYOR_PARTITIONS; replay "
+            f"them with that setting): {', '.join(foreign)}",
+            file=sys.stderr,
+        )
     if skipped:
         print(
-            f"conveyor: skipped {len(skipped)} undecodable or foreign dead letter(s), left in "
+            f"conveyor: skipped {len(skipped)} undecodable dead letter(s), left in "
             f"{dlq} (`conveyor dlq list {stage}` shows why): {', '.join(skipped)}",
             file=sys.stderr,
         )

@@ -195,7 +195,8 @@ def status_router(gw: Gateway) -> APIRouter:
         consumers, item outcomes, dead letters, batch sizes, tokens (real and padded),
         queue wait and run time percentiles over the last minute; ``history``: each
         stage's items/s over the last minutes; ``time`` is the server's clock in seconds
-        (for rates). 503 when Redis cannot be reached."""
+        (for rates); ``partitions``: how many each stage's stream is split into (every
+        figure is their sum). 503 when Redis cannot be reached."""
         try:
             stages = [await read_stage_row(gw, name) for name in gw.registry.stages]
         except REDIS_DOWN:
@@ -206,6 +207,7 @@ def status_router(gw: Gateway) -> APIRouter:
         snapshot = {
             "time": gw.clock.now(),
             "stale_after_ms": ALIVE_IDLE_MS,
+            "partitions": gw.keys.partitions,
             "stages": stages,
             "history": gw.history.rates(),
         }

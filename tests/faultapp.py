@@ -94,3 +94,15 @@ def spawn(module: str, *args: str, log: Path | None = None, **env: str) -> subpr
         return subprocess.Popen(
             argv, env=full | env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
         )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a process a test started (SIGTERM, then SIGKILL)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

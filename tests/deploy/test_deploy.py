@@ -13,6 +13,7 @@ be denied.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 import math
@@ -245,6 +246,11 @@ class AclUser:
     def can(self, command: str) -> bool:
         """Whether ``command`` (``name`` or ``name|sub``) is allowed."""
         return command in self.commands or command.split("|")[0] in self.commands
+
+
+def covered(patterns: list[str], key: str) -> bool:
+    """Whether an ACL key pattern (Redis's glob: ``*``, ``?``, ``[...]``) matches ``key``."""
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in patterns)
 
 
 def parse_acl(text: str) -> dict[str, AclUser]:
@@ -542,9 +548,16 @@ def test_acl_rules_grant_what_each_process_needs_and_nothing_else(rendered_acl: 
         granted |= {c for c in user.commands if c.split("|")[0] in FORBIDDEN}
         assert not granted, f"{name} may run {sorted(granted)}"
         assert not user.channels, f"{name} needs no pub/sub"
-    assert users["gateway"].keys == [f"{prefix}:*"]
-    assert users["worker"].keys == [f"{prefix}:*"]
-    assert users["keda"].keys == [Keys("conveyor").stage_stream("*")]
+    del prefix
+    for partitions in (1, 3, 16):  # every partition's keys, and no other namespace's
+        for part in Keys("conveyor", partitions).each():
+            for key in (part.stage_stream("embed"), part.job("j"), part.reply_stream("g")):
+                assert covered(users["gateway"].keys, key), key
+                assert covered(users["worker"].keys, key), key
+            assert covered(users["keda"].keys, part.stage_stream("embed", "bulk"))
+            assert not covered(users["keda"].keys, part.job("j")), "KEDA reads only streams"
+    for other in (Keys("conveyor.prod"), Keys("conveyor2"), Keys("other", 3).at(1)):
+        assert not covered(users["worker"].keys, other.stage_stream("embed")), other.prefix
     assert not users["gateway"].can("xreadgroup"), "the gateway reads no stage stream"
     assert not users["gateway"].can("xack")
     assert not users["keda"].can("xadd"), "KEDA only reads"
@@ -562,7 +575,9 @@ def test_acl_render_honours_the_namespace(tmp_path: Path) -> None:
         check=True,
         timeout=30,
     )
-    assert parse_acl(out.read_text())["worker"].keys == [Keys("shard-2").prefix + ":*"]
+    patterns = parse_acl(out.read_text())["worker"].keys
+    assert all(covered(patterns, k.job("j")) for k in Keys("shard-2", 4).each())
+    assert not covered(patterns, Keys("conveyor").job("j"))
     bad = subprocess.run(
         ["sh", script, template, str(out)],
         env=env | {"CONVEYOR_NAMESPACE": "a*b"},
@@ -968,14 +983,16 @@ def _denials(admin: redis.Redis) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("partitions", [1, 3])
 def test_compose_gateway_and_worker_run_natively_under_the_acl(
-    tmp_path: Path, cache_dir: Path, acl_redis: AclRedis
+    tmp_path: Path, cache_dir: Path, acl_redis: AclRedis, partitions: int
 ) -> None:
+    # With three partitions, every key is under a partition's tag: the rules cover those.
     services = load_compose()
     admin = acl_redis.admin()
     try:
         admin.acl_log_reset()
-        _run_compose_services(services, acl_redis.port, admin, tmp_path, cache_dir)
+        _run_compose_services(services, acl_redis.port, admin, tmp_path, cache_dir, partitions)
         denied = _denials(admin)
     finally:
         admin.close()
@@ -983,7 +1000,12 @@ def test_compose_gateway_and_worker_run_natively_under_the_acl(
 
 
 def _run_compose_services(
-    services: Mapping[str, Any], redis_port: int, admin: redis.Redis, logs: Path, cache_dir: Path
+    services: Mapping[str, Any],
+    redis_port: int,
+    admin: redis.Redis,
+    logs: Path,
+    cache_dir: Path,
+    partitions: int = 1,
 ) -> None:
     """Start the compose gateway and embed worker (and a broadcast worker) as processes,
     serve real requests through them, then SIGTERM them and check they exit cleanly."""
@@ -1014,6 +1036,7 @@ def _run_compose_services(
             if name != "worker-embed":
                 env["CONVEYOR_PIPELINES"] += ",broadcast"
             env["HF_HUB_OFFLINE"] = "1"
+            env["CONVEYOR_PARTITIONS"] = str(partitions)
             envs[name] = env
             with (logs / name).open("wb") as log:
                 procs[name] = subprocess.Popen(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -21,7 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 from pipelines.keys import Keys
 from pipelines.stats import read_stats, stage_status
 from tests.cluster import Cluster, cluster
-from tests.faultapp import spawn
+from tests.faultapp import spawn, stop
 from tests.helpers import GatewayProcess, until
 
 PARTITIONS = 3
@@ -43,16 +42,6 @@ def settings(nodes: Cluster, namespace: str) -> dict[str, str]:
         "CONVEYOR_NAMESPACE": namespace,
         "CONVEYOR_APP": "tests.faultapp:pipelines",
     }
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 async def submit(http: httpx.AsyncClient, values: range) -> dict[str, int]:

@@ -92,6 +92,7 @@ async def test_sync_calls_spread_over_partitions_and_are_each_answered_once(
     # Every view sums the partitions.
     assert (await parted.stats("multiplier"))["items:ok"] == 60
     status = (await http.get("/status.json")).json()
+    assert status["partitions"] == PARTITIONS
     adder = next(s for s in status["stages"] if s["stage"] == "adder")
     assert adder["items"]["ok"] == 60
     assert len(adder["consumers"]) == 1  # one worker serving three partitions is one

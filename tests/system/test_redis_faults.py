@@ -23,7 +23,7 @@ from pipelines.envelope import LANES, Lane, decode_reply
 from pipelines.keys import GROUP
 from pipelines.redisio import text
 from pipelines.stats import stage_status
-from tests.faultapp import SLOW, TEXTS, SlowTexts, spawn
+from tests.faultapp import SLOW, TEXTS, SlowTexts, spawn, stop
 from tests.helpers import Doubler, Harness, number_stage, until, wait_ready
 
 
@@ -81,18 +81,6 @@ async def admin(server: Server) -> AsyncIterator[aioredis.Redis]:
 def slow_worker(workdir: Path, **env: str) -> subprocess.Popen[bytes]:
     """A real worker of the ``slow`` stage, logging to ``workdir``/worker.log."""
     return spawn("workers", "slow", log=workdir / "worker.log", **env)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """End a process this test started (SIGTERM, then SIGKILL)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGCONT)  # a paused process cannot act on SIGTERM
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 async def test_a_pool_wait_timeout_is_overload_not_an_outage(
