@@ -147,15 +147,23 @@ class Monitor:
 
     def __init__(self, host: str, port: int) -> None:
         self.seen: Counter[tuple[str, bool]] = Counter()
-        self._sock = socket.create_connection((host, port))
+        self._sock = socket.create_connection((host, port), timeout=10)
         self._sock.sendall(b"MONITOR\r\n")
+        reply = b""
+        while b"\r\n" not in reply:  # watching from here on: nothing before counts
+            if not (chunk := self._sock.recv(1 << 16)):
+                raise ConnectionError("Redis closed the connection to MONITOR")
+            reply += chunk
+        answer, _, self._rest = reply.partition(b"\r\n")
+        if answer != b"+OK":
+            raise ConnectionError(f"MONITOR answered {answer!r}")
         self._sock.settimeout(0.1)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
-        rest = b""
+        rest = self._rest
         while not self._done.is_set():
             try:
                 chunk = self._sock.recv(1 << 16)
