@@ -499,11 +499,12 @@ def markdown(
         *machine(),
         "- Redis, the gateway, the workers and the load generator share these cores, so the "
         "requests/s below are this machine's, not a deployment's. What carries over is cost "
-        "per request: CPU time does not grow when a process waits for a core (it does grow a "
-        "little with the cache and wake-up churn of sharing). The most robust figure is "
-        "Redis's per-command server time (`INFO commandstats`), which counts only command "
-        "execution; Redis's CPU (`INFO cpu`) adds reading, parsing and writing on its "
-        "sockets and is what fills a core.",
+        "per request. Redis's CPU (`INFO cpu`) is what fills a shard's core: command "
+        "execution plus reading, parsing and writing on its sockets. `INFO commandstats` "
+        "times command execution alone, and moves least from round to round, but it is "
+        "elapsed time on Redis's thread: where that thread lost its core mid-command (load "
+        "average well above 0), it can read above the CPU figure. Batch-1 figures include "
+        "waking idle processes for every command, which a busy deployment pays less often.",
         "",
         "## How it is measured",
         "",
