@@ -137,6 +137,11 @@ class ConveyorServer(Server):
         self._env = env
         self._log = log
 
+    @property
+    def redis_url(self) -> str:
+        """The URL of its redis-server."""
+        return self._env["CONVEYOR_REDIS_URL"]
+
     def _metrics(self) -> Series:
         return parse_metrics(httpx.get(f"http://{HOST}:{self.port}/metrics", timeout=10).text)
 
@@ -317,6 +322,8 @@ def conveyor(
     *,
     log_name: str = "conveyor",
     name: str = "conveyor",
+    app: str = "bench.workloads:conveyor_pipelines",
+    workers: list[str] | None = None,
 ) -> Iterator[ConveyorServer]:
     """redis-server, the gateway and one worker per stage, as separate processes.
 
@@ -326,6 +333,9 @@ def conveyor(
         workdir: where Redis and the process log (``{log_name}.log``) live.
         log_name: names the log file, so two runs in one workdir keep theirs apart.
         name: the system's name in the results.
+        app: ``CONVEYOR_APP``, whose pipelines the workloads name.
+        workers: the stages that get one worker each (default: the workloads' stages; a
+            pipeline of several steps names the stages of its steps here).
     """
     stages = stages_of(workloads)
     log = workdir / f"{log_name}.log"
@@ -339,7 +349,7 @@ def conveyor(
             CONVEYOR_REDIS_URL=url,
             CONVEYOR_HOST=HOST,
             CONVEYOR_PORT=str(port),
-            CONVEYOR_APP="bench.workloads:conveyor_pipelines",
+            CONVEYOR_APP=app,
             CONVEYOR_PIPELINES=",".join(stages),
             CONVEYOR_DEVICE=options.device,
             CONVEYOR_MAX_BATCH_SIZE=str(options.max_batch),
@@ -347,7 +357,7 @@ def conveyor(
         procs["redis"] = redis
         procs["gateway"] = _spawn([sys.executable, "-m", "gateway"], env, log)
         server = ConveyorServer(name, port, procs, env, log)
-        for stage in stages:
+        for stage in stages if workers is None else workers:
             server.scale(stage, 1)
         _wait_answers(server, stages, log)
         yield server
