@@ -6,7 +6,7 @@ from pathlib import Path
 
 from redis.asyncio.cluster import RedisCluster
 
-from tests.cluster import cluster
+from conveyor.embedded import cluster
 
 
 async def test_a_real_three_node_cluster_serves_every_slot(tmp_path: Path) -> None:

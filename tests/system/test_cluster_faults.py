@@ -17,9 +17,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from conveyor.embedded import Cluster, cluster
 from pipelines.keys import Keys
 from pipelines.stats import read_stats, stage_status
-from tests.cluster import Cluster, cluster
 from tests.faultapp import spawn, stop
 from tests.helpers import GatewayProcess, until
 

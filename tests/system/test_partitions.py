@@ -17,13 +17,13 @@ import httpx
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
+from conveyor.embedded import Cluster, cluster
 from gateway.routes import PRIORITY_HEADER
 from pipelines.builtin import builtin_pipelines
 from pipelines.keys import Keys
 from pipelines.redisio import connect
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
-from tests.cluster import Cluster, cluster
 from tests.helpers import Harness, until
 
 PARTITIONS = 3
