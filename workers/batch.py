@@ -162,6 +162,9 @@ class Runner:
         self.last_run_s = 0.0
         self.thread = ModelThread(stage.name)
         self._shared = False
+        # The workers of a stage's partitions share a runner and start together: the
+        # model is built once, by the first; the others wait for it.
+        self._loading = asyncio.Lock()
 
     @property
     def busy(self) -> int:
@@ -171,15 +174,16 @@ class Runner:
     async def load(self) -> None:
         """Build the stage's model (in the model thread) unless there is one; then move
         to the thread of its weights' other stages, if any."""
-        if self.model is None:
-            loop = asyncio.get_running_loop()
-            args = (self.stage, self.settings)
-            self.model = await loop.run_in_executor(self.thread.executor, build_model, *args)
-        key = getattr(self.model, "weights_key", None)
-        if key is not None and not self._shared:
-            self._shared = True
-            self.thread.release()
-            self.thread = model_thread(key, self.stage.name)
+        async with self._loading:
+            if self.model is None:
+                loop = asyncio.get_running_loop()
+                args = (self.stage, self.settings)
+                self.model = await loop.run_in_executor(self.thread.executor, build_model, *args)
+            key = getattr(self.model, "weights_key", None)
+            if key is not None and not self._shared:
+                self._shared = True
+                self.thread.release()
+                self.thread = model_thread(key, self.stage.name)
 
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
