@@ -33,6 +33,7 @@ from pipelines.redisio import (
     SATURATED,
     Enqueuer,
     RedisClock,
+    agree_on_partitions,
     connect,
     enqueue,
     in_order,
@@ -85,9 +86,14 @@ class Gateway:
         self.history = History(self.client, self.keys, registry.stages, self.clock)
 
     async def start(self) -> None:
-        """Start the reply loop; Redis being down is not fatal (requests get 503)."""
+        """Start the reply loop; Redis being down is not fatal (requests get 503).
+
+        Raises:
+            ConfigError: the namespace runs with another partition count.
+        """
         try:
             await self.clock.calibrate(self.client)
+            await agree_on_partitions(self.client, self.keys)
         except REDIS_DOWN as exc:
             logger.warning("redis unreachable at start (%s); serving 503 until it is back", exc)
         self._task = asyncio.create_task(self.replies.run(), name="reply-dispatcher")

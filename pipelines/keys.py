@@ -88,7 +88,7 @@ class Keys:
         conveyor makes are random, so requests spread evenly)."""
         if self.partitions == 1:
             return self
-        return self.at(zlib.crc32(request_id.encode()) % self.partitions)
+        return self.at(zlib.crc32(request_id.encode("utf-8", "surrogatepass")) % self.partitions)
 
     def stage_stream(self, stage: str, lane: str = "interactive") -> str:
         """The stream a stage's workers read the requests of ``lane`` from (the
@@ -136,6 +136,11 @@ class Keys:
     def dead_letters(self, stage: str) -> str:
         """The stream of a stage's dead letters: entries delivered too often."""
         return f"{self.prefix}:dlq:{stage}"
+
+    def partition_count(self) -> str:
+        """Holds the partition count of the namespace, which every process must share
+        (under the namespace's own tag, whatever the count)."""
+        return "{" + self.namespace + "}:partitions"
 
     def stages_set(self) -> str:
         """The set of stage names that have ever had a worker (for status views; kept in

@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipelines.envelope import Request, encode
-from pipelines.errors import ConveyorError, Overloaded, Unavailable
+from pipelines.errors import ConfigError, ConveyorError, Overloaded, Unavailable
 from pipelines.keys import GROUP, Keys
 from pipelines.settings import CommonSettings
 
@@ -236,6 +236,28 @@ async def ensure_group(client: aioredis.Redis, stream: str) -> None:
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+async def agree_on_partitions(client: aioredis.Redis, keys: Keys) -> None:
+    """Record the namespace's partition count if none is recorded, else check this
+    process's against it.
+
+    A process with another count would read or write other streams than the rest (a
+    worker of one partition would leave two of three unread): it refuses to start.
+
+    Raises:
+        ConfigError: the namespace's recorded count differs; the message says how to
+            change it.
+    """
+    key = keys.partition_count()
+    await client.set(key, keys.partitions, nx=True)
+    recorded = text(await client.get(key) or keys.partitions)
+    if recorded != str(keys.partitions):
+        raise ConfigError(
+            f"CONVEYOR_PARTITIONS={keys.partitions}, but namespace {keys.namespace!r} runs "
+            f"with {recorded} (key {key}): set the same in every process; to change it, "
+            f"drain the queues, stop every process, delete {key} and start them all anew"
+        )
 
 
 def group_missing(exc: ResponseError) -> bool:

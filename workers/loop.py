@@ -25,7 +25,14 @@ from pipelines import tracing
 from pipelines.envelope import LANES
 from pipelines.graph import single
 from pipelines.model import Model
-from pipelines.redisio import REDIS_DOWN, RedisClock, connect, ensure_group, group_missing
+from pipelines.redisio import (
+    REDIS_DOWN,
+    RedisClock,
+    agree_on_partitions,
+    connect,
+    ensure_group,
+    group_missing,
+)
 from pipelines.registry import Registry
 from pipelines.stages import Stage
 from workers.batch import BatchRecord, Entry, Runner, by_stream
@@ -133,9 +140,15 @@ class Worker:
         self._stopping.set()
 
     async def start(self) -> None:
-        """Calibrate the clock, create the group and load the model (once)."""
+        """Calibrate the clock, check the partition count, create the group and load the
+        model (once).
+
+        Raises:
+            ConfigError: the namespace runs with another partition count.
+        """
         if not self._joined:
             await self.clock.calibrate(self.client)
+            await agree_on_partitions(self.client, self.settings.keys)
             await self._ensure_stream()
             self._joined = True
         await self.runner.load()

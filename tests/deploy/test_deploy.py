@@ -79,11 +79,11 @@ def words(*lines: str) -> set[str]:
 NEEDS = {
     "gateway": words(
         "ping time multi exec xadd hset expire xread del hgetall xlen xrange xinfo|groups",
-        "xinfo|consumers smembers",
+        "xinfo|consumers smembers set get",
     ),
     "worker": words(
         "ping time xgroup|create xreadgroup multi exec xadd expire hset hexists hgetall eval",
-        "evalsha exists xack hincrby hincrbyfloat sadd set del mget",
+        "evalsha exists xack hincrby hincrbyfloat sadd set get del mget",
     ),
     "keda": words("info xinfo|groups xpending xlen"),
 }
@@ -1021,6 +1021,7 @@ def _run_compose_services(
     }
     procs: dict[str, subprocess.Popen[bytes]] = {}
     envs: dict[str, dict[str, str]] = {}
+    admin.delete(Keys("conveyor").partition_count())  # each run is a deployment of its own
     try:
         for name, service in runs.items():
             env = base_env | service_env(service)

@@ -19,12 +19,13 @@ from redis.asyncio.cluster import RedisCluster
 
 from conveyor.embedded import Cluster, cluster
 from gateway.routes import PRIORITY_HEADER
-from pipelines.builtin import builtin_pipelines
+from pipelines.builtin import ADDER, builtin_pipelines
+from pipelines.errors import ConfigError
 from pipelines.keys import Keys
 from pipelines.redisio import connect
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
-from tests.helpers import Harness, until
+from tests.helpers import Harness, conveyor, until
 
 PARTITIONS = 3
 
@@ -176,3 +177,18 @@ async def test_a_namespace_of_one_partition_keeps_its_key_names(tmp_path: Path) 
         "{conveyor.p1}",
         "{conveyor.p2.1}",
     ]
+
+
+async def test_a_process_with_another_partition_count_refuses_to_start(
+    parted: Harness, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker of two partitions among processes of three would leave a third unread.
+    await parted.serve(builtins("chain"))  # records the namespace's three partitions
+    monkeypatch.setenv("CONVEYOR_PARTITIONS", "2")
+    stray = parted.worker(ADDER)
+    with pytest.raises(ConfigError, match=r"CONVEYOR_PARTITIONS=2, but namespace .* with 3"):
+        await stray.start()
+    # The gateway process refuses too, saying why, instead of serving a partition short.
+    gateway = conveyor("gateway", "--port", "0", CONVEYOR_NAMESPACE=namespace)
+    assert gateway.returncode != 0
+    assert "CONVEYOR_PARTITIONS=2, but namespace" in gateway.stderr
