@@ -73,7 +73,13 @@ def start_redis(
         "protected-mode": "yes",
     }
     if cluster:
-        config |= {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"}
+        config |= {
+            "cluster-enabled": "yes",
+            "cluster-config-file": "nodes.conf",
+            # A master unreachable this long is failed over to its replica (if it has
+            # one); Redis's default, 15 s, is a production figure, not a loopback one.
+            "cluster-node-timeout": "2000",
+        }
     args = [find_redis_server()]
     for name, value in config.items():
         args += [f"--{name}", value]
@@ -138,10 +144,10 @@ class Cluster:
             proc.wait(timeout=10)
 
     def ok(self) -> bool:
-        """Whether every node says the cluster is ``ok`` (all slots served)."""
-        for port in self.ports:
+        """Whether every running node says the cluster is ``ok`` (all slots served)."""
+        for port in self.procs:
             info = subprocess.run(
-                ["redis-cli", "-p", str(port), "cluster", "info"],
+                [redis_cli(), "-p", str(port), "cluster", "info"],
                 capture_output=True,
                 text=True,
                 timeout=10,
@@ -180,16 +186,17 @@ def redis_cli() -> str:
 
 
 @contextmanager
-def cluster(workdir: Path, nodes: int = 3) -> Iterator[Cluster]:
+def cluster(workdir: Path, nodes: int = 3, replicas: int = 0) -> Iterator[Cluster]:
     """A cluster of ``nodes`` masters on free loopback ports, its 16384 slots split
-    evenly, ready (``cluster_state:ok`` on every node) when entered."""
-    made = Cluster([node_port() for _ in range(nodes)], workdir)
+    evenly, each master with ``replicas`` replicas (a master unreachable for 2 s is
+    failed over), ready (``cluster_state:ok`` on every node) when entered."""
+    made = Cluster([node_port() for _ in range(nodes * (1 + replicas))], workdir)
     try:
         for port in made.ports:
             made.start(port)
         addresses = [f"127.0.0.1:{p}" for p in made.ports]
         subprocess.run(
-            [redis_cli(), "--cluster", "create", *addresses, "--cluster-replicas", "0"],
+            [redis_cli(), "--cluster", "create", *addresses, "--cluster-replicas", str(replicas)],
             input="yes\n",
             capture_output=True,
             text=True,

@@ -160,3 +160,49 @@ async def test_a_shard_killed_and_restarted_from_its_aof_loses_no_accepted_job(
     finally:
         await admin.aclose()
         stop(worker)
+
+
+async def test_a_master_failed_over_to_its_replica_loses_no_replicated_job(
+    namespace: str, tmp_path: Path
+) -> None:
+    with cluster(tmp_path / "cluster", nodes=3, replicas=1) as nodes:
+        env = settings(nodes, namespace)
+        worker_env = env | {
+            "CONVEYOR_TEST_DELAY_S": "0.05",
+            "CONVEYOR_MAX_BATCH_SIZE": "4",
+            "CONVEYOR_MIN_IDLE_MS": "1500",
+            "CONVEYOR_RECLAIM_INTERVAL_MS": "200",
+        }
+        worker = spawn("workers", "slow", log=tmp_path / "worker.log", **worker_env)
+        cluster_client = RedisCluster.from_url(nodes.url)
+        try:
+            await cluster_client.initialize()
+            keys = Keys(namespace, PARTITIONS)
+            victim = cluster_client.get_node_from_key(keys.at(1).stage_stream("slow"))
+            assert victim is not None
+            with GatewayProcess(nodes.url, tmp_path / "gateway.log", **env) as gw:
+                async with httpx.AsyncClient(base_url=gw.base, timeout=30) as http:
+                    jobs = await submit(http, range(JOBS))
+                    # Replication is asynchronous: what a master acknowledged a moment
+                    # before it died may not be on its replica. Wait until everything
+                    # written so far is (a write of ours, then WAIT: the stream is ordered).
+                    direct = aioredis.Redis(host="127.0.0.1", port=int(victim.port))
+                    try:
+                        await direct.set(keys.at(1).prefix + ":probe", 1)
+                        assert await direct.wait(1, 10_000) == 1
+                    finally:
+                        await direct.aclose()
+                    nodes.kill(int(victim.port))  # SIGKILL; its replica takes over
+                    await until(lambda: asyncio.to_thread(nodes.ok), limit_s=60)
+                    await until(lambda: all_done(http, jobs), limit_s=120)
+                    await check_each_once(http, jobs, JOBS)
+                    # Every partition is served again, the failed-over one by its new master.
+                    after = await asyncio.gather(
+                        *(http.post("/v1/slow", json={"value": v}) for v in range(12))
+                    )
+                    assert [r.status_code for r in after] == [200] * 12, [r.text for r in after]
+                    served = {keys.of(r.headers["X-Request-ID"]).partition for r in after}
+                    assert served == set(range(PARTITIONS))
+        finally:
+            await cluster_client.aclose()
+            stop(worker)
