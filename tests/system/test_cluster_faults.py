@@ -44,6 +44,17 @@ def settings(nodes: Cluster, namespace: str) -> dict[str, str]:
     }
 
 
+def slow_worker_env(env: dict[str, str], delay_s: float) -> dict[str, str]:
+    """A ``slow`` worker's settings: ``delay_s`` per batch of at most 4, and entries a
+    worker left behind reclaimed after 1.5 s (the default is 10)."""
+    return env | {
+        "CONVEYOR_TEST_DELAY_S": str(delay_s),
+        "CONVEYOR_MAX_BATCH_SIZE": "4",
+        "CONVEYOR_MIN_IDLE_MS": "1500",
+        "CONVEYOR_RECLAIM_INTERVAL_MS": "200",
+    }
+
+
 async def submit(http: httpx.AsyncClient, values: range) -> dict[str, int]:
     """Submit a ``slow`` job per value; returns value by job id (every one accepted)."""
     jobs = {}
@@ -83,12 +94,7 @@ async def test_a_worker_killed_mid_batch_loses_and_doubles_nothing_on_a_cluster(
     nodes: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     env = settings(nodes, namespace)
-    worker_env = env | {
-        "CONVEYOR_TEST_DELAY_S": "0.3",
-        "CONVEYOR_MAX_BATCH_SIZE": "4",
-        "CONVEYOR_MIN_IDLE_MS": "1500",
-        "CONVEYOR_RECLAIM_INTERVAL_MS": "200",
-    }
+    worker_env = slow_worker_env(env, delay_s=0.3)
     doomed = spawn("workers", "slow", log=tmp_path / "doomed.log", **worker_env)
     survivor = spawn("workers", "slow", log=tmp_path / "survivor.log", **worker_env)
     admin = cast(aioredis.Redis, RedisCluster.from_url(nodes.url))
@@ -122,7 +128,7 @@ async def test_a_shard_killed_and_restarted_from_its_aof_loses_no_accepted_job(
     nodes: Cluster, namespace: str, tmp_path: Path
 ) -> None:
     env = settings(nodes, namespace)
-    worker_env = env | {"CONVEYOR_TEST_DELAY_S": "0.05", "CONVEYOR_MAX_BATCH_SIZE": "4"}
+    worker_env = slow_worker_env(env, delay_s=0.05)
     worker = spawn("workers", "slow", log=tmp_path / "worker.log", **worker_env)
     cluster_client = RedisCluster.from_url(nodes.url)
     admin = cast(aioredis.Redis, cluster_client)
@@ -167,12 +173,7 @@ async def test_a_master_failed_over_to_its_replica_loses_no_replicated_job(
 ) -> None:
     with cluster(tmp_path / "cluster", nodes=3, replicas=1) as nodes:
         env = settings(nodes, namespace)
-        worker_env = env | {
-            "CONVEYOR_TEST_DELAY_S": "0.05",
-            "CONVEYOR_MAX_BATCH_SIZE": "4",
-            "CONVEYOR_MIN_IDLE_MS": "1500",
-            "CONVEYOR_RECLAIM_INTERVAL_MS": "200",
-        }
+        worker_env = slow_worker_env(env, delay_s=0.05)
         worker = spawn("workers", "slow", log=tmp_path / "worker.log", **worker_env)
         cluster_client = RedisCluster.from_url(nodes.url)
         try:
