@@ -147,11 +147,13 @@ class Harness:
         stage: Stage,
         model: Model | None = None,
         registry: Registry | None = None,
+        partition: int = 0,
         **overrides: Any,
     ) -> Worker:
-        """A worker for ``stage`` (not yet running)."""
+        """A worker for ``stage`` (not yet running), reading ``partition``."""
         # Short blocking reads so a stopped worker notices at once.
-        w = Worker(stage, WorkerSettings(**{"block_ms": 100, **overrides}), model, registry)
+        settings = WorkerSettings(**{"block_ms": 100, **overrides})
+        w = Worker(stage, settings, model, registry, partition=partition)
         self._workers.append(w)
         return w
 

@@ -70,6 +70,11 @@ class Intake:
         for eid, fields, _ in entries:
             try:
                 req = decode_request(fields)
+                if not keys.is_reply_target(req.reply_to):
+                    # Only a foreign writer names another address: answering there would
+                    # write outside this partition (another slot on a cluster, where the
+                    # batch's publish would fail whole).
+                    raise EnvelopeError(f"reply_to {req.reply_to!r} is not of {keys.prefix}")
             except EnvelopeError as exc:
                 # The gateway sends nothing a worker cannot decode (envelope.wire_problem):
                 # this entry is foreign, corrupted or from another version. Acknowledged so

@@ -20,12 +20,13 @@ from redis.asyncio.cluster import RedisCluster
 from conveyor.embedded import Cluster, cluster
 from gateway.routes import PRIORITY_HEADER
 from pipelines.builtin import ADDER, builtin_pipelines
+from pipelines.envelope import decode_reply, encode
 from pipelines.errors import ConfigError
 from pipelines.keys import Keys
 from pipelines.redisio import connect
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
-from tests.helpers import Harness, conveyor, until
+from tests.helpers import Doubler, Harness, conveyor, number_stage, until
 
 PARTITIONS = 3
 
@@ -192,3 +193,29 @@ async def test_a_process_with_another_partition_count_refuses_to_start(
     gateway = conveyor("gateway", "--port", "0", CONVEYOR_NAMESPACE=namespace)
     assert gateway.returncode != 0
     assert "CONVEYOR_PARTITIONS=2, but namespace" in gateway.stderr
+
+
+async def test_an_entry_answering_outside_its_partition_is_dead_lettered_not_run(
+    parted: Harness,
+) -> None:
+    # Only a foreign writer puts such an entry on a stream; on a cluster its answer would
+    # be a write to another slot, failing the whole batch's publish (and the worker).
+    home = parted.keys.at(1)
+    good = parted.request(
+        "double", "double", "double", {"value": 1}, reply_to=home.reply_stream("t")
+    )
+    elsewhere = parted.keys.at(0).reply_stream("t")
+    strays = [
+        parted.request("double", "double", "double", {"value": 2}, reply_to=elsewhere),
+        parted.request("double", "double", "double", {"value": 3}, reply_to="not:conveyors"),
+    ]
+    for req in (good, *strays):
+        await parted.redis.xadd(home.stage_stream("double"), encode(req))
+    worker = parted.worker(number_stage(), Doubler(), partition=1)
+    assert await parted.run(worker, burst=True) >= 1
+    entries = await parted.redis.xrange(home.reply_stream("t")) or []
+    answered = [decode_reply(f or {}) for _, f in entries]
+    assert [(r.id, r.result) for r in answered] == [(good.id, {"value": 2})]
+    assert await parted.redis.xlen(home.dead_letters("double")) == 2
+    assert not await parted.redis.exists(elsewhere)
+    assert not await parted.redis.exists("not:conveyors")
