@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from conveyor.embedded import free_port, start_redis
+from conveyor.embedded import Cluster, cluster, free_port, start_redis
 from pipelines.redisio import connect
 from pipelines.settings import CommonSettings
 from tests.helpers import Harness
@@ -92,3 +92,20 @@ def own_redis(
         proc.send_signal(signal.SIGCONT)
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A real three-node Redis Cluster on loopback, for the tests that ask (started once)."""
+    with cluster(tmp_path_factory.mktemp("cluster")) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def on_cluster(redis_cluster: Cluster, env: None, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    """Everything the test starts afterwards uses three partitions on the cluster."""
+    monkeypatch.setenv(
+        "CONVEYOR_REDIS_URL", redis_cluster.url.replace("redis://", "redis+cluster://")
+    )
+    monkeypatch.setenv("CONVEYOR_PARTITIONS", "3")
+    return redis_cluster

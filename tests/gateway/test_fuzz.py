@@ -23,7 +23,9 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.core.result import Ok
 
+from pipelines.redisio import connect
 from pipelines.registry import load_registry
+from pipelines.settings import CommonSettings
 from tests.helpers import Harness
 
 EXAMPLES = 60
@@ -97,6 +99,25 @@ def fuzz(base: str, headers: dict[str, str] | None = None, budget_s: float = BUD
 
 @pytest.mark.parametrize("keys", [False, True], ids=["keys-off", "keys-on"])
 async def test_schemathesis_finds_nothing_on_the_live_gateway(harness: Harness, keys: bool) -> None:
+    await fuzz_gateway(harness, keys)
+
+
+@pytest.mark.usefixtures("on_cluster")
+async def test_schemathesis_finds_nothing_on_a_partitioned_gateway_on_a_cluster(
+    env: None,
+) -> None:
+    client = connect(CommonSettings())  # made now: the cluster's settings are set
+    harness = Harness(client)
+    try:
+        await fuzz_gateway(harness, keys=False, budget_s=BUDGET_S / 2)
+    finally:
+        await harness.close()
+        await client.aclose()
+
+
+async def fuzz_gateway(harness: Harness, keys: bool, budget_s: float = BUDGET_S) -> None:
+    """Fuzz a live gateway (uvicorn on loopback) serving echo, chain, broadcast and hello
+    with real workers; fails with every failure schemathesis found."""
     registry = load_registry(None, "echo,chain,broadcast,hello")
     await harness.start_workers(registry)
     api_keys = ["fuzz-key"] if keys else []
@@ -104,5 +125,5 @@ async def test_schemathesis_finds_nothing_on_the_live_gateway(harness: Harness, 
     # With keys on, the document declares them (security schemes, 401s) and the fuzzer
     # presents the key; schemathesis's own auth checks then try requests without it.
     headers = {"X-API-Key": "fuzz-key"} if keys else None
-    failures = await asyncio.to_thread(fuzz, base, headers, BUDGET_S / 2 if keys else BUDGET_S)
+    failures = await asyncio.to_thread(fuzz, base, headers, budget_s / 2 if keys else budget_s)
     assert not failures, "\n\n".join(failures)

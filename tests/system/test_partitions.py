@@ -9,7 +9,7 @@ Redis refuses them (CROSSSLOT): a test passing there proves they do.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import httpx
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from conveyor.embedded import Cluster, cluster
+from conveyor.embedded import Cluster
 from gateway.routes import PRIORITY_HEADER
 from pipelines.builtin import ADDER, builtin_pipelines
 from pipelines.envelope import decode_reply, encode
@@ -31,13 +31,6 @@ from tests.helpers import Doubler, Harness, conveyor, number_stage, until
 PARTITIONS = 3
 
 
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A real three-node Redis Cluster for this module's tests."""
-    with cluster(tmp_path_factory.mktemp("cluster")) as nodes:
-        yield nodes
-
-
 @pytest.fixture(params=["one-server", "cluster"])
 async def parted(
     request: pytest.FixtureRequest, env: None, monkeypatch: pytest.MonkeyPatch
@@ -45,8 +38,7 @@ async def parted(
     """A harness whose every process uses three partitions, on the session's Redis or
     (``redis+cluster://``) on the cluster."""
     if request.param == "cluster":
-        nodes: Cluster = request.getfixturevalue("redis_cluster")
-        monkeypatch.setenv("CONVEYOR_REDIS_URL", nodes.url.replace("redis://", "redis+cluster://"))
+        request.getfixturevalue("on_cluster")
     monkeypatch.setenv("CONVEYOR_PARTITIONS", str(PARTITIONS))
     client = connect(CommonSettings())
     assert isinstance(client, RedisCluster) == (request.param == "cluster")
