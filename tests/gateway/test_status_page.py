@@ -16,7 +16,9 @@ import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port
 from gateway.history import SAMPLE_S, quantile
+from pipelines.builtin import builtin_pipelines
 from pipelines.metrics import BUCKETS
+from pipelines.registry import Registry
 from pipelines.stats import OUTCOMES
 from tests.browser import CHROMIUM, Chromium, chromium, open_page
 from tests.helpers import REPO, Doubler, Harness, number_stage, until
@@ -273,3 +275,28 @@ async def test_status_page_refreshes_live_in_headless_chromium(
         assert "POST /v1/double" in state["text"]  # the server-rendered pipeline list
         thrown = [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
         assert thrown == []
+
+
+@pytest.fixture
+def three_partitions(env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything built afterwards (the harness included) uses three partitions."""
+    monkeypatch.setenv("CONVEYOR_PARTITIONS", "3")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (see above)")
+@pytest.mark.usefixtures("three_partitions")
+async def test_the_page_sums_the_partitions_and_says_so(harness: Harness, tmp_path: Path) -> None:
+    registry = Registry(builtin_pipelines()).select(["chain"])
+    await harness.start_workers(registry)  # a batch loop per partition
+    base = await harness.http_server(registry)
+    async with httpx.AsyncClient(base_url=base, trust_env=False) as http:
+        calls = [http.post("/v1/chain", json={"value": v}) for v in range(12)]
+        assert {r.status_code for r in await asyncio.gather(*calls)} == {200}
+    keys = harness.keys.each()
+    spread = [await harness.redis.hget(k.stage_stats("adder"), "items:ok") for k in keys]
+    assert all(spread), spread  # every partition answered some
+    async with chromium(tmp_path) as browser:
+        session = await open_page(browser, f"{base}/status")
+        state = await wait_for(browser, session, "a snapshot", 10, lambda s: s["state"] == "ok")
+    assert state["outcomes"]["adder"]["ok"] == "12"
+    assert "3 partitions, summed" in state["text"]
