@@ -89,6 +89,8 @@ async def _status_async() -> int:
         known = {text(m) for m in await client.smembers(settings.keys.stages_set())}
         known |= set(load_registry(settings.app, settings.pipelines).stages)
         statuses = [await stage_status(client, settings.keys, name) for name in sorted(known)]
+        if settings.partitions > 1:
+            print(f"{settings.partitions} partitions; each row sums them")
         print(status_table(statuses))
     finally:
         await client.aclose()

@@ -9,6 +9,7 @@ Redis refuses them (CROSSSLOT): a test passing there proves they do.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,10 @@ async def test_sync_calls_spread_over_partitions_and_are_each_answered_once(
     assert len(adder["consumers"]) == 1  # one worker serving three partitions is one
     metrics = (await http.get("/metrics")).text
     assert 'conveyor_stage_items_total{stage="adder",outcome="ok"} 60' in metrics
+    shown = await asyncio.to_thread(conveyor, "status")  # the operator's view sums them too
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"{PARTITIONS} partitions; each row sums them\n")
+    assert re.search(r"^adder\s+\d+\s+0\s+0\s+1\s", shown.stdout, re.M), shown.stdout
 
 
 async def test_fan_out_join_and_route_within_each_partition(parted: Harness) -> None:
