@@ -155,9 +155,33 @@ class _ClusterPipeline(ClusterPipeline):
             raise
 
 
+_STREAM_READS = ("XREAD", "XREADGROUP")
+
+
 class _Cluster(RedisCluster):
     """redis-py's cluster client, whose connection-lost slips (:func:`_connection_lost`)
-    raise ``ConnectionError``, as the plain client's do."""
+    raise ``ConnectionError``, as the plain client's do, and which finds the slot of a
+    stream read itself.
+
+    redis-py 8.1 asks a server (``COMMAND GETKEYS``, a round trip, always to the same
+    node) where the keys of a command with movable keys are before sending it; for
+    ``XREAD`` and ``XREADGROUP``, every read of every worker and gateway, that doubled the
+    round trips and loaded one node with them (``python -m bench.capacity --shards``).
+    Their keys are simply the first half of what follows ``STREAMS``.
+    """
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        if command.upper() not in _STREAM_READS:
+            return int(await super()._determine_slot(command, *args))
+        words = [a.upper() if isinstance(a, str) else a for a in args]
+        at = next((i for i, w in enumerate(words) if w in ("STREAMS", b"STREAMS")), None)
+        if at is None:
+            raise RedisClusterException(f"{command} without STREAMS: {args}")
+        rest = args[at + 1 :]
+        slots = {self.keyslot(key) for key in rest[: len(rest) // 2]}
+        if len(slots) != 1:
+            raise RedisClusterException(f"{command}'s streams are not in one slot: {args}")
+        return slots.pop()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from conveyor.embedded import Cluster
@@ -23,8 +24,8 @@ from gateway.routes import PRIORITY_HEADER
 from pipelines.builtin import ADDER, builtin_pipelines
 from pipelines.envelope import decode_reply, encode
 from pipelines.errors import ConfigError
-from pipelines.keys import Keys
-from pipelines.redisio import connect
+from pipelines.keys import GROUP, Keys
+from pipelines.redisio import connect, ensure_group
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from tests.helpers import Doubler, Harness, conveyor, number_stage, until
@@ -216,3 +217,33 @@ async def test_an_entry_answering_outside_its_partition_is_dead_lettered_not_run
     assert await parted.redis.xlen(home.dead_letters("double")) == 2
     assert not await parted.redis.exists(elsewhere)
     assert not await parted.redis.exists("not:conveyors")
+
+
+async def test_stream_reads_on_a_cluster_ask_no_node_where_their_keys_are(
+    on_cluster: Cluster,
+) -> None:
+    # redis-py asks a server for the keys of XREAD/XREADGROUP (COMMAND GETKEYS, a round
+    # trip to one node) before each; conveyor's client finds their slot itself.
+    client = connect(CommonSettings())
+    nodes = [aioredis.Redis(host="127.0.0.1", port=p) for p in on_cluster.ports]
+    try:
+        keys = Keys("getkeys", PARTITIONS)
+        for part in keys.each():
+            await ensure_group(client, part.stage_stream("s"))
+
+        async def getkeys() -> int:
+            stats = [await n.info("commandstats") for n in nodes]
+            return sum(int(s.get("cmdstat_command|getkeys", {}).get("calls", 0)) for s in stats)
+
+        before = await getkeys()
+        for part in keys.each():
+            stream = part.stage_stream("s")
+            await client.xadd(stream, {"f": "v"})
+            got = await client.xreadgroup(GROUP, "c", {stream: ">"}, count=10)
+            assert got, stream
+            assert await client.xread({stream: "0"}, count=10)
+        assert await getkeys() == before
+    finally:
+        await client.aclose()
+        for n in nodes:
+            await n.aclose()
