@@ -268,6 +268,7 @@ class Point:
         workers_cpu_s: every worker's CPU seconds together.
         layout: partitions and shards.
         shard_cpu_s: each Redis node's CPU seconds (they add up to ``redis_cpu_s``).
+        shard_calls: each Redis node's command calls, scripts' inner calls included.
     """
 
     pipeline: str
@@ -284,6 +285,7 @@ class Point:
     workers_cpu_s: float = 0.0
     layout: Layout = SINGLE
     shard_cpu_s: list[float] = field(default_factory=list)
+    shard_calls: list[int] = field(default_factory=list)
 
     @property
     def hops(self) -> int:
@@ -358,7 +360,7 @@ def measure(
                 on_measure=begin,
             )
         )
-        commands = sum_commandstats(commandstats(c.info("commandstats")) for c in clients)
+        per_node = [commandstats(c.info("commandstats")) for c in clients]
         shard_cpu = [_redis_cpu(c) - was for c, was in zip(clients, start["redis"], strict=True)]
         gateway_cpu = cpu_seconds(gateway) - start["gateway"]
         workers_cpu = cpu_seconds(workers) - start["workers"]
@@ -377,12 +379,13 @@ def measure(
         rps=result.throughput,
         batch=(items - start["batches"][0]) / max(1.0, runs - start["batches"][1]),
         redis_cpu_s=sum(shard_cpu),
-        commands=commands,
+        commands=sum_commandstats(per_node),
         scripted=start["scripted"],
         gateway_cpu_s=gateway_cpu,
         workers_cpu_s=workers_cpu,
         layout=layout,
         shard_cpu_s=shard_cpu,
+        shard_calls=[sum(c.calls for c in node.values()) for node in per_node],
     )
 
 
@@ -457,7 +460,7 @@ def run(
 
 def _line(p: Point) -> str:
     cost = p.per_request()
-    where = "" if p.layout == SINGLE else f" ({p.layout}, shares {_shares(p)})"
+    where = "" if p.layout == SINGLE else f" ({p.layout}, shares {_shares(p.shard_cpu_s)})"
     return (
         f"round {p.round} {p.pipeline}{where}, {p.load}: {p.requests} ok, {p.errors} errors, "
         f"{p.rps:.0f}/s, batch {p.batch:.1f}; per request: Redis CPU {cost['redis_cpu']:.0f} us, "
@@ -486,9 +489,9 @@ def fit(one: Point, three: Point) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _shares(p: Point) -> str:
-    """Each node's share of the Redis CPU, ``34/33/33%``."""
-    return "/".join(f"{100 * s:.0f}" for s in shares(p.shard_cpu_s)) + "%"
+def _shares(values: Sequence[float]) -> str:
+    """Each node's share, ``34/33/33%``."""
+    return "/".join(f"{100 * s:.0f}" for s in shares(values)) + "%"
 
 
 def _points(points: list[Point], pipeline: str, load: Load, layout: Layout = SINGLE) -> list[Point]:
@@ -506,7 +509,7 @@ def _fits(
 def _spread(values: list[float]) -> str:
     """``mean`` or ``mean (lo-hi, ±x%)`` over rounds."""
     mean = sum(values) / len(values)
-    if len(values) < 2:
+    if len(values) < 2 or not mean:
         return f"{mean:.0f}"
     half = (max(values) - min(values)) / 2
     return f"{mean:.0f} ({min(values):.0f}-{max(values):.0f}, ±{100 * half / mean:.0f}%)"
@@ -737,9 +740,10 @@ def replace_section(text: str, title: str, body: str) -> str:
 
 
 def _ratios(values: list[float], bases: list[float]) -> str:
-    """The ratio of the means, and each round's in brackets."""
-    each = ", ".join(f"{v / b:.2f}" for v, b in zip(values, bases, strict=True))
-    return f"{_mean(values) / _mean(bases):.2f} ({each})"
+    """The ratio of the means, and each round's in brackets (``-`` over nothing)."""
+    each = ", ".join(f"{v / b:.2f}" if b else "-" for v, b in zip(values, bases, strict=True))
+    whole = _mean(bases)
+    return f"{_mean(values) / whole:.2f} ({each})" if whole else f"- ({each})"
 
 
 def _by_command_per_hop(points: list[Point], load: Load, layouts: Sequence[Layout]) -> list[str]:
@@ -812,7 +816,8 @@ def partitioned(
         "",
         "| clients | max batch | layout | mean batch, 3 hops | Redis CPU µs per item-hop "
         "| vs one server | Redis commands µs per item-hop | vs one server "
-        "| Redis CPU µs per request, 1 hop | each node's share of Redis CPU, 3 hops |",
+        "| Redis CPU µs per request, 1 hop | each node's share of Redis CPU (and of calls), "
+        "3 hops |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n in loads:
@@ -821,32 +826,34 @@ def partitioned(
             fits, threes = _fits(points, n, layout), _points(points, "cap3", n, layout)
             cpu, cmd = [f["redis_cpu"][1] for f in fits], [f["redis_cmd"][1] for f in fits]
             ones = [p.per_request()["redis_cpu"] for p in _points(points, "cap1", n, layout)]
-            whole = [sum(col) for col in zip(*(p.shard_cpu_s for p in threes), strict=True)]
+            cpu_by_node = [sum(col) for col in zip(*(p.shard_cpu_s for p in threes), strict=True)]
+            calls = [sum(col) for col in zip(*(p.shard_calls for p in threes), strict=True)]
             lines.append(
                 f"| {n.clients} | {n.max_batch} | {layout} | "
                 f"{_mean(p.batch for p in threes):.1f} | {_spread(cpu)} | "
                 f"{_ratios(cpu, [f['redis_cpu'][1] for f in base])} | {_spread(cmd)} | "
                 f"{_ratios(cmd, [f['redis_cmd'][1] for f in base])} | {_spread(ones)} | "
-                f"{'/'.join(f'{100 * s:.0f}' for s in shares(whole))}% |"
+                f"{_shares(cpu_by_node)} (calls {_shares(calls)}) |"
             )
-    last = loads[-1]
+    for n in loads:
+        lines += [
+            "",
+            f"By command, {n}: calls and µs per item-hop that clients sent (the 3-hop chain "
+            "less the 1-hop, halved; summed over nodes; a script's commands inside its "
+            "`EVALSHA`), mean over rounds:",
+            "",
+            "| command | " + " | ".join(f"{layout} calls | µs" for layout in layouts) + " |",
+            "|---|" + "---|---|" * len(layouts),
+        ]
+        lines += _by_command_per_hop(points, n, layouts)
     lines += [
         "",
-        f"By command, {last}: calls and µs per item-hop (the 3-hop chain less the 1-hop, "
-        "halved; summed over nodes; a script's commands inside its `EVALSHA`), mean over "
-        "rounds:",
-        "",
-        "| command | " + " | ".join(f"{layout} calls | µs" for layout in layouts) + " |",
-        "|---|" + "---|---|" * len(layouts),
-    ]
-    lines += _by_command_per_hop(points, last, layouts)
-    lines += [
-        "",
-        "Every measurement (µs per request; shares: each node's share of Redis CPU):",
+        "Every measurement (µs per request; shares: each node's share of Redis CPU, and of "
+        "the commands it ran):",
         "",
         "| round | layout | pipeline | clients | max batch | answered | req/s | mean batch "
-        "| Redis CPU | Redis commands | gateway CPU | workers CPU | shares |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Redis CPU | Redis commands | gateway CPU | workers CPU | CPU shares | call shares |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         c = p.per_request()
@@ -854,7 +861,7 @@ def partitioned(
             f"| {p.round} | {p.layout} | {p.pipeline} | {p.load.clients} | "
             f"{p.load.max_batch} | {p.requests} | {p.rps:.0f} | {p.batch:.1f} | "
             f"{c['redis_cpu']:.0f} | {c['redis_cmd']:.0f} | {c['gateway']:.0f} | "
-            f"{c['workers']:.0f} | {_shares(p)} |"
+            f"{c['workers']:.0f} | {_shares(p.shard_cpu_s)} | {_shares(p.shard_calls)} |"
         )
     return "\n".join(lines) + "\n"
 
