@@ -22,6 +22,15 @@ For each measurement it reads:
 From the one-hop and three-hop chains it fits cost = fixed + hops x per-hop, checks the
 fit against the five-run pipeline, and sizes a deployment for ``--target`` requests/s
 with every process held to ``--headroom`` of a core. It writes ``bench/CAPACITY.md``.
+
+With ``--shards S --partitions P[,P...]`` it measures partitioned streams instead: each
+round it runs the one- and three-hop chains on one redis-server with one partition (the
+default deployment) and then, alternating, with each ``P`` on a loopback Redis Cluster of
+``S`` masters (:func:`conveyor.embedded.cluster`, AOF off as on the single server; every
+process given ``CONVEYOR_REDIS_URL=redis+cluster://...`` and ``CONVEYOR_PARTITIONS=P``).
+``CONFIG RESETSTAT``, ``INFO commandstats``, ``INFO cpu`` and ``MONITOR`` run on every
+node; Redis's cost is summed over the nodes and each node's share of it reported. It
+rewrites only the :data:`PARTITIONED` section of ``--out``.
 """
 
 from __future__ import annotations
@@ -32,15 +41,18 @@ import math
 import os
 import re
 import socket
+import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import redis
@@ -50,6 +62,7 @@ from bench.report import machine
 from bench.systems import HOST, ConveyorServer, Options, cpu_seconds, parse_metrics, total
 from bench.systems import conveyor as start_conveyor
 from bench.workloads import bodies
+from conveyor.embedded import Cluster, cluster
 from pipelines.graph import Pipeline, function, model
 from pipelines.stages import AnyIn, Stage
 
@@ -108,6 +121,22 @@ def commandstats(info: Mapping[str, Any]) -> dict[str, Calls]:
         if key.startswith("cmdstat_") and name != "config|resetstat":
             out[name] = Calls(int(stat["calls"]), int(stat["usec"]))
     return out
+
+
+def sum_commandstats(nodes: Iterable[Mapping[str, Calls]]) -> dict[str, Calls]:
+    """Calls and microseconds by command, added up over the nodes of a cluster."""
+    out: dict[str, Calls] = {}
+    for node in nodes:
+        for name, c in node.items():
+            had = out.get(name, Calls(0, 0))
+            out[name] = Calls(had.calls + c.calls, had.usec + c.usec)
+    return out
+
+
+def shares(values: Sequence[float]) -> list[float]:
+    """Each value's share of their sum (all zero where the sum is)."""
+    whole = sum(values)
+    return [v / whole if whole else 0.0 for v in values]
 
 
 def monitor_command(line: bytes) -> tuple[str, bool] | None:
@@ -203,6 +232,23 @@ class Load:
         return f"{self.clients} client{'s' * (self.clients > 1)}, max batch {self.max_batch}"
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where the streams live: ``partitions`` per stage over ``shards`` Redis masters
+    (1: one redis-server, no cluster; 3 or more: a Redis Cluster, which needs 3)."""
+
+    partitions: int = 1
+    shards: int = 1
+
+    def __str__(self) -> str:
+        where = "one redis-server" if self.shards == 1 else f"{self.shards} shards"
+        return f"P={self.partitions} on {where}"
+
+
+SINGLE = Layout()
+"""Today's deployment: one redis-server, one partition."""
+
+
 @dataclass
 class Point:
     """One pipeline under one load, measured.
@@ -220,6 +266,9 @@ class Point:
         scripted: per command, the share of its calls scripts ran (from the warm-up).
         gateway_cpu_s: the gateway's CPU seconds.
         workers_cpu_s: every worker's CPU seconds together.
+        layout: partitions and shards.
+        shard_cpu_s: each Redis node's CPU seconds (they add up to ``redis_cpu_s``).
+        shard_calls: each Redis node's command calls, scripts' inner calls included.
     """
 
     pipeline: str
@@ -234,6 +283,9 @@ class Point:
     scripted: dict[str, float] = field(default_factory=dict)
     gateway_cpu_s: float = 0.0
     workers_cpu_s: float = 0.0
+    layout: Layout = SINGLE
+    shard_cpu_s: list[float] = field(default_factory=list)
+    shard_calls: list[int] = field(default_factory=list)
 
     @property
     def hops(self) -> int:
@@ -265,24 +317,38 @@ def _batches(server: ConveyorServer, stages: Iterable[str]) -> tuple[float, floa
 
 
 def measure(
-    server: ConveyorServer, name: str, load: Load, seconds: float, warmup: float, round_no: int
+    server: ConveyorServer,
+    name: str,
+    load: Load,
+    seconds: float,
+    warmup: float,
+    round_no: int,
+    nodes: Cluster | None = None,
+    layout: Layout = SINGLE,
 ) -> Point:
     """Load ``server``'s pipeline ``name`` with ``load.clients`` and read what it cost
-    (``server`` bounds batches at ``load.max_batch``)."""
+    (``server`` bounds batches at ``load.max_batch``; its Redis is ``nodes``, or the
+    redis-server of its URL)."""
     stages = [s.name for s in next(p for p in pipelines if p.name == name).stages()]
     gateway = [server.procs["gateway"].pid]
     workers = [p.pid for role, p in server.procs.items() if role.startswith("worker ")]
-    client = redis.Redis.from_url(server.redis_url, decode_responses=True)
-    monitor = Monitor(HOST, int(client.connection_pool.connection_kwargs["port"]))
+    ports = nodes.ports if nodes else [int(urlsplit(server.redis_url).port or 6379)]
+    clients = [redis.Redis(host=HOST, port=port, decode_responses=True) for port in ports]
+    monitors = [Monitor(HOST, port) for port in ports]
     start: dict[str, Any] = {}
 
     def begin() -> None:  # as the measurement starts, after the warm-up
-        start["scripted"] = monitor.stop()
+        seen: Counter[tuple[str, bool]] = Counter()
+        for monitor in monitors:
+            monitor.stop()
+            seen.update(monitor.seen)
+        start["scripted"] = scripted_shares(seen)
         start["batches"] = _batches(server, stages)
         start["gateway"] = cpu_seconds(gateway)
         start["workers"] = cpu_seconds(workers)
-        client.config_resetstat()
-        start["redis"] = _redis_cpu(client)
+        for client in clients:
+            client.config_resetstat()
+        start["redis"] = [_redis_cpu(client) for client in clients]
 
     sent = bodies(20_000 if load.clients > 1 else 5_000, "echo")
     try:
@@ -294,14 +360,16 @@ def measure(
                 on_measure=begin,
             )
         )
-        commands = commandstats(client.info("commandstats"))
-        redis_cpu = _redis_cpu(client) - start["redis"]
+        per_node = [commandstats(c.info("commandstats")) for c in clients]
+        shard_cpu = [_redis_cpu(c) - was for c, was in zip(clients, start["redis"], strict=True)]
         gateway_cpu = cpu_seconds(gateway) - start["gateway"]
         workers_cpu = cpu_seconds(workers) - start["workers"]
         items, runs = _batches(server, stages)
     finally:
-        monitor.stop()  # already, unless the load failed before measuring
-        client.close()
+        for monitor in monitors:
+            monitor.stop()  # already, unless the load failed before measuring
+        for client in clients:
+            client.close()
     return Point(
         pipeline=name,
         load=load,
@@ -310,41 +378,91 @@ def measure(
         errors=result.errors,
         rps=result.throughput,
         batch=(items - start["batches"][0]) / max(1.0, runs - start["batches"][1]),
-        redis_cpu_s=redis_cpu,
-        commands=commands,
+        redis_cpu_s=sum(shard_cpu),
+        commands=sum_commandstats(per_node),
         scripted=start["scripted"],
         gateway_cpu_s=gateway_cpu,
         workers_cpu_s=workers_cpu,
+        layout=layout,
+        shard_cpu_s=shard_cpu,
+        shard_calls=[sum(c.calls for c in node.values()) for node in per_node],
     )
 
 
+@contextmanager
+def _clusters(layouts: Iterable[Layout], workdir: Path) -> Iterator[dict[int, Cluster]]:
+    """One loopback Redis Cluster per shard count of ``layouts`` (beyond one), its
+    nodes' AOF off, as on the single redis-server the other layouts use."""
+    with ExitStack() as stack:
+        made: dict[int, Cluster] = {}
+        for shards in sorted({layout.shards for layout in layouts} - {1}):
+            made[shards] = stack.enter_context(cluster(workdir / f"cluster-{shards}", shards))
+            for port in made[shards].ports:
+                with redis.Redis(host=HOST, port=port) as node:
+                    node.config_set("appendonly", "no")
+        yield made
+
+
+def _flush(nodes: Cluster) -> None:
+    """Empty every node, so a conveyor inherits no streams from the one before."""
+    for port in nodes.ports:
+        with redis.Redis(host=HOST, port=port) as node:
+            node.flushall()
+
+
 def run(
-    rounds: int, loads: list[Load], seconds: float, warmup: float, workdir: Path
+    rounds: int,
+    loads: list[Load],
+    seconds: float,
+    warmup: float,
+    workdir: Path,
+    layouts: Sequence[Layout] = (SINGLE,),
+    names: Sequence[str] = tuple(HOPS),
 ) -> list[Point]:
-    """Every pipeline under every load, ``rounds`` times; a fresh conveyor per pipeline,
+    """Every pipeline of ``names`` under every load in every layout, ``rounds`` times
+    (the layouts alternating within a round); a fresh conveyor per layout, pipeline,
     batch bound and round, so no measurement inherits another's streams."""
     points = []
-    for round_no in range(1, rounds + 1):
-        for p in pipelines:
-            for bound in sorted({load.max_batch for load in loads}):
-                with start_conveyor(
-                    [p.name],
-                    Options(max_batch=bound),
-                    workdir,
-                    log_name=f"{p.name}-{bound}-{round_no}",
-                    app="bench.capacity:pipelines",
-                    workers=[s.name for s in p.stages()],
-                ) as server:
-                    for load in (load for load in loads if load.max_batch == bound):
-                        points.append(measure(server, p.name, load, seconds, warmup, round_no))
-                        print(_line(points[-1]), flush=True)
+    with _clusters(layouts, workdir) as clusters:
+        for round_no in range(1, rounds + 1):
+            for layout in layouts:
+                for p in (p for p in pipelines if p.name in names):
+                    for bound in sorted({load.max_batch for load in loads}):
+                        nodes = clusters.get(layout.shards)
+                        if nodes:
+                            _flush(nodes)
+                        options = Options(
+                            max_batch=bound, env={"CONVEYOR_PARTITIONS": str(layout.partitions)}
+                        )
+                        with start_conveyor(
+                            [p.name],
+                            options,
+                            workdir,
+                            log_name=f"{p.name}-{bound}-{round_no}-{layout.partitions}"
+                            f"-{layout.shards}",
+                            app="bench.capacity:pipelines",
+                            workers=[s.name for s in p.stages()],
+                            redis_url=nodes.url.replace("redis://", "redis+cluster://")
+                            if nodes
+                            else None,
+                        ) as server:
+                            for load in (load for load in loads if load.max_batch == bound):
+                                points.append(
+                                    measure(
+                                        *(server, p.name, load, seconds, warmup, round_no),
+                                        nodes=nodes,
+                                        layout=layout,
+                                    )
+                                )
+                                print(_line(points[-1]), flush=True)
     return points
 
 
 def _line(p: Point) -> str:
     cost = p.per_request()
+    where = "" if p.layout == SINGLE else f" ({p.layout}, shares {_shares(p.shard_cpu_s)})"
     return (
-        f"round {p.round} {p.pipeline}, {p.load}: {p.requests} ok, {p.errors} errors, "
+        f"round {p.round} {p.pipeline}{where}, {p.load}: {p.requests} ok, {p.errors} errors, "
         f"{p.rps:.0f}/s, batch {p.batch:.1f}; per request: Redis CPU {cost['redis_cpu']:.0f} us, "
         f"commands {cost['redis_cmd']:.0f} us, gateway {cost['gateway']:.0f} us, "
         f"workers {cost['workers']:.0f} us"
@@ -371,20 +489,27 @@ def fit(one: Point, three: Point) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _points(points: list[Point], pipeline: str, load: Load) -> list[Point]:
-    return [p for p in points if p.pipeline == pipeline and p.load == load]
+def _shares(values: Sequence[float]) -> str:
+    """Each node's share, ``34/33/33%``."""
+    return "/".join(f"{100 * s:.0f}" for s in shares(values)) + "%"
 
 
-def _fits(points: list[Point], load: Load) -> list[dict[str, tuple[float, float]]]:
-    """The fit of every round under ``load``."""
-    ones, threes = _points(points, "cap1", load), _points(points, "cap3", load)
+def _points(points: list[Point], pipeline: str, load: Load, layout: Layout = SINGLE) -> list[Point]:
+    return [p for p in points if (p.pipeline, p.load, p.layout) == (pipeline, load, layout)]
+
+
+def _fits(
+    points: list[Point], load: Load, layout: Layout = SINGLE
+) -> list[dict[str, tuple[float, float]]]:
+    """The fit of every round under ``load`` in ``layout``."""
+    ones, threes = _points(points, "cap1", load, layout), _points(points, "cap3", load, layout)
     return [fit(a, b) for a, b in zip(ones, threes, strict=True)]
 
 
 def _spread(values: list[float]) -> str:
     """``mean`` or ``mean (lo-hi, ±x%)`` over rounds."""
     mean = sum(values) / len(values)
-    if len(values) < 2:
+    if len(values) < 2 or not mean:
         return f"{mean:.0f}"
     half = (max(values) - min(values)) / 2
     return f"{mean:.0f} ({min(values):.0f}-{max(values):.0f}, ±{100 * half / mean:.0f}%)"
@@ -597,6 +722,150 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+PARTITIONED = "Partitions on a Redis Cluster"
+"""The title of the section ``--shards``/``--partitions`` write."""
+
+
+def replace_section(text: str, title: str, body: str) -> str:
+    """``text`` (markdown) with its ``## title`` section, up to the next ``## `` heading,
+    replaced by ``body`` (which starts with that heading); appended where there is none."""
+    lines = text.splitlines(keepends=True)
+    heading = f"## {title}\n"
+    if heading not in lines:
+        return text.rstrip("\n") + "\n\n" + body if text.strip() else body
+    begin = lines.index(heading)
+    end = next((i for i in range(begin + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    after = "".join(lines[end:])
+    return "".join(lines[:begin]) + body + ("\n" + after if after else "")
+
+
+def _ratios(values: list[float], bases: list[float]) -> str:
+    """The ratio of the means, and each round's in brackets (``-`` over nothing)."""
+    each = ", ".join(f"{v / b:.2f}" if b else "-" for v, b in zip(values, bases, strict=True))
+    whole = _mean(bases)
+    return f"{_mean(values) / whole:.2f} ({each})" if whole else f"- ({each})"
+
+
+def _by_command_per_hop(points: list[Point], load: Load, layouts: Sequence[Layout]) -> list[str]:
+    """Rows of calls and top-level µs per item-hop by command, one column pair a layout."""
+    per: dict[Layout, dict[str, tuple[float, float]]] = {}
+    for layout in layouts:
+        ones, threes = _points(points, "cap1", load, layout), _points(points, "cap3", load, layout)
+        per[layout] = {}
+        for name in {n for p in ones + threes for n in p.commands}:
+            calls_one, one = _top_level(ones, name)
+            calls_three, three = _top_level(threes, name)
+            per[layout][name] = ((calls_three - calls_one) / 2, (three - one) / 2)
+    names = sorted(
+        {n for costs in per.values() for n in costs},
+        key=lambda n: -max(abs(costs.get(n, (0.0, 0.0))[1]) for costs in per.values()),
+    )
+    rows = []
+    for name in names:
+        cells = [per[layout].get(name, (0.0, 0.0)) for layout in layouts]
+        if max(abs(us) for _, us in cells) < 0.2:
+            continue
+        row = " | ".join(f"{calls:.2f} | {us:.1f}" for calls, us in cells)
+        rows.append(f"| {name.upper()} | {row} |")
+    return rows
+
+
+def _top_level(points: list[Point], name: str) -> tuple[float, float]:
+    """Calls per request of command ``name`` that clients sent, and their top-level µs
+    (a script's inner calls are in its ``EVALSHA``), mean over ``points``."""
+    kept = [
+        (p.commands.get(name, Calls(0, 0)), 1 - p.scripted.get(name, 0.0), max(1, p.requests))
+        for p in points
+    ]
+    return (
+        _mean(c.calls * k / n for c, k, n in kept),
+        _mean(c.usec * k / n for c, k, n in kept),
+    )
+
+
+def partitioned(
+    points: list[Point],
+    layouts: Sequence[Layout],
+    command: str,
+    took: float,
+    load_avg: tuple[float, float],
+) -> str:
+    """The :data:`PARTITIONED` section: per item-hop Redis cost of each layout against
+    one redis-server with one partition, the batches reached, each shard's share."""
+    loads = list(dict.fromkeys(p.load for p in points))
+    rounds = max(p.round for p in points)
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"## {PARTITIONED}",
+        "",
+        f"Written by `{command}` on {stamp} in {took:.0f} s ({rounds} rounds, in each the "
+        f"layouts in turn: {'; '.join(map(str, layouts))}; {'; '.join(map(str, loads))}); "
+        "rerun it to refresh this section. Load average (1 min) "
+        f"{load_avg[0]:.2f} at the start, {load_avg[1]:.2f} at the end.",
+        "",
+        "The one- and three-hop chains as above, each layout in the same run: on one "
+        "redis-server with one partition, and on a loopback Redis Cluster "
+        "(`conveyor.embedded.cluster`: masters only, AOF switched off to match the single "
+        "server) with every process given `CONVEYOR_REDIS_URL=redis+cluster://...` and "
+        "`CONVEYOR_PARTITIONS=P`. `CONFIG RESETSTAT`, `INFO commandstats`, `INFO cpu` and "
+        "`MONITOR` on every node; Redis's cost is summed over the nodes, idle ones included "
+        "(a cluster node's own upkeep is part of what a shard costs). Per item-hop: the "
+        "per-hop part of the fit through the two chains. Ratio: this layout's mean over "
+        "rounds over the single server's, each round's own ratio in brackets. Every "
+        "process shares the machine's cores, so compare CPU per item, not requests/s.",
+        "",
+        "| clients | max batch | layout | mean batch, 3 hops | Redis CPU µs per item-hop "
+        "| vs one server | Redis commands µs per item-hop | vs one server "
+        "| Redis CPU µs per request, 1 hop | each node's share of Redis CPU (and of calls), "
+        "3 hops |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in loads:
+        base = _fits(points, n, SINGLE)
+        for layout in layouts:
+            fits, threes = _fits(points, n, layout), _points(points, "cap3", n, layout)
+            cpu, cmd = [f["redis_cpu"][1] for f in fits], [f["redis_cmd"][1] for f in fits]
+            ones = [p.per_request()["redis_cpu"] for p in _points(points, "cap1", n, layout)]
+            cpu_by_node = [sum(col) for col in zip(*(p.shard_cpu_s for p in threes), strict=True)]
+            calls = [sum(col) for col in zip(*(p.shard_calls for p in threes), strict=True)]
+            lines.append(
+                f"| {n.clients} | {n.max_batch} | {layout} | "
+                f"{_mean(p.batch for p in threes):.1f} | {_spread(cpu)} | "
+                f"{_ratios(cpu, [f['redis_cpu'][1] for f in base])} | {_spread(cmd)} | "
+                f"{_ratios(cmd, [f['redis_cmd'][1] for f in base])} | {_spread(ones)} | "
+                f"{_shares(cpu_by_node)} (calls {_shares(calls)}) |"
+            )
+    for n in loads:
+        lines += [
+            "",
+            f"By command, {n}: calls and µs per item-hop that clients sent (the 3-hop chain "
+            "less the 1-hop, halved; summed over nodes; a script's commands inside its "
+            "`EVALSHA`), mean over rounds:",
+            "",
+            "| command | " + " | ".join(f"{layout} calls | µs" for layout in layouts) + " |",
+            "|---|" + "---|---|" * len(layouts),
+        ]
+        lines += _by_command_per_hop(points, n, layouts)
+    lines += [
+        "",
+        "Every measurement (µs per request; shares: each node's share of Redis CPU, and of "
+        "the commands it ran):",
+        "",
+        "| round | layout | pipeline | clients | max batch | answered | req/s | mean batch "
+        "| Redis CPU | Redis commands | gateway CPU | workers CPU | CPU shares | call shares |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        c = p.per_request()
+        lines.append(
+            f"| {p.round} | {p.layout} | {p.pipeline} | {p.load.clients} | "
+            f"{p.load.max_batch} | {p.requests} | {p.rps:.0f} | {p.batch:.1f} | "
+            f"{c['redis_cpu']:.0f} | {c['redis_cmd']:.0f} | {c['gateway']:.0f} | "
+            f"{c['workers']:.0f} | {_shares(p.shard_cpu_s)} | {_shares(p.shard_calls)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Measure, fit, size, and write the report."""
     parser = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__)
@@ -611,13 +880,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=float, default=200_000, help="requests/s to size for")
     parser.add_argument("--headroom", type=float, default=0.7, help="busy share of a core")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("CAPACITY.md"))
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="Redis masters: 1, one redis-server; 3 or more, a loopback Redis Cluster",
+    )
+    parser.add_argument(
+        "--partitions",
+        default="1",
+        help="CONVEYOR_PARTITIONS, comma-separated; any but 1 on one server measures "
+        "each against one partition on one redis-server and rewrites only the "
+        f"'{PARTITIONED}' section of --out",
+    )
     args = parser.parse_args(argv)
+    if args.shards == 2 or args.shards < 1:
+        parser.error("--shards: 1 (one redis-server) or 3 or more (a Redis Cluster)")
+    layouts = [SINGLE] + [
+        layout
+        for layout in (Layout(int(p), args.shards) for p in args.partitions.split(","))
+        if layout != SINGLE
+    ]
     began, load_before = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="conveyor-capacity-") as tmp:
         loads = [Load.parse(text) for text in args.loads.split(",")]
-        points = run(args.rounds, loads, args.seconds, args.warmup, Path(tmp))
+        names = tuple(HOPS) if len(layouts) == 1 else ("cap1", "cap3")
+        points = run(args.rounds, loads, args.seconds, args.warmup, Path(tmp), layouts, names)
     took, load_avg = time.monotonic() - began, (load_before, os.getloadavg()[0])
-    args.out.write_text(markdown(points, args, took, load_avg))
+    if len(layouts) == 1:
+        args.out.write_text(markdown(points, args, took, load_avg))
+    else:
+        command = " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])])
+        section = partitioned(points, layouts, command, took, load_avg)
+        old = args.out.read_text() if args.out.exists() else ""
+        args.out.write_text(replace_section(old, PARTITIONED, section))
     print(f"wrote {args.out}")
 
 

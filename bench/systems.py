@@ -139,7 +139,7 @@ class ConveyorServer(Server):
 
     @property
     def redis_url(self) -> str:
-        """The URL of its redis-server."""
+        """The URL of its Redis (``redis+cluster://`` where it uses a cluster)."""
         return self._env["CONVEYOR_REDIS_URL"]
 
     def _metrics(self) -> Series:
@@ -324,6 +324,7 @@ def conveyor(
     name: str = "conveyor",
     app: str = "bench.workloads:conveyor_pipelines",
     workers: list[str] | None = None,
+    redis_url: str | None = None,
 ) -> Iterator[ConveyorServer]:
     """redis-server, the gateway and one worker per stage, as separate processes.
 
@@ -336,12 +337,17 @@ def conveyor(
         app: ``CONVEYOR_APP``, whose pipelines the workloads name.
         workers: the stages that get one worker each (default: the workloads' stages; a
             pipeline of several steps names the stages of its steps here).
+        redis_url: a Redis (or ``redis+cluster://`` cluster) the caller runs, used
+            instead of starting a redis-server (extra settings, such as
+            ``CONVEYOR_PARTITIONS``, go in ``options.env``).
     """
     stages = stages_of(workloads)
     log = workdir / f"{log_name}.log"
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with ExitStack() as stack:
-        url, redis = stack.enter_context(_redis(workdir / f"redis-{log_name}"))
+        url = redis_url
+        if url is None:
+            url, procs["redis"] = stack.enter_context(_redis(workdir / f"redis-{log_name}"))
         stack.callback(_stop_all_but_redis, procs)
         port = free_port()
         env = _base_env(options)
@@ -354,7 +360,6 @@ def conveyor(
             CONVEYOR_DEVICE=options.device,
             CONVEYOR_MAX_BATCH_SIZE=str(options.max_batch),
         )
-        procs["redis"] = redis
         procs["gateway"] = _spawn([sys.executable, "-m", "gateway"], env, log)
         server = ConveyorServer(name, port, procs, env, log)
         for stage in stages if workers is None else workers:

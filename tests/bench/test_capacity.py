@@ -10,15 +10,22 @@ import pytest
 import redis
 
 from bench.capacity import (
+    PARTITIONED,
+    SINGLE,
     Calls,
+    Layout,
     Load,
     Monitor,
     Point,
     commandstats,
     fit,
     monitor_command,
+    partitioned,
+    replace_section,
     script_own_usec,
+    shares,
     size,
+    sum_commandstats,
     top_level_usec,
 )
 from conveyor.embedded import free_port, start_redis
@@ -86,6 +93,86 @@ def test_sizing_rounds_every_process_count_up() -> None:
     plan = size(cost, target=200_000, headroom=0.7)
     assert plan.per_shard == pytest.approx(20_000)  # 700,000 busy µs a second / 35
     assert (plan.shards, plan.gateways, plan.workers) == (10, 38, 20)
+
+
+def test_a_clusters_commandstats_add_up_over_its_nodes() -> None:
+    nodes = [
+        {"evalsha": Calls(10, 900), "xadd": Calls(4, 8)},
+        {"evalsha": Calls(12, 1000)},
+        {"command|getkeys": Calls(30, 20)},
+    ]
+    assert sum_commandstats(nodes) == {
+        "evalsha": Calls(22, 1900),
+        "xadd": Calls(4, 8),
+        "command|getkeys": Calls(30, 20),
+    }
+    assert sum_commandstats([]) == {}
+
+
+def test_each_nodes_share_of_the_cpu() -> None:
+    assert shares([2.0, 1.0, 1.0]) == pytest.approx([0.5, 0.25, 0.25])
+    assert shares([0.0, 0.0]) == [0.0, 0.0]
+
+
+def test_layouts_say_where_the_streams_live() -> None:
+    assert str(SINGLE) == "P=1 on one redis-server"
+    assert str(Layout(6, 3)) == "P=6 on 3 shards"
+
+
+def test_a_section_is_replaced_in_place_and_the_rest_kept() -> None:
+    text = "# Title\n\n## A\n\nold a\n\n## B\n\nold b\n"
+    assert replace_section(text, "A", "## A\n\nnew a\n") == (
+        "# Title\n\n## A\n\nnew a\n\n## B\n\nold b\n"
+    )
+    assert replace_section(text, "B", "## B\n\nnew b\n") == (
+        "# Title\n\n## A\n\nold a\n\n## B\n\nnew b\n"
+    )
+    assert replace_section(text, "C", "## C\n\nc\n") == text + "\n## C\n\nc\n"
+    assert replace_section("", "C", "## C\n") == "## C\n"
+
+
+def _hop_points(
+    layout: Layout, round_no: int, per_hop_us: float, nodes: list[float]
+) -> list[Point]:
+    """The one- and three-hop chains in ``layout``: 10 µs of Redis CPU per request plus
+    ``per_hop_us`` per hop, split over the nodes in the proportions ``nodes``."""
+    out = []
+    for name, hops in (("cap1", 1), ("cap3", 3)):
+        cpu_s = (10 + hops * per_hop_us) * 1000 / 1e6  # 1000 requests
+        out.append(
+            Point(
+                pipeline=name,
+                load=Load(64, 32),
+                round=round_no,
+                requests=1000,
+                errors=0,
+                rps=1.0,
+                batch=8.0,
+                redis_cpu_s=cpu_s,
+                commands={},
+                layout=layout,
+                shard_cpu_s=[cpu_s * n / sum(nodes) for n in nodes],
+                shard_calls=[int(100 * n) for n in nodes],
+            )
+        )
+    return out
+
+
+def test_the_partitioned_section_compares_per_hop_cost_with_one_server() -> None:
+    parted = Layout(3, 3)
+    points = [
+        *_hop_points(SINGLE, 1, 20, [1]),
+        *_hop_points(parted, 1, 30, [2, 1, 1]),
+        *_hop_points(SINGLE, 2, 20, [1]),
+        *_hop_points(parted, 2, 50, [2, 1, 1]),
+    ]
+    section = partitioned(points, [SINGLE, parted], "python -m bench.capacity", 1.0, (0.0, 0.0))
+    assert section.startswith(f"## {PARTITIONED}\n")
+    row = next(line for line in section.splitlines() if line.startswith("| 64 | 32 | P=3"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[4] == "40 (30-50, ±25%)"  # µs of Redis CPU per item-hop, over rounds
+    assert cells[5] == "2.00 (1.50, 2.50)"  # against one server's 20, and each round's
+    assert cells[9] == "50/25/25% (calls 50/25/25%)"
 
 
 def test_loads_read_clients_and_batch_bound() -> None:
