@@ -10,11 +10,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     ClusterError,
     MaxConnectionsError,
-    RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
@@ -22,6 +21,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipelines.cluster import Cluster
 from pipelines.envelope import Request, encode
 from pipelines.errors import ConfigError, ConveyorError, Overloaded, Unavailable
 from pipelines.keys import GROUP, Keys
@@ -123,80 +123,6 @@ async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitabl
             raise RedisConnectionError(f"{exc}; then {again}") from again
 
 
-_CLIENT_INTERNALS = ("/redis/", "/asyncio/", "uvloop/")
-"""Where in a traceback an error is redis-py's connection handling, not conveyor's."""
-
-
-def _connection_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` is redis-py's cluster client tripping over a connection closed
-    under it. While a shard is down, redis-py 8.1's asyncio cluster client drops the
-    node's connections while other commands are using them, and those fail with
-    ``AttributeError`` (a writer already ``None``) or ``RuntimeError`` (uvloop: "the
-    handler is closed") from inside its connection code (redis/redis-py#3835 is one of
-    that family). For conveyor they are what they mean: the node is unreachable."""
-    if not isinstance(exc, AttributeError | RuntimeError | TypeError):
-        return False
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and any(p in tb.tb_frame.f_code.co_filename for p in _CLIENT_INTERNALS)
-
-
-class _ClusterPipeline(ClusterPipeline):
-    """A cluster pipeline whose connection-lost slips (:func:`_connection_lost`) raise
-    ``ConnectionError``."""
-
-    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
-        try:
-            return await super().execute(raise_on_error, allow_redirections)
-        except Exception as exc:
-            if _connection_lost(exc):
-                raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
-            raise
-
-
-_STREAM_READS = ("XREAD", "XREADGROUP")
-
-
-class _Cluster(RedisCluster):
-    """redis-py's cluster client, whose connection-lost slips (:func:`_connection_lost`)
-    raise ``ConnectionError``, as the plain client's do, and which finds the slot of a
-    stream read itself.
-
-    redis-py 8.1 asks a server (``COMMAND GETKEYS``, a round trip, always to the same
-    node) where the keys of a command with movable keys are before sending it; for
-    ``XREAD`` and ``XREADGROUP``, every read of every worker and gateway, that doubled the
-    round trips and loaded one node with them (``python -m bench.capacity --shards``).
-    Their keys are simply the first half of what follows ``STREAMS``.
-    """
-
-    async def _determine_slot(self, command: str, *args: Any) -> int:
-        if command.upper() not in _STREAM_READS:
-            return int(await super()._determine_slot(command, *args))
-        words = [a.upper() if isinstance(a, str) else a for a in args]
-        at = next((i for i, w in enumerate(words) if w in ("STREAMS", b"STREAMS")), None)
-        if at is None:
-            raise RedisClusterException(f"{command} without STREAMS: {args}")
-        rest = args[at + 1 :]
-        slots = {self.keyslot(key) for key in rest[: len(rest) // 2]}
-        if len(slots) != 1:
-            raise RedisClusterException(f"{command}'s streams are not in one slot: {args}")
-        return slots.pop()
-
-    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().execute_command(*args, **kwargs)
-        except Exception as exc:
-            if _connection_lost(exc):
-                raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
-            raise
-
-    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
-        if shard_hint:
-            raise RedisClusterException("shard_hint is not supported by a cluster")
-        return _ClusterPipeline(self, transaction)  # type: ignore[abstract]
-
-
 def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
     """An asyncio client for ``settings.redis_url``: redis-py's cluster client for a
     ``redis+cluster://`` URL, else a plain one.
@@ -209,7 +135,7 @@ def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
     timeout = settings.redis_timeout_s + block_ms / 1000.0
     if settings.cluster:
         url = settings.redis_url.replace("+cluster", "", 1)
-        cluster = _Cluster.from_url(
+        cluster = Cluster.from_url(
             url,
             max_connections=settings.redis_max_connections,  # per node
             socket_timeout=timeout,
