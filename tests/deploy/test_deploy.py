@@ -548,9 +548,7 @@ def test_acl_rules_grant_what_each_process_needs_and_nothing_else(rendered_acl: 
         assert not missing, f"{name} cannot run {sorted(missing)}"
         granted = {c for c in FORBIDDEN if user.can(c)}
         granted |= {
-            c
-            for c in user.commands
-            if c.split("|")[0] in FORBIDDEN and c not in READ_ONLY_CLUSTER
+            c for c in user.commands if c.split("|")[0] in FORBIDDEN and c not in READ_ONLY_CLUSTER
         }
         assert not granted, f"{name} may run {sorted(granted)}"
         assert not user.channels, f"{name} needs no pub/sub"
