@@ -101,6 +101,13 @@ class ReplyDispatcher:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
+            except Exception:
+                # Not an outage the client library names: still no reason to stop reading
+                # (every call waiting on this gateway would time out); said loudly.
+                logger.exception("reply read failed; retry in %.1fs", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
             for stream, entries in cast(list[Any], response or []):
                 name = stream.decode() if isinstance(stream, bytes) else stream
                 for entry_id, fields in entries:

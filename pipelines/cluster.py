@@ -23,7 +23,11 @@ def _connection_lost(exc: BaseException) -> bool:
     node's connections while other commands are using them, and those fail with
     ``AttributeError`` (a writer already ``None``) or ``RuntimeError`` (uvloop: "the
     handler is closed") from inside its connection code (redis/redis-py#3835 is one of
-    that family). For conveyor they are what they mean: the node is unreachable."""
+    that family). And when no node answers its (re)initialisation, it raises a plain
+    ``RedisClusterException``. For conveyor they are what they mean: unreachable."""
+    if isinstance(exc, RedisClusterException):
+        # No node answered the client's (re)initialisation: the cluster is unreachable.
+        return "cannot be connected" in str(exc)
     if not isinstance(exc, AttributeError | RuntimeError | TypeError):
         return False
     tb = exc.__traceback__
@@ -72,6 +76,17 @@ class Cluster(RedisCluster):
         if len(slots) != 1:
             raise RedisClusterException(f"{command}'s streams are not in one slot: {args}")
         return slots.pop()
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        # Called from more places than execute_command (DEL and the other commands redis-py
+        # splits across slots itself), so its failure is converted here too.
+        try:
+            await super().initialize(*args, **kwargs)
+        except Exception as exc:
+            if _connection_lost(exc):
+                raise RedisConnectionError(f"cluster unreachable: {exc}") from exc
+            raise
+        return self
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
