@@ -79,6 +79,9 @@ def start_redis(
             # A master unreachable this long is failed over to its replica (if it has
             # one); Redis's default, 15 s, is a production figure, not a loopback one.
             "cluster-node-timeout": "2000",
+            # A shard down stops its own slots only (the default stops every node):
+            # what conveyor's partitions rely on, as deploy/README.md says.
+            "cluster-require-full-coverage": "no",
         }
     args = [find_redis_server()]
     for name, value in config.items():
@@ -145,16 +148,25 @@ class Cluster:
 
     def ok(self) -> bool:
         """Whether every running node says the cluster is ``ok`` (all slots served)."""
-        for port in self.procs:
-            info = subprocess.run(
-                [redis_cli(), "-p", str(port), "cluster", "info"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout
-            if "cluster_state:ok" not in info:
+        return all("cluster_state:ok" in self._ask(port, "info") for port in self.procs)
+
+    def failed(self, port: int) -> bool:
+        """Whether every running node has marked the node on ``port`` failed (``fail``,
+        agreed by the majority after the node timeout; not just suspected, ``fail?``)."""
+        for live in self.procs:
+            lines = [n for n in self._ask(live, "nodes").splitlines() if f":{port}@" in n]
+            flags = lines[0].split()[2].split(",") if lines else []  # id addr flags ...
+            if "fail" not in flags:
                 return False
         return True
+
+    def _ask(self, port: int, what: str) -> str:
+        return subprocess.run(
+            [redis_cli(), "-p", str(port), "cluster", what],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
 
 
 BUS_OFFSET = 10_000

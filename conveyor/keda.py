@@ -8,8 +8,12 @@ pending trigger for each of them; this prints that list, for the deployment's
 cluster (``redis+cluster://``) they are ``redis-cluster-streams`` triggers.
 
 The HPA follows the trigger asking for the most replicas, not the sum: with ``P``
-partitions, each trigger's target is the stage's target divided by ``P`` (rounded up),
-so ``P`` evenly loaded partitions ask for what one stream holding all of it would.
+partitions, each lag trigger's target is the stage's target divided by ``P`` (rounded up),
+so ``P`` evenly loaded partitions ask for what one stream holding all of it would. The
+pending triggers keep theirs whole: a worker holds entries of every partition at once (up
+to its whole target in each, :func:`workers.loop.partition_workers`), so a divided target
+would count each worker up to ``P`` times; they keep pods with work in flight alive, and
+the lag triggers scale out.
 """
 
 from __future__ import annotations
@@ -51,11 +55,11 @@ def triggers(keys: Keys, stage: str, options: TriggerOptions) -> str:
     """
     kind = "redis-cluster-streams" if options.cluster else "redis-streams"
     where = "addresses" if options.cluster else "address"
-    each = max(1, math.ceil(options.target / keys.partitions))
+    divided = max(1, math.ceil(options.target / keys.partitions))
     out: list[str] = []
-    for metric, field, note in (
-        ("lag", "lagCount", "waiting, not yet delivered to any worker (XINFO GROUPS lag)"),
-        ("pending", "pendingEntriesCount", "delivered, not yet acknowledged (XPENDING)"),
+    for metric, field, each, note in (
+        ("lag", "lagCount", divided, "waiting, not yet delivered to any worker (XINFO GROUPS lag)"),
+        ("pending", "pendingEntriesCount", options.target, "delivered, not yet acknowledged"),
     ):
         for part in keys.each():
             for lane in LANES:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import socket
@@ -365,6 +366,10 @@ def partition_workers(
     one model runner and one consumer name: the model loads once, the partitions'
     batches take turns on it, and status views count one worker.
 
+    ``max_concurrent_batches`` is shared out: each partition gets its share, rounded up
+    (at least one), so a process does not hold ``P`` times the entries it can run while
+    other workers could take them.
+
     A read cannot span partitions on a Redis Cluster (their streams are in different
     slots), so each partition has its own loop, window and recovery.
 
@@ -373,6 +378,9 @@ def partition_workers(
         settings: the worker's settings.
         registry: the pipelines whose steps run on this stage.
     """
+    if settings.partitions > 1:
+        share = math.ceil(settings.max_concurrent_batches / settings.partitions)
+        settings = settings.model_copy(update={"max_concurrent_batches": share})
     first = Worker(stage, settings, registry=registry)
     return [first] + [
         Worker(

@@ -48,7 +48,8 @@ class WorkerSettings(CommonSettings):
         max_batch_tokens: overrides the stage's token bound when set; 0 turns
             length-aware batching off (batches bounded by items alone).
         max_concurrent_batches: batches read ahead and in flight at once (the model
-            itself runs one batch at a time; the next is assembled meanwhile).
+            itself runs one batch at a time; the next is assembled meanwhile); with
+            several partitions, each partition's loop gets its share, rounded up.
         bulk_every: bulk's guaranteed share of a batch while both lanes have work: one
             slot in this many (rounded up); interactive takes the rest first.
         adaptive_batching: go before the window closes when waiting would not raise

@@ -141,7 +141,9 @@ async def test_a_shard_killed_and_restarted_from_its_aof_loses_no_accepted_job(
             async with httpx.AsyncClient(base_url=gw.base, timeout=30) as http:
                 jobs = await submit(http, range(JOBS))
                 nodes.kill(int(victim.port))  # SIGKILL: only its AOF survives
-                # The other shards' partitions are still served meanwhile.
+                # Once the others have marked it failed (past the node timeout), the other
+                # shards' partitions are still served (cluster-require-full-coverage no).
+                await until(lambda: asyncio.to_thread(nodes.failed, int(victim.port)), limit_s=30)
                 during = await asyncio.gather(
                     *(http.post("/v1/slow", json={"value": v}) for v in range(30))
                 )

@@ -48,6 +48,19 @@ async def test_a_stages_partitions_share_one_model_built_once(
         assert [w.keys.partition for w in workers] == [0, 1, 2]
         assert len({s for w in workers for s in w.streams}) == 3 * len(workers[0].streams)
         assert {w.consumer for w in workers} == {workers[0].consumer}  # one worker to see
+        # The process's batches in flight are shared out, not multiplied by the partitions.
+        assert [w.settings.max_concurrent_batches for w in workers] == [1, 1, 1]
     finally:
         for w in workers:
             await w.close()
+
+
+@pytest.mark.usefixtures("env")
+@pytest.mark.parametrize(("partitions", "batches", "share"), [(1, 2, 2), (3, 8, 3), (4, 8, 2)])
+def test_batches_in_flight_are_shared_out_among_partitions(
+    partitions: int, batches: int, share: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CONVEYOR_PARTITIONS", str(partitions))
+    settings = WorkerSettings(max_concurrent_batches=batches)
+    workers = partition_workers(COUNTED, settings)
+    assert [w.settings.max_concurrent_batches for w in workers] == [share] * partitions
