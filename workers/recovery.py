@@ -307,6 +307,10 @@ class Recovery:
             try:
                 req = decode_request(fields)
             except EnvelopeError:
+                req = None
+            if req is None or not self.router.keys.is_reply_target(req.reply_to):
+                # Undecodable, or answering outside this partition (intake would not run
+                # it either): its caller is told only where the entry's word is safe.
                 who = sender(fields)
                 if who is not None:
                     self.router.fail_unreadable(out, who, message)

@@ -265,3 +265,33 @@ async def test_a_cluster_no_node_answers_is_503_not_500(harness: Harness) -> Non
     ):
         assert resp.status_code == 503, resp.text
         assert resp.headers["Retry-After"] == "1"
+
+
+async def test_a_foreign_entry_dead_lettered_by_recovery_answers_nowhere(
+    parted: Harness,
+) -> None:
+    # Delivered too often (its first worker died), such an entry is dead-lettered by the
+    # reclaim, not by intake: that path must not answer outside the partition either.
+    home = parted.keys.at(1)
+    stream = home.stage_stream("double")
+    elsewhere = parted.keys.at(0).reply_stream("t")
+    stray = parted.request("double", "double", "double", {"value": 2}, reply_to=elsewhere)
+    worker = parted.worker(
+        number_stage(batch_wait_ms=0),
+        Doubler(),
+        partition=1,
+        max_deliveries=1,
+        min_idle_ms=10,
+        reclaim_interval_ms=10,
+    )
+    await worker.start()
+    await parted.redis.xadd(stream, encode(stray))
+    await parted.redis.xreadgroup(GROUP, "crashed-worker", {stream: ">"})  # then it died
+
+    async def dead_lettered() -> bool:
+        await worker.run(max_batches=1, burst=True)
+        return bool(await parted.redis.xlen(home.dead_letters("double")) == 1)
+
+    await until(dead_lettered)
+    assert not await parted.redis.exists(elsewhere)
+    assert (await parted.stats("double")).get("dead_letters") == 1
