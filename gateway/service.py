@@ -25,7 +25,14 @@ from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
 from pipelines import tracing
 from pipelines.envelope import Lane, Reply, Request, new_request_id, wire_problem
-from pipelines.errors import Cancelled, DeadlineExceeded, InvalidInput, NotFound
+from pipelines.errors import (
+    Cancelled,
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    NotFound,
+    Unavailable,
+)
 from pipelines.graph import Pipeline
 from pipelines.records import JobRecord, create_job
 from pipelines.redisio import (
@@ -77,6 +84,7 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
         self.withdrawals = Withdrawals(self.client, self.keys, self.clock)
         self._calibrating: asyncio.Task[None] | None = None
+        self.misconfigured: str | None = None  # why it cannot serve (a late-found mismatch)
         # An enqueue's write: a wait for a pooled connection, then one for Redis's answer.
         self.write_s = 2 * settings.redis_timeout_s
         self.enqueuer = Enqueuer(self.client, self.keys, self.write_s)
@@ -132,7 +140,10 @@ class Gateway:
         return min(asked, self.settings.max_timeout_s)
 
     async def ready(self) -> bool:
-        """Whether Redis answers (a stage with no worker is not a readiness failure)."""
+        """Whether Redis answers (a stage with no worker is not a readiness failure), and
+        this gateway is configured as the namespace is."""
+        if self.misconfigured is not None:
+            return False
         try:
             return bool(await self.client.ping())
         except SATURATED:
@@ -257,12 +268,29 @@ class Gateway:
 
     async def _calibrated(self) -> None:
         """Measure the Redis clock now if it never was (Redis was down at start): deadlines
-        and enqueue_by are on it. Concurrent requests share one measurement."""
+        and enqueue_by are on it; and check the partition count, as :meth:`start` would
+        have. Concurrent requests share one measurement.
+
+        Raises:
+            Unavailable: this gateway's partition count is not the namespace's (said in
+                the log and by ``/readyz`` too; it serves nothing until restarted right).
+        """
+        if self.misconfigured is not None:
+            raise Unavailable(self.misconfigured, self.settings.retry_after_s)
         if math.isfinite(self.clock.error):
             return
         if self._calibrating is None or self._calibrating.done():
-            self._calibrating = asyncio.create_task(self.clock.calibrate(self.client))
+            self._calibrating = asyncio.create_task(self._join())
         await asyncio.shield(self._calibrating)
+
+    async def _join(self) -> None:
+        await self.clock.calibrate(self.client)
+        try:
+            await agree_on_partitions(self.client, self.keys)
+        except ConfigError as exc:
+            logger.error("%s", exc)
+            self.misconfigured = f"this gateway is misconfigured: {exc}"
+            raise Unavailable(self.misconfigured, self.settings.retry_after_s) from None
 
     async def call(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -295,3 +296,23 @@ async def test_a_foreign_entry_dead_lettered_by_recovery_answers_nowhere(
     await until(dead_lettered)
     assert not await parted.redis.exists(elsewhere)
     assert (await parted.stats("double")).get("dead_letters") == 1
+
+
+async def test_a_gateway_started_while_redis_was_down_checks_the_partition_count_later(
+    own_redis: Any, harness: Harness
+) -> None:
+    # It could not check at start; its first request does, and a mismatch takes it out of
+    # rotation (503, /readyz) instead of enqueueing into partitions nobody reads.
+    stage = number_stage(batch_wait_ms=0)
+    own_redis.send_signal(signal.SIGSTOP)
+    try:
+        http = await harness.gateway([stage], redis_timeout_s=0.5)
+    finally:
+        own_redis.send_signal(signal.SIGCONT)
+    await harness.redis.set(harness.keys.partition_count(), 5)  # the deployment runs 5
+    for _ in range(2):  # found once, then remembered
+        resp = await http.post("/v1/double", json={"value": 1})
+        assert resp.status_code == 503, resp.text
+        assert "CONVEYOR_PARTITIONS=1, but namespace" in resp.json()["detail"]
+    assert (await http.get("/readyz")).status_code == 503
+    assert not await harness.redis.exists(harness.keys.stage_stream("double"))
