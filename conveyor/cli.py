@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     dlq = sub.add_parser("dlq", help="dead letters of a stage: list, replay or purge")
     dlq.add_argument("action", choices=["list", "replay", "purge"])
     dlq.add_argument("stage")
-    dlq.add_argument("--id", help="only this dead-letter entry")
+    dlq.add_argument("--id", help="only this dead-letter entry (its id in each partition)")
     dlq.add_argument(
         "--timeout",
         type=_seconds,

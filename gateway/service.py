@@ -70,7 +70,9 @@ class Gateway:
         self.clock = RedisClock()
         self.metrics = RequestMetrics()
         self.client: aioredis.Redis = connect(settings)
-        self._reader = connect(settings, block_ms=settings.reply_block_ms)
+        # Each partition's reply stream blocks a connection of its own on a cluster.
+        readers = len(self.reply_streams) + 2
+        self._reader = connect(settings, block_ms=settings.reply_block_ms, connections=readers)
         self.replies = ReplyDispatcher(
             self._reader, self.reply_streams, settings.reply_block_ms, per_slot=settings.cluster
         )

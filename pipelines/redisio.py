@@ -124,7 +124,9 @@ async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitabl
             raise RedisConnectionError(f"{exc}; then {again}") from again
 
 
-def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
+def connect(
+    settings: CommonSettings, *, block_ms: int = 0, connections: int | None = None
+) -> aioredis.Redis:
     """An asyncio client for ``settings.redis_url``: redis-py's cluster client for a
     ``redis+cluster://`` URL, else a plain one.
 
@@ -132,13 +134,16 @@ def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
         settings: the process's settings (URL and timeouts).
         block_ms: the longest BLOCK this client will issue; its socket timeout is set
             above it so a blocking read is not cut short, yet a dead server is noticed.
+        connections: its connection bound (per node on a cluster), when more than
+            ``redis_max_connections`` (a gateway's blocking reads, one per partition).
     """
+    most = max(connections or 0, settings.redis_max_connections)
     timeout = settings.redis_timeout_s + block_ms / 1000.0
     if settings.cluster:
         url = settings.redis_url.replace("+cluster", "", 1)
         cluster = Cluster.from_url(
             url,
-            max_connections=settings.redis_max_connections,  # per node
+            max_connections=most,  # per node
             socket_timeout=timeout,
             socket_connect_timeout=settings.redis_timeout_s,
             health_check_interval=30,
@@ -150,7 +155,7 @@ def connect(settings: CommonSettings, *, block_ms: int = 0) -> aioredis.Redis:
     # free connection instead of failing at once as the default pool does.
     pool = _Pool.from_url(
         settings.redis_url,
-        max_connections=settings.redis_max_connections,
+        max_connections=most,
         timeout=settings.redis_timeout_s,
         socket_timeout=timeout,
         socket_connect_timeout=settings.redis_timeout_s,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -337,3 +338,15 @@ class GatewayProcess:
         if self.proc is not None:
             self.proc.terminate()
             self.proc.wait(timeout=20)
+
+
+async def gateway_while_redis_paused(
+    harness: Harness, redis_proc: subprocess.Popen[bytes], routed: list[Stage]
+) -> httpx.AsyncClient:
+    """A gateway started while its Redis is paused (SIGSTOP: connections hang, commands
+    time out after 0.5 s), the Redis resumed once the gateway has started."""
+    redis_proc.send_signal(signal.SIGSTOP)
+    try:
+        return await harness.gateway(routed, redis_timeout_s=0.5)
+    finally:
+        redis_proc.send_signal(signal.SIGCONT)

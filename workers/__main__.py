@@ -71,9 +71,17 @@ async def _serve(stage_names: list[str]) -> None:
         # 100-150 ms pause of every batch in flight.
         gc.freeze()
         release_freed_memory()
-        await asyncio.gather(*(w.run() for w in workers))
+        runs = [asyncio.create_task(w.run()) for w in workers]
+        try:
+            await asyncio.gather(*runs)
+        except BaseException:
+            # One loop failing stops its siblings in this process too, and they finish
+            # before the model and the connections they share are closed.
+            stop_all()
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
     except BaseException:
-        stop_all()  # one stage failing stops its siblings in this process too
+        stop_all()
         raise
     finally:
         for w in workers:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import socket
 import time
 from typing import Any
@@ -23,7 +22,15 @@ from pipelines.keys import GROUP
 from pipelines.redisio import entry_ms
 from pipelines.registry import Registry
 from pipelines.stats import stage_status
-from tests.helpers import Doubler, Harness, NumberIn, conveyor, number_stage, until
+from tests.helpers import (
+    Doubler,
+    Harness,
+    NumberIn,
+    conveyor,
+    gateway_while_redis_paused,
+    number_stage,
+    until,
+)
 
 # --------------------------------------------------------------------------------------
 # enqueue_by: an accepted (202) job is silently dropped by the worker, never answered.
@@ -150,11 +157,7 @@ async def test_a_gateway_started_during_a_redis_outage_serves_on_the_redis_clock
     # starts with Redis up); Redis SIGSTOPped while the gateway starts, then SIGCONT.
     monkeypatch.setattr("pipelines.redisio.time", _SkewedTime(5.0))
     stage = number_stage(batch_wait_ms=0)
-    own_redis.send_signal(signal.SIGSTOP)
-    try:
-        http = await harness.gateway([stage], redis_timeout_s=0.5)
-    finally:
-        own_redis.send_signal(signal.SIGCONT)
+    http = await gateway_while_redis_paused(harness, own_redis, [stage])
     worker = harness.worker(stage, Doubler())
     await worker.start()
     harness.run(worker)

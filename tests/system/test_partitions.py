@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,14 @@ from pipelines.keys import GROUP, Keys
 from pipelines.redisio import connect, ensure_group
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
-from tests.helpers import Doubler, Harness, conveyor, number_stage, until
+from tests.helpers import (
+    Doubler,
+    Harness,
+    conveyor,
+    gateway_while_redis_paused,
+    number_stage,
+    until,
+)
 
 PARTITIONS = 3
 
@@ -304,11 +310,7 @@ async def test_a_gateway_started_while_redis_was_down_checks_the_partition_count
     # It could not check at start; its first request does, and a mismatch takes it out of
     # rotation (503, /readyz) instead of enqueueing into partitions nobody reads.
     stage = number_stage(batch_wait_ms=0)
-    own_redis.send_signal(signal.SIGSTOP)
-    try:
-        http = await harness.gateway([stage], redis_timeout_s=0.5)
-    finally:
-        own_redis.send_signal(signal.SIGCONT)
+    http = await gateway_while_redis_paused(harness, own_redis, [stage])
     await harness.redis.set(harness.keys.partition_count(), 5)  # the deployment runs 5
     for _ in range(2):  # found once, then remembered
         resp = await http.post("/v1/double", json={"value": 1})
