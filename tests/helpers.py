@@ -211,6 +211,9 @@ class Harness:
             create_app(settings, registry),
             log_level="warning",
             http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
+            # As python -m gateway runs it: a connection still open at the end of a test
+            # (a keep-alive the client left) is cut then, instead of holding the teardown.
+            timeout_graceful_shutdown=10,
         )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
