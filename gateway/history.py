@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from pipelines.keys import Keys
 from pipelines.metrics import BUCKETS, le_label
 from pipelines.redisio import REDIS_DOWN, RedisClock
-from pipelines.stats import OUTCOMES, merge_stats
+from pipelines.stats import OUTCOMES, read_all_stats
 
 logger = logging.getLogger(__name__)
 
@@ -120,16 +120,7 @@ class History:
 
     async def sample(self) -> None:
         """Take one reading (one round trip for every stage and partition)."""
-        parts = self.keys.each()
-        pipe = self.client.pipeline(transaction=False)  # a cluster splits it by shard
-        for stage in self.stages:
-            for part in parts:
-                pipe.hgetall(part.stage_stats(stage))
-        answers = await pipe.execute()
-        n = len(parts)
-        stats = {
-            stage: merge_stats(answers[i * n : (i + 1) * n]) for i, stage in enumerate(self.stages)
-        }
+        stats = await read_all_stats(self.client, self.keys, self.stages)
         self.samples.append(Sample(self.clock.now(), stats))
 
     async def _run(self) -> None:

@@ -216,7 +216,7 @@ class Gateway:
             traces.child(root, "admission", started, admitted, **{"conveyor.lane": lane})
             trace_id = trace_id or tracing.trace_id_of(root)
         keys = self.keys.of(request_id)  # the partition of everything it touches
-        reply_to = keys.job(request_id) if job else keys.reply_stream(self.gateway_id)
+        reply_to = keys.job(request_id) if job else self.reply_streams[keys.partition]
         request = Request(
             id=request_id,
             pipeline=pipeline.name,

@@ -72,16 +72,24 @@ class Keys:
         self.partitions = partitions
         self.partition = partition
         self.prefix = "{" + partition_tag(namespace, partition, partitions) + "}"
+        self._all: list[Keys] | None = None  # every partition's, built once, shared
 
     def at(self, partition: int) -> Keys:
         """The keys of ``partition`` of this namespace."""
-        if partition == self.partition:
-            return self
-        return Keys(self.namespace, self.partitions, partition)
+        return self.each()[partition]
 
     def each(self) -> list[Keys]:
-        """The keys of every partition, in order."""
-        return [self.at(k) for k in range(self.partitions)]
+        """The keys of every partition, in order (built once: :meth:`of` runs per request,
+        and finding a partition's tag takes a search)."""
+        if self._all is not None:
+            return self._all
+        made = [
+            self if k == self.partition else Keys(self.namespace, self.partitions, k)
+            for k in range(self.partitions)
+        ]
+        for keys in made:
+            keys._all = made
+        return made
 
     def of(self, request_id: str) -> Keys:
         """The keys of the partition ``request_id`` belongs to (a hash of the id: ids

@@ -88,12 +88,22 @@ def merge_stats(hashes: Iterable[Mapping[Any, Any]]) -> dict[str, float]:
 async def read_stats(client: aioredis.Redis, keys: Keys, stage: str) -> dict[str, float]:
     """A stage's stats, summed over its partitions (:func:`merge_stats`; empty when the
     stage never ran)."""
-    if keys.partitions == 1:
-        return merge_stats([await client.hgetall(keys.stage_stats(stage))])
-    pipe = client.pipeline(transaction=False)  # one round trip; a cluster splits it by shard
-    for part in keys.each():
-        pipe.hgetall(part.stage_stats(stage))
-    return merge_stats(await pipe.execute())
+    return (await read_all_stats(client, keys, [stage]))[stage]
+
+
+async def read_all_stats(
+    client: aioredis.Redis, keys: Keys, stages: Iterable[str]
+) -> dict[str, dict[str, float]]:
+    """Each of ``stages``' stats, as :func:`read_stats`, in one round trip (a cluster
+    client splits it by shard)."""
+    stages, parts = list(stages), keys.each()
+    pipe = client.pipeline(transaction=False)
+    for stage in stages:
+        for part in parts:
+            pipe.hgetall(part.stage_stats(stage))
+    answers = await pipe.execute()
+    n = len(parts)
+    return {stage: merge_stats(answers[i * n : (i + 1) * n]) for i, stage in enumerate(stages)}
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ def test_partitions_have_distinct_tags_each_in_its_share_of_the_slots(
 
 def test_request_ids_spread_over_partitions() -> None:
     keys = Keys("conveyor", 4)
+    # The partitions' keys are built once and shared (their tags take a search).
+    assert keys.of("a") is keys.at(keys.of("a").partition)
+    assert keys.at(2).at(0) is keys
     counts = [0] * 4
     for n in range(4000):
         counts[keys.of(f"{n:032x}").partition] += 1

@@ -55,6 +55,14 @@ def slow_worker_env(env: dict[str, str], delay_s: float) -> dict[str, str]:
     }
 
 
+async def partition_1_port(client: RedisCluster, keys: Keys) -> int:
+    """The port of the node serving partition 1's keys (the one a test kills)."""
+    await client.initialize()
+    node = client.get_node_from_key(keys.at(1).stage_stream("slow"))
+    assert node is not None
+    return int(node.port)
+
+
 async def submit(http: httpx.AsyncClient, values: range) -> dict[str, int]:
     """Submit a ``slow`` job per value; returns value by job id (every one accepted)."""
     jobs = {}
@@ -132,18 +140,16 @@ async def test_a_shard_killed_and_restarted_from_its_aof_loses_no_accepted_job(
     worker = spawn("workers", "slow", log=tmp_path / "worker.log", **worker_env)
     cluster_client = RedisCluster.from_url(nodes.url)
     admin = cast(aioredis.Redis, cluster_client)
+    keys = Keys(namespace, PARTITIONS)
     try:
-        await cluster_client.initialize()
-        keys = Keys(namespace, PARTITIONS)
-        victim = cluster_client.get_node_from_key(keys.at(1).stage_stream("slow"))
-        assert victim is not None
+        victim = await partition_1_port(cluster_client, keys)
         with GatewayProcess(nodes.url, tmp_path / "gateway.log", **env) as gw:
             async with httpx.AsyncClient(base_url=gw.base, timeout=30) as http:
                 jobs = await submit(http, range(JOBS))
-                nodes.kill(int(victim.port))  # SIGKILL: only its AOF survives
+                nodes.kill(victim)  # SIGKILL: only its AOF survives
                 # Once the others have marked it failed (past the node timeout), the other
                 # shards' partitions are still served (cluster-require-full-coverage no).
-                await until(lambda: asyncio.to_thread(nodes.failed, int(victim.port)), limit_s=30)
+                await until(lambda: asyncio.to_thread(nodes.failed, victim), limit_s=30)
                 during = await asyncio.gather(
                     *(http.post("/v1/slow", json={"value": v}) for v in range(30))
                 )
@@ -155,7 +161,7 @@ async def test_a_shard_killed_and_restarted_from_its_aof_loses_no_accepted_job(
                 for r in refused:
                     assert r.status_code == 503, r.text
                     assert "Retry-After" in r.headers
-                nodes.start(int(victim.port))
+                nodes.start(victim)
                 await until(lambda: asyncio.to_thread(nodes.ok), limit_s=60)
                 await until(lambda: all_done(http, jobs), limit_s=120)
                 await check_each_once(http, jobs, JOBS + len(served), len(refused))
@@ -178,24 +184,22 @@ async def test_a_master_failed_over_to_its_replica_loses_no_replicated_job(
         worker_env = slow_worker_env(env, delay_s=0.05)
         worker = spawn("workers", "slow", log=tmp_path / "worker.log", **worker_env)
         cluster_client = RedisCluster.from_url(nodes.url)
+        keys = Keys(namespace, PARTITIONS)
         try:
-            await cluster_client.initialize()
-            keys = Keys(namespace, PARTITIONS)
-            victim = cluster_client.get_node_from_key(keys.at(1).stage_stream("slow"))
-            assert victim is not None
+            victim = await partition_1_port(cluster_client, keys)
             with GatewayProcess(nodes.url, tmp_path / "gateway.log", **env) as gw:
                 async with httpx.AsyncClient(base_url=gw.base, timeout=30) as http:
                     jobs = await submit(http, range(JOBS))
                     # Replication is asynchronous: what a master acknowledged a moment
                     # before it died may not be on its replica. Wait until everything
                     # written so far is (a write of ours, then WAIT: the stream is ordered).
-                    direct = aioredis.Redis(host="127.0.0.1", port=int(victim.port))
+                    direct = aioredis.Redis(host="127.0.0.1", port=victim)
                     try:
                         await direct.set(keys.at(1).prefix + ":probe", 1)
                         assert await direct.wait(1, 10_000) == 1
                     finally:
                         await direct.aclose()
-                    nodes.kill(int(victim.port))  # SIGKILL; its replica takes over
+                    nodes.kill(victim)  # SIGKILL; its replica takes over
                     await until(lambda: asyncio.to_thread(nodes.ok), limit_s=60)
                     await until(lambda: all_done(http, jobs), limit_s=120)
                     await check_each_once(http, jobs, JOBS)
