@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import orjson
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.typing import EncodableT, FieldT
 
@@ -42,6 +43,12 @@ wraps a payload in three more levels, and the decoder (pydantic-core) refuses ab
 anything within this bound decodes at every hop of a pipeline."""
 INT_RANGE = (-(2**63), 2**64 - 1)
 """The integers the encoder (orjson) writes exactly; anything outside it cannot be sent."""
+EPOCH_MAX_S = 2.0**33
+"""The latest instant (seconds since the epoch, about the year 2242) an envelope may name:
+a deadline or an ``enqueue_by`` past it is refused when the entry is decoded, so every
+sum, expiry and ``int()`` of one downstream stays finite and within Redis's range."""
+NAME_MAX = 512
+"""The longest pipeline, stage, step or reply address an envelope may carry."""
 
 
 class WireProblem(NamedTuple):
@@ -158,19 +165,22 @@ class Request(BaseModel):
     # keeps working; an incompatible change bumps ``v``, which is refused.
     model_config = ConfigDict(frozen=True, extra="ignore")
 
+    # Every number is bounded here, where an entry enters a worker: an entry is
+    # untrusted (any holder of a write ACL can XADD one), and a value that passes this
+    # model must not be able to raise anywhere past it, the dead-letter path included.
     v: Literal[1] = 1
     id: str = Field(min_length=1, max_length=128)
-    pipeline: str
-    stage: str
-    step: str
+    pipeline: str = Field(max_length=NAME_MAX)
+    stage: str = Field(max_length=NAME_MAX)
+    step: str = Field(max_length=NAME_MAX)
     payload: dict[str, Any]
     state: dict[str, Any] = Field(default_factory=dict)
-    deadline: float
-    reply_to: str
-    attempt: int = 0
-    trace_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    deadline: float = Field(ge=0, le=EPOCH_MAX_S, allow_inf_nan=False)
+    reply_to: str = Field(max_length=NAME_MAX)
+    attempt: int = Field(default=0, ge=0, le=2**31)
+    trace_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=128)
     stream: bool = False
-    enqueue_by: float | None = None
+    enqueue_by: float | None = Field(default=None, ge=0, le=EPOCH_MAX_S, allow_inf_nan=False)
     lane: Lane = "interactive"
     traceparent: str | None = Field(default=None, max_length=256)
 
@@ -284,8 +294,10 @@ def sender(fields: Mapping[Any, Any]) -> Sender | None:
     """The request id, step and reply address of an entry :func:`decode_request`
     refused, read leniently, so its caller can still be told; None when unreadable."""
     try:
-        raw = orjson.loads(fields[FIELD])
-    except (KeyError, TypeError, orjson.JSONDecodeError):
+        # The decoder the envelope was refused by (it reads what orjson refuses, e.g.
+        # ``Infinity``), so an entry refused for its numbers still names its sender.
+        raw = pydantic_core.from_json(fields[FIELD], allow_inf_nan=True)
+    except (KeyError, TypeError, ValueError):
         return None
     if not isinstance(raw, dict):
         return None

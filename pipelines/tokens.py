@@ -20,6 +20,8 @@ from typing import Any
 
 COST = b"c"
 """The stream-entry field holding a request's estimated tokens (an integer, as text)."""
+COST_DIGITS = 9
+"""The most digits a :data:`COST` field is read with; a longer one counts as absent."""
 CHARS_PER_TOKEN = 4
 """Characters per token in the estimate."""
 SPECIAL_TOKENS = 2
@@ -47,7 +49,9 @@ def entry_cost(fields: Mapping[bytes, bytes], envelope: bytes) -> int:
     written without one (a join's, which Redis builds; an older gateway's), its
     envelope's length counted as text (an overestimate: the envelope's own fields)."""
     raw = fields.get(COST)
-    if raw is not None and raw.isdigit():
+    # Untrusted: bytes.isdigit is ASCII only, and the length bound keeps int() from
+    # refusing a forged field of thousands of digits (and the cost within any budget).
+    if raw is not None and 0 < len(raw) <= COST_DIGITS and raw.isdigit():
         return max(1, int(raw))
     return -(-len(envelope) // CHARS_PER_TOKEN) + SPECIAL_TOKENS
 

@@ -305,20 +305,30 @@ class Recovery:
             )
             letters.append(self._letter(eid, fields, times, message))
             try:
-                req = decode_request(fields)
-            except EnvelopeError:
-                req = None
-            if req is None or not self.router.keys.is_reply_target(req.reply_to):
-                # Undecodable, or answering outside this partition (intake would not run
-                # it either): its caller is told only where the entry's word is safe.
-                who = sender(fields)
-                if who is not None:
-                    self.router.fail_unreadable(out, who, message)
-                continue
-            self.router.fail(out, req, "error", message, status=500, now=now)
-            logger.error("stage %s: request %s dead-lettered: %s", stage, req.id, message)
+                self._answer(out, fields, message, now)
+            except Exception:
+                # The letter is kept whatever its entry holds: an answer that cannot be
+                # built (a bug past the envelope's checks) must not leave a poison entry
+                # to kill every worker that reclaims it.
+                logger.exception("stage %s: entry %r dead-lettered unanswered", stage, eid)
         await self.publish(out, entries, {"dead_letters": len(entries)}, letters)
         self.dead_lettered += len(entries)
+
+    def _answer(self, out: Outbox, fields: dict[bytes, bytes], message: str, now: float) -> None:
+        """Tell a dead letter's caller, where its entry names a reply address of ours."""
+        try:
+            req = decode_request(fields)
+        except EnvelopeError:
+            req = None
+        if req is None or not self.router.keys.is_reply_target(req.reply_to):
+            # Undecodable, or answering outside this partition (intake would not run
+            # it either): its caller is told only where the entry's word is safe.
+            who = sender(fields)
+            if who is not None:
+                self.router.fail_unreadable(out, who, message)
+            return
+        self.router.fail(out, req, "error", message, status=500, now=now)
+        logger.error("stage %s: request %s dead-lettered: %s", self.router.stage, req.id, message)
 
     def _letter(self, eid: bytes, fields: dict[bytes, bytes], times: int, error: str) -> Letter:
         return self.router.keys.dead_letters(self.router.stage), letter(eid, fields, times, error)

@@ -146,3 +146,39 @@ def test_a_reply_answers_with_the_status_its_outcome_maps_to() -> None:
     assert Reply(id="r", stage="s", outcome="expired", error="late").http_status == 504
     assert Reply(id="r", stage="s", outcome="ok", status=500).http_status == 200
     assert "http_status" not in orjson.loads(dumps(Reply(id="r", stage="s", outcome="ok")))
+
+
+numbers = st.integers() | st.floats() | st.sampled_from(["Infinity", "-Infinity", "NaN"])
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(deadline=numbers, enqueue_by=numbers | st.none(), attempt=numbers)
+def test_an_envelope_that_decodes_can_always_be_ended(
+    deadline: Any, enqueue_by: Any, attempt: Any
+) -> None:
+    # Issue 23, break 1: a decoded deadline of Infinity made ending the request raise
+    # (OverflowError), in the dead-letter path too. Whatever decodes must end cleanly.
+    from pipelines.builtin import builtin_pipelines
+    from pipelines.registry import Registry
+    from pipelines.settings import CommonSettings
+    from workers.route import Outbox, Router
+
+    raw = {"deadline": deadline, "enqueue_by": enqueue_by, "attempt": attempt}
+    fields = dict(envelope({"value": 1}).model_dump(mode="json"), step="adder")
+    fields |= {"pipeline": "chain", "stage": "adder", "reply_to": "conveyor:reply:g"}
+    body = json.dumps(fields | {k: v for k, v in raw.items()})
+    for literal in ("Infinity", "-Infinity", "NaN"):  # as a forged entry would write them
+        body = body.replace(f'"{literal}"', literal)
+    try:
+        req = decode_request({FIELD: body.encode()})
+    except EnvelopeError:
+        return
+    assert math.isfinite(req.deadline)
+    keys = CommonSettings(namespace="conveyor").keys
+    router = Router(Registry(builtin_pipelines()), keys, "adder")
+    for now in (0.0, 1.7e9, 4e9):
+        out = Outbox()
+        router.fail(out, req, "error", "dead-lettered", status=500, now=now)
+        router.late(out, req, now)
+        router.cancel(out, req, now)
+        assert all(0 < e.marker_ttl_s < 2**31 for e in out.effects.values())
