@@ -2,13 +2,20 @@
 
 A model is constructed once per worker process (that is where weights load) and then
 called with whole batches. The batch contract: ``predict`` takes a list of n items and
-returns a list of n results, in the same order. The worker enforces it.
+returns a list of n results, in the same order. The worker enforces it. A model whose
+call can run long checks :func:`check_deadline` between its steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
+
+from pipelines.errors import DeadlineExceeded
 
 Item = dict[str, Any]
 """One request's payload as the stage's input model validated it (JSON types only)."""
@@ -56,3 +63,38 @@ class StreamingModel(Model, Protocol):
             emit: progress callback; the worker forwards the new part to the client.
         """
         ...
+
+
+_running = threading.local()
+
+
+@contextmanager
+def batch_deadline(at: float) -> Iterator[None]:
+    """While in this block, the batch running in this thread is worth finishing until
+    ``at`` (``time.monotonic()``): its latest request's deadline. Set by the worker around
+    each model call; read by :func:`check_deadline`."""
+    before = getattr(_running, "deadline", math.inf)
+    _running.deadline = at
+    try:
+        yield
+    finally:
+        _running.deadline = before
+
+
+def time_left() -> float:
+    """Seconds until every request of the batch running in this thread is past its
+    deadline (``inf`` outside a batch)."""
+    return float(getattr(_running, "deadline", math.inf)) - time.monotonic()
+
+
+def check_deadline() -> None:
+    """Stop a long model call early: raises :class:`~pipelines.errors.DeadlineExceeded`
+    once every request of the running batch is past its deadline, so a shared model
+    thread is never held for answers nobody waits for.
+
+    A model whose call can run long (many chunks, many decoding steps) calls this
+    between steps; the worker answers the batch's requests 504 (``expired``) and the
+    next batch gets the model. Cheap: one clock read.
+    """
+    if time_left() <= 0:
+        raise DeadlineExceeded("every request of the batch is past its deadline; stopped")

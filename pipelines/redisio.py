@@ -7,14 +7,17 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import DefaultParser
 from redis.exceptions import (
     ClusterError,
     MaxConnectionsError,
     NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
@@ -30,6 +33,32 @@ from pipelines.settings import CommonSettings
 
 logger = logging.getLogger(__name__)
 
+
+class RedisRefused(ResponseError):
+    """Redis answered, but refuses commands for now; retrying later can succeed.
+
+    Raised for the error replies redis-py has no class of its own for: ``BUSY`` (a script
+    or function has run past ``busy-reply-threshold``), ``MISCONF`` (writes stopped
+    because a snapshot failed), ``NOREPLICAS`` (too few replicas acknowledge writes). It
+    names them once, where a reply is parsed (:class:`_Parser`), so no caller matches
+    error text.
+    """
+
+
+REFUSALS: dict[str, type[ResponseError]] = {
+    "BUSY": RedisRefused,
+    "MISCONF": RedisRefused,
+    "NOREPLICAS": RedisRefused,
+}
+"""The error codes (a reply's first word) that :class:`RedisRefused` stands for."""
+
+
+class _Parser(DefaultParser):  # type: ignore[misc,valid-type]
+    """redis-py's reply parser, raising :class:`RedisRefused` for :data:`REFUSALS`."""
+
+    EXCEPTION_CLASSES: ClassVar[dict[str, Any]] = {**DefaultParser.EXCEPTION_CLASSES, **REFUSALS}
+
+
 REDIS_DOWN = (
     RedisConnectionError,
     RedisTimeoutError,
@@ -37,11 +66,19 @@ REDIS_DOWN = (
     ClusterError,
     TryAgainError,
     SlotNotCoveredError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisRefused,
 )
-"""What a client raises when Redis cannot be reached (as opposed to an error it answers).
-A Redis Cluster adds its own: a shard down (CLUSTERDOWN, MASTERDOWN), slots moving
-(TRYAGAIN), a slot no node serves. It includes :data:`SATURATED`, which a caller that
-answers clients tells apart."""
+"""The one classification of Redis failures worth retrying: Redis cannot be reached, or
+answered that it refuses commands for now. Every caller handles these alike (the gateway
+answers 503 + Retry-After, a worker backs off and keeps its pending entries); any other
+error reply is a bug or a misconfiguration and is raised. Reachability: a connection
+refused, reset or timed out, ``LOADING`` (a restarted server reading its data). A Redis
+Cluster adds its own: a shard down (CLUSTERDOWN, MASTERDOWN), slots moving (TRYAGAIN), a
+slot no node serves. Refusals: ``OOM`` (``maxmemory`` reached under ``noeviction``),
+``READONLY`` (a replica after a failover), and :data:`REFUSALS` (``BUSY`` among them). It
+includes :data:`SATURATED`, which a caller that answers clients tells apart."""
 
 
 class PoolExhausted(RedisConnectionError):
@@ -64,9 +101,14 @@ class PoolExhausted(RedisConnectionError):
 def refusal(exc: BaseException) -> ConveyorError:
     """What a client is told when a Redis command failed with one of :data:`REDIS_DOWN`:
     overload (503) when this process waited too long for a pooled connection, else that
-    the queue is unreachable (503); both with a Retry-After."""
+    the queue is unreachable or refusing commands (503); all with a Retry-After."""
     if isinstance(exc, SATURATED):
         return Overloaded(f"the gateway is saturated: {exc}; retry shortly", retry_after=1.0)
+    if isinstance(exc, OutOfMemoryError):
+        return Unavailable("the queue is full (Redis is out of memory); retry later", 5.0)
+    if isinstance(exc, RedisRefused | ReadOnlyError):
+        code = getattr(exc, "status_code", None) or "READONLY"
+        return Unavailable(f"the queue refuses commands for now ({code}); retry shortly", 1.0)
     return Unavailable("the queue is unreachable; retry shortly", 1.0)
 
 
@@ -147,6 +189,7 @@ def connect(
             socket_timeout=timeout,
             socket_connect_timeout=settings.redis_timeout_s,
             health_check_interval=30,
+            parser_class=_Parser,
         )
         # The cluster client takes the same commands, routing each by its keys' slot;
         # conveyor's multi-key commands keep to one partition, hence one slot.
@@ -160,6 +203,7 @@ def connect(
         socket_timeout=timeout,
         socket_connect_timeout=settings.redis_timeout_s,
         health_check_interval=30,
+        parser_class=_Parser,
     )
     return aioredis.Redis.from_pool(pool)
 

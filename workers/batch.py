@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import weakref
 from collections import Counter
@@ -17,8 +18,8 @@ from typing import Any, NamedTuple
 import orjson
 
 from pipelines.envelope import wire_problem
-from pipelines.errors import BatchContractError, InvalidInput
-from pipelines.model import Item, Model, Result, StreamingModel
+from pipelines.errors import BatchContractError, DeadlineExceeded, InvalidInput
+from pipelines.model import Item, Model, Result, StreamingModel, batch_deadline
 from pipelines.stages import Stage
 from workers.build import build_model
 from workers.settings import WorkerSettings
@@ -65,6 +66,8 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
     """
     try:
         return contract(items, model.predict(items))
+    except DeadlineExceeded as exc:
+        return [exc] * len(items)  # the whole batch is out of time: no half would run
     except Exception as exc:
         if len(items) == 1:
             return [exc]
@@ -73,19 +76,25 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
 
 
 def timed_run(
-    model: Model, items: list[Item], emit: Emit | None
+    model: Model, items: list[Item], emit: Emit | None, left_s: float = math.inf
 ) -> tuple[list[Result | BaseException], float]:
+    """Run the batch (see :func:`run_isolating`); ``left_s``: until its latest request's
+    deadline, counted from when it was handed to the model thread (what
+    :func:`~pipelines.model.check_deadline` stops a long call at)."""
     # Timed in the model thread, so time spent queued behind another batch is excluded.
     started = time.perf_counter()
     results: list[Result | BaseException] | None = None
-    if emit is not None and isinstance(model, StreamingModel):
-        try:
-            results = contract(items, model.predict_stream(items, emit))
-        except Exception:
-            # Find the failing items without streaming; what was streamed is not resent.
-            results = None
-    if results is None:
-        results = run_isolating(model, items)
+    with batch_deadline(time.monotonic() + left_s):
+        if emit is not None and isinstance(model, StreamingModel):
+            try:
+                results = contract(items, model.predict_stream(items, emit))
+            except DeadlineExceeded as exc:
+                results = [exc] * len(items)
+            except Exception:
+                # Find the failing items without streaming; what was streamed is not resent.
+                results = None
+        if results is None:
+            results = run_isolating(model, items)
     return results, time.perf_counter() - started
 
 
@@ -212,13 +221,14 @@ class Runner:
                 await self.thread.free.wait()
 
     async def run(
-        self, items: list[Item], emit: Emit | None
+        self, items: list[Item], emit: Emit | None, left_s: float = math.inf
     ) -> tuple[list[Result | BaseException], float]:
         """Each item's result or error, and the model time (see :func:`timed_run`); in
-        the batch's :meth:`turn`."""
+        the batch's :meth:`turn`. ``left_s``: until the latest deadline of the batch's
+        requests."""
         assert self.model is not None
         loop = asyncio.get_running_loop()
-        args = (self.model, items, emit)
+        args = (self.model, items, emit, left_s)
         results, run_s = await loop.run_in_executor(self.thread.executor, timed_run, *args)
         self.last_run_s = run_s
         return results, run_s

@@ -19,7 +19,7 @@ from pipelines.envelope import Request, decode_request
 from pipelines.errors import EnvelopeError
 from pipelines.model import Item, Result
 from pipelines.records import cancelled_among
-from pipelines.redisio import entry_ms, on_live_connection
+from pipelines.redisio import REDIS_DOWN, entry_ms, on_live_connection
 from pipelines.stages import Stage
 from workers.batch import BatchRecord, Entry
 from workers.recovery import Letter, Recovery
@@ -114,9 +114,15 @@ class Intake:
         ids = [req.id for req, _ in batch.live]
         # The batch's first command since it was read: after a restart of Redis it may
         # meet a dead pooled connection, which must not leave the batch to a reclaim.
-        cancelled = await on_live_connection(
-            self.client, lambda: cancelled_among(self.client, self.router.keys, ids)
-        )
+        try:
+            cancelled = await on_live_connection(
+                self.client, lambda: cancelled_among(self.client, self.router.keys, ids)
+            )
+        except REDIS_DOWN as exc:
+            # Only a saving: the publish checks each request's cancellation atomically
+            # anyway, and a batch dropped here would wait for a reclaim.
+            logger.warning("stage %s: cancellations unread (%s)", self.stage.name, exc)
+            return
         if not cancelled:
             return
         for req, _ in batch.live:

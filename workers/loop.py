@@ -306,7 +306,8 @@ class Worker:
                 partials = Partials(self.client, requests, self.settings, loop, self.keys)
                 items = [item for _, item in batch.live]
                 emit = partials.emit if partials.wanted else None
-                batch.results, batch.record.run_s = await self.runner.run(items, emit)
+                left_s = max(req.deadline for req in requests) - self.clock.now()
+                batch.results, batch.record.run_s = await self.runner.run(items, emit, left_s)
                 batch.record.ran_at = self.clock.now()
         finally:
             await heartbeat.stop()

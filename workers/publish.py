@@ -9,7 +9,8 @@ a batch does is decided in one place (:mod:`workers.route`) and written here onc
 A call is safe to repeat: each request's effects and its outcome counter are guarded by
 the request's "done" marker, and the call as a whole by a token key of its own, so a call
 that Redis ran but whose answer was lost (the connection died) does nothing the second
-time. That is what lets :func:`publish` retry once on a fresh connection.
+time. That is what lets :func:`publish` retry: at once on a fresh connection, and while
+Redis refuses or is unreachable, for a while (:func:`patiently`).
 
 A request cancelled while its step ran (its ``Keys.cancelled`` marker exists when the
 script runs) publishes none of its effects: no reply, no hand-over, no join arrival, no
@@ -19,7 +20,10 @@ of its outcome, under its "done" marker as well; its entry is acknowledged with 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import sha1
 
@@ -31,11 +35,19 @@ from redis.typing import EncodableT, FieldT
 from pipelines.envelope import BRANCH, FIELD, encode
 from pipelines.keys import GROUP
 from pipelines.records import job_finished
-from pipelines.redisio import on_live_connection, text
+from pipelines.redisio import REDIS_DOWN, on_live_connection, text
 from workers.route import Effects, Outbox
 
+logger = logging.getLogger(__name__)
+
 TOKEN_TTL_S = 30
-"""A publish call's token outlives any retry of it (one, at once) by far."""
+"""A publish call's token outlives any retry of it by far (see :data:`RETRY_S`)."""
+
+RETRY_S = TOKEN_TTL_S / 2
+"""How long a publish is retried while Redis refuses it or cannot be reached (BUSY, OOM,
+an outage: :data:`~pipelines.redisio.REDIS_DOWN`), backing off, before the batch is left
+pending to be reclaimed. Well inside the token's life, so the repeat of a call that did
+run is a no-op."""
 
 DROPPED_TTL_S = 3600
 """How long the marker of a counted undecodable entry is kept: a second worker can only
@@ -288,7 +300,28 @@ async def publish(
     if not plan.groups and not plan.always:
         return Published()
     plan.token = plan.key(token_key)
-    return await on_live_connection(client, lambda: _run(client, plan))
+    return await patiently(lambda: on_live_connection(client, lambda: _run(client, plan)))
+
+
+async def patiently(call: Callable[[], Awaitable[Published]]) -> Published:
+    """``call()``, retried with a growing back-off for up to :data:`RETRY_S` while Redis
+    refuses it or cannot be reached; then its error is raised (the batch stays pending).
+
+    A batch already run is worth keeping through a Redis that is busy (a long script),
+    out of memory (until replies are read and memory frees) or restarting: without
+    this, its results were dropped and the batch ran again when reclaimed, seconds later.
+    """
+    give_up = time.monotonic() + RETRY_S
+    backoff = 0.05
+    while True:
+        try:
+            return await call()
+        except REDIS_DOWN as exc:
+            if time.monotonic() + backoff > give_up:
+                raise
+            logger.warning("publish refused (%s); retrying in %.2fs", exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
 
 async def _run(client: aioredis.Redis, plan: Plan) -> Published:

@@ -24,6 +24,7 @@ from pipelines.errors import (
     RETRY_AFTER_MAX_S,
     Cancelled,
     ConveyorError,
+    DeadlineExceeded,
     InvalidInput,
     http_status,
 )
@@ -214,7 +215,9 @@ class Router:
         if self.late(out, req, now):
             return
         result = checked(result)
-        if isinstance(result, BaseException):
+        if isinstance(result, DeadlineExceeded):  # the model stopped: out of time
+            self.fail(out, req, "expired", str(result), status=DeadlineExceeded.status, now=now)
+        elif isinstance(result, BaseException):
             why = client_message(result)
             logger.warning(
                 "stage %s: request %s (trace %s) failed: %s", self.stage, req.id, req.trace_id, why

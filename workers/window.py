@@ -11,14 +11,17 @@ without waiting (what the reads held back while the model was busy: bulk work).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
-from pipelines.redisio import RedisClock, entry_ms
+from pipelines.redisio import REDIS_DOWN, RedisClock, entry_ms
 from pipelines.stages import Stage
 from pipelines.stats import COST_A, COST_B
 from workers.batch import Entry, Runner
 from workers.policy import OVERHEAD_PRIOR_TOKENS, BatchPolicy
 from workers.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
 
 Read = Callable[[int, int | None], Awaitable[list[Entry]]]
 """Reads up to ``count`` new entries, blocking up to ``block_ms`` (None: not at all)."""
@@ -54,6 +57,7 @@ class Window:
         wait_ms = stage.batch_wait_ms if settings.batch_wait_ms is None else settings.batch_wait_ms
         self.wait_s = wait_ms / 1000.0
         self.policy = BatchPolicy(self.max_batch) if settings.adaptive_batching else None
+        self._stage = stage.name
         self._read = read
         self._clock = clock
         self._runner = runner
@@ -76,12 +80,25 @@ class Window:
                     break
                 waited_on_model = True
                 remaining_ms = max(1, min(20, int(self._runner.last_run_s * 250)))
-            entries += await self._take(self.max_batch - len(entries), remaining_ms)
+            more = await self._more(self.max_batch - len(entries), remaining_ms)
+            if more is None:
+                return entries
+            entries += more
         if waited_on_model and len(entries) < self.max_batch and not self._runner.busy:
             # The model is free now: what reads held back while it was busy (bulk, see
             # workers/lanes.py) fills the batch, without waiting.
-            entries += await self._take(self.max_batch - len(entries), None)
+            entries += await self._more(self.max_batch - len(entries), None) or []
         return entries
+
+    async def _more(self, count: int, block_ms: int | None) -> list[Entry] | None:
+        """A read that fills a batch already begun; None when Redis refused it or could
+        not be reached: what was read is pending under this consumer, so it runs now (its
+        publish waits Redis out) instead of waiting for a reclaim."""
+        try:
+            return await self._take(count, block_ms)
+        except REDIS_DOWN as exc:
+            logger.warning("stage %s: read refused (%s); the batch closes", self._stage, exc)
+            return None
 
     def learn(self, items: int, units: int, run_s: float) -> None:
         """A batch of ``items`` took ``run_s`` of model time; ``units`` is what its cost is

@@ -341,7 +341,7 @@ async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing
             return bool(await redis.xlen(replies) >= 1)
 
         await until(answered, 20)
-        assert await redis.exists(marker)
+        assert await redis.exists(marker), (await redis.xrange(replies), await redis.keys("*"))
 
         async def marker_gone() -> bool:
             return not await redis.exists(marker)

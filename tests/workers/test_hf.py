@@ -514,3 +514,22 @@ def test_extractive_summarizer_short_texts_and_batches(extractive: ExtractiveSum
 )
 def test_empty_batch(factory: Callable[[str], Any], hf_cache: str) -> None:
     assert factory(hf_cache).predict([]) == []
+
+
+def test_extractive_summarizer_ranks_a_bounded_opening(
+    extractive: ExtractiveSummarizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 23, break 4: 100k characters of "Go. " (25,000 sentences) held the model
+    # thread, shared with embed and sentiment, for 40 s.
+    embedded: list[int] = []
+    embed = extractive.embedder.embed
+
+    def counting(texts: list[str]) -> Any:
+        embedded.append(len(texts))
+        return embed(texts)
+
+    monkeypatch.setattr(extractive.embedder, "embed", counting)
+    text = "Go. " * 25_000 + "A closing sentence unlike all the others."
+    (result,) = extractive.predict([{"text": text}])
+    assert embedded == [extractive.max_sentences]
+    assert "closing" not in result["summary"]

@@ -17,7 +17,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from pipelines.model import Item, Result
+from pipelines.model import Item, Result, check_deadline
 from workers.models.hf_base import HFRunner, item_texts
 
 
@@ -57,6 +57,7 @@ class Embedder(HFRunner):
         chunks = []
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
+                check_deadline()  # a long call (many chunks) stops once nobody waits
                 encoding = self.encode([texts[i] for i in order[start : start + self.batch_size]])
                 hidden = self.model(**encoding).last_hidden_state.float()
                 mask = encoding["attention_mask"].unsqueeze(-1).to(hidden.dtype)

@@ -11,10 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from pipelines.errors import InvalidInput
-from pipelines.model import Item, Result
+from pipelines.model import Item, Result, check_deadline
 from workers.models.hf_base import HFRunner, item_texts
 
 
@@ -92,9 +97,22 @@ class Summarizer(_GenerateRunner):
                 min_new_tokens=self.min_new_tokens,
                 num_beams=self.num_beams,
                 do_sample=False,
+                stopping_criteria=StoppingCriteriaList([_InTime()]),
             )
         summaries = self.tokenizer.batch_decode(output, skip_special_tokens=True)
         return [{"summary": summary.strip()} for summary in summaries]
+
+
+class _InTime(StoppingCriteria):
+    """Between decoding steps: stop (raising) once every request of the batch is past its
+    deadline (:func:`~pipelines.model.check_deadline`)."""
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
+        check_deadline()
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return done  # type: ignore[return-value]
 
 
 class _RowStreamer:
@@ -236,6 +254,7 @@ class Generator(_GenerateRunner):
                 max_new_tokens=budget,
                 pad_token_id=self.tokenizer.pad_token_id,
                 streamer=streamer,
+                stopping_criteria=StoppingCriteriaList([_InTime()]),
                 **self.sampling,
             )
         rows: list[list[int]] = output[:, encoding["input_ids"].shape[1] :].tolist()
