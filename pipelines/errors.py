@@ -7,6 +7,9 @@ worker maps a failed item the same way: :func:`http_status`.
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
@@ -75,6 +78,18 @@ def http_status(exc: BaseException) -> int:
 
 class ConfigError(ConveyorError):
     """A setting, stage or model spec is wrong; the message names it."""
+
+
+@contextmanager
+def exit_on_config_error() -> Iterator[None]:
+    """Around an entry point's start: a :class:`ConfigError` (a bad setting, argument or
+    stage) ends the process with its message on one line and exit status 2, as a usage
+    error does, instead of a traceback."""
+    try:
+        yield
+    except ConfigError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 class UnknownStage(ConfigError):
