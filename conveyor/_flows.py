@@ -20,6 +20,7 @@ from urllib.parse import quote
 import httpx
 
 from pipelines.envelope import Lane
+from pipelines.errors import retry_after_s
 from pipelines.records import CANCELLED, DONE, EXPIRED, FAILED, JobField
 
 MAX_RETRY_WAIT_S = 5.0  # no wait between retries is longer, whatever Retry-After says
@@ -75,16 +76,13 @@ def error_of(resp: httpx.Response) -> ConveyorHTTPError:
         body = None  # not the gateway's: a proxy's error page
     if isinstance(body, dict) and isinstance(body.get("detail"), str | list):
         detail, request_id = body["detail"], body.get("request_id") or request_id
-    try:
-        retry_after = max(0.0, float(resp.headers["Retry-After"]))
-    except (KeyError, ValueError):  # absent, or an HTTP date (the gateway sends seconds)
-        retry_after = None
     return ConveyorHTTPError(
         resp.status_code,
         detail,
         path=resp.request.url.path,
         request_id=request_id,
-        retry_after=retry_after,
+        # A proxy's may be anything; what is not RFC 9110's is ignored.
+        retry_after=retry_after_s(resp.headers.get("Retry-After")),
     )
 
 

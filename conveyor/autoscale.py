@@ -19,13 +19,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from subprocess import Popen
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
 from pipelines.errors import ConfigError
 from pipelines.redisio import connect
-from pipelines.settings import CommonSettings
+from pipelines.settings import CommonSettings, load_settings
 from pipelines.stages import Stage
 from pipelines.stats import StageStatus, stage_status
 
@@ -71,11 +71,7 @@ class AutoscaleSettings(BaseSettings):
         Args:
             flags: field values from the command line.
         """
-        try:
-            return cls(**{k: v for k, v in flags.items() if v is not None})
-        except ValidationError as exc:
-            wrong = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in exc.errors())
-            raise ConfigError(f"autoscale settings: {wrong.replace('Value error, ', '')}") from exc
+        return load_settings(cls, **{k: v for k, v in flags.items() if v is not None})
 
     def scaler(self, *stages: Stage) -> Scaler:
         """A scaler for the worker processes serving ``stages`` (one, or the stages on one

@@ -26,10 +26,10 @@ from conveyor.dlq import dlq_command
 from conveyor.keda import TriggerOptions, triggers
 from pipelines.envelope import LANES
 from pipelines.errors import ConveyorError
-from pipelines.redisio import connect, text
+from pipelines.redisio import connect
 from pipelines.registry import load_registry
-from pipelines.settings import CommonSettings
-from pipelines.stats import StageStatus, stage_status
+from pipelines.settings import CommonSettings, load_settings
+from pipelines.stats import StageStatus, known_stages, stage_status
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -82,13 +82,12 @@ def status_table(statuses: list[StageStatus]) -> str:
 
 
 async def _status_async() -> int:
-    settings = CommonSettings()
+    settings = load_settings(CommonSettings)
     client = connect(settings)
     try:
-        # Stages that ever had a worker, and those the configured pipelines need.
-        known = {text(m) for m in await client.smembers(settings.keys.stages_set())}
-        known |= set(load_registry(settings.app, settings.pipelines).stages)
-        statuses = [await stage_status(client, settings.keys, name) for name in sorted(known)]
+        configured = load_registry(settings.app, settings.pipelines).stages
+        known = await known_stages(client, settings.keys, configured)
+        statuses = [await stage_status(client, settings.keys, name) for name in known]
         if settings.partitions > 1:
             print(f"{settings.partitions} partitions; each row sums them")
         print(status_table(statuses))
@@ -102,10 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="embedded redis (unless CONVEYOR_REDIS_URL), gateway, workers")
-    up.add_argument("--host", default=os.environ.get("CONVEYOR_HOST", "127.0.0.1"))
+    # Unset: the gateway's settings (CONVEYOR_HOST, CONVEYOR_PORT), checked as it checks them.
+    up.add_argument("--host")
     port = _int_in(0, 65535)
-    # A string default goes through ``type`` too: a bad CONVEYOR_PORT is a usage error.
-    up.add_argument("--port", type=port, default=os.environ.get("CONVEYOR_PORT", "8000"))
+    up.add_argument("--port", type=port)
     up.add_argument(
         "--pipelines",
         help="comma-separated pipelines to serve (default: every built-in but echo, "
@@ -200,7 +199,9 @@ def main(argv: list[str] | None = None) -> None:
             app = args.app or os.environ.get("CONVEYOR_APP")
             print(load_registry(app, args.name).pipeline(args.name).describe())
         elif args.command == "keda":
-            settings = CommonSettings()
+            settings = load_settings(CommonSettings)
+            # The stages its workers would serve: triggers on any other watch nothing.
+            load_registry(settings.app, settings.pipelines).stage(args.stage)
             where = TriggerOptions(args.address, args.target, args.auth, settings.cluster)
             print(triggers(settings.keys, args.stage, where), end="")
         elif args.command == "dlq":

@@ -15,12 +15,13 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from pipelines.envelope import decode_request
-from pipelines.errors import ConfigError, EnvelopeError
+from pipelines.errors import ConfigError, EnvelopeError, UnknownStage
 from pipelines.keys import Keys
 from pipelines.records import DeadLetter
 from pipelines.redisio import RedisClock, connect, enqueue, in_order, text
 from pipelines.registry import load_registry
-from pipelines.settings import CommonSettings
+from pipelines.settings import CommonSettings, load_settings
+from pipelines.stats import known_stages
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 
@@ -48,9 +49,14 @@ async def dlq_command(action: str, stage: str, entry_id: str | None, timeout_s: 
         timeout_s: a replayed request's deadline, seconds from now.
     """
     entry_id = stream_id(entry_id)
-    settings = CommonSettings()
+    settings = load_settings(CommonSettings)
     client = connect(settings)
     try:
+        configured = load_registry(settings.app, settings.pipelines).stages
+        known = await known_stages(client, settings.keys, configured)
+        # A typo would list nothing, as if the stage had no dead letters.
+        if stage not in known and not await _has_letters(client, settings.keys, stage):
+            raise UnknownStage(f"unknown stage {stage!r}; known: {', '.join(known)}")
         for keys in settings.keys.each():  # each partition has its own dead letters
             dlq = keys.dead_letters(stage)
             raw = await client.xrange(dlq, min=entry_id or "-", max=entry_id or "+") or []
@@ -65,6 +71,14 @@ async def dlq_command(action: str, stage: str, entry_id: str | None, timeout_s: 
     finally:
         await client.aclose()
     return 0
+
+
+async def _has_letters(client: aioredis.Redis, keys: Keys, stage: str) -> bool:
+    """Whether ``stage`` has a dead-letter stream in some partition (whoever wrote it)."""
+    for part in keys.each():  # one at a time: each partition is its own slot
+        if await client.exists(part.dead_letters(stage)):
+            return True
+    return False
 
 
 def _list(dlq: str, entries: list[Entry]) -> None:

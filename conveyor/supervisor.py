@@ -27,8 +27,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 
-from pydantic import ValidationError
-
 from conveyor.autoscale import Autoscaler, AutoscaleSettings
 from conveyor.embedded import free_port, start_redis
 from conveyor.placement import (
@@ -40,10 +38,11 @@ from conveyor.placement import (
     worker_groups,
 )
 from conveyor.readiness import Readiness
+from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
 from pipelines.registry import load_registry
-from pipelines.settings import CommonSettings
-from pipelines.stages import Stage, resource_errors
+from pipelines.settings import CommonSettings, load_settings
+from pipelines.stages import Stage
 
 __all__ = ["Supervisor", "UpOptions", "up", "worker_groups"]
 
@@ -58,8 +57,8 @@ class UpOptions:
     """``conveyor up``'s flags.
 
     Attributes:
-        host: the gateway's listen address.
-        port: the gateway's port.
+        host: the gateway's listen address (None: its settings', ``CONVEYOR_HOST``).
+        port: the gateway's port (None: its settings', ``CONVEYOR_PORT``).
         app: ``module:attribute`` of the user's pipeline(s).
         pipelines: comma-separated pipelines to serve.
         replicas: worker processes per model stage (with ``autoscale``: of the function
@@ -70,8 +69,8 @@ class UpOptions:
         target_backlog: autoscale: backlog per worker.
     """
 
-    host: str
-    port: int
+    host: str | None = None
+    port: int | None = None
     app: str | None = None
     pipelines: str | None = None
     replicas: int | None = None
@@ -89,11 +88,11 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop
 
 
-def _child_env(options: UpOptions) -> dict[str, str]:
+def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
     """This process's environment with ``up``'s flags, for every child."""
     env = dict(os.environ)
-    env["CONVEYOR_HOST"] = options.host
-    env["CONVEYOR_PORT"] = str(options.port)
+    env["CONVEYOR_HOST"] = gateway.host
+    env["CONVEYOR_PORT"] = str(gateway.port)
     if options.app:
         env["CONVEYOR_APP"] = options.app
     if options.pipelines:
@@ -264,13 +263,14 @@ def up(options: UpOptions) -> int:
     Args:
         options: the command's flags.
     """
-    env = _child_env(options)
+    # Every child's settings are checked before any starts: a bad value is one line
+    # here, not a child exiting after Redis and the others have started.
+    flags = {"host": options.host, "port": options.port}
+    gateway = load_settings(GatewaySettings, **{k: v for k, v in flags.items() if v is not None})
+    env = _child_env(options, gateway)
     registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
     scaling = _autoscale_settings(options)
-    try:
-        settings = PlacementSettings()
-    except ValidationError as exc:
-        raise ConfigError(f"settings: {resource_errors(exc)}") from None
+    settings = load_settings(PlacementSettings)  # the workers' settings, and placement's
     groups = worker_groups(registry, options.replicas, settings)
     scaled = [g for g in groups if not g.light] if scaling is not None else []
     fixed = [g for g in groups if g not in scaled]  # the autoscaler starts the others
@@ -301,7 +301,7 @@ def up(options: UpOptions) -> int:
                 f"({scaling.min_workers} to {scaling.max_workers} workers each)"
             )
         say(
-            f"gateway on http://{options.host}:{options.port} serving "
+            f"gateway on http://{gateway.host}:{gateway.port} serving "
             f"{', '.join(registry.pipelines)}; {len(supervisor.children) - 1} worker "
             f"process(es){autoscaled} loading their models; Ctrl-C stops"
         )

@@ -29,6 +29,7 @@ from pipelines import tracing
 from pipelines.errors import RETRY_AFTER_MAX_S, ConfigError, ConveyorError, InvalidInput
 from pipelines.redisio import REDIS_DOWN, refusal
 from pipelines.registry import Registry, load_registry
+from pipelines.settings import load_settings
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def create_app(
     Raises:
         ConfigError: a pipeline is called ``jobs``: ``/v1/jobs/...`` are the job routes.
     """
-    settings = settings or GatewaySettings()
+    settings = settings or load_settings(GatewaySettings)
     registry = registry or load_registry(settings.app, settings.pipelines)
     if "jobs" in registry.pipelines:
         # Its /v1/jobs/stream would be one path with the submit route of a pipeline

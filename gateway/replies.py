@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from pipelines import tracing
 from pipelines.envelope import Reply, decode_reply
 from pipelines.errors import EnvelopeError
-from pipelines.redisio import REDIS_DOWN, entry_ms
+from pipelines.redisio import REDIS_DOWN, Backoff, entry_ms
 
 logger = logging.getLogger(__name__)
 
@@ -89,24 +89,22 @@ class ReplyDispatcher:
             await asyncio.gather(*readers, return_exceptions=True)
 
     async def _read(self, streams: list[str]) -> None:
-        backoff = 0.1
+        backoff = Backoff()
         while not self._stopping:
             try:
                 response = await self.client.xread(
                     {s: self._last_ids[s] for s in streams}, count=1024, block=self.block_ms
                 )
-                backoff = 0.1
+                backoff.reset()
             except REDIS_DOWN as exc:
-                logger.warning("reply stream unreachable (%s); retry in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                logger.warning("reply stream unreachable (%s); retry in %.1fs", exc, backoff.next_s)
+                await backoff.wait()
                 continue
             except Exception:
                 # Not an outage the client library names: still no reason to stop reading
                 # (every call waiting on this gateway would time out); said loudly.
-                logger.exception("reply read failed; retry in %.1fs", backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                logger.exception("reply read failed; retry in %.1fs", backoff.next_s)
+                await backoff.wait()
                 continue
             for stream, entries in cast(list[Any], response or []):
                 name = stream.decode() if isinstance(stream, bytes) else stream

@@ -49,7 +49,7 @@ class GatewaySettings(CommonSettings):
     admission_refresh_ms: float = Field(default=50.0, ge=0)
     admission_headroom: float = Field(default=0.9, gt=0, le=1)
     reply_block_ms: int = Field(default=1000, ge=1, le=30_000)
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     client_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     max_header_bytes: int = Field(default=65_536, ge=1024)

@@ -6,8 +6,18 @@ worker maps a failed item the same way: :func:`http_status`.
 
 from __future__ import annotations
 
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+
 RETRY_AFTER_MAX_S = 3600
 """The longest Retry-After a client is told, whatever a step or an upstream said."""
+
+# ASCII only: str.isdigit() and int() also take "²" or "٣", which no HTTP peer means.
+_DELAY_SECONDS = re.compile(r"[0-9]+")
 
 
 class ConveyorError(Exception):
@@ -36,6 +46,31 @@ class ConveyorError(Exception):
             self.retry_after = retry_after
 
 
+def retry_after_s(header: str | None, now: datetime | None = None) -> float | None:
+    """The seconds a ``Retry-After`` header asks for, within 0 and :data:`RETRY_AFTER_MAX_S`;
+    None when it is absent or is not what RFC 9110 allows (ASCII digits, or an HTTP-date).
+
+    The header comes from another server: nothing it holds may raise here.
+
+    Args:
+        header: the header's value, as received.
+        now: the time an HTTP-date is counted from (default: now).
+    """
+    value = (header or "").strip(" \t")
+    if _DELAY_SECONDS.fullmatch(value):
+        digits = value.lstrip("0") or "0"
+        # A longer number is past the bound anyway (and int() refuses past 4,300 digits).
+        return float(min(int(digits), RETRY_AFTER_MAX_S) if len(digits) < 10 else RETRY_AFTER_MAX_S)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": a time in UTC, RFC 5322 says
+        when = when.replace(tzinfo=UTC)
+    wait = (when - (now or datetime.now(UTC))).total_seconds()
+    return min(max(wait, 0.0), float(RETRY_AFTER_MAX_S))
+
+
 def http_status(exc: BaseException) -> int:
     """The HTTP status an error maps to (500 for anything not a ConveyorError)."""
     return exc.status if isinstance(exc, ConveyorError) else 500
@@ -43,6 +78,18 @@ def http_status(exc: BaseException) -> int:
 
 class ConfigError(ConveyorError):
     """A setting, stage or model spec is wrong; the message names it."""
+
+
+@contextmanager
+def exit_on_config_error() -> Iterator[None]:
+    """Around an entry point's start: a :class:`ConfigError` (a bad setting, argument or
+    stage) ends the process with its message on one line and exit status 2, as a usage
+    error does, instead of a traceback."""
+    try:
+        yield
+    except ConfigError as exc:
+        print(f"conveyor: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 class UnknownStage(ConfigError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -164,6 +165,62 @@ async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitabl
         except SATURATED as again:
             # The first try may have run: this is no longer "nothing was sent".
             raise RedisConnectionError(f"{exc}; then {again}") from again
+
+
+class Backoff:
+    """The waits of a server process between tries of what Redis must answer while it
+    cannot (:data:`REDIS_DOWN`): short at first, doubling to a bound, and short again
+    after a success. A server waits Redis out rather than exiting: it may start before
+    Redis does (compose, Kubernetes), and Redis restarts.
+
+    Args:
+        first_s: the first wait.
+        most_s: the longest wait.
+    """
+
+    def __init__(self, first_s: float = 0.1, most_s: float = 5.0) -> None:
+        self.first_s, self.most_s = first_s, most_s
+        self.next_s = first_s  # the wait :meth:`wait` sleeps next
+
+    def reset(self) -> None:
+        """Redis answered: the next wait is short again."""
+        self.next_s = self.first_s
+
+    async def wait(self, stop: asyncio.Event | None = None) -> None:
+        """Sleep the next wait, or until ``stop`` is set; the one after is twice as long.
+
+        Args:
+            stop: ends the wait early (a process asked to stop does not sleep on).
+        """
+        wait, self.next_s = self.next_s, min(self.next_s * 2, self.most_s)
+        if stop is None:
+            await asyncio.sleep(wait)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait)
+
+
+async def until_reachable(
+    call: Callable[[], Awaitable[object]], what: str, stop: asyncio.Event
+) -> bool:
+    """Run ``call`` until Redis lets it finish, logging each failure to reach Redis and
+    waiting as :class:`Backoff` does between tries; False when ``stop`` was set first.
+    Any other error raises.
+
+    Args:
+        call: what needs Redis (it is run again from the start: it must be repeatable).
+        what: who waits, for the log line.
+        stop: ends the waiting (SIGTERM, Ctrl-C).
+    """
+    backoff = Backoff()
+    while not stop.is_set():
+        try:
+            await call()
+            return True
+        except REDIS_DOWN as exc:
+            logger.warning("%s: redis unreachable (%s); retry in %.1fs", what, exc, backoff.next_s)
+            await backoff.wait(stop)
+    return False
 
 
 def connect(

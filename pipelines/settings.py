@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+from typing import Any, TypeVar
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, AliasPath, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
+from pipelines.errors import ConfigError
 from pipelines.keys import MAX_PARTITIONS, Keys
 
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
@@ -17,6 +22,13 @@ URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 
 MAX_DEADLINE_S = 30 * 86_400
 """The longest time budget a request may have (30 days)."""
+
+S = TypeVar("S", bound=BaseSettings)
+
+# pydantic-settings names the field only in the text of the error it wraps a failed
+# decode of a complex value (JSON) in.
+_SOURCE_FIELD = re.compile(r'for field "([^"]+)"')
+_SHOWN_CHARS = 80  # of a bad value, in the message
 
 
 class CommonSettings(BaseSettings):
@@ -42,7 +54,7 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)  # a password
     namespace: str = "conveyor"
     partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
     redis_timeout_s: float = Field(default=2.0, gt=0, le=300, allow_inf_nan=False)
@@ -91,3 +103,86 @@ def comma_list(value: object) -> object:
         except ValueError as exc:
             raise ValueError(f"not a JSON list ({exc}); or write it as a,b,c") from None
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def load_settings(cls: type[S], **values: Any) -> S:
+    """``cls(**values)``: settings read from the environment, ``values`` over it, each
+    problem named by the environment variable holding it.
+
+    Every process and command builds its settings here, so that a bad ``CONVEYOR_*``
+    value stops it with one line its entry point prints (exit status 2), not pydantic's
+    multi-line error naming a field.
+
+    Args:
+        cls: the settings class.
+        values: fields given otherwise (flags); a problem with one is named by its field.
+
+    Raises:
+        ConfigError: a value is invalid, or a complex one (a dict, a list) is not JSON;
+            its message is one line, e.g. ``CONVEYOR_MAX_BATCH_SIZE: Input should be a
+            valid integer, unable to parse string as an integer (got 'abc')``, the
+            problems ``; ``-separated.
+    """
+    try:
+        return cls(**values)
+    except SettingsError as exc:
+        found = _SOURCE_FIELD.search(str(exc))
+        field = found.group(1) if found else None
+        name = env_name(cls, field) if field in cls.model_fields else cls.__name__
+        why = exc.__cause__ or exc
+        what = f"not valid JSON ({why})" if isinstance(why, json.JSONDecodeError) else str(why)
+        shown = field is not None and cls.model_fields[field].repr
+        raw = next((v for k, v in os.environ.items() if k.upper() == name), None)
+        got = f" (got {_shorten(raw)})" if shown and raw is not None else ""
+        raise ConfigError(f"{name}: {what}{got}") from None
+    except ValidationError as exc:
+        wrong = "; ".join(_problem(cls, error, values) for error in exc.errors())
+        raise ConfigError(wrong) from None
+
+
+def env_name(cls: type[BaseSettings], field: str) -> str:
+    """The environment variable ``cls`` reads ``field`` from (an alias, if it has one,
+    else the class's prefix and the field's name), as a user writes it: upper case.
+
+    Args:
+        cls: the settings class.
+        field: the field's name.
+    """
+    info = cls.model_fields[field]
+    alias = info.validation_alias or info.alias
+    if isinstance(alias, AliasChoices):
+        names = [c for c in alias.choices if isinstance(c, str)]
+        return " or ".join(n.upper() for n in names) or field
+    if isinstance(alias, AliasPath):
+        return str(alias.path[0]).upper()
+    if alias is not None:
+        return alias.upper()
+    return (str(cls.model_config.get("env_prefix", "")) + field).upper()
+
+
+def _problem(cls: type[BaseSettings], error: ErrorDetails, values: dict[str, Any]) -> str:
+    """One of a ValidationError's problems: ``VARIABLE: message (got value)``."""
+    loc = [str(part) for part in error["loc"]]
+    head = loc[0] if loc else ""
+    field = next(
+        (name for name, info in cls.model_fields.items() if head in (name, info.alias)),
+        None,
+    )
+    if field is None:  # a problem of the whole (a model validator's)
+        where = cls.__name__
+    elif field in values:
+        where = field
+    else:
+        where = env_name(cls, field)
+    inner = ".".join(loc[1:])  # within a JSON value: which key, e.g. embed.gpus
+    message = error["msg"].removeprefix("Value error, ")
+    # Not a secret's value (``repr=False``), nor a whole object (a model validator's input).
+    shown = (field is None or cls.model_fields[field].repr) and not isinstance(error["input"], dict)
+    got = f" (got {_shorten(error['input'])})" if shown else ""
+    return f"{where}: {inner + ': ' if inner else ''}{message}{got}"
+
+
+def _shorten(value: object) -> str:
+    """``value`` as it is shown in a message: its repr, on one line, cut short."""
+    shown = repr(value)
+    return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 3] + "..."

@@ -262,6 +262,18 @@ def _merge(consumers: dict[str, Consumer], answer: list[Any]) -> None:
         _add(consumers, text(c["name"]), int(c["pending"]), int(c["idle"]))
 
 
+async def known_stages(client: aioredis.Redis, keys: Keys, configured: Iterable[str]) -> list[str]:
+    """The stages of a namespace, sorted: those that ever had a worker, and ``configured``.
+
+    Args:
+        client: Redis client.
+        keys: key names.
+        configured: the stages the configured pipelines run.
+    """
+    ever = {text(m) for m in await client.smembers(keys.stages_set())}
+    return sorted(ever | set(configured))
+
+
 async def stage_status(
     client: aioredis.Redis, keys: Keys, stage: str, *, costs: bool = False, lag_cap: int = 100_000
 ) -> StageStatus:

@@ -44,14 +44,15 @@ class FakeWiki:
     - ``hang``: accept requests and never answer them (until :meth:`close`).
     - ``fail_status``: answer every request with this HTTP status and ``fail_body``
       (200 with an HTML body stands in for a proxy's error page).
-    - ``retry_after``: a ``Retry-After`` header (seconds) on those answers.
+    - ``retry_after``: a ``Retry-After`` header on those answers (seconds, or any text,
+      sent as given: Latin-1, as ``http.server`` encodes headers).
     """
 
     def __init__(self) -> None:
         self.hang = False
         self.fail_status: int | None = None
         self.fail_body = "<html><body><h1>Wikimedia Error</h1></body></html>"
-        self.retry_after: int | None = None
+        self.retry_after: int | str | None = None
         self.received: list[dict[str, str]] = []
         self._pages: dict[str, _Page] = {}
         self._lock = threading.Lock()

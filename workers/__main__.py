@@ -19,7 +19,9 @@ import signal
 from collections.abc import MutableMapping
 
 from pipelines import tracing
+from pipelines.errors import exit_on_config_error
 from pipelines.registry import load_registry
+from pipelines.settings import load_settings
 from workers.build import process_threads
 from workers.loop import partition_workers
 from workers.settings import WorkerSettings
@@ -49,7 +51,7 @@ def release_freed_memory() -> None:
 
 
 async def _serve(stage_names: list[str]) -> None:
-    settings = WorkerSettings()
+    settings = load_settings(WorkerSettings)
     # Read once, when torch loads its OpenMP runtime: before any model or app import.
     configure_openmp(settings, os.environ)
     registry = load_registry(settings.app, settings.pipelines)
@@ -88,23 +90,35 @@ async def _serve(stage_names: list[str]) -> None:
             await w.close()
 
 
+def parse_stages(raw: str) -> list[str]:
+    """An argparse ``type``: comma-separated stage names, at least one (an empty list would
+    serve nothing and exit 0, as if it had done its work)."""
+    names = [s.strip() for s in raw.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{raw!r} names no stage (e.g. embed, or embed,ner)")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of one worker process."""
+    """Entry point of one worker process; a bad setting or stage ends it with one line and
+    exit status 2."""
     parser = argparse.ArgumentParser(prog="conveyor worker", description=__doc__)
-    parser.add_argument("stages", help="comma-separated stages to serve, e.g. embed")
+    parser.add_argument(
+        "stages", type=parse_stages, help="comma-separated stages to serve, e.g. embed"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     tracing.configure("conveyor-worker")  # OTEL_* variables; off unless they say
     try:
-        try:  # uvloop where it exists: less per-command overhead on the Redis round trips
-            import uvloop
-        except ImportError:
-            asyncio.run(_serve(stages))
-        else:
-            uvloop.run(_serve(stages))
+        with exit_on_config_error():
+            try:  # uvloop where it exists: less per-command overhead on the Redis round trips
+                import uvloop
+            except ImportError:
+                asyncio.run(_serve(args.stages))
+            else:
+                uvloop.run(_serve(args.stages))
     finally:
         tracing.shutdown()  # the spans still batched go out
 

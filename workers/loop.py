@@ -28,11 +28,13 @@ from pipelines.graph import single
 from pipelines.model import Model
 from pipelines.redisio import (
     REDIS_DOWN,
+    Backoff,
     RedisClock,
     agree_on_partitions,
     connect,
     ensure_group,
     group_missing,
+    until_reachable,
 )
 from pipelines.registry import Registry
 from pipelines.stages import Stage
@@ -142,17 +144,24 @@ class Worker:
 
     async def start(self) -> None:
         """Calibrate the clock, check the partition count, create the group and load the
-        model (once).
+        model (once); while Redis cannot be reached, wait for it (or for :meth:`stop`).
 
         Raises:
             ConfigError: the namespace runs with another partition count.
         """
-        if not self._joined:
-            await self.clock.calibrate(self.client)
-            await agree_on_partitions(self.client, self.settings.keys)
-            await self._ensure_stream()
-            self._joined = True
+        # Like the gateway, a worker started before Redis (or during an outage) waits
+        # for it, until stopped (then it returns, not joined).
+        if not self._joined and not await until_reachable(
+            self._join, f"stage {self.stage.name}", self._stopping
+        ):
+            return
         await self.runner.load()
+
+    async def _join(self) -> None:
+        await self.clock.calibrate(self.client)
+        await agree_on_partitions(self.client, self.settings.keys)
+        await self._ensure_stream()
+        self._joined = True
 
     async def close(self) -> None:
         """Release the connection and the model thread (if it is this worker's)."""
@@ -168,6 +177,8 @@ class Worker:
             burst: stop once the stream has nothing new to deliver.
         """
         await self.start()
+        if not self._joined:  # stopped while waiting for Redis
+            return 0
         logger.info(
             "stage %s: consumer %s reading %s (batch<=%d, wait %.1f ms)",
             self.stage.name,
@@ -178,7 +189,7 @@ class Worker:
         )
         slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
         tasks: set[asyncio.Task[None]] = set()
-        batches, backoff = 0, 0.1
+        batches, backoff = 0, Backoff()
 
         def spawn(entries: list[Entry], suspect: bool) -> None:
             task = asyncio.create_task(self._process(entries, suspect))
@@ -192,9 +203,9 @@ class Worker:
                     entries, suspect = await self._next_batch(burst)
                 except (*REDIS_DOWN, ResponseError) as exc:
                     slots.release()
-                    backoff = await self._read_failed(exc, backoff)
+                    await self._read_failed(exc, backoff)
                     continue
-                backoff = 0.1
+                backoff.reset()
                 if self._fatal is not None:
                     raise self._fatal
                 if not entries:
@@ -236,15 +247,17 @@ class Worker:
             self.lanes.assembled()
         return entries, False
 
-    async def _read_failed(self, exc: BaseException, backoff: float) -> float:
-        """Wait out a failed read (Redis unreachable) or re-create a lost group; returns
-        the next backoff."""
+    async def _read_failed(self, exc: BaseException, backoff: Backoff) -> None:
+        """Wait out a failed read (Redis unreachable) or re-create a lost group."""
         if isinstance(exc, REDIS_DOWN) or not isinstance(exc, ResponseError):
             logger.warning(
-                "stage %s: redis unreachable (%s); retry in %.1fs", self.stage.name, exc, backoff
+                "stage %s: redis unreachable (%s); retry in %.1fs",
+                self.stage.name,
+                exc,
+                backoff.next_s,
             )
-            await asyncio.sleep(backoff)
-            return min(backoff * 2, 5.0)
+            await backoff.wait()
+            return
         if not group_missing(exc):
             raise exc
         # What the group held is gone with it; what comes next must not be.
@@ -252,8 +265,7 @@ class Worker:
         try:
             await self._ensure_stream()
         except REDIS_DOWN:  # gone again: the next read backs off
-            await asyncio.sleep(backoff)
-        return backoff
+            await backoff.wait()
 
     async def _ensure_stream(self) -> None:
         for stream in self.streams:

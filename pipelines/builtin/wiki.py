@@ -28,7 +28,7 @@ import requests
 import wikipedia.wikipedia as wikiapi
 from bs4 import BeautifulSoup
 
-from pipelines.errors import ConfigError, NotFound, UpstreamUnavailable
+from pipelines.errors import ConfigError, NotFound, UpstreamUnavailable, retry_after_s
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +213,9 @@ def _describe(exc: Exception, timeout_s: float) -> tuple[str, float] | None:
     if isinstance(exc, TimeoutError | requests.Timeout | wikiapi.HTTPTimeoutError):
         return f"did not answer within {timeout_s:g} s", RETRY_AFTER_S
     if isinstance(exc, requests.HTTPError) and exc.response is not None:
-        header = exc.response.headers.get("Retry-After", "")
-        retry_after = float(header) if header.isdigit() else RETRY_AFTER_S
-        return f"answered HTTP {exc.response.status_code}", retry_after
+        retry_after = retry_after_s(exc.response.headers.get("Retry-After"))
+        wait = RETRY_AFTER_S if retry_after is None else retry_after
+        return f"answered HTTP {exc.response.status_code}", wait
     if isinstance(exc, requests.exceptions.JSONDecodeError):
         return "answered with something other than JSON", RETRY_AFTER_S
     if isinstance(exc, requests.ConnectionError):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipelines.graph import Context, End, Pipeline, function, model
+from pipelines.settings import load_settings
 from pipelines.stages import BUILTIN
 
 SENTIMENT_CHARS = 2_000
@@ -59,7 +60,8 @@ def fetch(payload: dict[str, Any]) -> dict[str, Any]:
     # runs this step, never in the gateway or the model workers that import the pipeline.
     from pipelines.builtin.wiki import fetch_article
 
-    settings = WikiSettings()  # read per call (cheap next to a fetch), so tests can repoint it
+    # Read per call (cheap next to a fetch), so tests can repoint it.
+    settings = load_settings(WikiSettings)
     article = fetch_article(
         payload["search_term"],
         api_url=settings.api_url,
@@ -72,7 +74,7 @@ def fetch(payload: dict[str, Any]) -> dict[str, Any]:
 def _fetch_ready() -> None:
     """Run once where the fetch step is served, at start: a bad ``CONVEYOR_WIKIPEDIA_*``
     value stops that worker naming it, and the client is loaded before the first request."""
-    WikiSettings()
+    load_settings(WikiSettings)
     importlib.import_module("pipelines.builtin.wiki")
 
 

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from conveyor.cli import main, status_table
-from conveyor.embedded import free_port
+from conveyor.embedded import free_port, start_redis
 from conveyor.placement import PlacementSettings
 from conveyor.supervisor import worker_groups
 from pipelines.builtin import builtin_pipelines
@@ -25,7 +25,15 @@ from pipelines.keys import Keys
 from pipelines.registry import Registry
 from pipelines.stats import stage_status
 from tests.gateway.test_lanes import put
-from tests.helpers import REPO, Harness, up_env, wait_for_line, wait_ready
+from tests.helpers import (
+    REPO,
+    GatewayProcess,
+    Harness,
+    conveyor,
+    up_env,
+    wait_for_line,
+    wait_ready,
+)
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 
@@ -157,7 +165,7 @@ def test_a_command_redis_refuses_is_one_line_not_a_traceback(
     env: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:  # the shape of an id, but past 2^64
-        main(["dlq", "list", "double", "--id", "99999999999999999999999-0"])
+        main(["dlq", "list", "embed", "--id", "99999999999999999999999-0"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("conveyor: Redis refused the command: ")
@@ -227,3 +235,159 @@ async def test_status_shows_each_lane(harness: Harness, redis: aioredis.Redis) -
     ]  # fmt: skip
     # totals, then each lane's lag/pending
     assert row.split() == ["double", "7", "7", "0", "0", "2/0", "5/0", "-"]
+
+
+# --- issue 23, break 8: every bad setting and argument is one line and exit status 2 -------
+
+CLI = ["-c", "import sys; from conveyor.cli import main; main(sys.argv[1:])"]
+"""``python`` arguments that run the ``conveyor`` command from this checkout's code."""
+
+
+@pytest.mark.parametrize(
+    ("argv", "variable", "value"),
+    [
+        ([*CLI, "status"], "CONVEYOR_PARTITIONS", "abc"),
+        ([*CLI, "gateway"], "CONVEYOR_MAX_BODY_BYTES", "abc"),
+        ([*CLI, "gateway"], "CONVEYOR_PORT", "70000"),
+        ([*CLI, "worker", "echo"], "CONVEYOR_MAX_BATCH_SIZE", "abc"),
+        ([*CLI, "worker", "echo"], "CONVEYOR_RESOURCES", '{"echo": {"gpus": "x"}}'),
+        ([*CLI, "up"], "CONVEYOR_RESOURCES", "{bad"),
+        ([*CLI, "up"], "CONVEYOR_MAX_TIMEOUT_S", "inf"),  # the gateway's, checked by up
+        ([*CLI, "up"], "CONVEYOR_PORT", "http"),
+        ([*CLI, "up", "--autoscale"], "CONVEYOR_AUTOSCALE_INTERVAL_S", "soon"),
+        ([*CLI, "dlq", "list", "embed"], "CONVEYOR_REDIS_URL", "http://127.0.0.1:1"),
+        ([*CLI, "keda", "embed"], "CONVEYOR_PARTITIONS", "0"),
+        (["-m", "gateway"], "CONVEYOR_API_KEYS", " , "),
+        (["-m", "gateway"], "CONVEYOR_CORS_ORIGINS", "[bad"),
+        (["-m", "workers", "echo"], "CONVEYOR_SPIN_WAIT", "maybe"),
+        (["-m", "workers", "echo"], "CONVEYOR_MODELS", "{bad"),
+        (["-m", "workers", "wiki-summary.fetch"], "CONVEYOR_WIKIPEDIA_TIMEOUT_S", "abc"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_its_variable_from_every_command(
+    argv: list[str], variable: str, value: str, redis_url: str, namespace: str
+) -> None:
+    # BREAK 8 (issue 23): pydantic's multi-line error naming the field (exit 1), and a
+    # 42-line traceback for CONVEYOR_RESOURCES='{bad' even from `up`.
+    env = up_env(
+        **{
+            "CONVEYOR_REDIS_URL": redis_url,  # were a value let through, none waits for Redis
+            "CONVEYOR_NAMESPACE": namespace,
+            "CONVEYOR_PIPELINES": "echo,wiki-summary",
+            variable: value,
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"conveyor: {variable}: "), line
+    if variable not in ("CONVEYOR_REDIS_URL", "CONVEYOR_API_KEYS"):  # secrets: never shown
+        assert "(got '" in line, line  # what is wrong with it: the value, or its part
+
+
+def test_a_secret_setting_is_named_but_never_shown() -> None:
+    done = conveyor("status", CONVEYOR_REDIS_URL="http://user:s3cret@host:6379")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("conveyor: CONVEYOR_REDIS_URL: must start with redis://")
+    assert "s3cret" not in done.stderr
+
+
+@pytest.mark.parametrize("stages", ["", " , "])
+def test_a_worker_given_no_stage_is_a_usage_error(stages: str) -> None:
+    # BREAK 8: `conveyor worker ''` served nothing and exited 0.
+    done = conveyor("worker", stages)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "argument stages: " in done.stderr
+    assert "names no stage" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_dlq_and_keda_refuse_an_unknown_stage_naming_the_known_ones(
+    redis_url: str, namespace: str
+) -> None:
+    # BREAK 8: a mistyped stage listed, replayed or purged nothing, or printed triggers
+    # on streams no worker reads, and exited 0.
+    env = {"CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": namespace}
+    for argv in (("dlq", "list", "embd"), ("dlq", "purge", "embd"), ("keda", "embd")):
+        done = conveyor(*argv, **env)
+        assert done.returncode == 2, (argv, done.returncode, done.stderr)
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("conveyor: unknown stage 'embd'; known: "), line
+        assert "embed" in line.split("known: ")[1].split(", ")
+        assert not done.stdout
+
+
+async def test_dlq_knows_a_stage_that_had_a_worker(
+    redis: aioredis.Redis, redis_url: str, namespace: str
+) -> None:
+    # Not among the configured pipelines' stages, but a worker served it: its dead
+    # letters are still there to list.
+    await redis.sadd(Keys(namespace).stages_set(), "retired")
+    env = {"CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": namespace}
+    done = await asyncio.to_thread(conveyor, "dlq", "list", "retired", **env)
+    assert done.returncode == 0, done.stderr
+    assert "0 dead letter(s)" in done.stdout
+
+
+def _worker_on(port: int, namespace: str, log: Path) -> subprocess.Popen[bytes]:
+    """``python -m workers echo`` on the Redis at ``port`` (up or not), output in ``log``."""
+    env = up_env(
+        CONVEYOR_REDIS_URL=f"redis://127.0.0.1:{port}/0",
+        CONVEYOR_NAMESPACE=namespace,
+        CONVEYOR_PIPELINES="echo",
+    )
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "workers", "echo"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def test_a_worker_started_before_redis_waits_for_it_and_serves(
+    tmp_path: Path, namespace: str
+) -> None:
+    # BREAK 8: a worker started while Redis was down exited at once (the gateway waits).
+    port = free_port()
+    worker = _worker_on(port, namespace, tmp_path / "worker.log")
+    redis_proc: subprocess.Popen[bytes] | None = None
+    try:
+        wait_for_line(tmp_path / "worker.log", "redis unreachable", worker, limit_s=60)
+        redis_proc = start_redis(port, tmp_path / "redis")
+        url = f"redis://127.0.0.1:{port}/0"
+        settings = {"CONVEYOR_NAMESPACE": namespace, "CONVEYOR_PIPELINES": "echo"}
+        with GatewayProcess(url, tmp_path / "gateway.log", **settings) as gateway:
+            # Queued until the worker joins (its group reads the stream from the start).
+            answer = httpx.post(
+                f"{gateway.base}/v1/echo",
+                json={"x": 1},
+                headers={"X-Conveyor-Timeout": "90"},
+                timeout=100,
+            )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["x"] == 1
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=10)
+
+
+def test_a_worker_waiting_for_redis_stops_on_sigterm(tmp_path: Path, namespace: str) -> None:
+    worker = _worker_on(free_port(), namespace, tmp_path / "worker.log")
+    try:
+        wait_for_line(tmp_path / "worker.log", "redis unreachable", worker, limit_s=60)
+        worker.send_signal(signal.SIGTERM)
+        # Its waits are up to 5 s long; the signal cuts the one under way short.
+        assert worker.wait(timeout=10) == 0, (tmp_path / "worker.log").read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

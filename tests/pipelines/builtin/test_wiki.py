@@ -5,12 +5,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
 
 from conveyor.embedded import free_port
-from pipelines.builtin.wiki import Article, fetch_article
-from pipelines.errors import ConfigError, NotFound, UpstreamUnavailable
+from pipelines.builtin.wiki import RETRY_AFTER_S, Article, fetch_article
+from pipelines.errors import (
+    RETRY_AFTER_MAX_S,
+    ConfigError,
+    NotFound,
+    UpstreamUnavailable,
+    retry_after_s,
+)
 from tests.fakewiki import FakeWiki
 
 LOVELACE = (
@@ -136,6 +143,39 @@ def test_rate_limited_passes_retry_after_on(wiki: FakeWiki) -> None:
     with pytest.raises(UpstreamUnavailable, match="answered HTTP 429") as caught:
         fetch_article("lovelace", api_url=wiki.api_url)
     assert caught.value.retry_after == 7
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ("\u00b2", RETRY_AFTER_S),  # "²": str.isdigit() says yes, float() refuses it
+        ("1e3", RETRY_AFTER_S),
+        ("inf", RETRY_AFTER_S),
+        ("-5", RETRY_AFTER_S),
+        ("7.5", RETRY_AFTER_S),
+        ("9" * 5000, RETRY_AFTER_MAX_S),  # past int()'s 4,300 digits
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0),  # an HTTP-date gone by
+        ("Wed, 21 Oct 2999 07:28:00 GMT", RETRY_AFTER_MAX_S),
+    ],
+)
+def test_an_upstream_retry_after_is_read_strictly_and_bounded(
+    wiki: FakeWiki, header: str, expected: float
+) -> None:
+    # BREAK 7 (issue 23): `Retry-After: ²` made the fetch raise ValueError, a 500.
+    wiki.fail_status = 503
+    wiki.retry_after = header
+    with pytest.raises(UpstreamUnavailable, match="answered HTTP 503") as caught:
+        fetch_article("lovelace", api_url=wiki.api_url)
+    assert caught.value.retry_after == expected
+
+
+def test_retry_after_takes_ascii_seconds_and_http_dates_alone() -> None:
+    now = datetime(2025, 1, 1, tzinfo=UTC)
+    assert retry_after_s(" 7 ") == 7
+    assert retry_after_s("0000000000012") == 12
+    assert retry_after_s("Wed, 01 Jan 2025 00:00:30 GMT", now) == 30
+    for junk in (None, "", "\u0663", "7\n", "0x10", "nan", "Wed, 21 Oct 99999 07:28:00 GMT"):
+        assert retry_after_s(junk, now) is None, junk
 
 
 def test_non_json_answer(wiki: FakeWiki) -> None:
