@@ -19,10 +19,16 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from redis.typing import EncodableT, FieldT
 
-from pipelines.errors import Cancelled, DeadlineExceeded, EnvelopeError
+from pipelines.errors import (
+    ERROR_STATUSES,
+    RETRY_AFTER_MAX_S,
+    Cancelled,
+    DeadlineExceeded,
+    EnvelopeError,
+)
 from pipelines.tokens import COST, estimate
 
 FIELD = b"e"
@@ -198,9 +204,18 @@ class Reply(BaseModel):
         result: the response when ``outcome`` is ``ok``; ``{"text": new_text}`` when
             ``partial``.
         error: a client-safe message otherwise.
-        status: the HTTP status an error maps to.
-        retry_after: seconds, for an error worth retrying later.
+        status: the HTTP status an error maps to: one of
+            :data:`~pipelines.errors.ERROR_STATUSES` when ``outcome`` is ``error``, and
+            200 or one of those otherwise (where it is not what answers).
+        retry_after: seconds, for an error worth retrying later (a value that is not a
+            finite number >= 0 is dropped; one over an hour is an hour).
         trace_id: the request's trace id.
+
+    Whatever a reply says is checked here, where it enters a process (a reply stream is
+    writable by anyone who can enqueue): its status is one the HTTP API documents and its
+    body matches its outcome (a result object the wire can carry, see
+    :func:`wire_problem`, when ``ok`` or ``partial``; an error message when ``error``), so
+    every reply that validates maps to a well-formed answer.
     """
 
     # A newer process's added fields are ignored, so a rolling deploy in either order
@@ -216,6 +231,36 @@ class Reply(BaseModel):
     status: int = 200
     retry_after: float | None = None
     trace_id: str = ""
+
+    @field_validator("retry_after")
+    @classmethod
+    def _bounded_wait(cls, value: float | None) -> float | None:
+        # A worker bounds what a step said; a forged infinity or NaN must not reach a
+        # Retry-After header, and refusing the whole reply for a hint would be harsher.
+        if value is None or not math.isfinite(value) or value < 0:
+            return None
+        return min(value, RETRY_AFTER_MAX_S)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Reply:
+        if self.status != 200 and self.status not in ERROR_STATUSES:
+            raise ValueError(f"status {self.status} is not one conveyor answers with")
+        if self.outcome in ("ok", "partial"):
+            if self.result is None:
+                raise ValueError(f"an {self.outcome!r} reply has no result")
+            # What a worker checks before it publishes (workers/batch.py: checked): the
+            # JSON parser reads what the encoder cannot write back (NaN, 2**64). A type
+            # that is not JSON's comes only from a worker's own result (decoding makes
+            # none), which checked() let through as one the encoder writes (numpy's).
+            problem = wire_problem(self.result, ("result",))
+            if problem is not None and problem.type != "json_type":
+                raise ValueError(f"{'.'.join(map(str, problem.loc))}: {problem.msg}")
+        elif self.outcome == "error":
+            if self.status not in ERROR_STATUSES:
+                raise ValueError(f"an error reply's status is {self.status}, not an error's")
+            if self.error is None:
+                raise ValueError("an error reply has no error message")
+        return self
 
     @property
     def http_status(self) -> int:
@@ -308,6 +353,21 @@ def sender(fields: Mapping[Any, Any]) -> Sender | None:
     return Sender(rid, step, reply_to, trace)
 
 
+def replier(fields: Mapping[Any, Any]) -> tuple[str, str] | None:
+    """The request id and stage of an entry :func:`decode_reply` refused, read leniently,
+    so the request waiting for it can still be answered; None when unreadable."""
+    try:
+        raw = orjson.loads(fields[FIELD])
+    except (KeyError, TypeError, orjson.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    rid, stage = raw.get("id"), raw.get("stage")
+    if not isinstance(rid, str) or not rid:
+        return None
+    return rid, stage if isinstance(stage, str) else ""
+
+
 def decode_reply(fields: Mapping[Any, Any]) -> Reply:
     """Parse and validate a reply-stream entry.
 
@@ -315,9 +375,15 @@ def decode_reply(fields: Mapping[Any, Any]) -> Reply:
         fields: the entry's fields as redis-py returns them.
 
     Raises:
-        EnvelopeError: the entry is not a valid version-1 reply envelope.
+        EnvelopeError: the entry is not a valid version-1 reply envelope, or says what no
+            worker does (see :class:`Reply`).
     """
     try:
         return Reply.model_validate_json(_field(fields))
     except ValidationError as exc:
-        raise EnvelopeError(f"invalid reply envelope: {exc.error_count()} error(s)") from exc
+        # Where and what, never the input: a reply may hold a client's data.
+        first = exc.errors(include_input=False, include_url=False)[0]
+        where = ".".join(map(str, first["loc"])) or "reply"
+        raise EnvelopeError(
+            f"invalid reply envelope: {exc.error_count()} error(s); {where}: {first['msg']}"
+        ) from exc

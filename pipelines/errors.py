@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
+from http import HTTPStatus
 
 RETRY_AFTER_MAX_S = 3600
 """The longest Retry-After a client is told, whatever a step or an upstream said."""
@@ -72,8 +73,11 @@ def retry_after_s(header: str | None, now: datetime | None = None) -> float | No
 
 
 def http_status(exc: BaseException) -> int:
-    """The HTTP status an error maps to (500 for anything not a ConveyorError)."""
-    return exc.status if isinstance(exc, ConveyorError) else 500
+    """The HTTP status an error maps to: its class's, if one of :data:`ERROR_STATUSES`,
+    else 500 (anything not a ConveyorError, or one with a status no error answers with:
+    a gateway would refuse a reply with it as forged)."""
+    status = exc.status if isinstance(exc, ConveyorError) else 500
+    return status if status in ERROR_STATUSES else 500
 
 
 class ConfigError(ConveyorError):
@@ -203,3 +207,21 @@ class Cancelled(ConveyorError):
     starts it any more; a batch already running it finishes, and its output is discarded."""
 
     status = 499  # "client closed request" (nginx's): no standard status says it
+
+
+class BadReply(ConveyorError):
+    """A reply from a worker could not be read: malformed, or not a reply conveyor's
+    workers write (an undocumented status, a body that does not match it). Nothing a
+    client can fix; the gateway logs it."""
+
+    status = 502
+
+
+ERROR_STATUSES = frozenset(
+    {s.value for s in HTTPStatus if 400 <= s.value < 600} | {Cancelled.status, BadReply.status}
+)
+"""The HTTP statuses a request that reached a worker may fail with: conveyor's own errors'
+(404, 422, 499, 500, 502, 503, 504: the README's HTTP API lists each), and any other
+standard 4xx or 5xx a step's own :class:`ConveyorError` subclass declares (a 429 for a
+quota). A reply's ``status`` holds one of them when it is not ``ok``; a step's error with
+any other status answers 500."""

@@ -18,13 +18,15 @@ This module imports nothing heavy: conveyor's client (an SDK) reads the job JSON
 from __future__ import annotations
 
 import hmac
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 import orjson
 
-from pipelines.errors import Cancelled, DeadlineExceeded
+from pipelines.errors import ERROR_STATUSES, BadReply, Cancelled, DeadlineExceeded
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -41,6 +43,14 @@ DONE: Final = "done"
 FAILED: Final = "failed"
 EXPIRED: Final = "expired"
 CANCELLED: Final = "cancelled"
+
+logger = logging.getLogger(__name__)
+
+STATUSES: Final = frozenset({QUEUED, DONE, FAILED, EXPIRED, CANCELLED})
+"""Every :data:`JobStatus`."""
+
+INVALID_ERROR = "the job's record could not be read"
+"""The error of a job whose record holds what no worker writes (see :meth:`JobRecord.view`)."""
 
 CANCEL_GRACE_S = 120
 """A cancellation marker outlives its request's deadline by this long: past anything a
@@ -150,7 +160,18 @@ async def cancelled_among(
 
 
 def _str(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _json_object(text: str | None) -> dict[str, Any] | None:
+    """``text`` as a JSON object, or None if it is absent or anything else."""
+    if text is None:
+        return None
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 @dataclass(frozen=True)
@@ -165,20 +186,37 @@ class JobRecord:
     result: str | None = None
     error: str | None = None
     http_status: int | None = None
+    unreadable: str | None = None
+    """Why a field that was written could not be parsed (the record is served as
+    :data:`INVALID_ERROR`), or None."""
 
     @classmethod
     def parse(cls, raw: Mapping[Any, Any]) -> JobRecord:
-        """The record in ``raw`` (what HGETALL answers: empty when there is none)."""
+        """The record in ``raw`` (what HGETALL answers: empty when there is none). Never
+        raises: a record is writable by anyone who can enqueue, so a field that does not
+        parse is noted in ``unreadable`` for :meth:`view` to answer."""
         fields = {_str(k): _str(v) for k, v in raw.items()}
         deadline, code = fields.get(JobField.DEADLINE), fields.get(JobField.HTTP_STATUS)
+        unreadable: list[str] = []
+        try:
+            when = None if deadline is None else float(deadline)
+        except ValueError:
+            when, unreadable = None, [*unreadable, JobField.DEADLINE]
+        if when is not None and not math.isfinite(when):
+            when, unreadable = None, [*unreadable, JobField.DEADLINE]
+        try:
+            status = None if code is None else int(code)
+        except ValueError:
+            status, unreadable = None, [*unreadable, JobField.HTTP_STATUS]
         return cls(
             status=fields.get(JobField.STATUS),
             pipeline=fields.get(JobField.PIPELINE),
             owner=fields.get(JobField.OWNER),
-            deadline=None if deadline is None else float(deadline),
+            deadline=when,
             result=fields.get(JobField.RESULT),
             error=fields.get(JobField.ERROR),
-            http_status=None if code is None else int(code),
+            http_status=status,
+            unreadable=", ".join(unreadable) or None,
         )
 
     def readable_by(self, owner: str) -> bool:
@@ -196,18 +234,42 @@ class JobRecord:
     def view(self, job_id: str, now: float) -> dict[str, Any]:
         """The JSON served for the job at ``now`` (Redis clock): its status, and its result
         or its error and HTTP status once finished. A job still queued past its deadline
-        is expired (504), as its synchronous call would have been answered."""
+        is expired (504), as its synchronous call would have been answered.
+
+        A record that holds what no worker writes (an unknown status, a result that is not
+        a JSON object, an HTTP status the API does not document or that contradicts the
+        job's status) is served ``failed`` with :data:`INVALID_ERROR` and 502, and logged:
+        as the gateway answers a reply it cannot trust."""
         status, error, code = self.status, self.error, self.http_status
         if status == QUEUED and self.deadline is not None and self.deadline < now:
             status, error, code = EXPIRED, EXPIRED_ERROR, DeadlineExceeded.status
         out: dict[str, Any] = {JobField.ID: job_id, JobField.PIPELINE: self.pipeline}
         out[JobField.STATUS] = status
-        if status == DONE:
-            out[JobField.RESULT] = None if self.result is None else orjson.loads(self.result)
-        elif status != QUEUED:
+        problem = self.unreadable and f"unreadable {self.unreadable}"
+        if problem is None and status not in STATUSES:
+            problem = "unknown status"
+        elif problem is None and status == DONE:
+            result = _json_object(self.result)
+            out[JobField.RESULT] = result
+            if result is None:
+                problem = "a result that is not a JSON object"
+            elif code not in (None, 200):
+                problem = f"http_status {code} for a done job"
+        elif problem is None and status != QUEUED:
             out[JobField.ERROR] = error or ""
             out[JobField.HTTP_STATUS] = 500 if code is None else code
-        return out
+            if code is not None and code not in ERROR_STATUSES:
+                problem = f"http_status {code} for a {status} job"
+        if problem is None:
+            return out
+        logger.warning("job %s: its record is invalid (%s); served as 502", job_id, problem)
+        return {
+            JobField.ID: job_id,
+            JobField.PIPELINE: self.pipeline,
+            JobField.STATUS: FAILED,
+            JobField.ERROR: INVALID_ERROR,
+            JobField.HTTP_STATUS: BadReply.status,
+        }
 
 
 @dataclass(frozen=True)

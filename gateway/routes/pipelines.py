@@ -21,7 +21,7 @@ from pipelines.envelope import Lane, Reply, new_request_id
 from pipelines.errors import Cancelled, DeadlineExceeded, ItemFailed
 from pipelines.graph import Pipeline
 
-RESULT_ERRORS = (404, 500, 503, 504)  # what a step or the queue can answer instead
+RESULT_ERRORS = (404, 500, 502, 503, 504)  # what a step, the queue or a bad reply can answer
 
 
 def add_pipeline_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:

@@ -78,7 +78,7 @@ def words(*lines: str) -> set[str]:
 # real processes, a join pipeline included.
 NEEDS = {
     "gateway": words(
-        "ping time multi exec xadd hset expire xread del hgetall xlen xrange xinfo|groups",
+        "ping time multi exec xadd hset expire xread xtrim del hgetall xlen xrange xinfo|groups",
         "xinfo|consumers smembers set get hsetnx cluster|slots command",
     ),
     "worker": words(

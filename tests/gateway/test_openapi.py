@@ -12,7 +12,7 @@ from tests.helpers import Harness
 ERROR = {"$ref": "#/components/schemas/ErrorBody"}
 INVALID = {"$ref": "#/components/schemas/ValidationErrorBody"}
 FINISHED = {"$ref": "#/components/schemas/JobFinished"}
-PIPELINE = {404, 408, 413, 422, 500, 503, 504}
+PIPELINE = {404, 408, 413, 422, 500, 502, 503, 504}
 
 
 def expected(path: str, method: str) -> set[int]:
