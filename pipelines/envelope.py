@@ -315,15 +315,24 @@ def decode_request(fields: Mapping[Any, Any]) -> Request:
     except ValidationError as exc:
         raise EnvelopeError(f"invalid request envelope: {exc.error_count()} error(s)") from exc
     branches = {k: v for k, v in fields.items() if k.startswith(BRANCH)}
-    if not branches:
-        return request
     state = dict(request.state)
     for key, value in branches.items():
         try:
             state[key[len(BRANCH) :].decode()] = orjson.loads(value)
         except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
             raise EnvelopeError(f"invalid branch field {key!r}") from exc
-    return request.model_copy(update={"state": state})
+    # What the gateway refuses at its edge (wire_problem), a worker refuses at its own: the
+    # decoder reads Infinity, NaN and integers of any size, which would be carried on to
+    # a model, or fail the batch's publish (the encoder refuses them).
+    for where, value in [
+        (("payload",), request.payload),
+        *((("state", k), v) for k, v in state.items()),
+    ]:
+        problem = wire_problem(value, where)
+        if problem is not None:
+            at = ".".join(map(str, problem.loc))
+            raise EnvelopeError(f"the envelope cannot be carried on ({at}: {problem.msg})")
+    return request.model_copy(update={"state": state}) if branches else request
 
 
 class Sender(NamedTuple):

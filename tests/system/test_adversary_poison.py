@@ -46,14 +46,18 @@ FORGED: dict[str, dict[str, str | float]] = {
     "deadline past any expiry": {"deadline": 1e300},
     "infinite enqueue_by": {"enqueue_by": "Infinity"},
     "huge attempt": {"attempt": "1" + "0" * 40},
+    "infinite input": {"payload": '{"value":Infinity}'},
+    "integer input past 64 bits": {"payload": '{"value":' + "9" * 30 + "}"},
+    "huge integer in the state": {"state": '{"input":{"value":1},"x":' + "9" * 30 + "}"},
 }
 
 
 def _forge(rid: str, reply_to: str, case: str) -> dict[bytes, bytes]:
     changes = FORGED[case]
-    body = orjson.dumps(_envelope(rid, reply_to, **changes))
-    for name, value in changes.items():  # numbers pydantic reads and orjson won't write
-        body = body.replace(f'"{name}":"{value}"'.encode(), f'"{name}":{value}'.encode())
+    # Written as raw JSON text: numbers pydantic's decoder reads and orjson won't write.
+    body = orjson.dumps(_envelope(rid, reply_to, **{k: f"@{k}@" for k in changes}))
+    for name, value in changes.items():
+        body = body.replace(f'"@{name}@"'.encode(), str(value).encode())
     return {FIELD: body, COST: b"4"}
 
 
