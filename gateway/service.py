@@ -252,12 +252,15 @@ class Gateway:
         except SATURATED as exc:
             raise refusal(exc) from exc  # no connection came free: nothing was sent
         except (*REDIS_DOWN, TimeoutError) as exc:
-            # The write may have been sent and still run (Redis stalled, not gone): the
-            # client is told 503, so the request must not take effect.
-            self.withdrawals.start(request, timeout_s)
-            if isinstance(exc, TimeoutError):
-                exc = RedisTimeoutError(f"no answer within {self.write_s:g}s")
-            raise refusal(exc) from exc
+            # The write may have landed and run (its answer lost, or Redis stalled): a 503
+            # must mean it takes no effect, so its withdrawal is settled first, within the
+            # write's time again; one that ran is answered as accepted.
+            within = min(self.write_s, max(0.0, request.deadline - self.clock.now()))
+            settled = await self.withdrawals.settle(request, timeout_s, within)
+            if settled is not False:
+                if isinstance(exc, TimeoutError):
+                    exc = RedisTimeoutError(f"no answer within {self.write_s:g}s")
+                raise refusal(exc) from exc
         if root is not None:
             attributes = {"conveyor.request_id": request.id, "conveyor.stage": entry.stage.name}
             traces.child(root, "enqueue", admitted, self.clock.now(), **attributes)

@@ -1,29 +1,56 @@
-"""Withdrawing a request the gateway refused after its write went unanswered.
+"""Settling a request whose write went unanswered, and withdrawing it.
 
-The client was told 503, so the request must not take effect; but the write may still land
-(Redis stalled, not gone). A worker drops such an entry (it arrives after its
-``enqueue_by``), yet a job's record would stay behind, "queued" under an id nobody was
-given. So, in the background until Redis answers (at most until the request's deadline has
-long passed), the record is deleted and the entry step's done marker set, which also stops a
-publish (workers/publish.py) should the write have landed just before the gateway gave up.
+The write may have landed (the answer was lost: a node killed after applying it, a
+connection cut; or Redis stalled, not gone). A worker drops an entry that arrives after its
+``enqueue_by``; one that arrived before it can run, and publish. Its entry step's "done"
+marker decides between the two: the worker's publish sets it and publishes only if it was
+absent (workers/publish.py), and the gateway sets it (``withdrawn``) only if absent, reading
+it back in the same round trip. So before the client is answered, :meth:`Withdrawals.settle`
+learns which came first: withdrawn (nothing of the request will take effect, and its job
+record is deleted: a 503 is true) or published (it ran: the client gets its answer).
+
+Only when Redis does not answer within the write's time (the node that took the write is
+down) is the client told 503 unsettled, and the withdrawal goes on in the background until
+Redis answers (at most until the request's deadline has long passed): a worker that reads
+the entry when the node is back can still publish it first (deploy/README.md says how rare).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import redis.asyncio as aioredis
 
 from gateway.background import Background
 from pipelines.envelope import Request
 from pipelines.keys import Keys
-from pipelines.redisio import REDIS_DOWN, RedisClock, in_order
+from pipelines.redisio import REDIS_DOWN, RedisClock, in_order, text
 
 logger = logging.getLogger(__name__)
 
 MAX_WITHDRAWALS = 10_000
 """Refused requests being withdrawn at once, at most (each waits for Redis to answer)."""
+
+WITHDRAWN = "withdrawn"
+"""The value of a done marker the gateway set (a worker's publish sets ``1``)."""
+
+SETTLE_RETRY_S = 0.1
+"""How soon an unanswered settling is tried again (the client is waiting)."""
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a connection was refused under ``exc``: nothing listens there now (the node
+    is down), so waiting for it within a request's time would only delay the answer."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain of causes, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class Withdrawals:
@@ -41,6 +68,44 @@ class Withdrawals:
         self.clock = clock
         self._pending = Background("withdrawal", MAX_WITHDRAWALS)
 
+    async def settle(self, request: Request, timeout_s: float, within_s: float) -> bool | None:
+        """Whether ``request``, whose write went unanswered, is withdrawn (True) or ran
+        (False: its entry step published before the withdrawal), asked of Redis for at
+        most ``within_s`` seconds; None when Redis did not answer (the withdrawal then
+        goes on in the background, :meth:`start`).
+
+        Args:
+            request: the request whose write went unanswered.
+            timeout_s: its time budget.
+            within_s: how long to keep asking (a connection refused stops it at once).
+        """
+        keys = self.keys.of(request.id)
+        marker, ttl = keys.done(request.id, request.step), int(timeout_s) + 120
+        give_up = time.monotonic() + within_s
+        while True:
+            try:
+                pipe = in_order(self.client)
+                pipe.set(marker, WITHDRAWN, ex=ttl, nx=True)
+                pipe.get(marker)
+                _, value = await pipe.execute()
+                break
+            except REDIS_DOWN as exc:
+                if _refused(exc) or time.monotonic() + SETTLE_RETRY_S > give_up:
+                    logger.warning("request %s: unsettled (%s); withdrawing it", request.id, exc)
+                    self.start(request, timeout_s)
+                    return None
+                logger.debug("request %s: settling waits for redis: %s", request.id, exc)
+                await asyncio.sleep(SETTLE_RETRY_S)
+        if value is not None and text(value) != WITHDRAWN:
+            logger.info("request %s: its write landed and ran; answered", request.id)
+            return False
+        if request.reply_to.startswith(keys.job_prefix):
+            try:  # "queued" under an id nobody was given
+                await self.client.delete(request.reply_to)
+            except REDIS_DOWN:
+                self.start(request, timeout_s)
+        return True
+
     def start(self, request: Request, timeout_s: float) -> None:
         """Withdraw ``request`` (refused with ``timeout_s`` as its budget) in the background."""
         # Only what the withdrawal needs is kept, not the request (its payload can be a MiB).
@@ -54,7 +119,8 @@ class Withdrawals:
             while self.clock.now() < until:
                 try:
                     pipe = in_order(self.client)
-                    pipe.set(marker, "withdrawn", ex=ttl)
+                    # Only if absent: a worker's publish that came first keeps its marker.
+                    pipe.set(marker, WITHDRAWN, ex=ttl, nx=True)
                     if job is not None:
                         pipe.delete(job)
                     await pipe.execute()

@@ -2,16 +2,37 @@
 
 :class:`Cluster` is what :func:`pipelines.redisio.connect` returns for a
 ``redis+cluster://`` URL: the same client, but a connection lost under a command raises
-``ConnectionError`` (as the plain client's do), and a stream read finds its own slot.
+``ConnectionError`` (as the plain client's do), a stream read finds its own slot, and one
+node down leaves the others served (:meth:`Cluster.initialize`, :meth:`Cluster.aclose`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from contextvars import ContextVar
 from typing import Any
 
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+logger = logging.getLogger(__name__)
+
+_IN_COMMAND: ContextVar[bool] = ContextVar("conveyor_cluster_in_command", default=False)
+"""Whether this task is inside a command or pipeline of a :class:`Cluster` (where a close
+of the client is redis-py asking for a refresh, :meth:`Cluster.aclose`)."""
+
+RETRIES = 1
+"""How often the client itself retries a command a node failed, each time after a refresh
+of its slot map: once follows a failover or a slot move the cluster has already made.
+redis-py's default is 10, each with a refresh (a ``CLUSTER SLOTS`` reply of every slot,
+parsed in Python, and every node's connections recycled): a node that is down turned each
+command to its slots into eleven refreshes, which every other command waited behind.
+conveyor's callers retry on their own terms (``on_live_connection``, a worker's backoff)."""
 
 _CLIENT_INTERNALS = ("/redis/", "/asyncio/", "uvloop/")
 """Where in a traceback an error is redis-py's connection handling, not conveyor's."""
@@ -37,16 +58,20 @@ def _connection_lost(exc: BaseException) -> bool:
 
 
 class _ClusterPipeline(ClusterPipeline):
-    """A cluster pipeline whose connection-lost slips (:func:`_connection_lost`) raise
-    ``ConnectionError``."""
+    """A cluster pipeline whose failure on one node leaves the others' connections alone
+    (:meth:`Cluster.aclose`), and whose connection-lost slips (:func:`_connection_lost`)
+    raise ``ConnectionError``."""
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        running = _IN_COMMAND.set(True)
         try:
             return await super().execute(raise_on_error, allow_redirections)
         except Exception as exc:
             if _connection_lost(exc):
                 raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
             raise
+        finally:
+            _IN_COMMAND.reset(running)
 
 
 _STREAM_READS = ("XREAD", "XREADGROUP")
@@ -77,24 +102,102 @@ class Cluster(RedisCluster):
             raise RedisClusterException(f"{command}'s streams are not in one slot: {args}")
         return slots.pop()
 
-    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
-        # Called from more places than execute_command (DEL and the other commands redis-py
-        # splits across slots itself), so its failure is converted here too.
-        try:
-            await super().initialize(*args, **kwargs)
-        except Exception as exc:
-            if _connection_lost(exc):
-                raise RedisConnectionError(f"cluster unreachable: {exc}") from exc
-            raise
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Only the count matters: the client retries at once, after its refresh (the backoff
+        # serves its transactions, which conveyor does not use on a cluster).
+        kwargs.setdefault("retry", Retry(ExponentialWithJitterBackoff(), RETRIES))
+        super().__init__(*args, **kwargs)
+
+    async def initialize(
+        self,
+        additional_startup_nodes_info: list[tuple[str, int]] | None = None,
+        last_failed_node_name: str | None = None,
+    ) -> RedisCluster:
+        """Fetch the slot map, when none is held or a failure called for a refresh; and
+        the command table, once.
+
+        redis-py 8.1 also fetched the command table (``COMMAND``) at every refresh, from
+        the default node, the first master of the map: the very node that had just
+        failed whenever a pipeline's failure (which does not move that node to the end
+        of the map) brought the refresh about. Every refresh then failed, so every
+        command on every node did, until that node came back; and a failed refresh
+        closed every node's connections, those in use included. The table is the same on
+        every node and no failover changes it: it is fetched once, from whichever master
+        answers; a failed refresh closes nothing, and the next command tries again.
+
+        Args:
+            additional_startup_nodes_info: more nodes to ask for the map.
+            last_failed_node_name: the node whose failure called for this refresh (it is
+                asked for the map last).
+        """
+        if not self._initialize:
+            return self
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._initialize:
+                # Also called from outside execute_command (DEL and the other commands
+                # redis-py splits across slots itself), so its failure is converted here.
+                try:
+                    await self.nodes_manager.initialize(
+                        additional_startup_nodes_info=additional_startup_nodes_info,
+                        last_failed_node_name=last_failed_node_name,
+                    )
+                    await self._command_table()
+                except Exception as exc:
+                    if _connection_lost(exc):
+                        raise RedisConnectionError(f"cluster unreachable: {exc}") from exc
+                    raise
+                self._initialize = False
         return self
 
+    async def _command_table(self) -> None:
+        """Fetch the command table unless held, from the default node or, should it not
+        answer, another master; and point ``COMMAND GETKEYS`` at the default node."""
+        parser = self.commands_parser
+        default = self.nodes_manager.default_node
+        if not parser.commands:
+            masters: list[ClusterNode] = [
+                default,
+                *(n for n in self.get_primaries() if n != default),
+            ]
+            for i, node in enumerate(masters):
+                try:
+                    await parser.initialize(node)
+                    break
+                except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                    if i == len(masters) - 1:
+                        raise
+                    logger.debug("command table not fetched from %s (%s)", node.name, exc)
+        parser.node = default
+
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        running = _IN_COMMAND.set(True)
         try:
             return await super().execute_command(*args, **kwargs)
         except Exception as exc:
             if _connection_lost(exc):
                 raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
             raise
+        finally:
+            _IN_COMMAND.reset(running)
+
+    async def aclose(self) -> None:
+        """Close every connection, unless called by redis-py from inside a command: then
+        only have the slot map refreshed before the next command.
+
+        redis-py 8.1 closes the whole client to force a refresh when a pipeline meets a
+        connection error or a timeout on one node, and when a node answers CLUSTERDOWN:
+        every node's connections, those in use included, so each command in flight on a
+        healthy node failed with it (the slips of :func:`_connection_lost`). With a node
+        down, every pipeline sent to it did that again: no command on any node was safe.
+        A refresh alone is what that failure calls for; the connections of the node that
+        failed are dropped by the command that met the failure.
+        """
+        if _IN_COMMAND.get():
+            self._initialize = True
+            return
+        await super().aclose()
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
         if shard_hint:

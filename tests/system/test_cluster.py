@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any, cast
 
-from redis.asyncio.cluster import RedisCluster
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from conveyor.embedded import cluster
+from pipelines.redisio import REDIS_DOWN, connect
+from pipelines.settings import CommonSettings
+from tests.helpers import until
 
 
 async def test_a_real_three_node_cluster_serves_every_slot(tmp_path: Path) -> None:
@@ -22,3 +29,66 @@ async def test_a_real_three_node_cluster_serves_every_slot(tmp_path: Path) -> No
             assert values == [str(tag).encode() for tag in range(12)]
         finally:
             await client.aclose()
+
+
+async def test_a_node_down_even_the_clients_default_one_leaves_the_others_served(
+    tmp_path: Path,
+) -> None:
+    # Issue 23, break 9. The node killed is the one redis-py 8.1 fetched its command table
+    # from at every refresh of its slot map (the default node); a pipeline failing on it
+    # closed every node's connections and had every later command on every node fail, until
+    # it came back. The other nodes' slots must stay served, by commands and pipelines, and
+    # a command in flight on one of them must not fail with the node that went down.
+    with cluster(tmp_path) as nodes:
+        settings = CommonSettings(redis_url=nodes.url.replace("redis://", "redis+cluster://"))
+        client = connect(settings, block_ms=5000)
+        try:
+            await client.ping()
+            rc = cast(RedisCluster, client)  # for the node lookups
+            victim = rc.get_default_node()
+            owner: dict[str, ClusterNode] = {}
+            for tag in range(12):
+                node = rc.get_node_from_key(f"{{p{tag}}}:s")
+                assert node is not None
+                owner.setdefault(f"{{p{tag}}}:s", node)
+            dead = next(k for k, n in owner.items() if n == victim)
+            live = {n.name: k for k, n in owner.items() if n != victim}
+            assert len(live) == 2
+            # A blocking read on a healthy node, in flight while the other node fails.
+            key = next(iter(live.values()))
+            reading = asyncio.create_task(_read_one(client, key))
+            reader = owner[key]
+            await until(lambda: _blocked(int(reader.port)), limit_s=10)
+            nodes.kill(int(victim.port))
+            for _ in range(3):  # a pipeline, then a plain command, to the node that is down
+                pipe = client.pipeline(transaction=False)
+                pipe.xadd(dead, {"v": 1})
+                with pytest.raises(REDIS_DOWN):
+                    await pipe.execute()
+                with pytest.raises(REDIS_DOWN):
+                    await client.xadd(dead, {"v": 1})
+            for key in live.values():  # the healthy nodes answer both
+                assert await client.xadd(key, {"v": 2})
+                pipe = client.pipeline(transaction=False)
+                pipe.xadd(key, {"v": 3})
+                assert all(await pipe.execute())
+            assert await client.ping()  # a keyless command finds a live node
+            assert await asyncio.wait_for(reading, 10) == {b"v": b"2"}
+        finally:
+            await client.aclose()
+
+
+async def _read_one(client: aioredis.Redis, stream: str) -> dict[bytes, bytes]:
+    """The fields of the next entry added to ``stream`` (a blocking read, up to 5 s)."""
+    read: Any = await client.xread({stream: "$"}, block=5000)
+    assert read, "nothing read"
+    return cast(dict[bytes, bytes], read[0][1][0][1])
+
+
+async def _blocked(port: int) -> bool:
+    """Whether the node on ``port`` holds a client blocked in a read."""
+    direct = aioredis.Redis(host="127.0.0.1", port=port)
+    try:
+        return int((await direct.info("clients"))["blocked_clients"]) > 0
+    finally:
+        await direct.aclose()

@@ -164,13 +164,15 @@ async def test_a_shard_killed_and_restarted_from_its_aof_loses_no_accepted_job(
                 nodes.start(victim)
                 await until(lambda: asyncio.to_thread(nodes.ok), limit_s=60)
                 await until(lambda: all_done(http, jobs), limit_s=120)
-                await check_each_once(http, jobs, JOBS + len(served), len(refused))
+                # None answered 503 ran (issue 23, break 6): a refused write either never
+                # reached its node (down) or was withdrawn before the answer.
+                await check_each_once(http, jobs, JOBS + len(served))
         # Every partition took part, the restarted one included.
         for part in keys.each():
             assert int(float(await admin.hget(part.stage_stats("slow"), "items:ok") or 0)) > 0
-        # Each request answered once at most: no count above the requests there were.
+        # Each request answered once, and only those answered: no count above the answers.
         ok = (await read_stats(admin, keys, "slow"))["items:ok"]
-        assert JOBS + len(served) <= ok <= JOBS + len(during)
+        assert ok == JOBS + len(served)
     finally:
         await admin.aclose()
         stop(worker)
