@@ -106,7 +106,14 @@ class Cluster(RedisCluster):
         # Only the count matters: the client retries at once, after its refresh (the backoff
         # serves its transactions, which conveyor does not use on a cluster).
         kwargs.setdefault("retry", Retry(ExponentialWithJitterBackoff(), RETRIES))
+        # The cluster client takes no parser_class of its own; each node's connections
+        # are built from connection_kwargs, which the startup nodes copied already.
+        parser = kwargs.pop("parser_class", None)
         super().__init__(*args, **kwargs)
+        if parser is not None:
+            self.connection_kwargs["parser_class"] = parser
+            for node in self.nodes_manager.startup_nodes.values():
+                node.connection_kwargs["parser_class"] = parser
 
     async def initialize(
         self,

@@ -9,9 +9,10 @@ from typing import Any, cast
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ResponseError
 
 from conveyor.embedded import cluster
-from pipelines.redisio import REDIS_DOWN, connect
+from pipelines.redisio import REDIS_DOWN, RedisRefused, connect
 from pipelines.settings import CommonSettings
 from tests.helpers import until
 
@@ -92,3 +93,47 @@ async def _blocked(port: int) -> bool:
         return int((await direct.info("clients"))["blocked_clients"]) > 0
     finally:
         await direct.aclose()
+
+
+async def test_a_busy_node_is_a_refusal_to_wait_out_on_a_cluster_too(tmp_path: Path) -> None:
+    # Issue 23, break 2, on a cluster: the refusals are classified where a reply is parsed,
+    # and the cluster client takes no parser of its own: each node's connections must.
+    with cluster(tmp_path) as nodes:
+        settings = CommonSettings(redis_url=nodes.url.replace("redis://", "redis+cluster://"))
+        client = connect(settings)
+        try:
+            await client.set("{p0}:k", 1)
+            node = cast(RedisCluster, client).get_node_from_key("{p0}:k")
+            assert node is not None
+            admin = aioredis.Redis(port=int(node.port))
+            killer = aioredis.Redis(port=int(node.port))
+            await admin.config_set("busy-reply-threshold", 50)
+            await killer.ping()  # connected before: a new connection's handshake is refused
+
+            async def spin() -> object:
+                return await admin.eval("while true do end", 0)
+
+            busy = asyncio.create_task(spin())
+            try:
+                refused = await _first_refusal(client, "{p0}:k")
+                assert isinstance(refused, RedisRefused), repr(refused)
+            finally:
+                await killer.script_kill()
+                with pytest.raises(ResponseError):
+                    await busy
+                await admin.aclose()
+                await killer.aclose()
+            assert await client.get("{p0}:k") == b"1"
+        finally:
+            await client.aclose()
+
+
+async def _first_refusal(client: aioredis.Redis, key: str) -> BaseException | None:
+    """The first error a read of ``key`` meets, within about 4 s (None: none)."""
+    for _ in range(200):  # until the script has run past the threshold
+        try:
+            await client.get(key)
+        except REDIS_DOWN as exc:
+            return exc
+        await asyncio.sleep(0.02)
+    return None
