@@ -49,8 +49,8 @@ wraps a payload in three more levels, and the decoder (pydantic-core) refuses ab
 anything within this bound decodes at every hop of a pipeline."""
 INT_RANGE = (-(2**63), 2**64 - 1)
 """The integers the encoder (orjson) writes exactly; anything outside it cannot be sent."""
-EPOCH_MAX_S = 2.0**33
-"""The latest instant (seconds since the epoch, about the year 2242) an envelope may name:
+EPOCH_MAX_S = 1e10
+"""The latest instant (seconds since the epoch, in the year 2286) an envelope may name:
 a deadline or an ``enqueue_by`` past it is refused when the entry is decoded, so every
 sum, expiry and ``int()`` of one downstream stays finite and within Redis's range."""
 NAME_MAX = 512

@@ -38,6 +38,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from conveyor.embedded import find_redis_server
+from gateway.replies import TRIM_EVERY
 from pipelines.envelope import decode_reply, decode_request
 from pipelines.keys import GROUP, Keys
 from pipelines.redisio import text
@@ -325,11 +326,15 @@ def test_a_worker_host_dies_under_load_and_nothing_is_lost_or_doubled(tmp_path: 
     assert sorted(a[0] for a in answers) == list(range(REQUESTS))  # each answered, once
     wrong = [a for a in answers if (a[1], a[2]) != (200, {"value": 2 * a[0]})]
     assert wrong == []
-    # Each request's reply was published exactly once, carrying the caller's trace id.
+    # Each request's reply was published once (its step's done marker, below), carrying the
+    # caller's trace id. The gateway trims its reply stream behind its reader: what is
+    # left to look at is the few read since its last trim.
     replies = result["replies"]
-    assert Counter(r[0] for r in replies).most_common(1)[0][1] == 1
-    assert {r[0]: r[2] for r in replies} == {a[3]: f"mh-{a[0]}" for a in answers}
-    assert {r[1] for r in replies} == {"ok"}
+    assert len(replies) <= TRIM_EVERY
+    assert all(n == 1 for n in Counter(r[0] for r in replies).values())
+    traces = {a[3]: f"mh-{a[0]}" for a in answers}
+    assert all(traces[r[0]] == r[2] for r in replies), replies
+    assert {r[1] for r in replies} <= {"ok"}
     assert result["reply_streams"] == 1
     assert result["done_markers"] == REQUESTS  # one "effects published" marker per step
     stats = result["stats"]

@@ -125,4 +125,4 @@ def test_a_bad_wikipedia_setting_stops_the_fetch_worker_at_start(redis_url: str)
     argv = [sys.executable, "-m", "workers", "wiki-summary.fetch"]
     done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
-    assert "timeout_s" in done.stderr, done.stderr[-800:]
+    assert "CONVEYOR_WIKIPEDIA_TIMEOUT_S" in done.stderr, done.stderr[-800:]
