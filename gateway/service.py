@@ -37,6 +37,7 @@ from pipelines.graph import Pipeline
 from pipelines.records import JobRecord, create_job
 from pipelines.redisio import (
     REDIS_DOWN,
+    REFUSED,
     SATURATED,
     Enqueuer,
     RedisClock,
@@ -251,6 +252,13 @@ class Gateway:
                 await self.enqueuer.enqueue(request)
         except SATURATED as exc:
             raise refusal(exc) from exc  # no connection came free: nothing was sent
+        except REFUSED as exc:
+            # Redis answered that it did not run the write: answered at once, not settled.
+            # On a cluster a job's record and its entry are two commands, not a
+            # transaction: a record written before the refusal is withdrawn.
+            if job:
+                self.withdrawals.start(request, timeout_s)
+            raise refusal(exc) from exc
         except (*REDIS_DOWN, TimeoutError) as exc:
             # The write may have landed and run (its answer lost, or Redis stalled): a 503
             # must mean it takes no effect, so its withdrawal is settled first, within the

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import DefaultParser
 from redis.exceptions import (
+    BusyLoadingError,
     ClusterError,
     MaxConnectionsError,
     NoPermissionError,
@@ -59,6 +60,10 @@ class _Parser(DefaultParser):  # type: ignore[misc,valid-type]
 
     EXCEPTION_CLASSES: ClassVar[dict[str, Any]] = {**DefaultParser.EXCEPTION_CLASSES, **REFUSALS}
 
+
+REFUSED = (RedisRefused, OutOfMemoryError, ReadOnlyError, BusyLoadingError)
+"""The refusals among :data:`REDIS_DOWN`: Redis answered and did not run the command, so
+a write refused this way certainly took no effect (unlike one whose answer was lost)."""
 
 REDIS_DOWN = (
     RedisConnectionError,

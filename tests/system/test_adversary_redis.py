@@ -122,7 +122,13 @@ async def test_a_busy_redis_is_weathered_by_gateway_and_worker(
         await until(running, 10)
 
         async def spin() -> object:
-            return await admin.eval("while true do end", 0)
+            # A client of its own with no read timeout: the script runs as long as the
+            # test takes (a busy machine), until the SCRIPT KILL below.
+            spinner = aioredis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"], socket_timeout=None)
+            try:
+                return await spinner.eval("while true do end", 0)
+            finally:
+                await spinner.aclose()
 
         busy = asyncio.create_task(spin())
 
