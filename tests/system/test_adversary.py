@@ -365,7 +365,9 @@ async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing
     got = [decode_reply(f or {}) for _, f in await redis.xrange(replies) or []]
     assert [r.id for r in got] == [sent.id], f"{len(got)} replies for one request"
     items = {k: v for k, v in (await harness.stats("slow")).items() if k.startswith("items:")}
-    assert items == {"items:ok": 1}, items
+    # One outcome, counted once: ok, or expired when a busy machine had the survivor reach
+    # it past its 2 s deadline (both are one answer; what must not happen is a second).
+    assert items in ({"items:ok": 1}, {"items:expired": 1}), items
 
 
 # --------------------------------------------------------------------------------------
