@@ -316,7 +316,6 @@ async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing
     # Trigger: one request (2 s deadline); a worker process takes it and is SIGSTOPped in
     # predict; a second worker reclaims and answers it; wait until the done marker
     # expires (~61 s); SIGCONT the first worker.
-    (sent,) = await harness.enqueue("slow", [{"value": 21}], deadline_in=2)
     stalled = spawn(
         "workers",
         "slow",
@@ -324,6 +323,13 @@ async def test_a_stalled_worker_resumed_after_the_marker_expired_doubles_nothing
         CONVEYOR_TEST_DELAY_S="1.5",
         CONVEYOR_BLOCK_MS="100",
     )
+
+    async def reading() -> bool:  # started (a loaded machine takes seconds): then 2 s is 2 s
+        log = tmp_path / "w.log"
+        return log.exists() and "reading" in log.read_text(errors="replace")
+
+    await until(reading, 60)
+    (sent,) = await harness.enqueue("slow", [{"value": 21}], deadline_in=2)
     replies = harness.keys.reply_stream("test")
     marker = harness.keys.done(sent.id, "slow")
     try:
