@@ -200,17 +200,39 @@ def in_process(
         singles: at most this many single-item calls for the latency figure.
         seconds: each of the two measurements stops early after about this long.
         device: see :func:`load_model`.
-        threads: torch intra-op threads during the measurement (None: as they are).
+        threads: torch intra-op threads during the measurement (None: as a worker on
+            ``device`` would run, :func:`in_process_threads`).
     """
     import torch
 
     before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    chosen = in_process_threads(device, threads)
+    if chosen is not None:
+        torch.set_num_threads(chosen)
     try:
         return _time_model(workload, batch, total, singles, seconds, device)
     finally:
         torch.set_num_threads(before)
+
+
+def in_process_threads(device: str, threads: int | None = None) -> int | None:
+    """The torch threads of an in-process measurement on ``device``: a worker's rule
+    (:func:`workers.threads.torch_threads`: on cuda ``CONVEYOR_CUDA_THREADS``, on cpu
+    torch's default), so the bench's in-process figure and its served one agree.
+
+    Args:
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        threads: held to this many instead (None: the rule decides).
+    """
+    from workers.settings import WorkerSettings
+    from workers.threads import resolved_device, torch_threads
+
+    settings = WorkerSettings()  # the bench's environment: CONVEYOR_THREADS and the like
+    return torch_threads(
+        resolved_device(device),
+        setting=threads or settings.threads,
+        cuda_threads=settings.cuda_threads,
+    )
 
 
 def _time_model(

@@ -1,10 +1,11 @@
 """The ``conveyor`` command: ``up``, ``gateway``, ``worker``, ``status``, ``graph``, ``dlq``,
 ``keda``.
 
-``up`` supervises separate processes (an embedded redis-server, one gateway, the
+``up`` supervises separate processes (an embedded redis-server, the gateway(s), the
 workers) exactly as a deployment runs them (:mod:`conveyor.supervisor`); ``gateway`` and
-``worker`` run one process each. Both start them by module name, so neither imports the
-gateway or the workers.
+``worker`` run one process each (``gateway`` with ``CONVEYOR_GATEWAYS`` above 1: that
+many gateway processes on one port, supervised). Both start them by module name, so
+neither imports the gateway or the workers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from pipelines.redisio import connect
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings, load_settings
 from pipelines.stats import StageStatus, known_stages, stage_status
+
+GATEWAYS_HELP = (
+    "gateway processes on the one port (SO_REUSEPORT: the kernel spreads connections); "
+    "default CONVEYOR_GATEWAYS, else 1"
+)
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         "or every pipeline of --app)",
     )
     up.add_argument("--app", help="module:attribute of your Pipeline(s), like `serve run`")
+    up.add_argument("--gateways", type=_int_in(1, 256), help=GATEWAYS_HELP)
     up.add_argument(
         "--replicas",
         type=_int_in(1, 1000),
@@ -139,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
     gw.add_argument("--port", type=port)
+    gw.add_argument("--gateways", type=_int_in(1, 256), help=GATEWAYS_HELP)
     wk = sub.add_parser("worker", help="run a worker for STAGE (or several: a,b)")
     wk.add_argument("stage")
     sub.add_parser(
@@ -184,14 +192,19 @@ def main(argv: list[str] | None = None) -> None:
                 min_workers=args.min_workers,
                 max_workers=args.max_workers,
                 target_backlog=args.target_backlog,
+                gateways=args.gateways,
             )
             sys.exit(supervisor.up(options))
         elif args.command == "gateway":
-            env = {
-                k: str(v)
-                for k, v in (("CONVEYOR_HOST", args.host), ("CONVEYOR_PORT", args.port))
-                if v is not None
-            }
+            flags = (
+                ("CONVEYOR_HOST", args.host),
+                ("CONVEYOR_PORT", args.port),
+                ("CONVEYOR_GATEWAYS", args.gateways),
+            )
+            env = {k: str(v) for k, v in flags if v is not None}
+            os.environ.update(env)
+            if supervisor.gateway_count() > 1:
+                sys.exit(supervisor.gateways(dict(os.environ)))
             _run_module("gateway", [], env)
         elif args.command == "worker":
             _run_module("workers", [args.stage], {})

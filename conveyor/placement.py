@@ -15,10 +15,13 @@ each process sees, how many torch threads it runs.
   process reserving nothing is still spread over the GPUs (the one with the most free,
   then the fewest processes), unless its device is ``cpu``. Shares that do not fit stop
   ``up`` before anything starts (:class:`PlacementError`).
-- **Threads**: a process's torch threads are its stages' ``threads`` when one says, else
-  ``CONVEYOR_THREADS`` when set, else the cores this process may use divided among the
-  model processes (at most ``max_workers`` per group under ``--autoscale``), at least 1:
-  the model processes together never run more torch threads than there are cores.
+- **Threads** (:func:`workers.threads.torch_threads`, the rule a bare worker and the
+  bench follow too): a process's torch threads are its stages' ``threads`` when one says,
+  else ``CONVEYOR_THREADS`` when set, else on a GPU (placed on one, or its device
+  ``cuda``) ``CONVEYOR_CUDA_THREADS`` (1), else the cores this process may use divided
+  among the model processes (at most ``max_workers`` per group under ``--autoscale``), at
+  least 1: the model processes together never run more torch threads than there are
+  cores.
 
 The visible GPUs are ``CONVEYOR_GPUS`` (a count, simulated: for dry runs and tests on a
 host without them), else ``CUDA_VISIBLE_DEVICES`` when set, else what ``nvidia-smi -L``
@@ -39,6 +42,7 @@ from pipelines.errors import ConfigError
 from pipelines.registry import Registry
 from pipelines.stages import Stage
 from workers.settings import WorkerSettings
+from workers.threads import CUDA_THREADS, torch_threads
 
 UNITS = 1000
 """A GPU, in shares of a thousandth: shares add up exactly (ten 0.1s fill one GPU)."""
@@ -74,6 +78,8 @@ class Group:
             the model processes dividing the cores; it runs with the threads its stages
             ask (if any).
         cpu: its device is ``cpu``: it gets no GPU.
+        cuda: its device is ``cuda`` or ``cuda:N``: its models run on a GPU even where
+            none is visible to ``up`` (the few threads of :mod:`workers.threads`).
     """
 
     stages: tuple[str, ...]
@@ -82,6 +88,7 @@ class Group:
     threads: int | None = None
     light: bool = False
     cpu: bool = False
+    cuda: bool = False
 
     @property
     def name(self) -> str:
@@ -98,6 +105,7 @@ def _group(stages: list[Stage], replicas: int | None, device: str, light: bool) 
         threads=max(threads) if threads else None,
         light=light,
         cpu=device == "cpu",
+        cuda=device.startswith("cuda"),
     )
 
 
@@ -265,18 +273,33 @@ class Placer:
         model_processes: the model processes ``up`` may run at once (cores are divided
             among them).
         threads: ``CONVEYOR_THREADS`` as set (None: unset).
+        cuda_threads: ``CONVEYOR_CUDA_THREADS``: the threads of a process on a GPU.
     """
 
     pool: GpuPool
     cores: int
     model_processes: int
     threads: int | None = None
+    cuda_threads: int = CUDA_THREADS
 
-    def threads_for(self, group: Group) -> int | None:
-        """The torch threads of one of ``group``'s processes."""
-        if group.threads or group.light:
+    def threads_for(self, group: Group, on_gpu: bool = False) -> int | None:
+        """The torch threads of one of ``group``'s processes (the light group's: what its
+        stages ask, if any).
+
+        Args:
+            group: its stages.
+            on_gpu: it was given a GPU.
+        """
+        if group.light:
             return group.threads
-        return self.threads or max(1, self.cores // max(1, self.model_processes))
+        return torch_threads(
+            "cuda" if on_gpu or group.cuda else "cpu",
+            asked=group.threads,
+            setting=self.threads,
+            cuda_threads=self.cuda_threads,
+            cores=self.cores,
+            processes=self.model_processes,
+        )
 
     def one(self, group: Group) -> Placed:
         """Place one more process of ``group``; raises :class:`PlacementError` when its
@@ -288,7 +311,7 @@ class Placer:
                 raise PlacementError(self._refusal(group))
             taken = got
         devices = tuple(self.pool.ids[i] for i in taken)
-        return Placed(group, taken, devices, self.threads_for(group))
+        return Placed(group, taken, devices, self.threads_for(group, bool(taken)))
 
     def all(self, groups: Iterable[Group]) -> list[Placed]:
         """Place every replica of ``groups`` (the biggest shares first: first-fit
@@ -322,7 +345,8 @@ class Placer:
             split = f"CONVEYOR_THREADS={self.threads} per model process"
         else:
             split = f"{self.cores} core(s) / {self.model_processes} model process(es)"
-        return f"{gpus}; {self.cores} core(s); torch threads: {split} unless a stage says"
+        on_gpu = "" if self.threads else f"; {self.cuda_threads} on a GPU"
+        return f"{gpus}; {self.cores} core(s); torch threads: {split}{on_gpu} unless a stage says"
 
     def _refusal(self, group: Group) -> str:
         if not self.pool.ids:
@@ -352,7 +376,7 @@ def host_placer(
     """The :class:`Placer` of this host (see the module's docstring).
 
     Args:
-        settings: ``gpus`` and ``threads``.
+        settings: ``gpus``, ``threads`` and ``cuda_threads``.
         environ: ``up``'s environment.
         model_processes: the model processes ``up`` may run at once.
     """
@@ -361,4 +385,5 @@ def host_placer(
         len(os.sched_getaffinity(0)),
         model_processes,
         settings.threads,
+        settings.cuda_threads,
     )

@@ -1,12 +1,14 @@
-"""``conveyor up``: an embedded redis-server, one gateway and the workers, supervised.
+"""``conveyor up``: an embedded redis-server, the gateway(s) and the workers, supervised.
 
 Each runs as its own process, started by module name exactly as a deployment runs it (so
 this module imports neither side). :func:`up` takes the steps in order: start Redis
-(unless ``CONVEYOR_REDIS_URL`` names one), the gateway, the worker groups; say when every
-worker has loaded its model and reads its stage (:class:`Readiness`); then supervise
-until Ctrl-C, SIGTERM or a process exiting unasked; then stop in order: the workers
-first (each finishes its batches and leaves its groups), then the gateway (which answers
-what they published meanwhile), then Redis.
+(unless ``CONVEYOR_REDIS_URL`` names one), the gateway processes (``--gateways N``,
+``CONVEYOR_GATEWAYS``: N on one port, :mod:`gateway.__main__`), the worker groups; say
+when every worker has loaded its model and reads its stage (:class:`Readiness`); then
+supervise until Ctrl-C, SIGTERM or a process exiting unasked; then stop in order: the
+workers first (each finishes its batches and leaves its groups), then the gateways (which
+answer what they published meanwhile), then Redis. :func:`gateways` is ``conveyor gateway``'s
+smaller supervisor: N gateway processes alone.
 
 Every child runs in its own process group, so the terminal's Ctrl-C reaches ``up`` alone
 and nothing is stopped out of that order (a Redis killed by the same keystroke as the
@@ -67,6 +69,7 @@ class UpOptions:
         min_workers: autoscale: fewest per model stage.
         max_workers: autoscale: most per model stage.
         target_backlog: autoscale: backlog per worker.
+        gateways: gateway processes on the port (None: ``CONVEYOR_GATEWAYS``, 1).
     """
 
     host: str | None = None
@@ -78,6 +81,7 @@ class UpOptions:
     min_workers: int | None = None
     max_workers: int | None = None
     target_backlog: int | None = None
+    gateways: int | None = None
 
 
 class _Stop(Exception):
@@ -93,6 +97,7 @@ def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
     env = dict(os.environ)
     env["CONVEYOR_HOST"] = gateway.host
     env["CONVEYOR_PORT"] = str(gateway.port)
+    env["CONVEYOR_GATEWAYS"] = str(gateway.gateways)
     if options.app:
         env["CONVEYOR_APP"] = options.app
     if options.pipelines:
@@ -131,7 +136,7 @@ class Supervisor:
 
     env: dict[str, str]
     placer: Placer | None = None  # None: every worker with ``env`` alone
-    children: list[tuple[str, Process]] = field(default_factory=list)  # gateway, workers
+    children: list[tuple[str, Process]] = field(default_factory=list)  # gateways, workers
     redis: Process | None = None
     autoscaler: Autoscaler | None = None
     interval_s: float = 1.0  # between the autoscaler's ticks
@@ -171,9 +176,21 @@ class Supervisor:
         if placed is not None and self.placer is not None:
             self.placer.release(placed)
 
-    def start_gateway(self) -> None:
-        """The gateway process."""
-        self.children.append(("gateway", self._spawn("gateway")))
+    def start_gateways(self, count: int) -> None:
+        """The gateway processes: ``count`` on one port (each binds it with
+        ``SO_REUSEPORT`` when ``count`` is above 1, as ``CONVEYOR_GATEWAYS`` in
+        :attr:`env` says).
+
+        Args:
+            count: how many.
+        """
+        for i in range(count):
+            name = "gateway" if count == 1 else f"gateway#{i}"
+            self.children.append((name, self._spawn("gateway")))
+
+    def gateways(self) -> list[tuple[str, Process]]:
+        """Every gateway process started."""
+        return [(n, p) for n, p in self.children if _is_gateway(n)]
 
     def start_workers(self, placed: list[Placed]) -> None:
         """The worker processes, each where it was placed (its GPUs, its threads).
@@ -226,17 +243,21 @@ class Supervisor:
 
     def workers(self) -> list[tuple[str, Process]]:
         """Every worker process started (the autoscaler's, draining ones included)."""
-        started = [(n, p) for n, p in self.children if n != "gateway"]
+        started = [(n, p) for n, p in self.children if not _is_gateway(n)]
         return started + (self.autoscaler.processes() if self.autoscaler else [])
 
     def stop(self) -> None:
-        """Stop in order: the workers, then the gateway, then Redis; each step SIGTERM
+        """Stop in order: the workers, then every gateway, then Redis; each step SIGTERM
         (a graceful drain), a kill for a process still running after
         :data:`STOP_GRACE_S`."""
         _terminate(self.workers())
-        _terminate([(n, p) for n, p in self.children if n == "gateway"])
+        _terminate(self.gateways())
         if self.redis is not None:
             _terminate([("redis-server", self.redis)])
+
+
+def _is_gateway(name: str) -> bool:
+    return name == "gateway" or name.startswith("gateway#")
 
 
 def _terminate(procs: list[tuple[str, Process]]) -> None:
@@ -265,7 +286,7 @@ def up(options: UpOptions) -> int:
     """
     # Every child's settings are checked before any starts: a bad value is one line
     # here, not a child exiting after Redis and the others have started.
-    flags = {"host": options.host, "port": options.port}
+    flags = {"host": options.host, "port": options.port, "gateways": options.gateways}
     gateway = load_settings(GatewaySettings, **{k: v for k, v in flags.items() if v is not None})
     env = _child_env(options, gateway)
     registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
@@ -291,7 +312,7 @@ def up(options: UpOptions) -> int:
     code = 0
     readiness: Readiness | None = None
     try:
-        supervisor.start_gateway()
+        supervisor.start_gateways(gateway.gateways)
         supervisor.start_workers(placed)
         autoscaled = ""
         if scaling is not None and scaled:
@@ -300,9 +321,10 @@ def up(options: UpOptions) -> int:
                 f"; autoscaling {', '.join(g.name for g in scaled)} "
                 f"({scaling.min_workers} to {scaling.max_workers} workers each)"
             )
+        gateways = "gateway" if gateway.gateways == 1 else f"{gateway.gateways} gateways"
         say(
-            f"gateway on http://{gateway.host}:{gateway.port} serving "
-            f"{', '.join(registry.pipelines)}; {len(supervisor.children) - 1} worker "
+            f"{gateways} on http://{gateway.host}:{gateway.port} serving "
+            f"{', '.join(registry.pipelines)}; {len(supervisor.workers())} worker "
             f"process(es){autoscaled} loading their models; Ctrl-C stops"
         )
         readiness = Readiness(
@@ -327,6 +349,40 @@ def up(options: UpOptions) -> int:
         say("stopping: workers drain and leave their groups, then the gateway, then redis")
         supervisor.stop()
         say("stopped")
+    return code
+
+
+def gateway_count() -> int:
+    """``CONVEYOR_GATEWAYS``, validated: the gateway processes ``conveyor gateway`` runs."""
+    return load_settings(GatewaySettings).gateways
+
+
+def gateways(env: dict[str, str]) -> int:
+    """``conveyor gateway`` with ``CONVEYOR_GATEWAYS`` above 1: that many gateway
+    processes on one port, until Ctrl-C or SIGTERM (exit status 0) or until one exits
+    unasked (1); then every one is stopped (a container's one command keeps them all).
+
+    Args:
+        env: their environment (``CONVEYOR_GATEWAYS``, ``CONVEYOR_HOST``, ...).
+    """
+    settings = load_settings(GatewaySettings)
+    supervisor = Supervisor(env)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_stop)
+    code = 0
+    try:
+        supervisor.start_gateways(settings.gateways)
+        say(f"{settings.gateways} gateways on http://{settings.host}:{settings.port}")
+        why = supervisor.supervise()
+        if why is not None:
+            say(f"{why}; stopping")
+            code = 1
+    except _Stop:
+        pass
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+        supervisor.stop()
     return code
 
 

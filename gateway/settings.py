@@ -35,6 +35,11 @@ class GatewaySettings(CommonSettings):
             sent nothing is closed silently). Bounds what slow clients can hold open.
         max_header_bytes: a request whose header block grows past this gets 431 and the
             connection is closed.
+        gateways: gateway processes serving ``host:port`` on this host, so a many-core
+            host is not capped by one process's event loop: ``conveyor up`` and
+            ``conveyor gateway`` start this many; above 1 each binds with
+            ``SO_REUSEPORT`` and the kernel spreads connections among them (each has its
+            own reply streams).
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +58,7 @@ class GatewaySettings(CommonSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     client_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     max_header_bytes: int = Field(default=65_536, ge=1024)
+    gateways: int = Field(default=1, ge=1, le=256)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -11,24 +11,36 @@ from pipelines.errors import ConfigError
 from pipelines.model import Model
 from pipelines.stages import Stage
 from workers.settings import WorkerSettings
+from workers.threads import resolved_device, torch_threads
 
 logger = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
 
 
-def _set_threads(threads: int | None) -> None:
+def _set_threads(stage: Stage, model: object, device: str, settings: WorkerSettings) -> None:
     torch = sys.modules.get("torch")
     # Only once a model imported torch: a framework-free runner (a function step, a toy)
     # must not pay its ~200 MB for nothing.
-    if threads is not None and torch is not None:
+    if torch is None:
+        return
+    where = resolved_device(device, model)
+    threads = torch_threads(where, setting=settings.threads, cuda_threads=settings.cuda_threads)
+    if threads is not None:
         torch.set_num_threads(threads)
+    logger.info(
+        "stage %s: on %s, %d torch thread(s)%s",
+        stage.name,
+        where,
+        torch.get_num_threads(),
+        "" if threads is not None else " (torch's default)",
+    )
 
 
 def process_threads(stages: list[Stage], settings: WorkerSettings) -> int | None:
     """The torch threads of a process serving ``stages``: the most any of them asks for
     (:attr:`Stage.threads`, after ``CONVEYOR_RESOURCES``), else ``CONVEYOR_THREADS``
-    (None: torch's default). torch has one intra-op pool per process, so stages sharing a
-    process share it.
+    (None: the device decides once the model loads, :mod:`workers.threads`). torch has one
+    intra-op pool per process, so stages sharing a process share it.
 
     Args:
         stages: the stages the process serves, with their resources applied.
@@ -61,7 +73,7 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
     # threads loading at once corrupt; one process may host several stages, so loads queue.
     with _LOAD_LOCK:
         model = factory(**options)
-        _set_threads(settings.threads)
+        _set_threads(stage, model, options["device"], settings)
     if not callable(getattr(model, "predict", None)):
         raise ConfigError(
             f"stage {stage.name!r}: runner built {type(model).__name__}, no predict()"

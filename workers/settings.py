@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 
 from pipelines.settings import CommonSettings
 from pipelines.stages import Resources
+from workers.threads import CUDA_THREADS
 
 
 def _default_cache() -> str:
@@ -25,8 +26,12 @@ class WorkerSettings(CommonSettings):
         models: per-stage model override, e.g. ``{"generate": "gpt2"}`` (JSON in env).
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
-        threads: torch intra-op threads for this process (unset: torch's default); a
-            stage's own ``threads`` wins (:func:`workers.build.process_threads`).
+        threads: torch intra-op threads for this process (unset: on cuda
+            ``cuda_threads``, on cpu torch's default); a stage's own ``threads`` wins
+            (:mod:`workers.threads`).
+        cuda_threads: torch intra-op threads of a process whose models run on cuda, when
+            neither ``threads`` nor a stage says: the host only launches kernels and waits,
+            and more threads spin (:mod:`workers.threads`).
         resources: per-stage resources over the stages' own (``threads``, ``device``,
             ``gpus``, ``memory_mb``), e.g. ``{"embed": {"gpus": 0.5, "threads": 2}}``
             (JSON in env); :class:`~pipelines.stages.Resources`.
@@ -72,6 +77,7 @@ class WorkerSettings(CommonSettings):
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = Field(default=None, ge=1)
+    cuda_threads: int = Field(default=CUDA_THREADS, ge=1, le=1024)
     resources: dict[str, Resources] = Field(default_factory=dict)
     spin_wait: bool = False
     openmp_spin_count: int = Field(default=10_000, ge=0)

@@ -268,7 +268,7 @@ def test_the_autoscaler_places_the_workers_it_adds_and_frees_their_share_when_th
         scaler.apply(busy, now=0.5)
         procs = scaler.running[name]
         assert len(procs) == 2  # a third half does not fit on the one GPU
-        placed = {"CUDA_VISIBLE_DEVICES": "0", "CONVEYOR_THREADS": "2"}
+        placed = {"CUDA_VISIBLE_DEVICES": "0", "CONVEYOR_THREADS": "1"}  # on a GPU: few
         assert [supervisor.asked[p.pid] for p in procs] == [(["workers", name], placed)] * 2
         assert "stage embed,sentiment: stays at 2 worker(s): stage(s) embed,sentiment" in (
             caplog.text
@@ -319,6 +319,7 @@ def test_up_starts_each_worker_with_its_own_gpus_and_threads(tmp_path: Path) -> 
         assert workers["adder"]["CUDA_VISIBLE_DEVICES"] == "1"
         assert workers["multiplier"]["CUDA_VISIBLE_DEVICES"] == "0"
         assert workers["multiplier"]["CONVEYOR_THREADS"] == "3"
+        assert workers["adder"]["CONVEYOR_THREADS"] == "1"  # on a GPU: few, whatever the cores
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0, log.read_text()
