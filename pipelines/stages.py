@@ -124,6 +124,15 @@ class Stage:
             0: none reserved (on a GPU host ``conveyor up`` still spreads such workers
             over the GPUs, unless its device is ``cpu``); :mod:`conveyor.placement`.
         memory_mb: what one worker of it holds (MiB), for the deploy files' requests.
+        buckets: pad each batch to a shape bucket (rows to a power of two up to the max
+            batch, tokens as ``bucket_lengths`` says) and run every bucket once at load,
+            so an accelerator meets no new shape once the worker reads (runners that
+            support it: the encoder runners, :mod:`workers.models.buckets`). None: on
+            where the model runs on an accelerator, off on the CPU, where a new shape
+            costs little and padding costs its full compute. ``CONVEYOR_BUCKETS`` wins.
+        bucket_lengths: how ``buckets`` pads tokens: an int, up to a multiple of it; a
+            tuple, up to the least of its lengths that fits (the model's ``max_length``
+            is always a bucket too).
     """
 
     name: str
@@ -145,6 +154,8 @@ class Stage:
     device: str | None = None
     gpus: float = 0
     memory_mb: int | None = None
+    buckets: bool | None = None
+    bucket_lengths: int | tuple[int, ...] = 16
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -161,6 +172,14 @@ class Stage:
             raise ConfigError(f"stage {self.name!r}: replicas must be >= 1")
         if self.max_backlog < 1:
             raise ConfigError(f"stage {self.name!r}: max_backlog must be >= 1")
+        lengths = (
+            (self.bucket_lengths,) if isinstance(self.bucket_lengths, int) else self.bucket_lengths
+        )
+        if not lengths or not all(isinstance(n, int) and n >= 1 for n in lengths):
+            raise ConfigError(
+                f"stage {self.name!r}: bucket_lengths must be a length >= 1 (a multiple) "
+                f"or a non-empty tuple of them, got {self.bucket_lengths!r}"
+            )
         if self.kind not in ("model", "function"):
             raise ConfigError(f"stage {self.name!r}: kind must be 'model' or 'function'")
         try:

@@ -21,7 +21,7 @@ from pipelines.envelope import wire_problem
 from pipelines.errors import BatchContractError, DeadlineExceeded, InvalidInput
 from pipelines.model import Item, Model, Result, StreamingModel, batch_deadline
 from pipelines.stages import Stage
-from workers.build import build_model
+from workers.build import build_model, prepare_shapes
 from workers.settings import WorkerSettings
 
 
@@ -171,6 +171,8 @@ class Runner:
         self.last_run_s = 0.0
         self.thread = ModelThread(stage.name)
         self._shared = False
+        self._shaped = False  # buckets set and warmed (prepare_shapes), once
+        self._closed = False
         # The workers of a stage's partitions share a runner and start together: the
         # model is built once, by the first; the others wait for it.
         self._loading = asyncio.Lock()
@@ -182,7 +184,9 @@ class Runner:
 
     async def load(self) -> None:
         """Build the stage's model (in the model thread) unless there is one; then move
-        to the thread of its weights' other stages, if any."""
+        to the thread of its weights' other stages, if any, and there give it its shape
+        buckets and warm them (:func:`~workers.build.prepare_shapes`: queued behind its
+        sharers' batches, never beside them)."""
         async with self._loading:
             if self.model is None:
                 loop = asyncio.get_running_loop()
@@ -193,6 +197,11 @@ class Runner:
                 self._shared = True
                 self.thread.release()
                 self.thread = model_thread(key, self.stage.name)
+            if not self._shaped:
+                loop = asyncio.get_running_loop()
+                shaping = (self.model, self.stage, self.settings)
+                await loop.run_in_executor(self.thread.executor, prepare_shapes, *shaping)
+                self._shaped = True
 
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -235,8 +244,12 @@ class Runner:
 
     def close(self) -> None:
         """Let the model thread go, unless another stage still runs in it (a batch still
-        in it finishes on its own)."""
-        self.thread.release()
+        in it finishes on its own). Once: a second close must not count this runner off
+        again, or the shared thread's users drop below zero, which reads as in use and
+        hands the next stage on the same weights a thread already shut down."""
+        if not self._closed:
+            self._closed = True
+            self.thread.release()
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Any
 from pipelines.errors import ConfigError
 from pipelines.model import Model
 from pipelines.stages import Stage
+from workers.models.buckets import Bucketed, summary
 from workers.settings import WorkerSettings
 from workers.threads import resolved_device, torch_threads
 
@@ -80,3 +81,31 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
         )
     logger.info("stage %s: model %s ready", stage.name, options["model"] or type(model).__name__)
     return model
+
+
+def prepare_shapes(model: Model, stage: Stage, settings: WorkerSettings) -> None:
+    """Give the model its shape buckets and run each once, logging one line (runs in the
+    model thread, at load: the worker joins its group after it, so no request meets a
+    cold shape). A model without buckets (:class:`~workers.models.buckets.Bucketed`) is
+    left as it is.
+
+    Args:
+        model: the stage's built model.
+        stage: the stage served (``buckets``, ``bucket_lengths``, ``max_batch_size``).
+        settings: the worker's settings (``buckets`` over the stage's, ``warmup``,
+            ``max_batch_size``).
+    """
+    if not isinstance(model, Bucketed):
+        return
+    enabled = stage.buckets if settings.buckets is None else settings.buckets
+    max_items = settings.max_batch_size or stage.max_batch_size
+    buckets = model.use_buckets(enabled, max_items, stage.bucket_lengths)
+    if buckets is None:
+        return
+    shape = f"{len(buckets.rows)} batch sizes x {len(buckets.lengths)} lengths"
+    if not settings.warmup:
+        logger.info("stage %s: buckets %s, not warmed (warmup off)", stage.name, shape)
+        return
+    runs = model.warm_up()
+    if runs:
+        logger.info("stage %s: buckets %s: %s", stage.name, shape, summary(runs))

@@ -143,19 +143,20 @@ class Worker:
         self._stopping.set()
 
     async def start(self) -> None:
-        """Calibrate the clock, check the partition count, create the group and load the
-        model (once); while Redis cannot be reached, wait for it (or for :meth:`stop`).
+        """Load the model (once, its shape buckets warmed), then calibrate the clock,
+        check the partition count and create the group; while Redis cannot be reached,
+        wait for it (or for :meth:`stop`).
 
         Raises:
             ConfigError: the namespace runs with another partition count.
         """
+        # The stage is registered and its group joined only once the model is warm, so
+        # no request waits on a load or meets a cold shape (workers/models/buckets.py).
+        await self.runner.load()
         # Like the gateway, a worker started before Redis (or during an outage) waits
         # for it, until stopped (then it returns, not joined).
-        if not self._joined and not await until_reachable(
-            self._join, f"stage {self.stage.name}", self._stopping
-        ):
-            return
-        await self.runner.load()
+        if not self._joined:
+            await until_reachable(self._join, f"stage {self.stage.name}", self._stopping)
 
     async def _join(self) -> None:
         await self.clock.calibrate(self.client)

@@ -47,6 +47,11 @@ class WorkerSettings(CommonSettings):
             would be woken at every one (``python -m bench.idle``: +6 ms per MiniLM
             call after 20 ms idle with none), short enough to free the cores between
             batches. 0: sleep at once. A ``GOMP_SPINCOUNT`` in the environment wins.
+        buckets: pad batches to shape buckets and warm them at load, for every stage
+            served (None: each stage's own :attr:`~pipelines.stages.Stage.buckets`,
+            which by default is on for an accelerator and off on the CPU).
+        warmup: with buckets on, run every bucket once at load, before the worker joins
+            its stage's group (off: the first batch of each shape pays its cold cost).
         cache_dir: where generated models are kept.
         max_batch_size: overrides the stage's bound when set.
         batch_wait_ms: overrides the stage's window when set.
@@ -81,6 +86,8 @@ class WorkerSettings(CommonSettings):
     resources: dict[str, Resources] = Field(default_factory=dict)
     spin_wait: bool = False
     openmp_spin_count: int = Field(default=10_000, ge=0)
+    buckets: bool | None = None
+    warmup: bool = True
     cache_dir: str = Field(default_factory=_default_cache)
     max_batch_size: int | None = Field(default=None, ge=1, le=4096)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=60_000)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pipelines.model import Item, Result
+from workers.models.buckets import BucketLengths, Buckets, ShapeRun
 from workers.models.hf_base import item_texts
 from workers.models.hf_encode import sentence_encoder
 
@@ -93,6 +94,19 @@ class ExtractiveSummarizer:
             time.perf_counter() - started,
             num_sentences,
         )
+
+    def use_buckets(
+        self, enabled: bool | None, max_items: int, lengths: BucketLengths
+    ) -> Buckets | None:
+        """The encoder's buckets (:meth:`~workers.models.hf_encode.EncoderRunner.use_buckets`),
+        for up to ``batch_size`` sentences a pass whatever ``max_items`` is: a batch's
+        texts hold any number of sentences, embedded together in chunks."""
+        return self.embedder.use_buckets(enabled, self.embedder.batch_size, lengths)
+
+    def warm_up(self) -> list[ShapeRun]:
+        """Run each of the encoder's buckets
+        (:meth:`~workers.models.hf_encode.EncoderRunner.warm_up`)."""
+        return self.embedder.warm_up()
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Summarize each item's text by picking its most central sentences.

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer, BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelines.model import Item
+from workers.models.buckets import Buckets
 from workers.models.tiny import ensure_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -223,6 +224,9 @@ class HFRunner:
     """
 
     auto_cls: ClassVar[Any]
+    buckets: Buckets | None = None
+    """The shapes :meth:`encode` pads a batch to; None: to its longest text only. Set by
+    the encoder runners (:class:`workers.models.hf_encode.EncoderRunner`)."""
 
     def __init__(self, **load: Any) -> None:
         started = time.perf_counter()
@@ -253,7 +257,9 @@ class HFRunner:
         )
 
     def encode(self, texts: list[str], **kwargs: Any) -> BatchEncoding:
-        """Tokenize a whole batch: padded, truncated, as tensors on the model's device.
+        """Tokenize a whole batch: padded (to its longest text, then to its bucket where
+        there are :attr:`buckets`: more rows, copies of the first, and more masked
+        positions), truncated, as tensors on the model's device.
 
         Args:
             texts: the batch's texts.
@@ -266,5 +272,7 @@ class HFRunner:
         encoding = self.tokenizer(
             texts, padding=True, truncation=True, return_tensors="pt", **kwargs
         )
+        if self.buckets is not None:
+            encoding = self.buckets.pad(encoding, int(self.tokenizer.pad_token_id or 0))
         moved: BatchEncoding = encoding.to(self.device)
         return moved

@@ -2,11 +2,14 @@
 
 Each batch is tokenized in one call (padded, truncated to the model's maximum length) and
 run in one forward pass under ``torch.inference_mode()``. Results hold plain JSON types.
+On an accelerator each batch is padded to a shape bucket, and every bucket runs once at
+load (:class:`EncoderRunner`, :mod:`workers.models.buckets`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
 import torch
@@ -18,10 +21,81 @@ from transformers import (
 )
 
 from pipelines.model import Item, Result, check_deadline
+from workers.models.buckets import BucketLengths, Buckets, ShapeRun, fit
 from workers.models.hf_base import HFRunner, item_texts
 
 
-class Embedder(HFRunner):
+class EncoderRunner(HFRunner):
+    """A runner whose batch is one forward pass (no ``generate``): its batches can be
+    padded to shape buckets, each bucket run once at load (:mod:`workers.models.buckets`;
+    the worker calls :meth:`use_buckets` and :meth:`warm_up`). Every forward pass goes
+    through :meth:`forward`, the one place the device is met.
+    """
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether the model runs on an accelerator, where a new shape costs a first call
+        (buckets default to on there, off on the CPU)."""
+        return self.device.type != "cpu"
+
+    def max_rows(self, max_items: int) -> int:
+        """The most rows one forward pass runs when a batch holds up to ``max_items``."""
+        return max_items
+
+    def use_buckets(
+        self, enabled: bool | None, max_items: int, lengths: BucketLengths
+    ) -> Buckets | None:
+        """Pad batches to buckets from now on, or not.
+
+        Args:
+            enabled: pad; None: where the model is :attr:`accelerated`.
+            max_items: the most items of one batch the worker sends.
+            lengths: how lengths are bucketed, up to the runner's ``max_length``.
+
+        Returns:
+            The buckets (None: off).
+        """
+        on = self.accelerated if enabled is None else enabled
+        self.buckets = (
+            Buckets.build(self.max_rows(max_items), lengths, self.max_length) if on else None
+        )
+        return self.buckets
+
+    def forward(self, encoding: Mapping[str, torch.Tensor]) -> Any:
+        """Run the model on one tokenized (and padded) batch."""
+        return self.model(**encoding)
+
+    def warm_up(self) -> list[ShapeRun]:
+        """Run every bucket twice, on a dummy batch: the first run pays the shape's cold
+        cost, the second gives its warm cost. Nothing without buckets.
+
+        The dummy rows are as short as a text gets, so the batch carries an attention
+        mask with masked positions, as bucketed batches nearly always do (a mask can pick
+        another attention kernel than none).
+        """
+        if self.buckets is None:
+            return []
+        pad_id = int(self.tokenizer.pad_token_id or 0)
+        runs = []
+        for rows, length in self.buckets.shapes():
+            dummy = self.tokenizer(["x"], return_tensors="pt")
+            for key in list(dummy.keys()):
+                dummy[key] = dummy[key][:, :length]
+            fit(dummy, rows, length, pad_id)
+            moved = dummy.to(self.device)
+            runs.append(ShapeRun(rows, length, self._timed(moved), self._timed(moved)))
+        return runs
+
+    def _timed(self, encoding: Mapping[str, torch.Tensor]) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.forward(encoding)
+            if self.device.type == "cuda":  # kernels are queued: time them done
+                torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
+
+class Embedder(EncoderRunner):
     """Sentence embeddings: mean of the last hidden states over real (unpadded) tokens.
 
     Result per item: ``{"embedding": [float, ...]}`` (384 floats for MiniLM).
@@ -41,6 +115,10 @@ class Embedder(HFRunner):
         self.normalize = normalize
         self.batch_size = batch_size
 
+    def max_rows(self, max_items: int) -> int:
+        """Batches run in chunks of at most ``batch_size``."""
+        return min(max_items, self.batch_size)
+
     def embed(self, texts: list[str]) -> torch.Tensor:
         """Embed texts in chunks of at most ``batch_size``.
 
@@ -58,9 +136,11 @@ class Embedder(HFRunner):
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
                 check_deadline()  # a long call (many chunks) stops once nobody waits
-                encoding = self.encode([texts[i] for i in order[start : start + self.batch_size]])
-                hidden = self.model(**encoding).last_hidden_state.float()
-                mask = encoding["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                rows = len(order[start : start + self.batch_size])
+                encoding = self.encode([texts[i] for i in order[start : start + rows]])
+                hidden = self.forward(encoding).last_hidden_state[:rows].float()
+                # Padded positions (a bucket's included) have mask 0: they add nothing.
+                mask = encoding["attention_mask"][:rows].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
                 if self.normalize:
                     pooled = F.normalize(pooled, dim=-1)
@@ -94,7 +174,7 @@ def sentence_encoder(load: dict[str, Any], batch_size: int = 64) -> Embedder:
     return Embedder(normalize=True, batch_size=batch_size, **{"model": "minilm", **load})
 
 
-class TextClassifier(HFRunner):
+class TextClassifier(EncoderRunner):
     """Single-label text classification: the most probable label and its probability.
 
     Result per item: ``{"label": str, "score": float}``.
@@ -118,7 +198,8 @@ class TextClassifier(HFRunner):
         if not items:
             return []
         with torch.inference_mode():
-            logits = self.model(**self.encode(item_texts(items))).logits
+            # A bucket's extra rows come last: only the first len(items) are answers.
+            logits = self.forward(self.encode(item_texts(items))).logits[: len(items)]
             scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
         id2label = self.model.config.id2label
         return [
@@ -228,7 +309,7 @@ def aggregate_entities(text: str, tags: Sequence[TokenTag]) -> list[Entity]:
     return entities
 
 
-class TokenClassifier(HFRunner):
+class TokenClassifier(EncoderRunner):
     """Named-entity recognition with word-aware "simple" aggregation.
 
     Result per item: ``{"entities": [{"word", "entity_group", "score", "start", "end"}]}``
@@ -263,17 +344,20 @@ class TokenClassifier(HFRunner):
         encoding = self.encode(texts, return_offsets_mapping=True)
         offsets = encoding.pop("offset_mapping").tolist()
         with torch.inference_mode():
-            logits = self.model(**encoding).logits
+            logits = self.forward(encoding).logits
             scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
         id2label = self.model.config.id2label
         results: list[Result] = []
         for row, text in enumerate(texts):
+            # word_ids covers the tokenizer's own padding; a bucket's positions past it
+            # are masked and read by nobody.
+            width = len(encoding.word_ids(row))
             tags = [
                 TokenTag(id2label[index], score, start, end, word_id)
                 for index, score, (start, end), word_id in zip(
-                    indices[row].tolist(),
-                    scores[row].tolist(),
-                    offsets[row],
+                    indices[row, :width].tolist(),
+                    scores[row, :width].tolist(),
+                    offsets[row][:width],
                     encoding.word_ids(row),
                     strict=True,
                 )

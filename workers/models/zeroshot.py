@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pipelines.model import Item, Result
+from workers.models.buckets import BucketLengths, Buckets, ShapeRun
 from workers.models.hf_base import item_texts
 from workers.models.hf_encode import sentence_encoder
 
@@ -52,6 +53,18 @@ class AnchorSentiment:
         self.poles = torch.nn.functional.normalize(
             torch.stack([anchors[:n].mean(0), anchors[n:].mean(0)]), dim=1
         )
+
+    def use_buckets(
+        self, enabled: bool | None, max_items: int, lengths: BucketLengths
+    ) -> Buckets | None:
+        """The encoder's buckets (:meth:`~workers.models.hf_encode.EncoderRunner.use_buckets`):
+        a batch's texts are one forward pass of it."""
+        return self.embedder.use_buckets(enabled, max_items, lengths)
+
+    def warm_up(self) -> list[ShapeRun]:
+        """Run each of the encoder's buckets
+        (:meth:`~workers.models.hf_encode.EncoderRunner.warm_up`)."""
+        return self.embedder.warm_up()
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Label each item's text."""
