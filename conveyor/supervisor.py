@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -307,8 +308,7 @@ def up(options: UpOptions) -> int:
     say(f"placement: {place.describe()}")
     supervisor = Supervisor(env, place)
     supervisor.start_redis()
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # HUP: terminal closed
-        signal.signal(signum, _raise_stop)
+    _on_stop_signals(_raise_stop)
     code = 0
     readiness: Readiness | None = None
     try:
@@ -344,8 +344,7 @@ def up(options: UpOptions) -> int:
         if readiness is not None:
             readiness.stop()
         # A second Ctrl-C must not cut the ordered stop short (at most STOP_GRACE_S a step).
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_IGN)
+        _on_stop_signals(signal.SIG_IGN)
         say("stopping: workers drain and leave their groups, then the gateway, then redis")
         supervisor.stop()
         say("stopped")
@@ -367,8 +366,7 @@ def gateways(env: dict[str, str]) -> int:
     """
     settings = load_settings(GatewaySettings)
     supervisor = Supervisor(env)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _raise_stop)
+    _on_stop_signals(_raise_stop)
     code = 0
     try:
         supervisor.start_gateways(settings.gateways)
@@ -380,10 +378,15 @@ def gateways(env: dict[str, str]) -> int:
     except _Stop:
         pass
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_IGN)
+        _on_stop_signals(signal.SIG_IGN)
         supervisor.stop()
     return code
+
+
+def _on_stop_signals(handler: Callable[[int, FrameType | None], None] | signal.Handlers) -> None:
+    """Handle Ctrl-C, SIGTERM and SIGHUP (the terminal closed) with ``handler``."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, handler)
 
 
 def say(line: str) -> None:

@@ -20,7 +20,6 @@ of its outcome, under its "done" marker as well; its entry is acknowledged with 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -35,7 +34,7 @@ from redis.typing import EncodableT, FieldT
 from pipelines.envelope import BRANCH, FIELD, encode
 from pipelines.keys import GROUP
 from pipelines.records import job_finished
-from pipelines.redisio import REDIS_DOWN, on_live_connection, text
+from pipelines.redisio import REDIS_DOWN, Backoff, on_live_connection, text
 from workers.route import Effects, Outbox
 
 logger = logging.getLogger(__name__)
@@ -312,16 +311,15 @@ async def patiently(call: Callable[[], Awaitable[Published]]) -> Published:
     this, its results were dropped and the batch ran again when reclaimed, seconds later.
     """
     give_up = time.monotonic() + RETRY_S
-    backoff = 0.05
+    backoff = Backoff(first_s=0.05, most_s=2.0)
     while True:
         try:
             return await call()
         except REDIS_DOWN as exc:
-            if time.monotonic() + backoff > give_up:
+            if time.monotonic() + backoff.next_s > give_up:
                 raise
-            logger.warning("publish refused (%s); retrying in %.2fs", exc, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            logger.warning("publish refused (%s); retrying in %.2fs", exc, backoff.next_s)
+            await backoff.wait()
 
 
 async def _run(client: aioredis.Redis, plan: Plan) -> Published:
