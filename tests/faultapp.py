@@ -65,6 +65,9 @@ def _pass_on(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _slow_pass_on(payload: dict[str, Any]) -> dict[str, Any]:
+    mark = os.environ.get("CONVEYOR_TEST_STARTED")
+    if mark:  # lets a test know the step is running, not only read
+        Path(mark).touch()
     time.sleep(float(os.environ.get("CONVEYOR_TEST_STEP_S", "1")))
     return {"value": payload["value"]}
 
@@ -78,7 +81,8 @@ CHAIN = Pipeline(
         function("c", _pass_on),
     ),
 )
-"""Three function steps, the middle one slow (``CONVEYOR_TEST_STEP_S`` per item)."""
+"""Three function steps, the middle one slow (``CONVEYOR_TEST_STEP_S`` per item; it touches
+the file ``CONVEYOR_TEST_STARTED`` names, if set, as it starts)."""
 
 pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), single(TEXTS), CHAIN]
 
