@@ -3,7 +3,10 @@
 A model is constructed once per worker process (that is where weights load) and then
 called with whole batches. The batch contract: ``predict`` takes a list of n items and
 returns a list of n results, in the same order. The worker enforces it. A model whose
-call can run long checks :func:`check_deadline` between its steps.
+call can run long checks :func:`check_deadline` between its steps. A model for an
+accelerator may split its call into three phases (:class:`StagedModel`), which the worker
+overlaps across batches, and says when a call met a shape the device had not run before
+(:func:`cold_shape`).
 """
 
 from __future__ import annotations
@@ -65,7 +68,55 @@ class StreamingModel(Model, Protocol):
         ...
 
 
+@runtime_checkable
+class StagedModel(Model, Protocol):
+    """A model whose batch runs in three phases, so the worker overlaps them across
+    batches: while the device runs batch n, batch n+1 is prepared on the host and batch
+    n-1's output turned into results (:class:`workers.runner.Runner`).
+
+    ``predict(items)`` must equal ``finish(launch(prepare(items)))``; the worker falls back
+    to ``predict`` (split in halves, :func:`workers.batch.run_isolating`) when a phase
+    raises, so a failing item still fails alone.
+    """
+
+    def prepare(self, items: list[Item]) -> Any:
+        """Host work that needs no device: validate, tokenize, pad. Runs in a host thread,
+        beside another batch's device work."""
+        ...
+
+    def launch(self, prepared: Any) -> Any:
+        """Start the device's work on a prepared batch and return without waiting for it
+        (on a GPU: copy the inputs and queue the kernels, then record an event). Runs in
+        the model thread, one batch at a time, in the batch's turn."""
+        ...
+
+    def finish(self, launched: Any) -> Sequence[Result | BaseException]:
+        """Wait for the device (a wait that releases the GIL: an event, not a spin) and
+        turn its output into one result per item. Runs in a host thread, after the batch's
+        turn, so the next batch launches meanwhile."""
+        ...
+
+
 _running = threading.local()
+
+
+def cold_shape() -> None:
+    """Say, from a model call, that it ran a shape its device had not run before: the
+    call's time is not the model's cost (a first call pays kernel selection, allocation),
+    so the worker does not learn from it (:mod:`workers.policy`)."""
+    _running.cold = True
+
+
+@contextmanager
+def watching_cold() -> Iterator[Callable[[], bool]]:
+    """While in this block, :func:`cold_shape` calls in this thread are noted; the value
+    given says whether one came."""
+    before = getattr(_running, "cold", False)
+    _running.cold = False
+    try:
+        yield lambda: bool(_running.cold)
+    finally:
+        _running.cold = before
 
 
 @contextmanager

@@ -1,17 +1,11 @@
-"""The batch contract (n items in, n results out, a failing item fails alone) and the
-thread the model runs it in."""
+"""The batch contract: n items in, n results out, a failing item fails alone; what a
+batch did (its record) and what its results may hold to be sent. The thread the model
+runs in is :mod:`workers.runner`'s."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import math
-import time
-import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -19,10 +13,7 @@ import orjson
 
 from pipelines.envelope import wire_problem
 from pipelines.errors import BatchContractError, DeadlineExceeded, InvalidInput
-from pipelines.model import Item, Model, Result, StreamingModel, batch_deadline
-from pipelines.stages import Stage
-from workers.build import build_model, prepare_shapes
-from workers.settings import WorkerSettings
+from pipelines.model import Item, Model, Result
 
 
 class Entry(NamedTuple):
@@ -40,10 +31,6 @@ def by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:
     for entry in entries:
         out.setdefault(entry.stream, []).append(entry.id)
     return out
-
-
-Emit = Callable[[int, str], None]
-"""Streamed output from the model thread: row ``index`` now reads ``text``."""
 
 
 def contract(items: list[Item], results: object) -> list[Result | BaseException]:
@@ -75,183 +62,6 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
         return run_isolating(model, items[:mid]) + run_isolating(model, items[mid:])
 
 
-def timed_run(
-    model: Model, items: list[Item], emit: Emit | None, left_s: float = math.inf
-) -> tuple[list[Result | BaseException], float]:
-    """Run the batch (see :func:`run_isolating`); ``left_s``: until its latest request's
-    deadline, counted from when it was handed to the model thread (what
-    :func:`~pipelines.model.check_deadline` stops a long call at)."""
-    # Timed in the model thread, so time spent queued behind another batch is excluded.
-    started = time.perf_counter()
-    results: list[Result | BaseException] | None = None
-    with batch_deadline(time.monotonic() + left_s):
-        if emit is not None and isinstance(model, StreamingModel):
-            try:
-                results = contract(items, model.predict_stream(items, emit))
-            except DeadlineExceeded as exc:
-                results = [exc] * len(items)
-            except Exception:
-                # Find the failing items without streaming; what was streamed is not resent.
-                results = None
-        if results is None:
-            results = run_isolating(model, items)
-    return results, time.perf_counter() - started
-
-
-class ModelThread:
-    """The one thread a loaded model runs in, and the turns batches take on it.
-
-    Stages of one process whose models share weights (their models name the same
-    ``weights_key``) share one :class:`ModelThread` (:func:`model_thread`), so their
-    batches take turns on the weights and never run on them at once.
-
-    Attributes:
-        busy: batches waiting for their turn or in it, of every stage on it.
-        users: the runners on it; the thread goes with the last.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{name}")
-        self.turns = asyncio.Lock()  # FIFO: batches run in the order they asked
-        self.free = asyncio.Event()  # set while busy is 0
-        self.free.set()
-        self.busy = 0
-        self.users = 1
-
-    def release(self) -> None:
-        """One runner less; the last lets the thread go (a batch in it finishes)."""
-        self.users -= 1
-        if not self.users:
-            self.executor.shutdown(wait=False)
-
-
-_SHARED: weakref.WeakValueDictionary[tuple[object, Hashable], ModelThread] = (
-    weakref.WeakValueDictionary()
-)
-
-
-def model_thread(weights_key: Hashable, name: str) -> ModelThread:
-    """The model thread of the weights ``weights_key`` names in this event loop: the one
-    another stage already runs them in, else a new one.
-
-    Args:
-        weights_key: what the model says its weights are (hashable).
-        name: names a new thread (``model-{name}``).
-    """
-    key = (asyncio.get_running_loop(), weights_key)  # asyncio's lock belongs to one loop
-    found = _SHARED.get(key)
-    if found is not None and found.users:  # one whose last user left has let its thread go
-        found.users += 1
-        return found
-    _SHARED[key] = made = ModelThread(name)
-    return made
-
-
-class Runner:
-    """The stage's model and the one thread it runs in, a batch at a time.
-
-    A batch runs in its turn (:meth:`turn`), taken in the order asked for, so what it does
-    just before the model starts (ask which of its requests were cancelled while it
-    waited) is done when the model is free, not when the batch closed. A model that names
-    its weights (a ``weights_key`` attribute, as the Hugging Face runners do) runs in the
-    thread of the other stages of the process on the same weights (:func:`model_thread`):
-    their batches take turns, and :attr:`busy` counts theirs too.
-
-    Args:
-        stage: the stage served.
-        settings: the worker's settings (how its model is built).
-        model: an already-built model (tests, embedding); built by :meth:`load` if None.
-
-    Attributes:
-        last_run_s: the model time of the last batch.
-    """
-
-    def __init__(self, stage: Stage, settings: WorkerSettings, model: Model | None) -> None:
-        self.stage, self.settings, self.model = stage, settings, model
-        self.last_run_s = 0.0
-        self.thread = ModelThread(stage.name)
-        self._shared = False
-        self._shaped = False  # buckets set and warmed (prepare_shapes), once
-        self._closed = False
-        # The workers of a stage's partitions share a runner and start together: the
-        # model is built once, by the first; the others wait for it.
-        self._loading = asyncio.Lock()
-
-    @property
-    def busy(self) -> int:
-        """Batches waiting for the model or in it (its sharers' included)."""
-        return self.thread.busy
-
-    async def load(self) -> None:
-        """Build the stage's model (in the model thread) unless there is one; then move
-        to the thread of its weights' other stages, if any, and there give it its shape
-        buckets and warm them (:func:`~workers.build.prepare_shapes`: queued behind its
-        sharers' batches, never beside them)."""
-        async with self._loading:
-            if self.model is None:
-                loop = asyncio.get_running_loop()
-                args = (self.stage, self.settings)
-                self.model = await loop.run_in_executor(self.thread.executor, build_model, *args)
-            key = getattr(self.model, "weights_key", None)
-            if key is not None and not self._shared:
-                self._shared = True
-                self.thread.release()
-                self.thread = model_thread(key, self.stage.name)
-            if not self._shaped:
-                loop = asyncio.get_running_loop()
-                shaping = (self.model, self.stage, self.settings)
-                await loop.run_in_executor(self.thread.executor, prepare_shapes, *shaping)
-                self._shaped = True
-
-    @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """Hold the model for one batch (:meth:`run` it inside), after the batches that
-        asked before; busy from the asking."""
-        thread = self.thread
-        thread.busy += 1
-        thread.free.clear()
-        try:
-            async with thread.turns:
-                yield
-        finally:
-            thread.busy -= 1
-            if not thread.busy:
-                thread.free.set()
-        if thread.busy:
-            # The next batch takes the model (sends its cancellation check) before this
-            # one spends the event loop on its results and their publish, which would
-            # keep the model idle meanwhile (~4 ms a batch of 32 embeddings).
-            await asyncio.sleep(0)
-
-    async def freed(self, timeout_s: float) -> None:
-        """Return once no batch holds the model or waits for it, or ``timeout_s`` later."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self.thread.free.wait()
-
-    async def run(
-        self, items: list[Item], emit: Emit | None, left_s: float = math.inf
-    ) -> tuple[list[Result | BaseException], float]:
-        """Each item's result or error, and the model time (see :func:`timed_run`); in
-        the batch's :meth:`turn`. ``left_s``: until the latest deadline of the batch's
-        requests."""
-        assert self.model is not None
-        loop = asyncio.get_running_loop()
-        args = (self.model, items, emit, left_s)
-        results, run_s = await loop.run_in_executor(self.thread.executor, timed_run, *args)
-        self.last_run_s = run_s
-        return results, run_s
-
-    def close(self) -> None:
-        """Let the model thread go, unless another stage still runs in it (a batch still
-        in it finishes on its own). Once: a second close must not count this runner off
-        again, or the shared thread's users drop below zero, which reads as in use and
-        hands the next stage on the same weights a thread already shut down."""
-        if not self._closed:
-            self._closed = True
-            self.thread.release()
-
-
 @dataclass
 class BatchRecord:
     """What one batch did (kept in memory for tests and introspection).
@@ -268,6 +78,7 @@ class BatchRecord:
         ran_at: when the model finished the batch (server clock; 0: it did not run).
         tokens: the estimated tokens of the items the model ran (:mod:`workers.lengths`).
         padded_tokens: those items times the longest of them: what the model padded to.
+        cold: the model met a shape it had not run before (its time is no cost sample).
     """
 
     size: int
@@ -281,6 +92,7 @@ class BatchRecord:
     ran_at: float = 0.0
     tokens: int = 0
     padded_tokens: int = 0
+    cold: bool = False
 
 
 def plain(value: Any) -> Any:

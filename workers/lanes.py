@@ -44,7 +44,8 @@ import redis.asyncio as aioredis
 
 from pipelines.keys import GROUP
 from pipelines.redisio import text
-from workers.batch import Entry, Runner
+from workers.batch import Entry
+from workers.runner import Runner
 
 BUSY_BLOCK_MS = 20
 """The longest a read waits for a busy model to free before it returns (empty)."""

@@ -4,7 +4,7 @@ One worker serves one stage. It reads with XREADGROUP in its stage's consumer gr
 so starting another worker is all scaling out takes; it reads every lane's stream of the
 stage, interactive first (:mod:`workers.lanes`). When a batch closes is the window's
 to say (:mod:`workers.window`); the model runs in a thread, one batch at a time, while
-the loop assembles the next (:class:`workers.batch.Runner`). Each batch's replies, its
+the loop assembles the next (:class:`workers.runner.Runner`). Each batch's replies, its
 XACK and its stats increments go in one atomic script call (:mod:`workers.publish`).
 Entries a worker left behind are :mod:`workers.recovery`'s.
 """
@@ -17,6 +17,7 @@ import math
 import os
 import secrets
 import socket
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -38,7 +39,7 @@ from pipelines.redisio import (
 )
 from pipelines.registry import Registry
 from pipelines.stages import Stage
-from workers.batch import BatchRecord, Entry, Runner, by_stream
+from workers.batch import BatchRecord, Entry, by_stream
 from workers.intake import Batch, Intake
 from workers.lanes import Lanes
 from workers.lengths import Lengths, account, input_cap
@@ -47,6 +48,7 @@ from workers.publish import Published, publish
 from workers.recovery import Letter, Recovery
 from workers.report import batch_counts, log_batch, tally
 from workers.route import Outbox, Router
+from workers.runner import Runner
 from workers.settings import WorkerSettings
 from workers.spans import record_batch
 from workers.window import Window
@@ -303,13 +305,17 @@ class Worker:
                 self.recovery.suspect_done()
 
     async def _run_model(self, batch: Batch) -> None:
-        """Run the live items in the model thread, streaming partial output as it comes.
+        """Run the live items on the model, streaming partial output as it comes.
 
-        Once the model is the batch's (its turn), the requests cancelled while it waited
-        are withdrawn (one MGET) and never run."""
+        A staged model prepares the batch before its turn, beside the batch on the
+        device (:class:`~workers.runner.Runner`). Once the model is the batch's (its
+        turn), the requests cancelled while it waited are withdrawn (one MGET) and never
+        run; its results are made after the turn, while the next batch launches."""
         heartbeat = self.recovery.heartbeat(batch.entries)
         partials: Partials | None = None
+        deadline = time.monotonic() + max(r.deadline for r, _ in batch.live) - self.clock.now()
         try:
+            prepared = await self.runner.prepare([item for _, item in batch.live], deadline)
             async with self.runner.turn():
                 await self.intake.withdraw_cancelled(batch, self.clock.now())
                 if not batch.live:
@@ -319,16 +325,19 @@ class Worker:
                 partials = Partials(self.client, requests, self.settings, loop, self.keys)
                 items = [item for _, item in batch.live]
                 emit = partials.emit if partials.wanted else None
-                left_s = max(req.deadline for req in requests) - self.clock.now()
-                batch.results, batch.record.run_s = await self.runner.run(items, emit, left_s)
-                batch.record.ran_at = self.clock.now()
+                launched = await self.runner.launch(items, emit, deadline, prepared)
+            ran = await self.runner.finish(launched)
+            batch.results, batch.record.run_s = ran.results, ran.run_s
+            batch.record.cold = ran.cold
+            batch.record.ran_at = self.clock.now()
         finally:
             await heartbeat.stop()
             if partials is not None:
                 await partials.close()  # every partial is out before the final reply
         padded = account(batch.record, items, input_cap(self.runner.model))
-        units = padded if self.lengths is not None else len(items)
-        self.window.learn(len(items), units, batch.record.run_s)
+        if not ran.cold:  # a cold shape's first call is not the model's cost
+            units = padded if self.lengths is not None else len(items)
+            self.window.learn(len(items), units, batch.record.run_s)
 
     async def _publish_batch(self, batch: Batch) -> None:
         """Publish and ack the batch, count it, and log it in one line."""

@@ -13,6 +13,13 @@ window bounds any wait far below a request's deadline.)
 A length-aware stage (``max_batch_tokens``) learns its cost in padded tokens instead of
 items (``run_s ≈ a + b·tokens``), so the fit holds when lengths vary; a batch of ``k``
 is then predicted at the recent padded tokens per item (:attr:`BatchPolicy.per_item`).
+
+Only warm runs are cost samples: a batch whose shape the device met for the first time
+(:func:`pipelines.model.cold_shape`) paid a one-off cost that is not the model's, and
+learning from it made batches small on a GPU (issue 24). Where the cost is flat in the
+batch's size, as on a GPU below saturation, one more batch costs a whole batch and no
+padding is worth it, so a length-aware stage does not split (:meth:`BatchPolicy.
+batch_overhead_tokens`).
 """
 
 from __future__ import annotations
@@ -46,6 +53,15 @@ class CostModel:
         """Whether any batch has been seen."""
         return self.w > 0
 
+    @property
+    def slope_known(self) -> bool:
+        """Whether batches of more than one size have been seen (the slope is learned)."""
+        return self.known and not self._degenerate()
+
+    def _degenerate(self) -> bool:
+        denom = self.w * self.snn - self.sn * self.sn
+        return denom <= 1e-9 * max(1.0, self.w * self.snn)
+
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)``: fixed seconds per batch and seconds per item (both ≥ 0).
 
@@ -57,7 +73,7 @@ class CostModel:
             return 0.0, 0.0
         denom = self.w * self.snn - self.sn * self.sn
         mean_t = self.st / self.w
-        if denom <= 1e-9 * max(1.0, self.w * self.snn):
+        if self._degenerate():
             return mean_t, 0.0
         b = (self.w * self.snt - self.sn * self.st) / denom
         a = (self.st - b * self.sn) / self.w
@@ -91,8 +107,13 @@ class ArrivalRate:
 
 
 OVERHEAD_PRIOR_TOKENS = 32.0
-"""A batch's fixed cost in tokens until one is learned: about what all-MiniLM-L6-v2 shows
-on a CPU (5 ms per call, 0.15 ms per padded token)."""
+"""A batch's fixed cost in tokens until one is learned, on a CPU: about what
+all-MiniLM-L6-v2 shows there (5 ms per call, 0.15 ms per padded token). On an accelerator
+it is :data:`FLAT_OVERHEAD_TOKENS`: a cost flat in tokens until measured otherwise."""
+
+FLAT_OVERHEAD_TOKENS = 1e9
+"""A batch's fixed cost in tokens where its cost does not grow with its tokens: more than
+any padding, so a length-aware stage cuts only at its budget."""
 
 
 class BatchPolicy:
@@ -129,11 +150,17 @@ class BatchPolicy:
         a, b = self.cost.coefficients()
         return a, b * self.per_item
 
-    def batch_overhead_tokens(self) -> float:
+    def batch_overhead_tokens(self, prior: float = OVERHEAD_PRIOR_TOKENS) -> float:
         """A batch's fixed cost in units (``a / b``): what a length-aware split weighs one
-        more batch against padding by."""
+        more batch against padding by: ``prior`` until the slope is learned,
+        :data:`FLAT_OVERHEAD_TOKENS` where it is none (a flat cost: splitting only adds
+        batches)."""
+        if not self.cost.slope_known:
+            return prior
         a, b = self.cost.coefficients()
-        return a / b if a > 0 and b > 0 else OVERHEAD_PRIOR_TOKENS
+        if b <= 0:
+            return FLAT_OVERHEAD_TOKENS
+        return min(FLAT_OVERHEAD_TOKENS, a / b)
 
     def target(self, now: float) -> int:
         """The batch size to fill to before going (1: go with what is there)."""

@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable
 from pipelines.redisio import REDIS_DOWN, RedisClock, entry_ms
 from pipelines.stages import Stage
 from pipelines.stats import COST_A, COST_B
-from workers.batch import Entry, Runner
-from workers.policy import OVERHEAD_PRIOR_TOKENS, BatchPolicy
+from workers.batch import Entry
+from workers.policy import FLAT_OVERHEAD_TOKENS, OVERHEAD_PRIOR_TOKENS, BatchPolicy
+from workers.runner import Runner
 from workers.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,11 @@ class Window:
 
     def overhead_tokens(self) -> float:
         """A batch's learned fixed cost in tokens (:mod:`workers.lengths` splits by it)."""
-        return self.policy.batch_overhead_tokens() if self.policy else OVERHEAD_PRIOR_TOKENS
+        # The prior is the device's: on an accelerator a batch's cost is nearly flat in
+        # its tokens until saturation (a split would only add batches); on a CPU, not.
+        accelerated = bool(getattr(self._runner.model, "accelerated", False))
+        prior = FLAT_OVERHEAD_TOKENS if accelerated else OVERHEAD_PRIOR_TOKENS
+        return self.policy.batch_overhead_tokens(prior) if self.policy else prior
 
     def gauges(self) -> dict[str, float] | None:
         """The learned cost model per item, for the gateway's admission (see

@@ -19,7 +19,7 @@ from tests.helpers import Harness
 from workers.batch import Entry
 from workers.lengths import Lengths as Splitter
 from workers.lengths import cuts
-from workers.policy import OVERHEAD_PRIOR_TOKENS, BatchPolicy
+from workers.policy import FLAT_OVERHEAD_TOKENS, OVERHEAD_PRIOR_TOKENS, BatchPolicy
 
 
 class TextIn(BaseModel):
@@ -231,3 +231,17 @@ def test_the_cost_is_learned_in_tokens_and_predicted_per_item() -> None:
     a_item, b_item = policy.per_item_cost()
     assert a_item == a
     assert 20 * b_token < b_item < 50 * b_token  # at the recent tokens per item
+
+
+def test_a_flat_cost_is_never_split_for_padding() -> None:
+    # A GPU below saturation: a batch costs the same whatever its tokens. One more batch
+    # is then a whole batch's cost and no padding saved pays for it.
+    policy = BatchPolicy(32)
+    for tokens in (320, 1600, 640, 3200, 960):
+        policy.observe(32, tokens, 0.010)
+    assert policy.cost.slope_known
+    assert policy.batch_overhead_tokens() == FLAT_OVERHEAD_TOKENS
+    lengths = sorted([6] * 28 + [300] * 4)
+    assert cuts(lengths, 32 * 512, policy.batch_overhead_tokens()) == [32]
+    # ...cut only where the budget says (here 4 x 300 is over 1,000 tokens with the rest).
+    assert len(cuts(lengths, 1000, policy.batch_overhead_tokens())) == 3

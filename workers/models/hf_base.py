@@ -217,7 +217,7 @@ class HFRunner:
     config) in :attr:`auto_cls`, takes its own options as keywords and forwards the rest
     (``**load``) here. Runners of one process on the same weights share one copy
     (:func:`load_weights`); :attr:`weights_key` says which, so the worker runs their
-    batches in one model thread, one at a time (:class:`workers.batch.Runner`).
+    batches in one model thread, one at a time (:class:`workers.runner.Runner`).
 
     Args:
         load: the fields of :class:`LoadOptions`, kept as :attr:`load`.
@@ -257,22 +257,28 @@ class HFRunner:
         )
 
     def encode(self, texts: list[str], **kwargs: Any) -> BatchEncoding:
-        """Tokenize a whole batch: padded (to its longest text, then to its bucket where
-        there are :attr:`buckets`: more rows, copies of the first, and more masked
-        positions), truncated, as tensors on the model's device.
+        """:meth:`tokenize`, moved to the model's device.
 
         Args:
             texts: the batch's texts.
             **kwargs: extra tokenizer arguments (``return_offsets_mapping``, ``max_length``).
+        """
+        moved: BatchEncoding = self.tokenize(texts, **kwargs).to(self.device)
+        return moved
 
-        Returns:
-            The encoding, moved to the model's device.
+    def tokenize(self, texts: list[str], **kwargs: Any) -> BatchEncoding:
+        """Tokenize a whole batch, on the host: padded (to its longest text, then to its
+        bucket where there are :attr:`buckets`: more rows, copies of the first, and more
+        masked positions), truncated, as CPU tensors.
+
+        Args:
+            texts: the batch's texts.
+            **kwargs: extra tokenizer arguments (``return_offsets_mapping``, ``max_length``).
         """
         kwargs.setdefault("max_length", self.max_length)
-        encoding = self.tokenizer(
+        encoding: BatchEncoding = self.tokenizer(
             texts, padding=True, truncation=True, return_tensors="pt", **kwargs
         )
         if self.buckets is not None:
             encoding = self.buckets.pad(encoding, int(self.tokenizer.pad_token_id or 0))
-        moved: BatchEncoding = encoding.to(self.device)
-        return moved
+        return encoding

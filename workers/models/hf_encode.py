@@ -3,7 +3,10 @@
 Each batch is tokenized in one call (padded, truncated to the model's maximum length) and
 run in one forward pass under ``torch.inference_mode()``. Results hold plain JSON types.
 On an accelerator each batch is padded to a shape bucket, and every bucket runs once at
-load (:class:`EncoderRunner`, :mod:`workers.models.buckets`).
+load (:class:`EncoderRunner`, :mod:`workers.models.buckets`). The :class:`Embedder` runs a
+batch in three phases (:class:`~pipelines.model.StagedModel`): tokenized on the host,
+launched on the device, its pooled rows fetched once the device is done, so the worker
+prepares the next batch while the device runs this one.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from transformers import (
     AutoModel,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    BatchEncoding,
 )
 
-from pipelines.model import Item, Result, check_deadline
+from pipelines.model import Item, Result, check_deadline, cold_shape
 from workers.models.buckets import BucketLengths, Buckets, ShapeRun, fit
 from workers.models.hf_base import HFRunner, item_texts
 
@@ -29,8 +33,13 @@ class EncoderRunner(HFRunner):
     """A runner whose batch is one forward pass (no ``generate``): its batches can be
     padded to shape buckets, each bucket run once at load (:mod:`workers.models.buckets`;
     the worker calls :meth:`use_buckets` and :meth:`warm_up`). Every forward pass goes
-    through :meth:`forward`, the one place the device is met.
+    through :meth:`forward`, the one place the device is met; on an accelerator it says
+    when a pass meets a shape the device had not run (:func:`~pipelines.model.cold_shape`).
     """
+
+    def __init__(self, **load: Any) -> None:
+        super().__init__(**load)
+        self.met: set[tuple[int, ...]] = set()  # shapes the device has run
 
     @property
     def accelerated(self) -> bool:
@@ -63,6 +72,11 @@ class EncoderRunner(HFRunner):
 
     def forward(self, encoding: Mapping[str, torch.Tensor]) -> Any:
         """Run the model on one tokenized (and padded) batch."""
+        if self.accelerated:
+            shape = tuple(encoding["input_ids"].shape)
+            if shape not in self.met:
+                self.met.add(shape)
+                cold_shape()
         return self.model(**encoding)
 
     def warm_up(self) -> list[ShapeRun]:
@@ -128,27 +142,20 @@ class Embedder(EncoderRunner):
         Returns:
             A float32 CPU tensor of shape ``(len(texts), hidden_size)``, rows in input order.
         """
-        if not texts:
-            return torch.empty(0, int(self.model.config.hidden_size))
-        # Chunking texts of similar length together keeps padding (wasted compute) low.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        chunks = []
-        with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                check_deadline()  # a long call (many chunks) stops once nobody waits
-                rows = len(order[start : start + self.batch_size])
-                encoding = self.encode([texts[i] for i in order[start : start + rows]])
-                hidden = self.forward(encoding).last_hidden_state[:rows].float()
-                # Padded positions (a bucket's included) have mask 0: they add nothing.
-                mask = encoding["attention_mask"][:rows].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-                if self.normalize:
-                    pooled = F.normalize(pooled, dim=-1)
-                chunks.append(pooled.cpu())
-            sorted_rows = torch.cat(chunks)
-            result = torch.empty_like(sorted_rows)
-            result[torch.tensor(order)] = sorted_rows
-        return result
+        return self._gather(self._launch(self._tokenize(texts)))
+
+    def prepare(self, items: list[Item]) -> Chunks:
+        """The host phase: each item's text tokenized, in chunks of similar length."""
+        return self._tokenize(item_texts(items))
+
+    def launch(self, prepared: Chunks) -> Pooled:
+        """The device phase: each chunk run and pooled on the device, the copies back
+        queued (asynchronous on a GPU: nothing here waits for the device)."""
+        return self._launch(prepared)
+
+    def finish(self, launched: Pooled) -> list[Result]:
+        """The results, once the device is done (a wait that releases the GIL)."""
+        return [{"embedding": row} for row in self._gather(launched).tolist()]
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Embed each item's text.
@@ -159,7 +166,66 @@ class Embedder(EncoderRunner):
         Returns:
             ``{"embedding": [float, ...]}`` per item.
         """
-        return [{"embedding": row} for row in self.embed(item_texts(items)).tolist()]
+        return self.finish(self.launch(self.prepare(items)))
+
+    def _tokenize(self, texts: list[str]) -> Chunks:
+        # Chunking texts of similar length together keeps padding (wasted compute) low.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        pin = self.device.type == "cuda"  # page-locked: the copy to the device is async
+        chunks = []
+        for start in range(0, len(order), self.batch_size):
+            check_deadline()
+            rows = order[start : start + self.batch_size]
+            encoding = self.tokenize([texts[i] for i in rows])
+            if pin:
+                encoding = BatchEncoding({k: v.pin_memory() for k, v in encoding.items()})
+            chunks.append((len(rows), encoding))
+        return Chunks(order, chunks)
+
+    def _launch(self, prepared: Chunks) -> Pooled:
+        rows_out = []
+        with torch.inference_mode():
+            for rows, encoding in prepared.chunks:
+                check_deadline()  # a long call (many chunks) stops once nobody waits
+                on_device = encoding.to(self.device, non_blocking=True)
+                hidden = self.forward(on_device).last_hidden_state[:rows].float()
+                # Padded positions (a bucket's included) have mask 0: they add nothing.
+                mask = on_device["attention_mask"][:rows].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+                if self.normalize:
+                    pooled = F.normalize(pooled, dim=-1)
+                rows_out.append(pooled.to("cpu", non_blocking=True))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+        return Pooled(prepared.order, rows_out, done)
+
+    def _gather(self, launched: Pooled) -> torch.Tensor:
+        if launched.done is not None:
+            launched.done.synchronize()  # releases the GIL while the device works
+        if not launched.rows:
+            return torch.empty(0, int(self.model.config.hidden_size))
+        sorted_rows = torch.cat(launched.rows)
+        result = torch.empty_like(sorted_rows)
+        result[torch.tensor(launched.order)] = sorted_rows
+        return result
+
+
+class Chunks(NamedTuple):
+    """A batch tokenized on the host: its order by length and its chunks (rows, encoding)."""
+
+    order: list[int]
+    chunks: list[tuple[int, BatchEncoding]]
+
+
+class Pooled(NamedTuple):
+    """A batch launched: its rows' pooled embeddings (in the order of :class:`Chunks`),
+    ready once ``done`` is (None: already, off a GPU)."""
+
+    order: list[int]
+    rows: list[torch.Tensor]
+    done: Any
 
 
 def sentence_encoder(load: dict[str, Any], batch_size: int = 64) -> Embedder:

@@ -10,7 +10,15 @@ wait does), and it counts the cold shapes it met. :class:`SimulatedEmbedder` is 
 buckets and warm-up) on such a device, which it reports as an accelerator, so its
 buckets are on by default as on a GPU.
 
-A stage names it like any runner: ``"workers.models.simulated:SimulatedEmbedder"``.
+:class:`SimulatedAccelerator` is the rest of a GPU's shape, with no model behind it: host
+preparation that holds the GIL, a device time that releases it, flat in the batch's size
+up to a saturation point (then linear), a first-call cost per new shape, and a device that
+runs one batch at a time. It is staged (:class:`~pipelines.model.StagedModel`) and keeps
+what it did (:attr:`SimulatedAccelerator.spans`), so a test can see whether the worker
+prepared one batch while the device ran another, and a benchmark can set its throughput
+against ``1 / max(prepare, device)``.
+
+A stage names them like any runner: ``"workers.models.simulated:SimulatedEmbedder"``.
 """
 
 from __future__ import annotations
@@ -19,10 +27,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from pipelines.model import Item, Result, cold_shape
+from pipelines.tokens import estimate
+from workers.models.buckets import batch_sizes
 from workers.models.hf_encode import Embedder
 
 Shape = tuple[int, ...]
@@ -89,3 +100,122 @@ class SimulatedEmbedder(Embedder):
         """Charge the device for the batch's shape, then run the real model."""
         self.sim.run(tuple(encoding["input_ids"].shape))
         return super().forward(encoding)
+
+
+class Span(NamedTuple):
+    """One phase of one batch on the simulated accelerator (``time.monotonic()``)."""
+
+    batch: int
+    phase: str  # "prepare" or "device"
+    start: float
+    end: float
+
+
+class _Launched(NamedTuple):
+    batch: int
+    items: list[Item]
+    tokens: list[int]
+    done_at: float
+
+
+def hold_gil(seconds: float) -> None:
+    """Python work for ``seconds``: the GIL is held but for the interpreter's switches,
+    as a host's tokenizing and padding hold it."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class SimulatedAccelerator:
+    """A staged model on a simulated GPU (see the module's docstring).
+
+    A batch's shape is its rows padded to a power of two (up to ``max_rows``) and its
+    longest item's tokens (:func:`pipelines.tokens.estimate`) padded to a multiple of 16;
+    the device takes ``device_s`` for a shape of up to ``saturation_tokens`` padded tokens,
+    and proportionally more past that. Each result is ``{"tokens": n}``, the item's tokens.
+
+    Args:
+        prepare_s: host time per batch, holding the GIL.
+        device_s: device time per batch up to saturation (a sleep: the GIL is free).
+        saturation_tokens: padded tokens a batch may hold before its cost grows.
+        first_call_s: the extra device time of a shape's first call.
+        max_rows: the most rows a batch is padded to.
+        model: ignored (every runner is given one).
+        options: the other options every runner is given (ignored).
+
+    Attributes:
+        spans: each batch's prepare and device spans, in order.
+        device_busy_s: total device time charged.
+        cold: how many batches met a shape for the first time.
+    """
+
+    def __init__(
+        self,
+        *,
+        prepare_s: float = 0.004,
+        device_s: float = 0.008,
+        saturation_tokens: int = 4096,
+        first_call_s: float = 0.08,
+        max_rows: int = 32,
+        model: str = "",
+        **options: Any,
+    ) -> None:
+        if min(prepare_s, device_s, first_call_s) < 0 or saturation_tokens < 1:
+            raise ValueError("times must be >= 0 and saturation_tokens >= 1")
+        self.prepare_s, self.device_s, self.first_call_s = prepare_s, device_s, first_call_s
+        self.saturation_tokens = saturation_tokens
+        self.rows = batch_sizes(max_rows)
+        self.spans: list[Span] = []
+        self.device_busy_s = 0.0
+        self.cold = 0
+        self._shapes: set[tuple[int, int]] = set()
+        self._free_at = 0.0  # when the device finishes what it was given
+        self._batches = 0
+        self._lock = threading.Lock()
+
+    @property
+    def accelerated(self) -> bool:
+        """An accelerator (a cost flat in tokens is the worker's prior for it)."""
+        return True
+
+    def prepare(self, items: list[Item]) -> tuple[int, list[Item], list[int]]:
+        """Host work: the batch's token counts, after ``prepare_s`` holding the GIL."""
+        with self._lock:
+            self._batches += 1
+            batch = self._batches
+        start = time.monotonic()
+        tokens = [estimate(item) for item in items]
+        hold_gil(self.prepare_s)
+        self._note(Span(batch, "prepare", start, time.monotonic()))
+        return batch, items, tokens
+
+    def launch(self, prepared: tuple[int, list[Item], list[int]]) -> _Launched:
+        """Queue the batch on the device; returns at once."""
+        batch, items, tokens = prepared
+        rows = next((r for r in self.rows if r >= len(items)), len(items))
+        length = -(-max(tokens, default=1) // 16) * 16
+        cost = self.device_s * max(1.0, rows * length / self.saturation_tokens)
+        with self._lock:
+            if (rows, length) not in self._shapes:
+                self._shapes.add((rows, length))
+                self.cold += 1
+                cost += self.first_call_s
+                cold_shape()
+            start = max(time.monotonic(), self._free_at)
+            self._free_at = done_at = start + cost
+            self.device_busy_s += cost
+            self.spans.append(Span(batch, "device", start, done_at))
+        return _Launched(batch, items, tokens, done_at)
+
+    def finish(self, launched: _Launched) -> list[Result]:
+        """Wait for the device (sleeping: the GIL is free), then the results."""
+        time.sleep(max(0.0, launched.done_at - time.monotonic()))
+        return [{"tokens": n} for n in launched.tokens]
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """The three phases in one call."""
+        return self.finish(self.launch(self.prepare(items)))
+
+    def _note(self, span: Span) -> None:
+        with self._lock:
+            self.spans.append(span)

@@ -1,0 +1,337 @@
+"""The stage's model, the thread it runs in, and the phases a batch goes through on it.
+
+A batch runs on the model in its turn (:meth:`Runner.turn`), one batch at a time. A
+:class:`~pipelines.model.StagedModel` (a model for an accelerator) splits its call so the
+device never waits on the host: :meth:`Runner.prepare` tokenizes batch n+1 in a host
+thread before its turn, while batch n is on the device; in the turn, :meth:`Runner.launch`
+only queues the device's work; :meth:`Runner.finish` waits for it (a wait that releases
+the GIL) and makes the results in a host thread after the turn, while the next batch
+launches. Any other model runs whole in :meth:`Runner.launch`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pipelines.errors import DeadlineExceeded
+from pipelines.model import (
+    Item,
+    Model,
+    Result,
+    StagedModel,
+    StreamingModel,
+    batch_deadline,
+    watching_cold,
+)
+from pipelines.stages import Stage
+from workers.batch import contract, run_isolating
+from workers.build import build_model, prepare_shapes
+from workers.settings import WorkerSettings
+
+T = TypeVar("T")
+
+Emit = Callable[[int, str], None]
+"""Streamed output from the model thread: row ``index`` now reads ``text``."""
+
+Results = list[Result | BaseException]
+
+
+def whole_run(model: Model, items: list[Item], emit: Emit | None) -> Results:
+    """Run the batch in one call (see :func:`~workers.batch.run_isolating`), streaming
+    through ``emit`` where the model can."""
+    if emit is not None and isinstance(model, StreamingModel):
+        try:
+            return contract(items, model.predict_stream(items, emit))
+        except DeadlineExceeded as exc:
+            return [exc] * len(items)
+        except Exception:
+            pass  # find the failing items without streaming; what was streamed is not resent
+    return run_isolating(model, items)
+
+
+@dataclass
+class Prepared:
+    """A staged model's batch after its host phase (or the error that phase raised)."""
+
+    items: list[Item]
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class Launched:
+    """A batch after its turn: on the device (``value``), or already done (``results``)."""
+
+    items: list[Item]
+    deadline: float
+    started: float  # perf_counter when its turn's work began
+    cold: bool
+    value: Any = None
+    results: Results | None = None
+    took_s: float = 0.0  # a whole run's time
+
+
+@dataclass
+class Ran:
+    """A batch's results, its model time and whether it met a cold shape (then its time
+    is not the model's cost, :func:`~pipelines.model.cold_shape`)."""
+
+    results: Results
+    run_s: float
+    cold: bool
+
+
+class ModelThread:
+    """The one thread a loaded model runs in, and the turns batches take on it.
+
+    Stages of one process whose models share weights (their models name the same
+    ``weights_key``) share one :class:`ModelThread` (:func:`model_thread`), so their
+    batches take turns on the weights and never run on them at once.
+
+    Attributes:
+        busy: batches waiting for their turn or in it, of every stage on it.
+        users: the runners on it; the thread goes with the last.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{name}")
+        self.turns = asyncio.Lock()  # FIFO: batches run in the order they asked
+        self.free = asyncio.Event()  # set while busy is 0
+        self.free.set()
+        self.busy = 0
+        self.users = 1
+
+    def release(self) -> None:
+        """One runner less; the last lets the thread go (a batch in it finishes)."""
+        self.users -= 1
+        if not self.users:
+            self.executor.shutdown(wait=False)
+
+
+_SHARED: weakref.WeakValueDictionary[tuple[object, Hashable], ModelThread] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def model_thread(weights_key: Hashable, name: str) -> ModelThread:
+    """The model thread of the weights ``weights_key`` names in this event loop: the one
+    another stage already runs them in, else a new one.
+
+    Args:
+        weights_key: what the model says its weights are (hashable).
+        name: names a new thread (``model-{name}``).
+    """
+    key = (asyncio.get_running_loop(), weights_key)  # asyncio's lock belongs to one loop
+    found = _SHARED.get(key)
+    if found is not None and found.users:  # one whose last user left has let its thread go
+        found.users += 1
+        return found
+    _SHARED[key] = made = ModelThread(name)
+    return made
+
+
+class Runner:
+    """The stage's model, the one thread it runs in, a batch at a time, and the host
+    threads a staged model's other phases run in.
+
+    A batch runs in its turn (:meth:`turn`), taken in the order asked for, so what it does
+    just before the model starts (ask which of its requests were cancelled while it
+    waited) is done when the model is free, not when the batch closed. A model that names
+    its weights (a ``weights_key`` attribute, as the Hugging Face runners do) runs in the
+    thread of the other stages of the process on the same weights (:func:`model_thread`):
+    their batches take turns, and :attr:`busy` counts theirs too.
+
+    Args:
+        stage: the stage served.
+        settings: the worker's settings (how its model is built).
+        model: an already-built model (tests, embedding); built by :meth:`load` if None.
+
+    Attributes:
+        last_run_s: the model time of the last batch.
+    """
+
+    def __init__(self, stage: Stage, settings: WorkerSettings, model: Model | None) -> None:
+        self.stage, self.settings, self.model = stage, settings, model
+        self.last_run_s = 0.0
+        self.thread = ModelThread(stage.name)
+        # Two: one batch's preparation beside another's wait for the device.
+        self.host = ThreadPoolExecutor(2, thread_name_prefix=f"host-{stage.name}")
+        self._device_done = 0.0  # perf_counter when the device last finished a batch
+        self._shared = False
+        self._shaped = False  # buckets set and warmed (prepare_shapes), once
+        self._closed = False
+        # The workers of a stage's partitions share a runner and start together: the
+        # model is built once, by the first; the others wait for it.
+        self._loading = asyncio.Lock()
+
+    @property
+    def busy(self) -> int:
+        """Batches waiting for the model or in it (its sharers' included)."""
+        return self.thread.busy
+
+    @property
+    def staged(self) -> bool:
+        """Whether the model runs in phases overlapped across batches."""
+        return isinstance(self.model, StagedModel)
+
+    async def load(self) -> None:
+        """Build the stage's model (in the model thread) unless there is one; then move
+        to the thread of its weights' other stages, if any, and there give it its shape
+        buckets and warm them (:func:`~workers.build.prepare_shapes`: queued behind its
+        sharers' batches, never beside them)."""
+        async with self._loading:
+            if self.model is None:
+                args = (self.stage, self.settings)
+                self.model = await self._in(self.thread.executor, build_model, *args)
+            key = getattr(self.model, "weights_key", None)
+            if key is not None and not self._shared:
+                self._shared = True
+                self.thread.release()
+                self.thread = model_thread(key, self.stage.name)
+            if not self._shaped:
+                shaping = (self.model, self.stage, self.settings)
+                await self._in(self.thread.executor, prepare_shapes, *shaping)
+                self._shaped = True
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold the model for one batch (:meth:`launch` it inside), after the batches that
+        asked before; busy from the asking."""
+        thread = self.thread
+        thread.busy += 1
+        thread.free.clear()
+        try:
+            async with thread.turns:
+                yield
+        finally:
+            thread.busy -= 1
+            if not thread.busy:
+                thread.free.set()
+        if thread.busy:
+            # The next batch takes the model (sends its cancellation check) before this
+            # one spends the event loop on its results and their publish, which would
+            # keep the model idle meanwhile (~4 ms a batch of 32 embeddings).
+            await asyncio.sleep(0)
+
+    async def freed(self, timeout_s: float) -> None:
+        """Return once no batch holds the model or waits for it, or ``timeout_s`` later."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.thread.free.wait()
+
+    async def prepare(self, items: list[Item], deadline: float) -> Prepared | None:
+        """A staged model's host phase for ``items``, in a host thread (before the
+        batch's turn, beside the device's work on another); None for any other model.
+
+        Args:
+            items: the batch's items.
+            deadline: ``time.monotonic()`` past which nobody waits for any of them.
+        """
+        model = self.model
+        if not isinstance(model, StagedModel):
+            return None
+        try:
+            value = await self._in(self.host, _within, deadline, model.prepare, items)
+        except Exception as exc:  # the whole run, in launch, finds the failing items
+            return Prepared(items, error=exc)
+        return Prepared(items, value)
+
+    async def launch(
+        self, items: list[Item], emit: Emit | None, deadline: float, prepared: Prepared | None
+    ) -> Launched:
+        """The batch's device work, in the model thread, in its :meth:`turn`: a staged
+        model's work is queued (``prepared``, unless it was for other items or failed,
+        is prepared again first); any other model runs whole, streaming to ``emit``."""
+        assert self.model is not None
+        args = (self.model, items, emit, deadline, prepared)
+        launched: Launched = await self._in(self.thread.executor, _launch, *args)
+        if launched.results is not None:
+            self.last_run_s = launched.took_s
+        return launched
+
+    async def finish(self, launched: Launched) -> Ran:
+        """The batch's results and model time: a staged model's wait for the device and
+        its results are made in a host thread, after the turn (the next batch launches
+        meanwhile); should that fail, the batch runs whole, split to find its failing
+        items, in a turn of its own."""
+        if launched.results is not None:
+            return Ran(launched.results, launched.took_s, launched.cold)
+        model = self.model
+        assert isinstance(model, StagedModel)
+        try:
+            args = (launched.deadline, model.finish, launched.value)
+            out = await self._in(self.host, _within, *args)
+            results = contract(launched.items, out)
+        except DeadlineExceeded as exc:
+            results = [exc] * len(launched.items)
+        except Exception:
+            async with self.turn():
+                again = (model, launched.items, None, launched.deadline, None)
+                rerun: Launched = await self._in(self.thread.executor, _launch, *again)
+            assert rerun.results is not None
+            results = rerun.results
+        # Device time: from when it could start this batch (launched, and done with the
+        # one before) to done, so a wait behind the previous batch is not this one's cost.
+        done = time.perf_counter()
+        run_s = done - max(launched.started, self._device_done)
+        self._device_done = done
+        self.last_run_s = run_s
+        return Ran(results, run_s, launched.cold)
+
+    def close(self) -> None:
+        """Let the model thread go, unless another stage still runs in it (a batch still
+        in it finishes on its own). Once: a second close must not count this runner off
+        again, or the shared thread's users drop below zero, which reads as in use and
+        hands the next stage on the same weights a thread already shut down."""
+        if not self._closed:
+            self._closed = True
+            self.thread.release()
+            self.host.shutdown(wait=False)
+
+    @staticmethod
+    async def _in(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+def _within(deadline: float, fn: Callable[[Any], T], arg: Any) -> T:
+    """``fn(arg)`` with the batch's deadline set for :func:`~pipelines.model.check_deadline`."""
+    with batch_deadline(deadline):
+        return fn(arg)
+
+
+def _same(a: list[Item], b: list[Item]) -> bool:
+    """Whether two lists hold the same item objects (none withdrawn in between)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _launch(
+    model: Model,
+    items: list[Item],
+    emit: Emit | None,
+    deadline: float,
+    prepared: Prepared | None,
+) -> Launched:
+    """The model thread's part of a batch (see :meth:`Runner.launch`)."""
+    started = time.perf_counter()
+    with batch_deadline(deadline), watching_cold() as cold:
+        if isinstance(model, StagedModel) and emit is None:
+            try:
+                if prepared is None or prepared.error or not _same(prepared.items, items):
+                    prepared = Prepared(items, model.prepare(items))
+                value = model.launch(prepared.value)
+                return Launched(items, deadline, started, cold(), value=value)
+            except DeadlineExceeded as exc:
+                return Launched(items, deadline, started, cold(), results=[exc] * len(items))
+            except Exception:
+                pass  # run whole below: a failing item fails alone
+        results = whole_run(model, items, emit)
+        took = time.perf_counter() - started
+        return Launched(items, deadline, started, cold(), results=results, took_s=took)
