@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from typing import Any
 
 from pipelines.errors import ConfigError
 from pipelines.model import Model
 from pipelines.stages import Stage
-from workers.models.buckets import Bucketed, summary
+from workers.models.buckets import Bucketed, CannotCapture, summary
 from workers.settings import WorkerSettings
 from workers.threads import resolved_device, torch_threads
 
@@ -84,22 +85,29 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
 
 
 def prepare_shapes(model: Model, stage: Stage, settings: WorkerSettings) -> None:
-    """Give the model its shape buckets and run each once, logging one line (runs in the
-    model thread, at load: the worker joins its group after it, so no request meets a
-    cold shape). A model without buckets (:class:`~workers.models.buckets.Bucketed`) is
-    left as it is.
+    """Give the model its shape buckets, capture a CUDA graph per bucket where asked, and
+    run each bucket once, logging a line for each (runs in the model thread, at load: the
+    worker joins its group after it, so no request meets a cold shape). A model without
+    buckets (:class:`~workers.models.buckets.Bucketed`) is left as it is.
+
+    Graphs that cannot be captured never stop the worker: one line says why, and the
+    model runs eager (:mod:`workers.models.graphs`).
 
     Args:
         model: the stage's built model.
         stage: the stage served (``buckets``, ``bucket_lengths``, ``max_batch_size``).
-        settings: the worker's settings (``buckets`` over the stage's, ``warmup``,
-            ``max_batch_size``).
+        settings: the worker's settings (``buckets`` over the stage's, ``cuda_graphs``,
+            ``warmup``, ``max_batch_size``).
     """
     if not isinstance(model, Bucketed):
+        if settings.cuda_graphs:
+            logger.info("stage %s: no CUDA graphs: its runner has no shape buckets", stage.name)
         return
     enabled = stage.buckets if settings.buckets is None else settings.buckets
     max_items = settings.max_batch_size or stage.max_batch_size
     buckets = model.use_buckets(enabled, max_items, stage.bucket_lengths)
+    if settings.cuda_graphs:
+        _capture_graphs(model, stage)
     if buckets is None:
         return
     shape = f"{len(buckets.rows)} batch sizes x {len(buckets.lengths)} lengths"
@@ -109,3 +117,18 @@ def prepare_shapes(model: Model, stage: Stage, settings: WorkerSettings) -> None
     runs = model.warm_up()
     if runs:
         logger.info("stage %s: buckets %s: %s", stage.name, shape, summary(runs))
+
+
+def _capture_graphs(model: Bucketed, stage: Stage) -> None:
+    started = time.perf_counter()
+    try:
+        captured = model.use_graphs()
+    except CannotCapture as exc:
+        logger.warning("stage %s: no CUDA graphs, eager forward passes: %s", stage.name, exc)
+        return
+    logger.info(
+        "stage %s: %d CUDA graphs captured (one per bucket) in %.2fs",
+        stage.name,
+        captured,
+        time.perf_counter() - started,
+    )

@@ -52,6 +52,11 @@ class WorkerSettings(CommonSettings):
             which by default is on for an accelerator and off on the CPU).
         warmup: with buckets on, run every bucket once at load, before the worker joins
             its stage's group (off: the first batch of each shape pays its cold cost).
+        cuda_graphs: capture a CUDA graph per shape bucket at load and replay it instead
+            of the eager forward pass, for every stage served whose runner has buckets
+            (:mod:`workers.models.graphs`). Off until measured faster on a GPU; where a
+            runner cannot capture (not on cuda, buckets off, a capture fails), one log
+            line says why and it runs eager.
         cache_dir: where generated models are kept.
         max_batch_size: overrides the stage's bound when set.
         batch_wait_ms: overrides the stage's window when set.
@@ -88,6 +93,7 @@ class WorkerSettings(CommonSettings):
     openmp_spin_count: int = Field(default=10_000, ge=0)
     buckets: bool | None = None
     warmup: bool = True
+    cuda_graphs: bool = False
     cache_dir: str = Field(default_factory=_default_cache)
     max_batch_size: int | None = Field(default=None, ge=1, le=4096)
     batch_wait_ms: float | None = Field(default=None, ge=0, le=60_000)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +59,7 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """torch on one thread here, as a worker on a small host runs: two threads on the
-    2-core machine, busy with Redis and the test's own event loop, ran these small models
-    ~50x slower (idle OpenMP threads contending for the cores). Restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/workers/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -157,9 +157,10 @@ def fit(encoding: BatchEncoding, rows: int, length: int, pad_id: int) -> BatchEn
 
 @runtime_checkable
 class Bucketed(Protocol):
-    """A runner that can pad its batches to :class:`Buckets` and warm them at load (the
-    encoder runners of :mod:`workers.models.hf`); the worker calls both, in the model
-    thread, before it joins its stage's group (:func:`workers.build.prepare_shapes`)."""
+    """A runner that can pad its batches to :class:`Buckets`, capture a CUDA graph per
+    bucket and warm them at load (the encoder runners of :mod:`workers.models.hf`); the
+    worker calls these, in the model thread, before it joins its stage's group
+    (:func:`workers.build.prepare_shapes`)."""
 
     def use_buckets(
         self, enabled: bool | None, max_items: int, lengths: BucketLengths
@@ -173,10 +174,25 @@ class Bucketed(Protocol):
         """
         ...
 
+    def use_graphs(self) -> int:
+        """Capture a CUDA graph per bucket, replayed from then on instead of the eager
+        forward pass (:mod:`workers.models.graphs`); returns how many.
+
+        Raises:
+            CannotCapture: why the forward passes stay eager.
+        """
+        ...
+
     def warm_up(self) -> list[ShapeRun]:
         """Run every bucket twice (the first cold, the second timed warm); nothing
         without buckets."""
         ...
+
+
+class CannotCapture(Exception):
+    """Why a runner's forward passes stay eager though CUDA graphs were asked for: one
+    line, which the worker logs (:func:`workers.build.prepare_shapes`). Here, with
+    :class:`Bucketed`, so that the worker need not import torch to name it."""
 
 
 def summary(runs: Sequence[ShapeRun]) -> str:

@@ -103,6 +103,11 @@ class ExtractiveSummarizer:
         texts hold any number of sentences, embedded together in chunks."""
         return self.embedder.use_buckets(enabled, self.embedder.batch_size, lengths)
 
+    def use_graphs(self) -> int:
+        """Capture the encoder's graphs
+        (:meth:`~workers.models.hf_encode.EncoderRunner.use_graphs`)."""
+        return self.embedder.use_graphs()
+
     def warm_up(self) -> list[ShapeRun]:
         """Run each of the encoder's buckets
         (:meth:`~workers.models.hf_encode.EncoderRunner.warm_up`)."""

@@ -3,10 +3,11 @@
 Each batch is tokenized in one call (padded, truncated to the model's maximum length) and
 run in one forward pass under ``torch.inference_mode()``. Results hold plain JSON types.
 On an accelerator each batch is padded to a shape bucket, and every bucket runs once at
-load (:class:`EncoderRunner`, :mod:`workers.models.buckets`). The :class:`Embedder` runs a
-batch in three phases (:class:`~pipelines.model.StagedModel`): tokenized on the host,
-launched on the device, its pooled rows fetched once the device is done, so the worker
-prepares the next batch while the device runs this one.
+load (:class:`EncoderRunner`, :mod:`workers.models.buckets`); on cuda, where asked, each
+bucket's forward pass is a CUDA graph (:mod:`workers.models.graphs`). The :class:`Embedder`
+runs a batch in three phases (:class:`~pipelines.model.StagedModel`): tokenized on the
+host, launched on the device, its pooled rows fetched once the device is done, so the
+worker prepares the next batch while the device runs this one.
 """
 
 from __future__ import annotations
@@ -26,16 +27,22 @@ from transformers import (
 
 from pipelines.model import Item, Result, check_deadline, cold_shape
 from workers.models.buckets import BucketLengths, Buckets, ShapeRun, fit
+from workers.models.graphs import BucketGraphs, capture
 from workers.models.hf_base import HFRunner, item_texts
 
 
 class EncoderRunner(HFRunner):
     """A runner whose batch is one forward pass (no ``generate``): its batches can be
     padded to shape buckets, each bucket run once at load (:mod:`workers.models.buckets`;
-    the worker calls :meth:`use_buckets` and :meth:`warm_up`). Every forward pass goes
-    through :meth:`forward`, the one place the device is met; on an accelerator it says
-    when a pass meets a shape the device had not run (:func:`~pipelines.model.cold_shape`).
+    the worker calls :meth:`use_buckets`, :meth:`use_graphs` where asked, and
+    :meth:`warm_up`). Every forward pass goes through :meth:`forward`, the one place the
+    device is met; on an accelerator it says when a pass meets a shape the device had not
+    run (:func:`~pipelines.model.cold_shape`).
     """
+
+    graphs: BucketGraphs | None = None
+    """Where captured (:meth:`use_graphs`), a CUDA graph per bucket, which :meth:`forward`
+    replays instead of running the model eagerly."""
 
     def __init__(self, **load: Any) -> None:
         super().__init__(**load)
@@ -65,40 +72,61 @@ class EncoderRunner(HFRunner):
             The buckets (None: off).
         """
         on = self.accelerated if enabled is None else enabled
+        self.graphs = None  # captured for the old buckets, if any
         self.buckets = (
             Buckets.build(self.max_rows(max_items), lengths, self.max_length) if on else None
         )
         return self.buckets
 
+    def use_graphs(self) -> int:
+        """Capture a CUDA graph per bucket (:func:`workers.models.graphs.capture`), which
+        :meth:`forward` replays from now on; returns how many.
+
+        Raises:
+            CannotCapture: the model is not on cuda, there are no buckets, or a capture
+                failed; the forward passes stay eager.
+        """
+        self.graphs = None
+        self.graphs = capture(self.model, self.device, self.buckets, self._dummy)
+        return len(self.graphs.shapes)
+
     def forward(self, encoding: Mapping[str, torch.Tensor]) -> Any:
-        """Run the model on one tokenized (and padded) batch."""
+        """Run the model on one tokenized (and padded) batch: its bucket's CUDA graph
+        where there is one (:attr:`graphs`), else eagerly. Either way the outputs are
+        the caller's to keep."""
         if self.accelerated:
             shape = tuple(encoding["input_ids"].shape)
             if shape not in self.met:
                 self.met.add(shape)
                 cold_shape()
+        if self.graphs is not None:
+            outputs = self.graphs.run(encoding)
+            if outputs is not None:
+                return outputs
         return self.model(**encoding)
 
     def warm_up(self) -> list[ShapeRun]:
         """Run every bucket twice, on a dummy batch: the first run pays the shape's cold
-        cost, the second gives its warm cost. Nothing without buckets.
-
-        The dummy rows are as short as a text gets, so the batch carries an attention
-        mask with masked positions, as bucketed batches nearly always do (a mask can pick
-        another attention kernel than none).
-        """
+        cost, the second gives its warm cost (both a graph's replays, where captured).
+        Nothing without buckets."""
         if self.buckets is None:
             return []
-        pad_id = int(self.tokenizer.pad_token_id or 0)
         runs = []
         for rows, length in self.buckets.shapes():
-            dummy = self.tokenizer(["x"], return_tensors="pt")
-            for key in list(dummy.keys()):
-                dummy[key] = dummy[key][:, :length]
-            fit(dummy, rows, length, pad_id)
-            moved = dummy.to(self.device)
-            runs.append(ShapeRun(rows, length, self._timed(moved), self._timed(moved)))
+            dummy = self._dummy(rows, length)
+            runs.append(ShapeRun(rows, length, self._timed(dummy), self._timed(dummy)))
         return runs
+
+    def _dummy(self, rows: int, length: int) -> BatchEncoding:
+        """A batch of ``rows`` rows of ``length`` tokens, on the device: the shortest text,
+        padded (so its attention mask masks some positions, as a bucketed batch's nearly
+        always does: a mask can pick another attention kernel than none)."""
+        dummy = self.tokenizer(["x"], return_tensors="pt")
+        for key in list(dummy.keys()):
+            dummy[key] = dummy[key][:, :length]
+        fit(dummy, rows, length, int(self.tokenizer.pad_token_id or 0))
+        moved: BatchEncoding = dummy.to(self.device)
+        return moved
 
     def _timed(self, encoding: Mapping[str, torch.Tensor]) -> float:
         started = time.perf_counter()

@@ -61,6 +61,11 @@ class AnchorSentiment:
         a batch's texts are one forward pass of it."""
         return self.embedder.use_buckets(enabled, max_items, lengths)
 
+    def use_graphs(self) -> int:
+        """Capture the encoder's graphs
+        (:meth:`~workers.models.hf_encode.EncoderRunner.use_graphs`)."""
+        return self.embedder.use_graphs()
+
     def warm_up(self) -> list[ShapeRun]:
         """Run each of the encoder's buckets
         (:meth:`~workers.models.hf_encode.EncoderRunner.warm_up`)."""
