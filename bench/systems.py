@@ -161,6 +161,14 @@ class ConveyorServer(Server):
         padded = total(m, "conveyor_stage_tokens_total", stage=stage, kind="padded")
         return None if real is None or padded is None else (real, padded)
 
+    def run_seconds(self, workload: str) -> float:
+        """Seconds the stage's model has run so far, summed over its workers (the sum of
+        ``conveyor_stage_run_seconds``): over a wall-clock span, how busy its device was."""
+        return (
+            total(self._metrics(), "conveyor_stage_run_seconds_sum", stage=stage_of(workload))
+            or 0.0
+        )
+
     def workers(self, stage: str) -> int:
         """Worker processes this server runs for ``stage``."""
         return sum(1 for role in self.procs if role.startswith(f"worker {stage} "))
@@ -325,8 +333,9 @@ def conveyor(
     app: str = "bench.workloads:conveyor_pipelines",
     workers: list[str] | None = None,
     redis_url: str | None = None,
+    gateways: int = 1,
 ) -> Iterator[ConveyorServer]:
-    """redis-server, the gateway and one worker per stage, as separate processes.
+    """redis-server, the gateway(s) and one worker per stage, as separate processes.
 
     Args:
         workloads: the workloads to serve; their stages get one worker each to begin with.
@@ -340,6 +349,8 @@ def conveyor(
         redis_url: a Redis (or ``redis+cluster://`` cluster) the caller runs, used
             instead of starting a redis-server (extra settings, such as
             ``CONVEYOR_PARTITIONS``, go in ``options.env``).
+        gateways: gateway processes on the one port (``CONVEYOR_GATEWAYS``: above 1,
+            each binds it with ``SO_REUSEPORT`` and the kernel spreads connections).
     """
     stages = stages_of(workloads)
     log = workdir / f"{log_name}.log"
@@ -359,8 +370,11 @@ def conveyor(
             CONVEYOR_PIPELINES=",".join(stages),
             CONVEYOR_DEVICE=options.device,
             CONVEYOR_MAX_BATCH_SIZE=str(options.max_batch),
+            CONVEYOR_GATEWAYS=str(gateways),
         )
-        procs["gateway"] = _spawn([sys.executable, "-m", "gateway"], env, log)
+        for i in range(gateways):
+            role = "gateway" if i == 0 else f"gateway {i + 1}"
+            procs[role] = _spawn([sys.executable, "-m", "gateway"], env, log)
         server = ConveyorServer(name, port, procs, env, log)
         for stage in stages if workers is None else workers:
             server.scale(stage, 1)
