@@ -33,7 +33,8 @@ from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from pipelines.stats import read_stats
-from workers.loop import Worker, partition_workers
+from workers.loop import Worker
+from workers.partitions import partition_workers
 from workers.settings import WorkerSettings
 
 

@@ -23,7 +23,7 @@ from pipelines.errors import exit_on_config_error
 from pipelines.registry import load_registry
 from pipelines.settings import load_settings
 from workers.build import process_threads
-from workers.loop import partition_workers
+from workers.partitions import partition_workers
 from workers.settings import WorkerSettings
 
 

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
-
-from redis.exceptions import ResponseError
 
 from pipelines import tracing
 from pipelines.envelope import LANES
@@ -29,27 +25,25 @@ from pipelines.graph import single
 from pipelines.model import Model
 from pipelines.redisio import (
     REDIS_DOWN,
-    Backoff,
     RedisClock,
     agree_on_partitions,
     connect,
-    ensure_group,
-    group_missing,
     until_reachable,
 )
 from pipelines.registry import Registry
 from pipelines.stages import Stage
-from workers.batch import BatchRecord, Entry, by_stream
+from workers.batch import BatchRecord, Entry
 from workers.intake import Batch, Intake
 from workers.lanes import Lanes
 from workers.lengths import Lengths, account, input_cap
 from workers.partials import Partials
-from workers.publish import Published, publish
-from workers.recovery import Letter, Recovery
+from workers.publish import Publisher
+from workers.recovery import Recovery
 from workers.report import batch_counts, log_batch, tally
-from workers.route import Outbox, Router
+from workers.route import Router
 from workers.runner import Runner
 from workers.settings import WorkerSettings
+from workers.source import Source
 from workers.spans import record_batch
 from workers.window import Window
 
@@ -64,11 +58,11 @@ def consumer_name() -> str:
 class Worker:
     """Serves one stage until stopped.
 
-    Each batch goes: read (XREADGROUP) → window (:class:`Window`: when it closes) → intake
-    (:class:`Intake`: decoded, admitted) → run (:class:`Runner`: the model thread, once the
-    requests cancelled meanwhile are withdrawn) → route (:meth:`Router.finish`) → publish
-    with its ack. Before each read, :class:`Recovery` does its duties that are due, and
-    may hand over a reclaimed entry to run alone.
+    Each batch goes: source (:class:`Source`: a reclaimed suspect alone, else what the
+    :class:`Window` closed, cut by length) → intake (:class:`Intake`: decoded, admitted)
+    → run (:class:`Runner`: prepared on the host, launched in its turn once the requests
+    cancelled meanwhile are withdrawn, finished after it) → route (:meth:`Router.finish`)
+    → publish with its ack (:class:`Publisher`).
 
     Args:
         stage: the stage to serve.
@@ -117,24 +111,28 @@ class Worker:
             stage, settings, self.lanes.read, self.clock, self.runner, self._stopping
         )
         self.recovery = Recovery(
-            self.client,
-            self.streams,
-            self.consumer,
-            settings,
-            self.router,
-            self.clock,
-            self._publish,
+            self.client, self.streams, self.consumer, settings, self.router, self.clock
         )
+        self.publish = Publisher(self.client, self.keys, stage.name, self.consumer, settings)
         self.intake = Intake(self.client, stage, self.router, self.recovery)
-        max_tokens = (
-            stage.max_batch_tokens
-            if settings.max_batch_tokens is None
-            else settings.max_batch_tokens
-        )
+        max_tokens = settings.max_batch_tokens
+        if max_tokens is None:
+            max_tokens = stage.max_batch_tokens
         self.lengths = (
             Lengths(max_tokens, self.window.overhead_tokens, lambda: input_cap(self.runner.model))
             if max_tokens
             else None
+        )
+        self.source = Source(
+            self.client,
+            self.keys,
+            stage.name,
+            self.streams,
+            self.window,
+            self.lanes,
+            self.recovery,
+            self.lengths,
+            self.publish,
         )
         self.history: deque[BatchRecord] = deque(maxlen=10_000)
         self._joined = False  # the clock calibrated and the group there
@@ -163,7 +161,7 @@ class Worker:
     async def _join(self) -> None:
         await self.clock.calibrate(self.client)
         await agree_on_partitions(self.client, self.settings.keys)
-        await self._ensure_stream()
+        await self.source.ensure_stream()
         self._joined = True
 
     async def close(self) -> None:
@@ -192,7 +190,7 @@ class Worker:
         )
         slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
         tasks: set[asyncio.Task[None]] = set()
-        batches, backoff = 0, Backoff()
+        batches = 0
 
         def spawn(entries: list[Entry], suspect: bool) -> None:
             task = asyncio.create_task(self._process(entries, suspect))
@@ -202,30 +200,19 @@ class Worker:
         try:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):
                 await slots.acquire()
-                try:
-                    entries, suspect = await self._next_batch(burst)
-                except (*REDIS_DOWN, ResponseError) as exc:
-                    slots.release()
-                    await self._read_failed(exc, backoff)
-                    continue
-                backoff.reset()
+                taken = await self.source.next(None if burst else self.settings.block_ms)
                 if self._fatal is not None:
                     raise self._fatal
-                if not entries:
+                if not taken.batches:
                     slots.release()
                     if burst:
                         break
                     continue
-                # A length-aware stage runs the window's entries as batches of similar
-                # length, back to back (workers/lengths.py); each takes a slot.
-                groups = (
-                    [entries] if suspect or self.lengths is None else self.lengths.split(entries)
-                )
-                spawn(groups[0], suspect)
-                for group in groups[1:]:
+                spawn(taken.batches[0], taken.suspect)
+                for group in taken.batches[1:]:  # each takes a slot
                     await slots.acquire()
                     spawn(group, False)
-                batches += len(groups)
+                batches += len(taken.batches)
             held = self.lanes.release() if self._stopping.is_set() else []
             if held:  # delivered here past a batch's bound (rare): run, not left pending
                 await slots.acquire()
@@ -238,42 +225,6 @@ class Worker:
         if self._stopping.is_set():
             await self.recovery.leave()
         return batches
-
-    async def _next_batch(self, burst: bool) -> tuple[list[Entry], bool]:
-        """A reclaimed suspect, alone, else the window's next batch; and whether it is a
-        suspect."""
-        suspect = await self.recovery.next_suspect()
-        if suspect is not None:
-            return [suspect], True
-        entries = await self.window.assemble(None if burst else self.settings.block_ms)
-        if entries:
-            self.lanes.assembled()
-        return entries, False
-
-    async def _read_failed(self, exc: BaseException, backoff: Backoff) -> None:
-        """Wait out a failed read (Redis unreachable) or re-create a lost group."""
-        if isinstance(exc, REDIS_DOWN) or not isinstance(exc, ResponseError):
-            logger.warning(
-                "stage %s: redis unreachable (%s); retry in %.1fs",
-                self.stage.name,
-                exc,
-                backoff.next_s,
-            )
-            await backoff.wait()
-            return
-        if not group_missing(exc):
-            raise exc
-        # What the group held is gone with it; what comes next must not be.
-        logger.warning("stage %s: %s; re-creating the stream's group", self.stage.name, exc)
-        try:
-            await self._ensure_stream()
-        except REDIS_DOWN:  # gone again: the next read backs off
-            await backoff.wait()
-
-    async def _ensure_stream(self) -> None:
-        for stream in self.streams:
-            await ensure_group(self.client, stream)
-        await self.client.sadd(self.keys.stages_set(), self.stage.name)
 
     def _finished(
         self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore
@@ -342,7 +293,7 @@ class Worker:
     async def _publish_batch(self, batch: Batch) -> None:
         """Publish and ack the batch, count it, and log it in one line."""
         counts, gauges = batch_counts(batch), self.window.gauges()
-        published = await self._publish(
+        published = await self.publish(
             batch.out, batch.entries, counts, batch.letters, gauges, batch.dropped
         )
         tally(batch, published)
@@ -350,69 +301,3 @@ class Worker:
         if tracing.STATE.enabled:
             record_batch(self.stage.name, batch, self.clock.now(), self.consumer)
         log_batch(self.stage.name, batch)
-
-    async def _publish(
-        self,
-        out: Outbox,
-        entries: Sequence[Entry],
-        counts: Mapping[str, float],
-        letters: list[Letter],
-        gauges: Mapping[str, float] | None = None,
-        dropped: Sequence[str] = (),
-    ) -> Published:
-        """Publish ``out``, ack ``entries`` (each on its lane's stream) and add ``counts``
-        to the stage's stats in one call (:func:`workers.publish.publish`, which
-        documents the rest)."""
-        keys = self.keys
-        return await publish(
-            self.client,
-            out,
-            acks=by_stream(entries),
-            stats_key=keys.stage_stats(self.stage.name),
-            stats=counts,
-            reply_maxlen=self.settings.reply_maxlen,
-            reply_ttl_s=self.settings.reply_ttl_s,
-            # A fresh token per call: what makes its retry safe.
-            token_key=keys.publish_token(f"{self.consumer}-{secrets.token_hex(8)}"),
-            job_prefix=keys.job_prefix,
-            job_ttl_s=self.settings.job_ttl_s,
-            dead_letters=letters,
-            gauges=gauges,
-            dropped=dropped,
-        )
-
-
-def partition_workers(
-    stage: Stage, settings: WorkerSettings, registry: Registry | None = None
-) -> list[Worker]:
-    """One :class:`Worker` per partition of ``stage`` (``CONVEYOR_PARTITIONS``), sharing
-    one model runner and one consumer name: the model loads once, the partitions'
-    batches take turns on it, and status views count one worker.
-
-    ``max_concurrent_batches`` is shared out: each partition gets its share, rounded up
-    (at least one), so a process does not hold ``P`` times the entries it can run while
-    other workers could take them.
-
-    A read cannot span partitions on a Redis Cluster (their streams are in different
-    slots), so each partition has its own loop, window and recovery.
-
-    Args:
-        stage: the stage to serve.
-        settings: the worker's settings.
-        registry: the pipelines whose steps run on this stage.
-    """
-    if settings.partitions > 1:
-        share = math.ceil(settings.max_concurrent_batches / settings.partitions)
-        settings = settings.model_copy(update={"max_concurrent_batches": share})
-    first = Worker(stage, settings, registry=registry)
-    return [first] + [
-        Worker(
-            stage,
-            settings,
-            registry=registry,
-            partition=k,
-            runner=first.runner,
-            consumer=first.consumer,
-        )
-        for k in range(1, settings.partitions)
-    ]

@@ -21,6 +21,7 @@ of its outcome, under its "done" marker as well; its entry is acknowledged with 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,10 +33,12 @@ from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, FieldT
 
 from pipelines.envelope import BRANCH, FIELD, encode
-from pipelines.keys import GROUP
+from pipelines.keys import GROUP, Keys
 from pipelines.records import job_finished
 from pipelines.redisio import REDIS_DOWN, Backoff, on_live_connection, text
+from workers.batch import Entry, by_stream
 from workers.route import Effects, Outbox
+from workers.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +303,58 @@ async def publish(
         return Published()
     plan.token = plan.key(token_key)
     return await patiently(lambda: on_live_connection(client, lambda: _run(client, plan)))
+
+
+class Publisher:
+    """One worker's :func:`publish`: its client, stage, partition and settings bound.
+
+    Args:
+        client: Redis client.
+        keys: the namespace's keys, at the worker's partition.
+        stage: the stage served (its stats hash).
+        consumer: the worker's consumer name (its calls' tokens are named after it).
+        settings: the worker's settings (reply and job retention).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        stage: str,
+        consumer: str,
+        settings: WorkerSettings,
+    ) -> None:
+        self.client, self.keys, self.stage = client, keys, stage
+        self.consumer, self.settings = consumer, settings
+
+    async def __call__(
+        self,
+        out: Outbox,
+        entries: Sequence[Entry],
+        counts: Mapping[str, float],
+        letters: Sequence[tuple[str, dict[FieldT, EncodableT]]] = (),
+        gauges: Mapping[str, float] | None = None,
+        dropped: Sequence[str] = (),
+    ) -> Published:
+        """Publish ``out``, ack ``entries`` (each on its lane's stream), add ``counts`` to
+        the stage's stats and ``letters`` to its dead letters, in one call."""
+        keys = self.keys
+        return await publish(
+            self.client,
+            out,
+            acks=by_stream(entries),
+            stats_key=keys.stage_stats(self.stage),
+            stats=counts,
+            reply_maxlen=self.settings.reply_maxlen,
+            reply_ttl_s=self.settings.reply_ttl_s,
+            # A fresh token per call: what makes its retry safe.
+            token_key=keys.publish_token(f"{self.consumer}-{secrets.token_hex(8)}"),
+            job_prefix=keys.job_prefix,
+            job_ttl_s=self.settings.job_ttl_s,
+            dead_letters=letters,
+            gauges=gauges,
+            dropped=dropped,
+        )
 
 
 async def patiently(call: Callable[[], Awaitable[Published]]) -> Published:

@@ -28,8 +28,8 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -50,8 +50,23 @@ logger = logging.getLogger(__name__)
 Letter = tuple[str, dict[FieldT, EncodableT]]
 """A dead letter to add: the stage's dead-letter stream and the entry (see :func:`letter`)."""
 
-Publish = Callable[[Outbox, Sequence[Entry], Mapping[str, float], list[Letter]], Awaitable[object]]
-"""Publishes an outbox, acks entries, adds stats and dead letters in one call (the worker's)."""
+
+class Settled(NamedTuple):
+    """Entries recovery ended without running: what the worker publishes for them (their
+    callers' answers, their acks, the stats and their dead letters), in one call."""
+
+    out: Outbox
+    entries: list[Entry]
+    counts: dict[str, float]
+    letters: list[Letter]
+
+
+class Next(NamedTuple):
+    """What recovery hands the worker before a read: a suspect to run alone (None: read
+    new entries), and dead letters to publish (None: none)."""
+
+    suspect: Entry | None
+    settled: Settled | None = None
 
 
 async def autoclaim(
@@ -163,7 +178,6 @@ class Recovery:
         settings: the worker's settings (idle time, intervals, delivery cap).
         router: answers the callers of dead-lettered entries (and names the stage).
         clock: the server's clock.
-        publish: publishes dead letters and their answers with their ack.
 
     Attributes:
         dead_lettered: entries this worker has dead-lettered past the delivery cap.
@@ -177,13 +191,11 @@ class Recovery:
         settings: WorkerSettings,
         router: Router,
         clock: RedisClock,
-        publish: Publish,
     ) -> None:
         self.client, self.streams, self.consumer = client, tuple(streams), consumer
         self.settings = settings
         self.router = router
         self.clock = clock
-        self.publish = publish
         self.dead_lettered = 0
         # The schedule: when each duty is next due.
         self._trim = Every(settings.trim_interval_s)
@@ -193,11 +205,12 @@ class Recovery:
         self._no_suspect_running = asyncio.Event()
         self._no_suspect_running.set()
 
-    async def next_suspect(self) -> Entry | None:
+    async def next(self) -> Next:
         """Do the duties now due: trim; when no suspect is queued, reclaim (the first time,
         take back this consumer's own pending first) and screen what came back. Then the
         next suspect, to run alone (its end reported with :meth:`suspect_done`), or None:
-        read new entries."""
+        read new entries; with the entries past the delivery cap, dead-lettered, for the
+        worker to publish."""
         # Nothing new is taken while a suspect runs: if it kills this process, it takes no
         # other entry with it. Recovery is serial, but it is rare.
         await self._no_suspect_running.wait()
@@ -205,24 +218,24 @@ class Recovery:
         if self._trim.due(now):
             for stream in self.streams:
                 await trim(self.client, stream)
+        settled: Settled | None = None
         if not self._suspects and self._reclaim.due(now):
-            if self._own.due(now):
-                await self._screen(await self._own_pending())
+            claimed = await self._own_pending() if self._own.due(now) else []
             # One at a time: a claim counts as a delivery, so claiming a crashed batch
             # whole would charge every innocent entry for the poison's next crash.
             # Interactive first, as a read takes it.
             min_idle_ms = self.settings.min_idle_ms
-            claimed: list[Entry] = []
             for stream in self.streams:
-                claimed = await autoclaim(self.client, stream, self.consumer, min_idle_ms, 1)
-                if claimed:
+                got = await autoclaim(self.client, stream, self.consumer, min_idle_ms, 1)
+                if got:
                     self._reclaim.again()  # more may be waiting
+                    claimed += got
                     break
-            await self._screen(claimed)
+            settled = await self._screen(claimed)
         if not self._suspects:
-            return None
+            return Next(None, settled)
         self._no_suspect_running.clear()
-        return self._suspects.popleft()
+        return Next(self._suspects.popleft(), settled)
 
     def suspect_done(self) -> None:
         """The suspect's batch has ended: new entries may be taken again."""
@@ -276,10 +289,11 @@ class Recovery:
             if f
         ]
 
-    async def _screen(self, entries: list[Entry]) -> None:
-        """Dead-letter entries past the delivery cap; queue the rest as suspects."""
+    async def _screen(self, entries: list[Entry]) -> Settled | None:
+        """Queue entries as suspects; those past the delivery cap, dead-lettered, are
+        returned to publish."""
         if not entries:
-            return
+            return None
         counts: dict[tuple[str, bytes], int] = {}
         for stream, ids in by_stream(entries).items():
             got = await deliveries(self.client, stream, self.consumer, ids)
@@ -287,12 +301,9 @@ class Recovery:
         cap = self.settings.max_deliveries
         over = [e for e in entries if counts.get((e.stream, e.id), 1) > cap]
         self._suspects += [e for e in entries if counts.get((e.stream, e.id), 1) <= cap]
-        if over:
-            await self._dead_letter(over, counts)
+        return self._dead_letter(over, counts) if over else None
 
-    async def _dead_letter(
-        self, entries: list[Entry], counts: dict[tuple[str, bytes], int]
-    ) -> None:
+    def _dead_letter(self, entries: list[Entry], counts: dict[tuple[str, bytes], int]) -> Settled:
         stage = self.router.stage
         out = Outbox()
         now = self.clock.now()
@@ -311,8 +322,8 @@ class Recovery:
                 # built (a bug past the envelope's checks) must not leave a poison entry
                 # to kill every worker that reclaims it.
                 logger.exception("stage %s: entry %r dead-lettered unanswered", stage, eid)
-        await self.publish(out, entries, {"dead_letters": len(entries)}, letters)
         self.dead_lettered += len(entries)
+        return Settled(out, entries, {"dead_letters": len(entries)}, letters)
 
     def _answer(self, out: Outbox, fields: dict[bytes, bytes], message: str, now: float) -> None:
         """Tell a dead letter's caller, where its entry names a reply address of ours."""

@@ -12,7 +12,7 @@ import pytest
 from pipelines.model import Item, Result
 from pipelines.stages import Stage
 from tests.helpers import NumberIn
-from workers.loop import partition_workers
+from workers.partitions import partition_workers
 from workers.settings import WorkerSettings
 
 
