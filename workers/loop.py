@@ -286,7 +286,7 @@ class Worker:
             if partials is not None:
                 await partials.close()  # every partial is out before the final reply
         padded = account(batch.record, items, input_cap(self.runner.model))
-        if not ran.cold:  # a cold shape's first call is not the model's cost
+        if ran.sample:  # a cold shape's first call is not the model's cost
             units = padded if self.lengths is not None else len(items)
             self.window.learn(len(items), units, batch.record.run_s)
 

@@ -163,6 +163,8 @@ class BatchPolicy:
         a, b = self.cost.coefficients()
         if b <= 0:
             return FLAT_OVERHEAD_TOKENS
+        if a <= 0:  # a cost steeper than linear (attention on a CPU) fits no fixed part
+            return prior
         return min(FLAT_OVERHEAD_TOKENS, a / b)
 
     def target(self, now: float) -> int:

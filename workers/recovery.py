@@ -232,10 +232,16 @@ class Recovery:
                     claimed += got
                     break
             settled = await self._screen(claimed)
-        if not self._suspects:
+        if settled is not None or not self._suspects:
+            # A suspect only once the dead letters are out: were their publish to fail,
+            # a suspect handed out with them would never run, nor report its end.
             return Next(None, settled)
         self._no_suspect_running.clear()
         return Next(self._suspects.popleft(), settled)
+
+    def published(self, settled: Settled) -> None:
+        """What :meth:`next` dead-lettered is published: count it."""
+        self.dead_lettered += len(settled.entries)
 
     def suspect_done(self) -> None:
         """The suspect's batch has ended: new entries may be taken again."""
@@ -322,7 +328,6 @@ class Recovery:
                 # built (a bug past the envelope's checks) must not leave a poison entry
                 # to kill every worker that reclaims it.
                 logger.exception("stage %s: entry %r dead-lettered unanswered", stage, eid)
-        self.dead_lettered += len(entries)
         return Settled(out, entries, {"dead_letters": len(entries)}, letters)
 
     def _answer(self, out: Outbox, fields: dict[bytes, bytes], message: str, now: float) -> None:

@@ -81,12 +81,19 @@ class Launched:
 
 @dataclass
 class Ran:
-    """A batch's results, its model time and whether it met a cold shape (then its time
-    is not the model's cost, :func:`~pipelines.model.cold_shape`)."""
+    """A batch's results, its model time, whether it met a cold shape (then its time is
+    not the model's cost, :func:`~pipelines.model.cold_shape`) and whether its time is a
+    cost sample at all (not when it was cut short or run again to isolate a failure)."""
 
     results: Results
     run_s: float
     cold: bool
+    costed: bool = True
+
+    @property
+    def sample(self) -> bool:
+        """Whether the batch's time is what the model costs (what the window learns)."""
+        return self.costed and not self.cold
 
 
 class ModelThread:
@@ -108,6 +115,7 @@ class ModelThread:
         self.free.set()
         self.busy = 0
         self.users = 1
+        self.device_done = 0.0  # perf_counter when the device last finished a batch
 
     def release(self) -> None:
         """One runner less; the last lets the thread go (a batch in it finishes)."""
@@ -164,7 +172,6 @@ class Runner:
         self.thread = ModelThread(stage.name)
         # Two: one batch's preparation beside another's wait for the device.
         self.host = ThreadPoolExecutor(2, thread_name_prefix=f"host-{stage.name}")
-        self._device_done = 0.0  # perf_counter when the device last finished a batch
         self._shared = False
         self._shaped = False  # buckets set and warmed (prepare_shapes), once
         self._closed = False
@@ -261,28 +268,29 @@ class Runner:
         """The batch's results and model time: a staged model's wait for the device and
         its results are made in a host thread, after the turn (the next batch launches
         meanwhile); should that fail, the batch runs whole, split to find its failing
-        items, in a turn of its own."""
+        items, in a turn of its own (and its time is no cost sample)."""
         if launched.results is not None:
             return Ran(launched.results, launched.took_s, launched.cold)
         model = self.model
         assert isinstance(model, StagedModel)
         try:
             args = (launched.deadline, model.finish, launched.value)
-            out = await self._in(self.host, _within, *args)
+            out, done = await self._in(self.host, _finish, *args)
             results = contract(launched.items, out)
         except DeadlineExceeded as exc:
-            results = [exc] * len(launched.items)
+            return Ran([exc] * len(launched.items), 0.0, launched.cold, costed=False)
         except Exception:
             async with self.turn():
-                again = (model, launched.items, None, launched.deadline, None)
-                rerun: Launched = await self._in(self.thread.executor, _launch, *again)
+                again = (model, launched.items, None, launched.deadline)
+                rerun: Launched = await self._in(self.thread.executor, _whole, *again)
             assert rerun.results is not None
-            results = rerun.results
+            return Ran(rerun.results, rerun.took_s, rerun.cold, costed=False)
         # Device time: from when it could start this batch (launched, and done with the
-        # one before) to done, so a wait behind the previous batch is not this one's cost.
-        done = time.perf_counter()
-        run_s = done - max(launched.started, self._device_done)
-        self._device_done = done
+        # one before, of any stage on these weights) to done, so a wait behind the
+        # previous batch is not this one's cost.
+        thread = self.thread
+        run_s = max(0.0, done - max(launched.started, thread.device_done))
+        thread.device_done = max(thread.device_done, done)
         self.last_run_s = run_s
         return Ran(results, run_s, launched.cold)
 
@@ -305,6 +313,13 @@ def _within(deadline: float, fn: Callable[[Any], T], arg: Any) -> T:
     """``fn(arg)`` with the batch's deadline set for :func:`~pipelines.model.check_deadline`."""
     with batch_deadline(deadline):
         return fn(arg)
+
+
+def _finish(deadline: float, fn: Callable[[Any], T], arg: Any) -> tuple[T, float]:
+    """:func:`_within`, and when it returned (``perf_counter``): the device's end, read
+    in the thread that waited for it."""
+    out = _within(deadline, fn, arg)
+    return out, time.perf_counter()
 
 
 def _same(a: list[Item], b: list[Item]) -> bool:
@@ -332,6 +347,19 @@ def _launch(
                 return Launched(items, deadline, started, cold(), results=[exc] * len(items))
             except Exception:
                 pass  # run whole below: a failing item fails alone
+        return _whole(model, items, emit, deadline, started)
+
+
+def _whole(
+    model: Model,
+    items: list[Item],
+    emit: Emit | None,
+    deadline: float,
+    started: float | None = None,
+) -> Launched:
+    """The batch run whole in the model thread (:func:`whole_run`), done."""
+    started = time.perf_counter() if started is None else started
+    with batch_deadline(deadline), watching_cold() as cold:
         results = whole_run(model, items, emit)
-        took = time.perf_counter() - started
-        return Launched(items, deadline, started, cold(), results=results, took_s=took)
+    took = time.perf_counter() - started
+    return Launched(items, deadline, started, cold(), results=results, took_s=took)

@@ -92,6 +92,7 @@ class Source:
         due = await self.recovery.next()
         if due.settled is not None:  # dead letters: answered, acked, kept
             await self.publish(*due.settled)
+            self.recovery.published(due.settled)
         if due.suspect is not None:
             return Taken([[due.suspect]], suspect=True)
         entries = await self.window.assemble(block_ms)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from itertools import pairwise
+from typing import Any
 
 import pytest
 
@@ -146,3 +147,26 @@ async def test_length_aware_never_loses_to_item_count_on_a_gpu_like_cost(
         assert sum(r.outcomes["ok"] for r in worker.history) == len(backlog)
         busy[mode] = sim.device_busy_s
     assert busy["lengths"] <= busy["items"], busy
+
+
+class PoisonAtFinish(SimulatedAccelerator):
+    """Fails a batch that holds a "poison" text when its device work is fetched (as an
+    asynchronous device error surfaces at the wait)."""
+
+    def finish(self, launched: Any) -> list[Result]:
+        if any("poison" in item["text"] for item in launched.items):
+            raise RuntimeError("the device failed this batch")
+        return super().finish(launched)
+
+
+async def test_a_batch_failing_at_finish_fails_only_its_bad_item(harness: Harness) -> None:
+    sim = PoisonAtFinish(prepare_s=0.0, device_s=0.001, first_call_s=0.0)
+    payloads = [{"text": f"fine {i}"} for i in range(7)]
+    payloads.insert(3, {"text": "poison"})
+    await harness.enqueue("sim", payloads)
+    worker = harness.worker(stage(max_batch_size=8), sim)
+    assert await worker.run(burst=True) == 1
+    (record,) = worker.history
+    assert record.outcomes["ok"] == 7
+    assert record.outcomes["error"] == 1
+    assert not worker.window.policy or not worker.window.policy.cost.known  # no cost sample
