@@ -31,6 +31,19 @@ from workers.models.graphs import BucketGraphs, capture
 from workers.models.hf_base import HFRunner, item_texts
 
 
+class Fetched(NamedTuple):
+    """Tensors on their way from the device to the host (:meth:`EncoderRunner.fetch`)."""
+
+    tensors: list[torch.Tensor]
+    done: Any  # a cuda event, None off a GPU
+
+    def ready(self) -> list[torch.Tensor]:
+        """The tensors, once the device has written them: a wait that releases the GIL."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tensors
+
+
 class EncoderRunner(HFRunner):
     """A runner whose batch is one forward pass (no ``generate``): its batches can be
     padded to shape buckets, each bucket run once at load (:mod:`workers.models.buckets`;
@@ -128,6 +141,24 @@ class EncoderRunner(HFRunner):
         moved: BatchEncoding = dummy.to(self.device)
         return moved
 
+    def host_encoding(self, texts: list[str]) -> BatchEncoding:
+        """:meth:`tokenize`, page-locked on cuda so that its copy to the device is
+        asynchronous (:meth:`launch` moves it)."""
+        encoding = self.tokenize(texts)
+        if self.device.type == "cuda":
+            encoding = BatchEncoding({k: v.pin_memory() for k, v in encoding.items()})
+        return encoding
+
+    def fetch(self, tensors: list[torch.Tensor]) -> Fetched:
+        """Queue the copy of device ``tensors`` back to the host, and mark when they are
+        there (an event on cuda; off a GPU they already are)."""
+        copies = [t.to("cpu", non_blocking=True) for t in tensors]
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+        return Fetched(copies, done)
+
     def _timed(self, encoding: Mapping[str, torch.Tensor]) -> float:
         started = time.perf_counter()
         with torch.inference_mode():
@@ -199,15 +230,11 @@ class Embedder(EncoderRunner):
     def _tokenize(self, texts: list[str]) -> Chunks:
         # Chunking texts of similar length together keeps padding (wasted compute) low.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        pin = self.device.type == "cuda"  # page-locked: the copy to the device is async
         chunks = []
         for start in range(0, len(order), self.batch_size):
             check_deadline()
             rows = order[start : start + self.batch_size]
-            encoding = self.tokenize([texts[i] for i in rows])
-            if pin:
-                encoding = BatchEncoding({k: v.pin_memory() for k, v in encoding.items()})
-            chunks.append((len(rows), encoding))
+            chunks.append((len(rows), self.host_encoding([texts[i] for i in rows])))
         return Chunks(order, chunks)
 
     def _launch(self, prepared: Chunks) -> Pooled:
@@ -222,19 +249,14 @@ class Embedder(EncoderRunner):
                 pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
                 if self.normalize:
                     pooled = F.normalize(pooled, dim=-1)
-                rows_out.append(pooled.to("cpu", non_blocking=True))
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record()
-        return Pooled(prepared.order, rows_out, done)
+                rows_out.append(pooled)
+        return Pooled(prepared.order, self.fetch(rows_out))
 
     def _gather(self, launched: Pooled) -> torch.Tensor:
-        if launched.done is not None:
-            launched.done.synchronize()  # releases the GIL while the device works
-        if not launched.rows:
+        rows = launched.rows.ready()
+        if not rows:
             return torch.empty(0, int(self.model.config.hidden_size))
-        sorted_rows = torch.cat(launched.rows)
+        sorted_rows = torch.cat(rows)
         result = torch.empty_like(sorted_rows)
         result[torch.tensor(launched.order)] = sorted_rows
         return result
@@ -248,12 +270,10 @@ class Chunks(NamedTuple):
 
 
 class Pooled(NamedTuple):
-    """A batch launched: its rows' pooled embeddings (in the order of :class:`Chunks`),
-    ready once ``done`` is (None: already, off a GPU)."""
+    """A batch launched: its rows' pooled embeddings, in the order of :class:`Chunks`."""
 
     order: list[int]
-    rows: list[torch.Tensor]
-    done: Any
+    rows: Fetched
 
 
 def sentence_encoder(load: dict[str, Any], batch_size: int = 64) -> Embedder:
@@ -280,6 +300,28 @@ class TextClassifier(EncoderRunner):
 
     auto_cls = AutoModelForSequenceClassification
 
+    def prepare(self, items: list[Item]) -> tuple[int, BatchEncoding]:
+        """The host phase: the items' texts tokenized (and how many there are)."""
+        return len(items), self.host_encoding(item_texts(items))
+
+    def launch(self, prepared: tuple[int, BatchEncoding]) -> Fetched:
+        """The device phase: each item's best label and its probability, on their way
+        back (a bucket's extra rows come last: only the first ones are answers)."""
+        rows, encoding = prepared
+        with torch.inference_mode():
+            logits = self.forward(encoding.to(self.device, non_blocking=True)).logits[:rows]
+            scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
+        return self.fetch([scores, indices])
+
+    def finish(self, launched: Fetched) -> list[Result]:
+        """The results, once the device is done."""
+        scores, indices = launched.ready()
+        id2label = self.model.config.id2label
+        return [
+            {"label": id2label[index], "score": score}
+            for index, score in zip(indices.tolist(), scores.tolist(), strict=True)
+        ]
+
     def predict(self, items: list[Item]) -> list[Result]:
         """Classify each item's text.
 
@@ -291,15 +333,7 @@ class TextClassifier(EncoderRunner):
         """
         if not items:
             return []
-        with torch.inference_mode():
-            # A bucket's extra rows come last: only the first len(items) are answers.
-            logits = self.forward(self.encode(item_texts(items))).logits[: len(items)]
-            scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
-        id2label = self.model.config.id2label
-        return [
-            {"label": id2label[index], "score": score}
-            for index, score in zip(indices.tolist(), scores.tolist(), strict=True)
-        ]
+        return self.finish(self.launch(self.prepare(items)))
 
 
 class TokenTag(NamedTuple):
