@@ -29,7 +29,7 @@ from pipelines.envelope import LANES
 from pipelines.errors import ConveyorError
 from pipelines.redisio import connect
 from pipelines.registry import load_registry
-from pipelines.settings import CommonSettings, load_settings
+from pipelines.settings import DEFAULT_REDIS_URL, CommonSettings, load_settings, redact_url
 from pipelines.stats import StageStatus, known_stages, stage_status
 
 GATEWAYS_HELP = (
@@ -228,10 +228,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"conveyor: Redis refused the command: {exc}", file=sys.stderr)
         sys.exit(2)
     except (RedisConnectionError, RedisTimeoutError) as exc:
-        url = os.environ.get("CONVEYOR_REDIS_URL", "redis://127.0.0.1:6379/0 (the default)")
+        configured = os.environ.get("CONVEYOR_REDIS_URL")
+        url = redact_url(configured) if configured else f"{DEFAULT_REDIS_URL} (the default)"
         print(
-            f"conveyor: cannot reach Redis at {url}: {exc}. Set CONVEYOR_REDIS_URL "
-            "(`conveyor up` prints the URL of its embedded Redis).",
+            f"conveyor: cannot reach Redis at {url}: {str(exc).rstrip('.')}. Set "
+            "CONVEYOR_REDIS_URL to a running Redis (`conveyor up` prints its embedded "
+            "one's as CONVEYOR_REDIS_URL=...).",
             file=sys.stderr,
         )
         sys.exit(2)

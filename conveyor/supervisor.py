@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,10 +41,10 @@ from conveyor.placement import (
     host_placer,
     worker_groups,
 )
-from conveyor.readiness import Readiness
+from conveyor.readiness import Readiness, check_port, gateway_url
 from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
-from pipelines.registry import load_registry
+from pipelines.registry import app_dir, load_registry
 from pipelines.settings import CommonSettings, load_settings
 from pipelines.stages import Stage
 
@@ -101,6 +102,8 @@ def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
     env["CONVEYOR_GATEWAYS"] = str(gateway.gateways)
     if options.app:
         env["CONVEYOR_APP"] = options.app
+    # The user's module is imported from the folder up runs in, in every child too.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (app_dir(), env.get("PYTHONPATH")) if p)
     if options.pipelines:
         env["CONVEYOR_PIPELINES"] = options.pipelines
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -139,6 +142,7 @@ class Supervisor:
     placer: Placer | None = None  # None: every worker with ``env`` alone
     children: list[tuple[str, Process]] = field(default_factory=list)  # gateways, workers
     redis: Process | None = None
+    redis_dir: Path | None = None  # the embedded Redis's files, removed once it stopped
     autoscaler: Autoscaler | None = None
     interval_s: float = 1.0  # between the autoscaler's ticks
     placed: dict[int, Placed] = field(default_factory=dict)  # by pid
@@ -150,8 +154,12 @@ class Supervisor:
         port = free_port()
         workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
         self.redis = start_redis(port, workdir)
-        self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
-        say(f"embedded redis on 127.0.0.1:{port} ({workdir})")
+        self.redis_dir = workdir
+        url = self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+        say(
+            f"embedded redis on 127.0.0.1:{port} (files in {workdir}, removed at stop); "
+            f"`CONVEYOR_REDIS_URL={url} conveyor status` reads it"
+        )
 
     def _spawn(self, module: str, *argv: str, env: dict[str, str] | None = None) -> Process:
         # Its own process group: see the module's docstring.
@@ -255,6 +263,8 @@ class Supervisor:
         _terminate(self.gateways())
         if self.redis is not None:
             _terminate([("redis-server", self.redis)])
+        if self.redis_dir is not None:
+            shutil.rmtree(self.redis_dir, ignore_errors=True)
 
 
 def _is_gateway(name: str) -> bool:
@@ -280,7 +290,7 @@ def _terminate(procs: list[tuple[str, Process]]) -> None:
 def up(options: UpOptions) -> int:
     """Run ``conveyor up`` until Ctrl-C or SIGTERM (exit status 0) or until a process
     exits unasked (1); raises :class:`ConfigError` before anything starts for an unknown
-    pipeline or a bad flag.
+    pipeline, a bad flag or a port something else listens on.
 
     Args:
         options: the command's flags.
@@ -289,6 +299,8 @@ def up(options: UpOptions) -> int:
     # here, not a child exiting after Redis and the others have started.
     flags = {"host": options.host, "port": options.port, "gateways": options.gateways}
     gateway = load_settings(GatewaySettings, **{k: v for k, v in flags.items() if v is not None})
+    if gateway.port == 0:  # any free port, the same for every gateway, and known to print
+        gateway = gateway.model_copy(update={"port": free_port(gateway.host)})
     env = _child_env(options, gateway)
     registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
     scaling = _autoscale_settings(options)
@@ -305,6 +317,7 @@ def up(options: UpOptions) -> int:
         # Their first workers must fit too: tried, then given back for the autoscaler.
         for p in place.all(replace(g, replicas=scaling.min_workers) for g in scaled):
             place.release(p)
+    check_port(gateway.host, gateway.port)  # the last check: closest to its bind
     say(f"placement: {place.describe()}")
     supervisor = Supervisor(env, place)
     supervisor.start_redis()
@@ -322,16 +335,19 @@ def up(options: UpOptions) -> int:
                 f"({scaling.min_workers} to {scaling.max_workers} workers each)"
             )
         gateways = "gateway" if gateway.gateways == 1 else f"{gateway.gateways} gateways"
+        base = gateway_url(gateway.host, gateway.port)
         say(
             f"{gateways} on http://{gateway.host}:{gateway.port} serving "
             f"{', '.join(registry.pipelines)}; {len(supervisor.workers())} worker "
             f"process(es){autoscaled} loading their models; Ctrl-C stops"
         )
+        say(f"API docs {base}/docs, status page {base}/status, metrics {base}/metrics")
         readiness = Readiness(
             CommonSettings(redis_url=env["CONVEYOR_REDIS_URL"]),
             list(registry.stages),
             lambda: {p.pid for _, p in supervisor.workers()},
             say,
+            base,
         )
         readiness.start()
         why = supervisor.supervise()

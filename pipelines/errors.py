@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -94,6 +96,35 @@ def exit_on_config_error() -> Iterator[None]:
     except ConfigError as exc:
         print(f"conveyor: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """``exc`` as one line of a message: its type, its text with the line breaks folded,
+    and where it was raised (``file:line``: the innermost frame in neither an installed
+    package nor the standard library, so the user's own line), its text cut at
+    ``limit`` characters. For errors in a user's code (their module, their model's
+    constructor) shown instead of a traceback.
+
+    Args:
+        exc: the exception.
+        limit: the most characters of its text shown.
+    """
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    # The first frame is the one that caught it; where it was raised is further in.
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:] if _own(f.filename)]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {text}{where}" if text else f"{type(exc).__name__}{where}"
+
+
+_NOT_OWN = ("<", sysconfig.get_paths()["stdlib"])  # a frozen module, the standard library
+
+
+def _own(filename: str) -> bool:
+    """Whether ``filename`` is code of the user's or conveyor's: not Python's own (the
+    standard library, a frozen module), nor an installed library's."""
+    return not filename.startswith(_NOT_OWN) and "-packages/" not in filename
 
 
 class UnknownStage(ConfigError):

@@ -31,10 +31,16 @@ Result = dict[str, Any]
 class Model(Protocol):
     """Anything with a batched ``predict`` can be served.
 
-    The worker builds it as ``factory(**options)`` where ``options`` always contains
-    ``model`` (an HF id, a local path, or a runner-specific spec), ``device``
-    (``cpu``, ``cuda``, ``cuda:N`` or ``auto``), ``dtype`` (``auto``, ``float32``,
-    ``float16`` or ``bfloat16``) and ``cache_dir`` (where generated assets may live).
+    The worker builds it once, from the stage's runner (a class, or a function returning
+    a model), giving it only the options its signature takes
+    (:func:`workers.build.accepted`), so a plain ``class WordCounter`` with no
+    ``__init__`` is built as ``WordCounter()``. The options offered: ``model`` (an HF id,
+    a local path, or a runner-specific spec: the stage's ``model=``, or
+    ``CONVEYOR_MODELS``), ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``),
+    ``dtype`` (``auto``, ``float32``, ``float16`` or ``bfloat16``) and ``cache_dir``
+    (where generated assets may live); a constructor taking ``**kwargs`` gets them all.
+    The stage's own ``options=`` are always given. A constructor that raises ends the
+    worker with one line naming the stage and the runner.
     """
 
     def predict(self, items: list[Item]) -> Sequence[Result | BaseException]:

@@ -1,13 +1,20 @@
 """The pipelines a process serves (the built-ins, or a user's ``--app module:attr``) and
-the stages they run on."""
+the stages they run on.
+
+A user's module is imported from the current folder first, as ``uvicorn`` and ``serve
+run`` import theirs (:func:`app_dir`): ``conveyor up --app mymodule:pipeline`` run beside
+``mymodule.py`` finds it, and so does every process ``up`` starts.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from pipelines.errors import ConfigError, UnknownStage
+from pipelines.errors import ConfigError, UnknownStage, one_line
 from pipelines.graph import Pipeline
 from pipelines.stages import Stage
 
@@ -62,26 +69,80 @@ def _named(kind: str, table: dict[str, T], name: str) -> T:
         raise UnknownStage(f"unknown {kind} {name!r}; known: {known}") from None
 
 
+def app_dir() -> str:
+    """The folder a user's ``--app`` module is imported from before the import path: the
+    current one (``uvicorn``'s ``--app-dir`` default). ``conveyor up`` passes it to its
+    children in ``PYTHONPATH``."""
+    return os.getcwd()
+
+
 def load_app(spec: str) -> list[Pipeline]:
     """The pipelines named by ``module:attr`` (a Pipeline, an iterable of them, or a
-    function returning either).
+    function returning either), the module imported from :func:`app_dir` first.
 
     Raises:
-        ConfigError: the module or attribute is missing or holds no pipelines.
+        ConfigError: the module or attribute is missing, importing the module or calling
+            the attribute raised (one line naming the error and its line), or it holds no
+            pipelines.
     """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"--app {spec!r} must look like 'module:attribute'")
-    try:
-        found: Any = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--app {spec!r}: {exc}") from exc
+    here = app_dir()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    module = _import_app(spec, module_name, here)
+    if not hasattr(module, attr):
+        held = sorted(k for k, v in vars(module).items() if _holds_pipelines(v))
+        hint = f"; it has {', '.join(held)}" if held else ", nor any Pipeline"
+        raise ConfigError(f"--app {spec!r}: module {module_name!r} has no {attr!r}{hint}")
+    found: Any = getattr(module, attr)
     if callable(found) and not isinstance(found, Pipeline):
-        found = found()
+        try:
+            found = found()
+        except ConfigError as exc:
+            raise ConfigError(f"--app {spec!r}: {exc}") from exc
+        except Exception as exc:
+            raise ConfigError(f"--app {spec!r}: calling {attr} raised {one_line(exc)}") from exc
     pipelines = [found] if isinstance(found, Pipeline) else list(_iterable(found, spec))
     if not pipelines or not all(isinstance(p, Pipeline) for p in pipelines):
         raise ConfigError(f"--app {spec!r} must be a Pipeline or a list of Pipelines")
     return pipelines
+
+
+def _import_app(spec: str, module_name: str, here: str) -> Any:
+    """The user's module; whatever its import raises, one :class:`ConfigError` line."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            top = module_name.split(".")[0]
+            raise ConfigError(
+                f"--app {spec!r}: no module {missing!r} in {here} nor on the import path; "
+                f"run conveyor in the folder holding {top}.py (or the package {top}/), "
+                "or add that folder to PYTHONPATH"
+            ) from None
+        raise ConfigError(
+            f"--app {spec!r}: importing {module_name} failed: {one_line(exc)}; "
+            f"install {missing.split('.')[0]!r} where conveyor runs"
+        ) from exc
+    except ConfigError as exc:  # a pipeline its module builds is wrong: the message says how
+        raise ConfigError(f"--app {spec!r}: {exc}") from exc
+    except Exception as exc:
+        raise ConfigError(
+            f"--app {spec!r}: importing {module_name} raised {one_line(exc)}"
+        ) from exc
+
+
+def _holds_pipelines(value: Any) -> bool:
+    if isinstance(value, Pipeline):
+        return True
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(v, Pipeline) for v in value)
+    )
 
 
 def _iterable(value: Any, spec: str) -> Iterable[Any]:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, AliasPath, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
@@ -20,6 +21,9 @@ CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 """What ``CONVEYOR_REDIS_URL`` may start with."""
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+"""The Redis every process uses unless ``CONVEYOR_REDIS_URL`` says otherwise."""
+
 MAX_DEADLINE_S = 30 * 86_400
 """The longest time budget a request may have (30 days)."""
 
@@ -29,6 +33,31 @@ S = TypeVar("S", bound=BaseSettings)
 # decode of a complex value (JSON) in.
 _SOURCE_FIELD = re.compile(r'for field "([^"]+)"')
 _SHOWN_CHARS = 80  # of a bad value, in the message
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown or logged: a password in it (``user:password@`` or a
+    ``password=`` query parameter) replaced by ``***``. Every message or log line that
+    names a Redis URL shows it through this.
+
+    Args:
+        url: a URL, as configured (``CONVEYOR_REDIS_URL``).
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(a URL that cannot be parsed)"
+    shown = url  # edited in place: urlunsplit would rewrite what it does not touch
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if at and ":" in userinfo:
+        shown = shown.replace(parts.netloc, f"{userinfo.split(':', 1)[0]}:***@{host}", 1)
+    if parts.query:
+        query = _PASSWORD_PARAM.sub(r"\1***", parts.query)
+        shown = shown.replace(f"?{parts.query}", f"?{query}", 1)
+    return shown
+
+
+_PASSWORD_PARAM = re.compile(r"((?:^|&)password=)[^&]*", re.IGNORECASE)
 
 
 class CommonSettings(BaseSettings):
@@ -54,7 +83,7 @@ class CommonSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
-    redis_url: str = Field(default="redis://127.0.0.1:6379/0", repr=False)  # a password
+    redis_url: str = Field(default=DEFAULT_REDIS_URL, repr=False)  # a password
     namespace: str = "conveyor"
     partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
     redis_timeout_s: float = Field(default=2.0, gt=0, le=300, allow_inf_nan=False)

@@ -1,14 +1,21 @@
-"""Building a stage's model once, as the worker's settings ask."""
+"""Building a stage's model once, as the worker's settings ask.
+
+A runner needs no ceremony: it is given only the options its constructor takes
+(:func:`accepted`), and a constructor that raises ends the worker with one line naming
+the stage and the runner (:class:`~pipelines.errors.ConfigError`), not a traceback.
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from pipelines.errors import ConfigError
+from pipelines.errors import ConfigError, one_line
 from pipelines.model import Model
 from pipelines.stages import Stage
 from workers.models.buckets import Bucketed, CannotCapture, summary
@@ -51,8 +58,34 @@ def process_threads(stages: list[Stage], settings: WorkerSettings) -> int | None
     return max((s.threads for s in stages if s.threads), default=settings.threads)
 
 
+def accepted(factory: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
+    """The ``offered`` options ``factory`` takes: those its signature names (as keywords),
+    all of them if it takes ``**kwargs`` or its signature cannot be read (a builtin).
+
+    A plain class (``class WordCounter: def predict(self, items): ...``) takes none, and
+    is built as ``WordCounter()``.
+
+    Args:
+        factory: the runner (a class or a function).
+        offered: the options to choose from.
+    """
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return offered
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return offered
+    keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = {p.name for p in params if p.kind in keywords}
+    return {k: v for k, v in offered.items() if k in names}
+
+
 def build_model(stage: Stage, settings: WorkerSettings) -> Model:
     """Load the stage's model once, as the settings ask (runs in a thread).
+
+    The runner is offered ``model``, ``device``, ``dtype`` and ``cache_dir`` and called
+    with those its signature takes (:func:`accepted`), and every one of the stage's own
+    ``options``.
 
     Args:
         stage: the stage to serve.
@@ -61,27 +94,51 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
             :func:`process_threads`).
 
     Raises:
-        ConfigError: the runner cannot be imported or does not return a model.
+        ConfigError: the runner cannot be imported, its constructor raised (one line
+            naming the stage, the runner and the model it was to load), or it does not
+            return a model.
     """
     factory = stage.factory(settings.model_profile)
-    options: dict[str, Any] = {
+    standard: dict[str, Any] = {
         "model": settings.models.get(stage.name, stage.model_for(settings.model_profile)),
         "device": stage.device or settings.device,
         "dtype": settings.dtype,
         "cache_dir": settings.cache_dir,
-        **stage.options,
     }
+    options = accepted(factory, standard) | dict(stage.options)
     # transformers builds models under a process-wide "meta device" context, which two
     # threads loading at once corrupt; one process may host several stages, so loads queue.
     with _LOAD_LOCK:
-        model = factory(**options)
-        _set_threads(stage, model, options["device"], settings)
+        try:
+            model = factory(**options)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(_cannot_build(stage, factory, options, exc)) from exc
+        _set_threads(stage, model, standard["device"], settings)
     if not callable(getattr(model, "predict", None)):
         raise ConfigError(
             f"stage {stage.name!r}: runner built {type(model).__name__}, no predict()"
         )
-    logger.info("stage %s: model %s ready", stage.name, options["model"] or type(model).__name__)
+    name = options.get("model") or type(model).__name__
+    logger.info("stage %s: model %s ready", stage.name, name)
     return model
+
+
+def _cannot_build(
+    stage: Stage, factory: Callable[..., Any], options: dict[str, Any], exc: Exception
+) -> str:
+    """The one line a runner's failed constructor ends the worker with."""
+    runner = f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', factory)}"
+    if options.get("model"):
+        # transformers and huggingface_hub raise OSError for a path or id they cannot load.
+        hint = "; check its path or hub id (CONVEYOR_MODELS, or the stage's model=)"
+        return (
+            f"stage {stage.name!r}: cannot load model {options['model']!r} with {runner}: "
+            f"{one_line(exc)}{hint if isinstance(exc, OSError) else ''}"
+        )
+    given = ", ".join(options) or "no arguments"
+    return f"stage {stage.name!r}: cannot build {runner} (given {given}): {one_line(exc)}"
 
 
 def prepare_shapes(model: Model, stage: Stage, settings: WorkerSettings) -> None:
