@@ -17,8 +17,9 @@ from gateway.body import WireRoute
 from gateway.docs import add_docs_routes
 from gateway.edge import OPEN_PATHS, EdgeMiddleware
 from gateway.fastpath import SyncCalls
+from gateway.headers import CORS_HEADERS
 from gateway.responses import openapi_document, validation_issues
-from gateway.routes import TIMEOUT_HEADER, TRACE_HEADER, json_response
+from gateway.routes import json_response
 from gateway.routes.jobs import add_job_routes
 from gateway.routes.ops import add_ops_routes
 from gateway.routes.pipelines import add_pipeline_routes
@@ -157,14 +158,7 @@ def create_app(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=[
-                "Authorization",
-                "Content-Type",
-                "X-API-Key",
-                TIMEOUT_HEADER,
-                TRACE_HEADER,
-                tracing.TRACEPARENT,
-            ],
+            allow_headers=list(CORS_HEADERS),
         )
     app.add_middleware(  # added last: outermost, so refusals happen before anything else
         EdgeMiddleware,

@@ -19,9 +19,8 @@ from redis.exceptions import ResponseError
 from pipelines.envelope import LANES, Lane
 from pipelines.keys import GROUP, Keys
 from pipelines.metrics import BUCKETS, Histogram, histogram_lines, labels, le_label
+from pipelines.outcomes import Outcome
 from pipelines.redisio import in_order, text
-
-OUTCOMES = ("ok", "error", "expired", "cancelled")
 
 ALIVE_IDLE_MS = 30_000
 """A consumer idle longer than this (no read, no touch) counts as gone: a crashed worker
@@ -389,8 +388,8 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
     out += [f"# TYPE conveyor_stage_{name} histogram" for name in BUCKETS]
     for stage in stages:
         stats = await read_stats(client, keys, stage)
-        for outcome in OUTCOMES:
-            value = stats.get(f"items:{outcome}", 0)
+        for outcome in Outcome:
+            value = stats.get(outcome.stats_field, 0)
             out.append(
                 f"conveyor_stage_items_total{labels(stage=stage, outcome=outcome)} {value:g}"
             )
