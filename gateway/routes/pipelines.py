@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from gateway.headers import Sent, parameters, sent_on
-from gateway.responses import declared, validation_issues
+from gateway.responses import answer, declared, validation_issues
 from gateway.routes import BODY_ERRORS, json_response
 from gateway.service import Gateway
 from pipelines.envelope import Reply, new_request_id
@@ -88,7 +88,10 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
         summary=summary,
         tags=["pipelines"],
         name=f"post_{pipeline.name}",
-        responses=declared([*edge, *BODY_ERRORS, *RESULT_ERRORS]),
+        responses={
+            **answer(pipeline.output_model),
+            **declared([*edge, *BODY_ERRORS, *RESULT_ERRORS]),
+        },
     )
     if len(pipeline.steps) == 1 and pipeline.entry.stage.streaming:
         _add_stream_route(app, gw, pipeline, edge)
@@ -120,7 +123,7 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
         summary=f"{summary} (?{field}=)",
         tags=["pipelines"],
         name=f"get_{pipeline.name}",
-        responses=declared([*edge, 422, *RESULT_ERRORS]),
+        responses={**answer(pipeline.output_model), **declared([*edge, 422, *RESULT_ERRORS])},
     )
 
 
