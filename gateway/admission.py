@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from pipelines.envelope import LANES, Lane
+from pipelines.envelope import DEFAULT_LANE, LANES, Lane
 from pipelines.errors import Overloaded
 from pipelines.keys import Keys
 from pipelines.redisio import REDIS_DOWN
@@ -159,7 +159,7 @@ class Admission:
         return Reading(time.monotonic(), state, counted)
 
     async def admit(
-        self, stage: str, bound: int, timeout_s: float, max_batch: int, lane: Lane = "interactive"
+        self, stage: str, bound: int, timeout_s: float, max_batch: int, lane: Lane = DEFAULT_LANE
     ) -> None:
         """Count one request against ``stage``, or refuse it.
 

@@ -3,22 +3,26 @@ errors become HTTP answers (the routes themselves live in :mod:`gateway.routes`)
 
 import logging
 import math
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway.body import WireRoute
 from gateway.docs import add_docs_routes
 from gateway.edge import OPEN_PATHS, EdgeMiddleware
 from gateway.fastpath import SyncCalls
+from gateway.headers import CORS_HEADERS
 from gateway.responses import openapi_document, validation_issues
-from gateway.routes import TIMEOUT_HEADER, TRACE_HEADER, json_response
+from gateway.routes import json_response
 from gateway.routes.jobs import add_job_routes
 from gateway.routes.ops import add_ops_routes
 from gateway.routes.pipelines import add_pipeline_routes
@@ -55,6 +59,20 @@ def error_response(exc: ConveyorError) -> Response:
         body["request_id"] = exc.request_id
         headers["X-Request-Id"] = exc.request_id
     return json_response(body, status, headers)
+
+
+_PIPELINE_PATH = re.compile(r"/v1/(?:(?P<job>jobs/)?(?P<name>[^/]+)|(?P<streamed>[^/]+)/stream)")
+
+
+def unknown_pipeline(method: str, path: str, registry: Registry) -> str | None:
+    """The pipeline a request that matched no route names, where it names one this
+    gateway does not route (``/v1/{name}``, ``/v1/{name}/stream``, ``POST
+    /v1/jobs/{name}``); None for any other path."""
+    match = _PIPELINE_PATH.fullmatch(path)
+    if match is None or (match["job"] and method != "POST"):
+        return None
+    name = match["name"] or match["streamed"]
+    return None if name in registry.pipelines else name
 
 
 class GatewayApp(FastAPI):
@@ -140,6 +158,17 @@ def create_app(
     async def _conveyor_error(request: Request, exc: ConveyorError) -> Response:
         return error_response(exc)
 
+    known = sorted(registry.pipelines)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # POST /v1/jobs/{name} of no pipeline matches GET /v1/jobs/{id}'s path: a 405.
+        name = unknown_pipeline(request.method, request.url.path, registry)
+        if name is not None and exc.status_code in (404, 405):
+            detail = f"no pipeline {name!r}; this gateway routes: {', '.join(known)}"
+            return json_response({"detail": detail, "pipelines": known}, 404)
+        return await http_exception_handler(request, exc)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         if isinstance(exc, REDIS_DOWN):
@@ -157,14 +186,7 @@ def create_app(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=[
-                "Authorization",
-                "Content-Type",
-                "X-API-Key",
-                TIMEOUT_HEADER,
-                TRACE_HEADER,
-                tracing.TRACEPARENT,
-            ],
+            allow_headers=list(CORS_HEADERS),
         )
     app.add_middleware(  # added last: outermost, so refusals happen before anything else
         EdgeMiddleware,

@@ -15,7 +15,17 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.protocol import HEADERS_TOO_LARGE
-from pipelines.metrics import BUCKETS, Histogram, histogram_lines, labels
+from pipelines.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines
+
+HTTP_REQUESTS = Family(
+    "conveyor_http_requests_total",
+    "counter",
+    "HTTP requests this gateway answered, by route and status.",
+)
+HTTP_SECONDS = Family(
+    "conveyor_http_request_seconds", "histogram", "Seconds this gateway took to answer, by route."
+)
+HTTP_FAMILIES = (HTTP_REQUESTS, HTTP_SECONDS)
 
 
 class RequestMetrics:
@@ -35,15 +45,15 @@ class RequestMetrics:
 
     def render(self) -> str:
         """Prometheus text of this process's request metrics."""
-        out = ["# TYPE conveyor_http_requests_total counter"]
+        out = Exposition(HTTP_FAMILIES)
         for (route, status), n in sorted(self.counts.items()):
-            out.append(f"conveyor_http_requests_total{labels(route=route, status=str(status))} {n}")
-        out.append("# TYPE conveyor_http_request_seconds histogram")
+            out.sample(HTTP_REQUESTS, n, route=route, status=str(status))
         for route, h in sorted(self.latency.items()):
-            out += histogram_lines(
-                "conveyor_http_request_seconds", h.bounds, h.counts, h.sum, route=route
+            out.add(
+                HTTP_SECONDS,
+                histogram_lines(HTTP_SECONDS.name, h.bounds, h.counts, h.sum, route=route),
             )
-        return "\n".join(out) + "\n"
+        return out.text()
 
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})

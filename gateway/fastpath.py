@@ -5,7 +5,7 @@ small, fast model that costs more CPU than the rest of the gateway together. Thi
 middleware, inside the edge (keys, body limit, metrics) and CORS, takes a sync call whose
 request is unremarkable, the common case, and does what the FastAPI route would do with
 it: parse the body as :mod:`gateway.body` does, validate it with the pipeline's input
-model, read the three request headers, call :meth:`Gateway.call
+model, read the request headers (:mod:`gateway.headers`), call :meth:`Gateway.call
 <gateway.service.Gateway.call>` and answer as :func:`~gateway.routes.pipelines.reply_response`
 does.
 
@@ -18,7 +18,6 @@ fails validation, a client gone while its body was read.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -26,71 +25,39 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.body import parse_body
-from gateway.routes import PRIORITY_HEADER, TIMEOUT_HEADER, TRACE_HEADER
+from gateway.headers import HEADERS, UNCLEAR, Sent
 from gateway.routes.pipelines import reply_response
 from gateway.service import Gateway
-from pipelines.envelope import LANES, Lane
 from pipelines.errors import ConveyorError
 from pipelines.graph import Pipeline
 
-_TIMEOUT = TIMEOUT_HEADER.lower().encode()
-_TRACE = TRACE_HEADER.lower().encode()
-_PRIORITY = PRIORITY_HEADER.lower().encode()
 _CONTENT_TYPE = b"content-type"
-_WATCHED = frozenset({_TIMEOUT, _TRACE, _PRIORITY, _CONTENT_TYPE})
+_READ = {h.key: h for h in HEADERS}
+_WATCHED = frozenset({*_READ, _CONTENT_TYPE})
 _JSON = frozenset({b"application/json", b"application/json; charset=utf-8"})
-_NUMBER = re.compile(rb"[0-9]{1,12}(\.[0-9]{1,12})?")
-_LANES: dict[bytes, Lane] = {lane.encode(): lane for lane in LANES}
-_TRACE_MAX = 128  # as the route's Trace header declares
 
 
-class Plain:
-    """What the hot path needs of a request's headers, when they are plainly valid.
-
-    Attributes:
-        timeout_s: ``X-Conveyor-Timeout``, if sent.
-        trace: ``X-Trace-Id``, if sent.
-        lane: ``X-Conveyor-Priority``, if sent.
-    """
-
-    __slots__ = ("lane", "timeout_s", "trace")
-
-    def __init__(self) -> None:
-        self.timeout_s: float | None = None
-        self.trace: str | None = None
-        self.lane: Lane | None = None
-
-
-def plain_headers(headers: list[tuple[bytes, bytes]]) -> Plain | None:
-    """The request's headers as the route reads them, or None where the route should
-    decide: one of them is sent twice or holds anything but a plainly valid value, or the
-    body is not declared JSON."""
+def plain_headers(headers: list[tuple[bytes, bytes]]) -> Sent | None:
+    """The request's headers as a sync call's route reads them (each declared header's
+    own parser, :mod:`gateway.headers`), or None where the route should decide: one of
+    them is sent twice or holds anything but a plainly valid value, or the body is not
+    declared JSON."""
     seen: dict[bytes, bytes] = {}
     for name, value in headers:
         if name in _WATCHED:
             if name in seen:
                 return None
             seen[name] = value
-    if seen.get(_CONTENT_TYPE, b"").lower() not in _JSON:
+    if seen.pop(_CONTENT_TYPE, b"").lower() not in _JSON:
         return None
-    plain = Plain()
-    timeout = seen.get(_TIMEOUT)
-    if timeout is not None:
-        if _NUMBER.fullmatch(timeout) is None or float(timeout) <= 0:
+    values: dict[str, Any] = {}
+    for key, raw in seen.items():
+        header = _READ[key]
+        value = header.parse(raw)
+        if value is UNCLEAR:
             return None
-        plain.timeout_s = float(timeout)
-    trace = seen.get(_TRACE)
-    if trace is not None:
-        if len(trace) > _TRACE_MAX:
-            return None
-        plain.trace = trace.decode("latin-1")  # as Starlette decodes a header
-    priority = seen.get(_PRIORITY)
-    if priority is not None:
-        lane = _LANES.get(priority)
-        if lane is None:
-            return None
-        plain.lane = lane
-    return plain
+        values[header.param] = value
+    return Sent.of("call", values)
 
 
 def replay(messages: list[Message], receive: Receive) -> Receive:
@@ -134,8 +101,8 @@ class SyncCalls:
         if pipeline is None or scope["method"] != "POST" or scope.get("root_path"):
             await self.app(scope, receive, send)
             return
-        plain = plain_headers(scope["headers"])
-        if plain is None:
+        sent = plain_headers(scope["headers"])
+        if sent is None:
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
@@ -153,7 +120,7 @@ class SyncCalls:
         if payload is None:
             await self.app(scope, replay(messages, receive), send)
             return
-        await self._call(pipeline, payload, plain, scope, receive, send)
+        await self._call(pipeline, payload, sent, scope, receive, send)
 
     @staticmethod
     def _validated(pipeline: Pipeline, raw: bytes) -> dict[str, Any] | None:
@@ -171,7 +138,7 @@ class SyncCalls:
         self,
         pipeline: Pipeline,
         payload: dict[str, Any],
-        plain: Plain,
+        sent: Sent,
         scope: Scope,
         receive: Receive,
         send: Send,
@@ -182,10 +149,10 @@ class SyncCalls:
             request_id, reply = await gw.call(
                 pipeline,
                 payload,
-                gw.timeout_for(plain.timeout_s),
-                plain.trace,
+                gw.timeout_for(sent.timeout_s),
+                sent.trace,
                 receive,
-                plain.lane or "interactive",
+                sent.lane,
             )
             response = reply_response(reply, request_id)
         except ConveyorError as exc:

@@ -22,8 +22,9 @@ import redis.asyncio as aioredis
 
 from pipelines.keys import Keys
 from pipelines.metrics import BUCKETS, le_label
+from pipelines.outcomes import Outcome
 from pipelines.redisio import REDIS_DOWN, RedisClock
-from pipelines.stats import OUTCOMES, read_all_stats
+from pipelines.stats import read_all_stats
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def quantile(bounds: Sequence[float], counts: Sequence[float], q: float) -> floa
 
 
 def _done(stats: dict[str, float]) -> float:
-    return sum(stats.get(f"items:{outcome}", 0.0) for outcome in OUTCOMES)
+    return sum(stats.get(outcome.stats_field, 0.0) for outcome in Outcome)
 
 
 def _buckets(stats: dict[str, float], name: str) -> list[float]:

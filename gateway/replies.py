@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from pipelines import tracing
 from pipelines.envelope import Reply, decode_reply, replier
 from pipelines.errors import BadReply, EnvelopeError
+from pipelines.outcomes import Outcome
 from pipelines.redisio import REDIS_DOWN, Backoff, entry_ms
 
 logger = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ def _unreadable(entry_id: bytes, fields: dict[bytes, bytes], exc: EnvelopeError)
     return Reply(
         id=rid,
         stage=stage,
-        outcome="error",
+        outcome=Outcome.ERROR,
         error="its reply could not be read",
         status=BadReply.status,
     )

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import orjson
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from pipelines.records import JobStatus
@@ -51,6 +51,19 @@ class ValidationErrorBody(BaseModel):
 
     detail: list[ValidationIssue]
     request_id: str | SkipJsonSchema[None] = Field(default=None, json_schema_extra=_optional)
+
+
+class PipelineResult(BaseModel):
+    """A pipeline's answer: its last step's output, a JSON object (the pipeline declares
+    no ``output_model`` to say more)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": True})
+
+
+class UnknownPipeline(ErrorBody):
+    """404 to a ``/v1/`` path that names no pipeline: the ones there are."""
+
+    pipelines: list[str] = Field(description="The pipelines this gateway routes.")
 
 
 class Readiness(BaseModel):
@@ -103,6 +116,12 @@ WHY = {
     503: "Over capacity, or Redis or an upstream unreachable; retry after Retry-After.",
     504: "The deadline passed before the result.",
 }
+
+
+def answer(model: type[BaseModel] | None) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` entry of a pipeline route's 200: ``model``'s schema (the
+    pipeline's ``output_model``), else :class:`PipelineResult`."""
+    return {200: {"model": model or PipelineResult, "description": "The result."}}
 
 
 def declared(statuses: Iterable[int]) -> dict[int | str, dict[str, Any]]:

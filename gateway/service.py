@@ -24,7 +24,7 @@ from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
 from pipelines import tracing
-from pipelines.envelope import Lane, Reply, Request, new_request_id, wire_problem
+from pipelines.envelope import DEFAULT_LANE, Lane, Reply, Request, new_request_id, wire_problem
 from pipelines.errors import (
     Cancelled,
     ConfigError,
@@ -165,7 +165,7 @@ class Gateway:
         stream: bool = False,
         job: bool = False,
         owner: str = ANONYMOUS,
-        lane: Lane = "interactive",
+        lane: Lane = DEFAULT_LANE,
     ) -> Request:
         """Admit a request and put it on its entry step's stream.
 
@@ -312,7 +312,7 @@ class Gateway:
         timeout_s: float,
         trace_id: str | None,
         receive: Receive | None = None,
-        lane: Lane = "interactive",
+        lane: Lane = DEFAULT_LANE,
     ) -> tuple[str, Reply]:
         """Run one request through ``pipeline`` and wait for its reply.
 

@@ -31,10 +31,10 @@ from gateway.service import Gateway
 from pipelines.envelope import LANES
 from pipelines.graph import Pipeline
 from pipelines.metrics import BUCKETS, le_label
+from pipelines.outcomes import Outcome
 from pipelines.redisio import REDIS_DOWN
 from pipelines.stats import (
     ALIVE_IDLE_MS,
-    OUTCOMES,
     StageStatus,
     read_stats,
     stage_status,
@@ -116,7 +116,7 @@ def stage_row(
             for lane, part in ((lane, status.lane(lane)) for lane in LANES)
         },
         "consumers": consumers,
-        "items": {outcome: int(stats.get(f"items:{outcome}", 0)) for outcome in OUTCOMES},
+        "items": {o.value: int(stats.get(o.stats_field, 0)) for o in Outcome},
         "dead_letters": dead_letters,
         "batch_size": {"buckets": buckets},
         "batches": int(stats.get("batches", 0)),

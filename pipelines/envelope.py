@@ -25,10 +25,9 @@ from redis.typing import EncodableT, FieldT
 from pipelines.errors import (
     ERROR_STATUSES,
     RETRY_AFTER_MAX_S,
-    Cancelled,
-    DeadlineExceeded,
     EnvelopeError,
 )
+from pipelines.outcomes import Outcome
 from pipelines.tokens import COST, estimate
 
 FIELD = b"e"
@@ -36,12 +35,13 @@ FIELD = b"e"
 BRANCH = b"b:"
 """Prefix of the fields carrying branch outputs into a join step."""
 
-Outcome = Literal["ok", "error", "expired", "cancelled"]
-
 Lane = Literal["interactive", "bulk"]
 """A request's priority lane. Each stage has a stream per lane; its workers take
 ``interactive`` work first and give ``bulk`` a guaranteed share of batches."""
 LANES: tuple[Lane, ...] = ("interactive", "bulk")
+DEFAULT_LANE: Lane = "interactive"
+"""The lane of a request that names none (a job's default is the gateway's:
+:mod:`gateway.headers`)."""
 
 MAX_DEPTH = 64
 """The most nested arrays and objects a payload or a step's output may have. The envelope
@@ -187,7 +187,7 @@ class Request(BaseModel):
     trace_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=128)
     stream: bool = False
     enqueue_by: float | None = Field(default=None, ge=0, le=EPOCH_MAX_S, allow_inf_nan=False)
-    lane: Lane = "interactive"
+    lane: Lane = DEFAULT_LANE
     traceparent: str | None = Field(default=None, max_length=256)
 
 
@@ -245,7 +245,7 @@ class Reply(BaseModel):
     def _consistent(self) -> Reply:
         if self.status != 200 and self.status not in ERROR_STATUSES:
             raise ValueError(f"status {self.status} is not one conveyor answers with")
-        if self.outcome in ("ok", "partial"):
+        if self.outcome in (Outcome.OK, "partial"):
             if self.result is None:
                 raise ValueError(f"an {self.outcome!r} reply has no result")
             # What a worker checks before it publishes (workers/batch.py: checked): the
@@ -255,7 +255,7 @@ class Reply(BaseModel):
             problem = wire_problem(self.result, ("result",))
             if problem is not None and problem.type != "json_type":
                 raise ValueError(f"{'.'.join(map(str, problem.loc))}: {problem.msg}")
-        elif self.outcome == "error":
+        elif self.outcome is Outcome.ERROR:
             if self.status not in ERROR_STATUSES:
                 raise ValueError(f"an error reply's status is {self.status}, not an error's")
             if self.error is None:
@@ -264,15 +264,12 @@ class Reply(BaseModel):
 
     @property
     def http_status(self) -> int:
-        """The HTTP status this reply answers its request with: 200 when ``ok``, 504 when
-        ``expired`` (:class:`~pipelines.errors.DeadlineExceeded`), 499 when ``cancelled``
-        (:class:`~pipelines.errors.Cancelled`), else ``status``, what the worker mapped the
-        failure to."""
-        if self.outcome == "ok":
-            return 200
-        if self.outcome == "cancelled":
-            return Cancelled.status
-        return DeadlineExceeded.status if self.outcome == "expired" else self.status
+        """The HTTP status this reply answers its request with: its outcome's
+        (:attr:`Outcome.http_status`), or for an ``error`` (and ``partial``) ``status``,
+        what the worker mapped the failure to."""
+        if self.outcome == "partial" or self.outcome is Outcome.ERROR:
+            return self.status
+        return self.outcome.http_status
 
 
 def new_request_id() -> str:

@@ -148,6 +148,8 @@ class Pipeline:
         input_model: pydantic model of a request.
         steps: the steps, entry first.
         summary: one line for the API docs.
+        output_model: what its answer holds, for the API docs only (the answer is the
+            last step's output, not validated against it); None: a JSON object.
 
     Raises:
         ConfigError: at construction, naming the step, for an unknown successor, a
@@ -160,6 +162,7 @@ class Pipeline:
     input_model: type[BaseModel]
     steps: tuple[Step, ...]
     summary: str = ""
+    output_model: type[BaseModel] | None = None
     by_name: Mapping[str, Step] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

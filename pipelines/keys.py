@@ -19,6 +19,8 @@ import zlib
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
+from pipelines.envelope import DEFAULT_LANE
+
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 GROUP = "workers"
@@ -98,11 +100,11 @@ class Keys:
             return self
         return self.at(zlib.crc32(request_id.encode("utf-8", "surrogatepass")) % self.partitions)
 
-    def stage_stream(self, stage: str, lane: str = "interactive") -> str:
-        """The stream a stage's workers read the requests of ``lane`` from (the
-        interactive lane's is the stage's own name; another lane's adds ``:<lane>``)."""
+    def stage_stream(self, stage: str, lane: str = DEFAULT_LANE) -> str:
+        """The stream a stage's workers read the requests of ``lane`` from (the default
+        lane's is the stage's own name; another lane's adds ``:<lane>``)."""
         base = f"{self.prefix}:stage:{stage}"
-        return base if lane == "interactive" else f"{base}:{lane}"
+        return base if lane == DEFAULT_LANE else f"{base}:{lane}"
 
     def stage_stats(self, stage: str) -> str:
         """The hash of a stage's counters and histogram buckets."""

@@ -1,13 +1,20 @@
-"""Prometheus exposition: cumulative-bucket histograms, their bucket bounds, label text.
+"""Prometheus exposition: metric families, cumulative-bucket histograms, their bucket
+bounds, label text.
 
 Both the gateway's own request metrics and the per-stage stats kept in Redis
-(:mod:`pipelines.stats`) are rendered with these.
+(:mod:`pipelines.stats`) are rendered with these. Each metric is a declared
+:class:`Family` (name, type, help); an :class:`Exposition` collects samples by family
+and writes each family's ``# HELP`` and ``# TYPE`` lines once, with all its samples
+right after them, as the text format requires (a family's samples split by another's
+read as untyped, and ``promtool check metrics`` refuses a family without help).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -51,6 +58,13 @@ class Histogram:
         return out
 
 
+def number(value: float) -> str:
+    """A sample's value, exactly: a whole number in digits (``%g`` would write 1234567 as
+    ``1.23457e+06``), any other as Python's shortest round-trip repr."""
+    value = float(value)
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
 def labels(**values: str) -> str:
     """Prometheus label set text, values escaped."""
     inner = ",".join(
@@ -68,7 +82,56 @@ def histogram_lines(
     running = 0.0
     for bound, count in zip((*bounds, float("inf")), per_bucket, strict=True):
         running += count
-        lines.append(f"{metric}_bucket{labels(**lab, le=le_label(bound))} {running:g}")
-    lines.append(f"{metric}_sum{labels(**lab)} {total:g}")
-    lines.append(f"{metric}_count{labels(**lab)} {running:g}")
+        lines.append(f"{metric}_bucket{labels(**lab, le=le_label(bound))} {number(running)}")
+    lines.append(f"{metric}_sum{labels(**lab)} {number(total)}")
+    lines.append(f"{metric}_count{labels(**lab)} {number(running)}")
     return lines
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family of the exposition.
+
+    Attributes:
+        name: the metric's name (a counter's ends ``_total``; a histogram's samples add
+            ``_bucket``, ``_sum`` and ``_count``).
+        type: its Prometheus type.
+        help: what it counts or measures, one line.
+    """
+
+    name: str
+    type: Literal["counter", "gauge", "histogram"]
+    help: str
+
+    def header(self) -> list[str]:
+        """Its ``# HELP`` and ``# TYPE`` lines."""
+        text = self.help.replace("\\", "\\\\").replace("\n", "\\n")
+        return [f"# HELP {self.name} {text}", f"# TYPE {self.name} {self.type}"]
+
+
+class Exposition:
+    """Samples collected by family, written family by family.
+
+    Args:
+        families: every family it may hold, in the order they are written (a family
+            with no samples is written too: its help and type say it exists).
+    """
+
+    def __init__(self, families: Iterable[Family]) -> None:
+        self.samples: dict[Family, list[str]] = {family: [] for family in families}
+
+    def add(self, family: Family, lines: Iterable[str]) -> None:
+        """Add sample lines (name, labels, value) of ``family``."""
+        self.samples[family].extend(lines)
+
+    def sample(self, family: Family, value: float, **lab: str) -> None:
+        """Add one sample of a counter or gauge ``family``, labelled ``lab``."""
+        self.samples[family].append(f"{family.name}{labels(**lab) if lab else ''} {number(value)}")
+
+    def text(self) -> str:
+        """The exposition text, each family's header then its samples."""
+        out: list[str] = []
+        for family, lines in self.samples.items():
+            out += family.header()
+            out += lines
+        return "\n".join(out) + "\n"

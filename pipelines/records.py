@@ -110,10 +110,11 @@ def job_finished(reply: Reply) -> dict[FieldT, EncodableT]:
     """A job record's fields once its request has finished with ``reply`` (set over the
     fields :func:`create_job` wrote)."""
     code = str(reply.http_status)
-    if reply.outcome == "ok":
+    # A job never streams; a partial reply (which no worker sends one) would not finish it.
+    status = FAILED if reply.outcome == "partial" else reply.outcome.job_status
+    if status == DONE:
         result = orjson.dumps(reply.result).decode()
-        return {JobField.STATUS: DONE, JobField.RESULT: result, JobField.HTTP_STATUS: code}
-    status = {"expired": EXPIRED, "cancelled": CANCELLED}.get(reply.outcome, FAILED)
+        return {JobField.STATUS: status, JobField.RESULT: result, JobField.HTTP_STATUS: code}
     return {JobField.STATUS: status, JobField.ERROR: reply.error or "", JobField.HTTP_STATUS: code}
 
 

@@ -18,10 +18,9 @@ from redis.exceptions import ResponseError
 
 from pipelines.envelope import LANES, Lane
 from pipelines.keys import GROUP, Keys
-from pipelines.metrics import BUCKETS, Histogram, histogram_lines, labels, le_label
+from pipelines.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines, le_label
+from pipelines.outcomes import Outcome
 from pipelines.redisio import in_order, text
-
-OUTCOMES = ("ok", "error", "expired", "cancelled")
 
 ALIVE_IDLE_MS = 30_000
 """A consumer idle longer than this (no read, no touch) counts as gone: a crashed worker
@@ -31,6 +30,58 @@ COST_A = "cost:a"
 """Stats-hash field: a stage's learned fixed seconds per batch (set by its workers)."""
 COST_B = "cost:b"
 """Stats-hash field: a stage's learned seconds per item."""
+
+ITEMS = Family(
+    "conveyor_stage_items_total",
+    "counter",
+    "Requests a stage ended, by outcome (ok, error, expired, cancelled), each once.",
+)
+BATCHES = Family("conveyor_stage_batches_total", "counter", "Batches a stage's workers ran.")
+MODEL_ITEMS = Family(
+    "conveyor_stage_model_items_total",
+    "counter",
+    "Items handed to the model (a batch run twice after a reclaim counts twice).",
+)
+DEAD_LETTERS = Family(
+    "conveyor_stage_dead_letters_total", "counter", "Requests a stage moved to its dead letters."
+)
+TOKENS = Family(
+    "conveyor_stage_tokens_total",
+    "counter",
+    "Estimated tokens the model ran: kind=real, and kind=padded (what they were padded to).",
+)
+HISTOGRAMS = {
+    "batch_size": Family("conveyor_stage_batch_size", "histogram", "Items per batch."),
+    "queue_wait_seconds": Family(
+        "conveyor_stage_queue_wait_seconds",
+        "histogram",
+        "Seconds a request waited in its stage's stream before its batch ran.",
+    ),
+    "run_seconds": Family(
+        "conveyor_stage_run_seconds", "histogram", "Seconds the model took per batch."
+    ),
+}
+BACKLOG = Family(
+    "conveyor_stage_backlog",
+    "gauge",
+    "Entries of a stage's lane no worker has read yet (the lag; pending is apart).",
+)
+PENDING = Family(
+    "conveyor_stage_pending", "gauge", "Entries of a stage's lane read by a worker, not acked."
+)
+CONSUMERS = Family("conveyor_stage_consumers", "gauge", "Live workers of a stage.")
+STAGE_FAMILIES = (
+    ITEMS,
+    BATCHES,
+    MODEL_ITEMS,
+    BACKLOG,
+    PENDING,
+    CONSUMERS,
+    DEAD_LETTERS,
+    TOKENS,
+    *(HISTOGRAMS[name] for name in BUCKETS),
+)
+"""Every family of the stage metrics (``/metrics``), in the order they are written."""
 
 
 def batch_fields(
@@ -376,42 +427,27 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
     series per lane (label ``lane``; ``sum by (stage)`` is the stage's);
     ``conveyor_stage_consumers`` is :attr:`StageStatus.workers`.
     """
-    out: list[str] = [
-        "# TYPE conveyor_stage_items_total counter",
-        "# TYPE conveyor_stage_batches_total counter",
-        "# TYPE conveyor_stage_model_items_total counter",
-        "# TYPE conveyor_stage_backlog gauge",
-        "# TYPE conveyor_stage_pending gauge",
-        "# TYPE conveyor_stage_consumers gauge",
-        "# TYPE conveyor_stage_dead_letters_total counter",
-        "# TYPE conveyor_stage_tokens_total counter",
-    ]
-    out += [f"# TYPE conveyor_stage_{name} histogram" for name in BUCKETS]
+    out = Exposition(STAGE_FAMILIES)
     for stage in stages:
         stats = await read_stats(client, keys, stage)
-        for outcome in OUTCOMES:
-            value = stats.get(f"items:{outcome}", 0)
-            out.append(
-                f"conveyor_stage_items_total{labels(stage=stage, outcome=outcome)} {value:g}"
-            )
-        out.append(f"conveyor_stage_batches_total{labels(stage=stage)} {stats.get('batches', 0):g}")
-        model = stats.get("model_items", 0)
-        out.append(f"conveyor_stage_model_items_total{labels(stage=stage)} {model:g}")
-        dead = stats.get("dead_letters", 0)
-        out.append(f"conveyor_stage_dead_letters_total{labels(stage=stage)} {dead:g}")
+        for outcome in Outcome:
+            count = stats.get(outcome.stats_field, 0)
+            out.sample(ITEMS, count, stage=stage, outcome=outcome.value)
+        out.sample(BATCHES, stats.get("batches", 0), stage=stage)
+        out.sample(MODEL_ITEMS, stats.get("model_items", 0), stage=stage)
+        out.sample(DEAD_LETTERS, stats.get("dead_letters", 0), stage=stage)
         for kind, name in (("real", "tokens"), ("padded", "padded_tokens")):
-            count = stats.get(name, 0)
-            out.append(f"conveyor_stage_tokens_total{labels(stage=stage, kind=kind)} {count:g}")
+            out.sample(TOKENS, stats.get(name, 0), stage=stage, kind=kind)
         for name, bounds in BUCKETS.items():
             per = [stats.get(f"h:{name}:{le_label(b)}", 0.0) for b in (*bounds, float("inf"))]
-            out += histogram_lines(
-                f"conveyor_stage_{name}", bounds, per, stats.get(f"h:{name}:sum", 0.0), stage=stage
-            )
+            total = stats.get(f"h:{name}:sum", 0.0)
+            family = HISTOGRAMS[name]
+            out.add(family, histogram_lines(family.name, bounds, per, total, stage=stage))
         st = await stage_status(client, keys, stage)
         for lane in LANES:
             part = st.lane(lane)
             # The lag, not the backlog: the gauge's name predates the property (see above).
-            out.append(f"conveyor_stage_backlog{labels(stage=stage, lane=lane)} {part.lag}")
-            out.append(f"conveyor_stage_pending{labels(stage=stage, lane=lane)} {part.pending}")
-        out.append(f"conveyor_stage_consumers{labels(stage=stage)} {st.workers}")
-    return "\n".join(out) + "\n"
+            out.sample(BACKLOG, part.lag, stage=stage, lane=lane)
+            out.sample(PENDING, part.pending, stage=stage, lane=lane)
+        out.sample(CONSUMERS, st.workers, stage=stage)
+    return out.text()

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pipelines.envelope import Request, decode_request
 from pipelines.errors import EnvelopeError
 from pipelines.model import Item, Result
+from pipelines.outcomes import Outcome
 from pipelines.records import cancelled_among
 from pipelines.redisio import REDIS_DOWN, entry_ms, on_live_connection
 from pipelines.stages import Stage
@@ -134,7 +135,12 @@ class Intake:
         """The item to run for ``req``, or None when it ends here (expired, invalid)."""
         if req.deadline <= now:
             self.router.fail(
-                out, req, "expired", "deadline passed before the step ran", status=504, now=now
+                out,
+                req,
+                Outcome.EXPIRED,
+                "deadline passed before the step ran",
+                status=504,
+                now=now,
             )
             return None
         try:
@@ -144,7 +150,7 @@ class Intake:
         except ValidationError as exc:
             where = f"step {req.step!r} of {req.pipeline!r}"
             message = f"invalid input for {where}: {exc.error_count()} error(s)"
-            self.router.fail(out, req, "error", message, status=422, now=now)
+            self.router.fail(out, req, Outcome.ERROR, message, status=422, now=now)
             return None
         except Exception as exc:  # unknown pipeline/step, or a join's input function failed
             self.router.fail_with(out, req, exc, now)

@@ -32,6 +32,7 @@ from pipelines.redisio import (
 )
 from pipelines.registry import Registry
 from pipelines.stages import Stage
+from workers.alive import AliveFile
 from workers.batch import BatchRecord, Entry
 from workers.intake import Batch, Intake
 from workers.lanes import Lanes
@@ -107,6 +108,7 @@ class Worker:
             self.client, self.streams, self.consumer, max_batch, settings.bulk_every, self.runner
         )
         self._stopping = asyncio.Event()
+        self.alive = AliveFile(settings.alive_file)
         self.window = Window(
             stage, settings, self.lanes.read, self.clock, self.runner, self._stopping
         )
@@ -201,6 +203,7 @@ class Worker:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):
                 await slots.acquire()
                 taken = await self.source.next(None if burst else self.settings.block_ms)
+                self.alive.beat()
                 if self._fatal is not None:
                     raise self._fatal
                 if not taken.batches:

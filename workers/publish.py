@@ -34,6 +34,7 @@ from redis.typing import EncodableT, FieldT
 
 from pipelines.envelope import BRANCH, FIELD, encode
 from pipelines.keys import GROUP, Keys
+from pipelines.outcomes import Outcome
 from pipelines.records import job_finished
 from pipelines.redisio import REDIS_DOWN, Backoff, on_live_connection, text
 from workers.batch import Entry, by_stream
@@ -270,14 +271,14 @@ async def publish(
     for marker, effects in out.effects.items():
         outcome = effects.outcome()
         commands = _commands(plan, effects, streams, reply_maxlen, job_prefix, job_ttl_s)
-        commands.append(["HINCRBY", plan.key(stats_key), f"items:{outcome}", "1"])
-        if effects.cancel_marker is not None and outcome != "cancelled":
-            counted = ["HINCRBY", plan.key(stats_key), "items:cancelled", "1"]
+        commands.append(["HINCRBY", plan.key(stats_key), outcome.stats_field, "1"])
+        if effects.cancel_marker is not None and outcome is not Outcome.CANCELLED:
+            counted = ["HINCRBY", plan.key(stats_key), Outcome.CANCELLED.stats_field, "1"]
             commands = [["UNLESS", plan.key(effects.cancel_marker), counted, *commands]]
         plan.groups.append([plan.key(marker), str(effects.marker_ttl_s), *commands])
     for marker in dropped:
         dropped_group: list[object] = [plan.key(marker), str(DROPPED_TTL_S)]
-        dropped_group.append(["HINCRBY", plan.key(stats_key), "items:error", "1"])
+        dropped_group.append(["HINCRBY", plan.key(stats_key), Outcome.ERROR.stats_field, "1"])
         plan.groups.append(dropped_group)
     for reply_to in sorted(streams):
         plan.always.append(["EXPIRE", plan.key(reply_to), str(reply_ttl_s)])

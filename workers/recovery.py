@@ -38,6 +38,7 @@ from redis.typing import EncodableT, FieldT
 from pipelines.envelope import decode_request, sender
 from pipelines.errors import EnvelopeError
 from pipelines.keys import GROUP
+from pipelines.outcomes import Outcome
 from pipelines.records import DeadLetter
 from pipelines.redisio import REDIS_DOWN, RedisClock, group_missing, text
 from workers.batch import Entry, by_stream
@@ -343,7 +344,7 @@ class Recovery:
             if who is not None:
                 self.router.fail_unreadable(out, who, message)
             return
-        self.router.fail(out, req, "error", message, status=500, now=now)
+        self.router.fail(out, req, Outcome.ERROR, message, status=500, now=now)
         logger.error("stage %s: request %s dead-lettered: %s", self.router.stage, req.id, message)
 
     def _letter(self, eid: bytes, fields: dict[bytes, bytes], times: int, error: str) -> Letter:

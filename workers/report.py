@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from pipelines import stats
+from pipelines.outcomes import Outcome
 from workers.intake import Batch
 from workers.publish import Published
 
@@ -29,10 +30,10 @@ def tally(batch: Batch, published: Published) -> None:
     for each entry dropped unanswered."""
     record = batch.record
     record.outcomes.update(
-        "cancelled" if marker in published.cancelled else effects.outcome()
+        Outcome.CANCELLED if marker in published.cancelled else effects.outcome()
         for marker, effects in batch.out.effects.items()
     )
-    record.outcomes["error"] += len(batch.dropped)
+    record.outcomes[Outcome.ERROR] += len(batch.dropped)
 
 
 def log_batch(stage: str, batch: Batch) -> None:
@@ -43,10 +44,7 @@ def log_batch(stage: str, batch: Batch) -> None:
         "run=%.1fms tokens=%d/%d traces=%s",
         stage,
         record.size,
-        record.outcomes["ok"],
-        record.outcomes["error"],
-        record.outcomes["expired"],
-        record.outcomes["cancelled"],
+        *(record.outcomes[outcome] for outcome in Outcome),
         max(batch.waits) * 1000,
         record.run_s * 1000,
         record.tokens,

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from pipelines.envelope import Outcome, Reply, Request, Sender, dumps, wire_problem
+from pipelines.envelope import Reply, Request, Sender, dumps, wire_problem
 from pipelines.errors import (
     RETRY_AFTER_MAX_S,
     Cancelled,
@@ -31,6 +31,7 @@ from pipelines.errors import (
 from pipelines.graph import End, Pipeline, Step
 from pipelines.keys import Keys
 from pipelines.model import Result
+from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
 from pipelines.settings import MAX_DEADLINE_S
 from workers.batch import checked
@@ -85,13 +86,13 @@ class Effects:
     answer_marker: str | None = None
     cancel_marker: str | None = None
 
-    def outcome(self) -> str:
+    def outcome(self) -> Outcome:
         """The request's outcome at this step: its failure reply's, else ``ok`` (answered,
         or handed on to the next step)."""
         for _, reply in self.replies:
-            if reply.outcome != "ok":
+            if reply.outcome != Outcome.OK and reply.outcome != "partial":
                 return reply.outcome
-        return "ok"
+        return Outcome.OK
 
 
 @dataclass
@@ -176,7 +177,7 @@ class Router:
         """End ``req`` cancelled before its step ran: as any failure, its job record says
         so and a branch fails its join, so the join never fires."""
         message = "cancelled before the step ran"
-        self.fail(out, req, "cancelled", message, status=Cancelled.status, now=now)
+        self.fail(out, req, Outcome.CANCELLED, message, status=Cancelled.status, now=now)
 
     def fail_unreadable(self, out: Outbox, who: Sender, message: str) -> bool:
         """Tell the caller of an entry that did not decode (version skew, corruption)
@@ -189,7 +190,7 @@ class Router:
         reply = Reply(
             id=who.id,
             stage=self.stage,
-            outcome="error",
+            outcome=Outcome.ERROR,
             error=message,
             status=500,
             trace_id=who.trace_id,
@@ -205,7 +206,7 @@ class Router:
             return False
         if now <= req.deadline + LATE_S:
             self.fail(
-                out, req, "expired", "deadline passed while the step ran", status=504, now=now
+                out, req, Outcome.EXPIRED, "deadline passed while the step ran", status=504, now=now
             )
         return True
 
@@ -216,7 +217,9 @@ class Router:
             return
         result = checked(result)
         if isinstance(result, DeadlineExceeded):  # the model stopped: out of time
-            self.fail(out, req, "expired", str(result), status=DeadlineExceeded.status, now=now)
+            self.fail(
+                out, req, Outcome.EXPIRED, str(result), status=DeadlineExceeded.status, now=now
+            )
         elif isinstance(result, BaseException):
             why = client_message(result)
             logger.warning(
@@ -231,7 +234,7 @@ class Router:
         self.fail(
             out,
             req,
-            "error",
+            Outcome.ERROR,
             client_message(exc),
             status=http_status(exc),
             retry_after=exc.retry_after if isinstance(exc, ConveyorError) else None,
@@ -275,7 +278,7 @@ class Router:
 
     def _reply(self, out: Effects, req: Request, result: dict[str, Any]) -> None:
         reply = Reply(
-            id=req.id, stage=self.stage, outcome="ok", result=result, trace_id=req.trace_id
+            id=req.id, stage=self.stage, outcome=Outcome.OK, result=result, trace_id=req.trace_id
         )
         out.replies.append((req.reply_to, reply))
 

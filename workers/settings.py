@@ -80,6 +80,8 @@ class WorkerSettings(CommonSettings):
         reclaim_interval_ms: how often a worker looks for idle entries to reclaim.
         max_deliveries: an entry delivered more often goes to the dead-letter stream.
         trim_interval_s: how often a worker trims its stage stream (done work only).
+        alive_file: a file the worker's loop touches each time it comes round, for a
+            liveness probe (:mod:`workers.alive`); unset: none.
     """
 
     model_profile: Literal["offline", "hub"] = "offline"
@@ -109,6 +111,7 @@ class WorkerSettings(CommonSettings):
     reclaim_interval_ms: int = Field(default=2_000, ge=10)
     max_deliveries: int = Field(default=3, ge=1)
     trim_interval_s: float = Field(default=10.0, gt=0)
+    alive_file: str | None = Field(default=None, min_length=1)
 
     @field_validator("device")
     @classmethod

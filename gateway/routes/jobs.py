@@ -8,8 +8,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from gateway.edge import principal
+from gateway.headers import Sent, sent_on
 from gateway.responses import JobAccepted, JobView, declared
-from gateway.routes import BODY_ERRORS, Priority, Timeout, Trace, json_response
+from gateway.routes import BODY_ERRORS, json_response
 from gateway.service import Gateway
 from pipelines.graph import Pipeline
 from pipelines.records import QUEUED, JobField
@@ -64,17 +65,14 @@ def add_job_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
 
 def _add_submit_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def submit(
-        http: Request,
-        payload: BaseModel,
-        timeout_s: Timeout = None,
-        trace: Trace = None,
-        priority: Priority = None,
+        http: Request, payload: BaseModel, sent: Annotated[Sent, sent_on("job")]
     ) -> Response:
         data = payload.model_dump(mode="json")
-        budget = gw.timeout_for(timeout_s, job=True)
+        budget = gw.timeout_for(sent.timeout_s, job=True)
         owner = principal(http.scope)
-        lane = priority or "bulk"  # a job is not waited on: it fills the batches
-        request = await gw.enqueue(pipeline, data, budget, trace, job=True, owner=owner, lane=lane)
+        request = await gw.enqueue(
+            pipeline, data, budget, sent.trace, job=True, owner=owner, lane=sent.lane
+        )
         location = f"/v1/jobs/{request.id}"
         body = {JobField.ID: request.id, JobField.STATUS: QUEUED, "url": location}
         return json_response(body, 202, {"Location": location, "X-Request-Id": request.id})

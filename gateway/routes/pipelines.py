@@ -14,12 +14,14 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from gateway.responses import declared, validation_issues
-from gateway.routes import BODY_ERRORS, Priority, Timeout, Trace, json_response
+from gateway.headers import Sent, parameters, sent_on
+from gateway.responses import answer, declared, validation_issues
+from gateway.routes import BODY_ERRORS, json_response
 from gateway.service import Gateway
-from pipelines.envelope import Lane, Reply, new_request_id
+from pipelines.envelope import Reply, new_request_id
 from pipelines.errors import Cancelled, DeadlineExceeded, ItemFailed
 from pipelines.graph import Pipeline
+from pipelines.outcomes import Outcome
 
 RESULT_ERRORS = (404, 500, 502, 503, 504)  # what a step, the queue or a bad reply can answer
 
@@ -38,11 +40,11 @@ def add_pipeline_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
 
 def reply_response(reply: Reply, request_id: str) -> Response:
     """The HTTP response for a request's final reply (errors raise, mapped in one place)."""
-    if reply.outcome == "ok":
-        return json_response(reply.result, 200, {"X-Request-Id": request_id})
-    if reply.outcome == "expired":
+    if reply.outcome is Outcome.OK:
+        return json_response(reply.result, Outcome.OK.http_status, {"X-Request-Id": request_id})
+    if reply.outcome is Outcome.EXPIRED:
         raise DeadlineExceeded("deadline passed before the request finished", request_id=request_id)
-    if reply.outcome == "cancelled":
+    if reply.outcome is Outcome.CANCELLED:
         raise Cancelled(f"step {reply.stage!r}: cancelled", request_id=request_id)
     raise ItemFailed(
         f"step {reply.stage!r} failed: {reply.error}",
@@ -61,28 +63,19 @@ def query_field(model: type[BaseModel]) -> str | None:
 
 
 def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
-    async def run(
-        http: Request,
-        payload: BaseModel,
-        asked: float | None,
-        trace: str | None,
-        priority: Lane | None,
-    ) -> Response:
+    async def run(http: Request, payload: BaseModel, sent: Sent) -> Response:
         data = payload.model_dump(mode="json")
-        budget = gw.timeout_for(asked)
-        lane = priority or "interactive"
+        budget = gw.timeout_for(sent.timeout_s)
         # The body is read: what receive says next is the client going away.
-        request_id, reply = await gw.call(pipeline, data, budget, trace, http.receive, lane)
+        request_id, reply = await gw.call(
+            pipeline, data, budget, sent.trace, http.receive, sent.lane
+        )
         return reply_response(reply, request_id)
 
     async def post(
-        http: Request,
-        payload: BaseModel,
-        timeout_s: Timeout = None,
-        trace: Trace = None,
-        priority: Priority = None,
+        http: Request, payload: BaseModel, sent: Annotated[Sent, sent_on("call")]
     ) -> Response:
-        return await run(http, payload, timeout_s, trace, priority)
+        return await run(http, payload, sent)
 
     # FastAPI reads the body model from the annotation; each pipeline has its own.
     post.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
@@ -95,7 +88,10 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
         summary=summary,
         tags=["pipelines"],
         name=f"post_{pipeline.name}",
-        responses=declared([*edge, *BODY_ERRORS, *RESULT_ERRORS]),
+        responses={
+            **answer(pipeline.output_model),
+            **declared([*edge, *BODY_ERRORS, *RESULT_ERRORS]),
+        },
     )
     if len(pipeline.steps) == 1 and pipeline.entry.stage.streaming:
         _add_stream_route(app, gw, pipeline, edge)
@@ -109,8 +105,7 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
         except ValidationError as exc:
             issues = [{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]
             return json_response({"detail": validation_issues(issues)}, 422)
-        asked, trace, priority = kwargs["timeout_s"], kwargs["trace"], kwargs["priority"]
-        return await run(kwargs["_request"], payload, asked, trace, priority)
+        return await run(kwargs["_request"], payload, Sent.of("call", kwargs))
 
     # The query parameter is named after the model's field (``text``, ``search_term``).
     kw = inspect.Parameter.KEYWORD_ONLY
@@ -118,9 +113,7 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
         [
             inspect.Parameter("_request", kw, annotation=Request),  # a field never starts so
             inspect.Parameter(field, kw, annotation=Annotated[str, Query(min_length=1)]),
-            inspect.Parameter("timeout_s", kw, default=None, annotation=Timeout),
-            inspect.Parameter("trace", kw, default=None, annotation=Trace),
-            inspect.Parameter("priority", kw, default=None, annotation=Priority),
+            *parameters(),
         ]
     )
     app.add_api_route(
@@ -130,7 +123,7 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
         summary=f"{summary} (?{field}=)",
         tags=["pipelines"],
         name=f"get_{pipeline.name}",
-        responses=declared([*edge, 422, *RESULT_ERRORS]),
+        responses={**answer(pipeline.output_model), **declared([*edge, 422, *RESULT_ERRORS])},
     )
 
 
@@ -169,13 +162,8 @@ class EventStream(StreamingResponse):
 
 
 def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
-    async def stream(
-        payload: BaseModel,
-        timeout_s: Timeout = None,
-        trace: Trace = None,
-        priority: Priority = None,
-    ) -> Response:
-        budget = gw.timeout_for(timeout_s)
+    async def stream(payload: BaseModel, sent: Annotated[Sent, sent_on("stream")]) -> Response:
+        budget = gw.timeout_for(sent.timeout_s)
         request_id = new_request_id()
         queue = gw.replies.expect_stream(request_id)
         try:
@@ -184,10 +172,10 @@ def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[
                 pipeline,
                 payload.model_dump(mode="json"),
                 budget,
-                trace,
+                sent.trace,
                 request_id=request_id,
                 stream=True,
-                lane=priority or "interactive",
+                lane=sent.lane,
             )
         except BaseException:
             gw.replies.forget(request_id)
@@ -241,7 +229,7 @@ class _Relay:
                 yield _sse("token", reply.result)
                 continue
             self.finished = True
-            if reply.outcome == "ok":
+            if reply.outcome is Outcome.OK:
                 yield _sse("done", reply.result)
             else:
                 yield _sse("error", {"detail": reply.error, "status": reply.http_status})

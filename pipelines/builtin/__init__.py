@@ -26,7 +26,25 @@ class ValueIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     # Bounded so that what the stages make of it (doubled) stays a finite JSON number.
-    value: float = Field(ge=-1e300, le=1e300, description="The number.")
+    value: float = Field(ge=-1e300, le=1e300, description="The number.", examples=[5])
+
+
+class ValueOut(BaseModel):
+    """The number worked on."""
+
+    value: float = Field(examples=[12])
+
+
+class BothOut(BaseModel):
+    """What each branch made of the number: the sum's, then the product's."""
+
+    results: list[ValueOut] = Field(examples=[[{"value": 6}, {"value": 10}]])
+
+
+class MessageOut(BaseModel):
+    """A greeting, or what to do instead."""
+
+    message: str = Field(examples=["Hola Ada"])
 
 
 class HelloIn(BaseModel):
@@ -83,6 +101,7 @@ def builtin_pipelines() -> list[Pipeline]:
             ValueIn,
             (model("add", ADDER, then="multiply"), model("multiply", MULTIPLIER)),
             summary="Adds one, then doubles.",
+            output_model=ValueOut,
         ),
         Pipeline(
             "broadcast",
@@ -94,6 +113,7 @@ def builtin_pipelines() -> list[Pipeline]:
                 function("collect", _collect, join=("add", "multiply")),
             ),
             summary="Adds one and doubles, in parallel; lists both.",
+            output_model=BothOut,
         ),
         Pipeline(
             "hello",
@@ -106,6 +126,7 @@ def builtin_pipelines() -> list[Pipeline]:
                 function("french", _french),
             ),
             summary="Greets in Spanish or French.",
+            output_model=MessageOut,
         ),
         wiki_summary(),
     ]

@@ -403,7 +403,7 @@ def test_images_install_every_package_with_pinned_torch_as_non_root(dockerfile: 
     if dockerfile == "Dockerfile":
         assert "ARG TORCH_SPEC=torch==2.13.0+cpu" in text
         assert "FROM ${PYTHON_IMAGE}" in text
-        assert "ARG PYTHON_IMAGE=python:3.11-slim" in text
+        assert "ARG PYTHON_IMAGE=python:3.12-slim" in text  # the CUDA image's minor
 
 
 # --- compose -------------------------------------------------------------------------------

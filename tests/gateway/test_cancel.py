@@ -22,6 +22,7 @@ from pipelines.envelope import Reply, Request, decode_request
 from pipelines.errors import Cancelled
 from pipelines.graph import single
 from pipelines.model import Model
+from pipelines.outcomes import Outcome
 from pipelines.records import CANCEL_GRACE_S
 from pipelines.registry import Registry
 from pipelines.stages import GenerateIn, Stage
@@ -325,7 +326,7 @@ async def test_delete_with_redis_down_is_503(harness: Harness) -> None:
 
 def test_a_cancelled_reply_answers_499() -> None:
     # Should a worker answer a waiting call "cancelled": 499, as a cancelled job says.
-    reply = Reply(id="r1", stage="double", outcome="cancelled", error="cancelled")
+    reply = Reply(id="r1", stage="double", outcome=Outcome.CANCELLED, error="cancelled")
     with pytest.raises(Cancelled) as raised:
         reply_response(reply, "r1")
     assert raised.value.status == 499

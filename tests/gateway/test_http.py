@@ -13,10 +13,11 @@ import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port
 from gateway.app import create_app
+from gateway.headers import CORS_HEADERS, HEADERS
 from gateway.settings import GatewaySettings
 from pipelines.envelope import decode_request
 from pipelines.errors import ConfigError
-from pipelines.graph import Pipeline, function
+from pipelines.graph import Pipeline, function, single
 from pipelines.registry import Registry
 from pipelines.stages import AnyIn
 from tests.helpers import Doubler, Harness, number_stage
@@ -203,6 +204,42 @@ async def test_cors_is_off_unless_configured(harness: Harness) -> None:
     http = await harness.gateway([number_stage()], cors_origins="https://app.example")
     resp = await http.options("/v1/double", headers=headers)
     assert resp.headers["access-control-allow-origin"] == "https://app.example"
+
+
+async def test_cors_preflight_allows_every_declared_header(harness: Harness) -> None:
+    # Issue 25: X-Conveyor-Priority was refused ("Disallowed CORS headers") while
+    # X-Conveyor-Timeout passed; the allow-list is now derived from the declarations.
+    assert {h.name for h in HEADERS} <= set(CORS_HEADERS)
+    assert "X-Conveyor-Priority" in CORS_HEADERS
+    http = await serving(harness, cors_origins="https://app.example")
+    for path in ("/v1/double", "/v1/jobs/double"):
+        for header in (*CORS_HEADERS, ",".join(CORS_HEADERS)):
+            resp = await http.options(
+                path,
+                headers={
+                    "Origin": "https://app.example",
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": header,
+                },
+            )
+            assert resp.status_code == 200, (path, header, resp.text)
+            allowed = resp.headers["access-control-allow-headers"].lower().split(", ")
+            assert {h.strip().lower() for h in header.split(",")} <= set(allowed)
+    # and the header then does what it says, across origins
+    resp = await http.post(
+        "/v1/jobs/double",
+        json={"value": 1},
+        headers={"Origin": "https://app.example", "X-Conveyor-Priority": "interactive"},
+    )
+    assert resp.status_code == 202
+    assert resp.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_every_route_documents_every_declared_header() -> None:
+    schema = create_app(GatewaySettings(), Registry([single(number_stage())])).openapi()
+    for path in ("/v1/double", "/v1/jobs/double"):
+        params = schema["paths"][path]["post"]["parameters"]
+        assert [p["name"] for p in params if p["in"] == "header"] == [h.name for h in HEADERS]
 
 
 async def test_request_that_would_miss_its_deadline_is_refused_at_once(

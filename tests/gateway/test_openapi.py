@@ -74,3 +74,47 @@ async def test_every_route_declares_its_statuses_and_bodies(
     assert set(finished["required"]) == {"detail", "job"}
     assert finished["properties"]["job"] == {"$ref": "#/components/schemas/JobView"}
     assert "cancelled" in schemas["JobView"]["properties"]["status"]["enum"]
+
+
+async def test_a_pipeline_answer_has_its_schema_and_its_input_a_sensible_example(
+    harness: Harness,
+) -> None:
+    http = await harness.gateway(load_registry(None, "chain,broadcast,hello,echo"))
+    doc: dict[str, Any] = (await http.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+
+    def answer(path: str) -> dict[str, Any]:
+        ref = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]
+        return dict(schemas[ref["schema"]["$ref"].rsplit("/", 1)[1]])
+
+    # Issue 25: the 200 had an empty schema, and Swagger's example for chain was
+    # {"value": -1e+300} (the lower bound) for want of an example.
+    assert answer("/v1/chain")["properties"]["value"]["type"] == "number"
+    assert answer("/v1/broadcast")["properties"]["results"]["type"] == "array"
+    assert answer("/v1/hello")["required"] == ["message"]
+    assert answer("/v1/echo")["type"] == "object"  # no output model: a JSON object
+    assert schemas["ValueIn"]["properties"]["value"]["examples"] == [5]
+    for name in ("ValueIn", "HelloIn"):
+        model = schemas[name]
+        for field in model["required"]:
+            assert model["properties"][field].get("examples"), (name, field)
+
+
+async def test_an_unknown_pipeline_is_a_json_404_naming_the_known_ones(harness: Harness) -> None:
+    http = await harness.gateway(load_registry(None, "chain,hello"))
+    for method, path in (
+        ("POST", "/v1/nope"),
+        ("GET", "/v1/nope"),
+        ("POST", "/v1/nope/stream"),
+        ("POST", "/v1/jobs/nope"),
+    ):
+        resp = await http.request(method, path, json={"value": 1})
+        assert resp.status_code == 404, (method, path, resp.text)
+        assert resp.headers["content-type"] == "application/json"
+        body = resp.json()
+        assert body["pipelines"] == ["chain", "hello"]
+        assert "no pipeline 'nope'" in body["detail"]
+        assert "chain, hello" in body["detail"]
+    resp = await http.get("/no/such/path")  # not a pipeline's path: FastAPI's own 404
+    assert resp.status_code == 404
+    assert resp.json() == {"detail": "Not Found"}

@@ -18,8 +18,8 @@ from conveyor.embedded import free_port
 from gateway.history import SAMPLE_S, quantile
 from pipelines.builtin import builtin_pipelines
 from pipelines.metrics import BUCKETS
+from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
-from pipelines.stats import OUTCOMES
 from tests.browser import CHROMIUM, Chromium, chromium, open_page
 from tests.helpers import REPO, Doubler, Harness, number_stage, until
 
@@ -243,7 +243,7 @@ async def test_status_page_refreshes_live_in_headless_chromium(
             await asyncio.gather(*loaders)
         assert state["stages"] == ["double", "slow"]
         # A column per item outcome, cancelled included.
-        assert list(state["outcomes"]["slow"]) == list(OUTCOMES)
+        assert list(state["outcomes"]["slow"]) == list(Outcome)
         assert state["outcomes"]["slow"]["cancelled"] == "3"
         assert state["outcomes"]["double"]["cancelled"] == "0"
         assert "cancelled" in state["headers"]

@@ -30,6 +30,7 @@ from pipelines.envelope import (
     wire_problem,
 )
 from pipelines.errors import EnvelopeError
+from pipelines.outcomes import Outcome
 
 # Anything JSON-shaped, hostile leaves included: NaN, infinities, ints of any size,
 # strings with lone surrogates, and deep nesting.
@@ -85,7 +86,9 @@ def test_what_is_admitted_round_trips_through_every_hop(value: Any) -> None:
     assert same(request.payload, payload)
     assert same(request.state["previous"], payload)
     # ... and as a step's output on its way back to the gateway.
-    reply = decode_reply({FIELD: dumps(Reply(id="r", stage="s", outcome="ok", result=payload))})
+    reply = decode_reply(
+        {FIELD: dumps(Reply(id="r", stage="s", outcome=Outcome.OK, result=payload))}
+    )
     assert same(reply.result, payload)
 
 
@@ -141,11 +144,11 @@ def test_a_newer_envelope_with_added_fields_still_decodes() -> None:
 
 def test_a_reply_answers_with_the_status_its_outcome_maps_to() -> None:
     # The one mapping the sync route, the SSE error event and a job's record all use.
-    assert Reply(id="r", stage="s", outcome="ok", result={}).http_status == 200
-    assert Reply(id="r", stage="s", outcome="error", error="x", status=422).http_status == 422
-    assert Reply(id="r", stage="s", outcome="expired", error="late").http_status == 504
-    assert Reply(id="r", stage="s", outcome="ok", result={}, status=500).http_status == 200
-    ok = Reply(id="r", stage="s", outcome="ok", result={})
+    assert Reply(id="r", stage="s", outcome=Outcome.OK, result={}).http_status == 200
+    assert Reply(id="r", stage="s", outcome=Outcome.ERROR, error="x", status=422).http_status == 422
+    assert Reply(id="r", stage="s", outcome=Outcome.EXPIRED, error="late").http_status == 504
+    assert Reply(id="r", stage="s", outcome=Outcome.OK, result={}, status=500).http_status == 200
+    ok = Reply(id="r", stage="s", outcome=Outcome.OK, result={})
     assert "http_status" not in orjson.loads(dumps(ok))
 
 
@@ -179,7 +182,7 @@ def test_an_envelope_that_decodes_can_always_be_ended(
     router = Router(Registry(builtin_pipelines()), keys, "adder")
     for now in (0.0, 1.7e9, 4e9):
         out = Outbox()
-        router.fail(out, req, "error", "dead-lettered", status=500, now=now)
+        router.fail(out, req, Outcome.ERROR, "dead-lettered", status=500, now=now)
         router.late(out, req, now)
         router.cancel(out, req, now)
         assert all(0 < e.marker_ttl_s < 2**31 for e in out.effects.values())

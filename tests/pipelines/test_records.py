@@ -11,6 +11,7 @@ from redis.typing import EncodableT, FieldT
 
 from pipelines.envelope import Reply, Request
 from pipelines.keys import Keys
+from pipelines.outcomes import Outcome
 from pipelines.records import (
     DONE,
     EXPIRED,
@@ -39,7 +40,7 @@ async def test_a_job_is_created_with_its_request_and_a_repeat_keeps_its_end(
         deadline=100.0,
         reply_to=keys.job("j1"),
     )
-    done = Reply(id="j1", stage="double", outcome="ok", result={"value": 2})
+    done = Reply(id="j1", stage="double", outcome=Outcome.OK, result={"value": 2})
     for _ in range(2):  # the gateway's write, repeated after a lost answer
         pipe = redis.pipeline(transaction=True)
         create_job(pipe, request, "alice", 60)
@@ -64,15 +65,15 @@ async def test_a_job_is_created_with_its_request_and_a_repeat_keeps_its_end(
     ("reply", "fields"),
     [
         (
-            Reply(id="r", stage="s", outcome="ok", result={"v": [1.5]}),
+            Reply(id="r", stage="s", outcome=Outcome.OK, result={"v": [1.5]}),
             {JobField.STATUS: DONE, JobField.RESULT: '{"v":[1.5]}', JobField.HTTP_STATUS: "200"},
         ),
         (
-            Reply(id="r", stage="s", outcome="error", error="boom", status=503),
+            Reply(id="r", stage="s", outcome=Outcome.ERROR, error="boom", status=503),
             {JobField.STATUS: FAILED, JobField.ERROR: "boom", JobField.HTTP_STATUS: "503"},
         ),
         (
-            Reply(id="r", stage="s", outcome="expired", error=None, status=504),
+            Reply(id="r", stage="s", outcome=Outcome.EXPIRED, error=None, status=504),
             {JobField.STATUS: EXPIRED, JobField.ERROR: "", JobField.HTTP_STATUS: "504"},
         ),
     ],

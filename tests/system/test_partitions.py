@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from conveyor.embedded import Cluster, free_port
-from gateway.routes import PRIORITY_HEADER
+from gateway.headers import PRIORITY
 from pipelines.builtin import ADDER, builtin_pipelines
 from pipelines.envelope import decode_reply, encode
 from pipelines.errors import ConfigError
@@ -164,7 +164,7 @@ async def test_both_lanes_of_every_partition_are_served(parted: Harness) -> None
     http = await parted.serve(builtins("chain"))
 
     async def call(v: int, lane: str) -> httpx.Response:
-        return await http.post("/v1/chain", json={"value": v}, headers={PRIORITY_HEADER: lane})
+        return await http.post("/v1/chain", json={"value": v}, headers={PRIORITY.name: lane})
 
     lanes = ["interactive", "bulk"] * 15
     got = await asyncio.gather(*(call(v, lane) for v, lane in enumerate(lanes)))

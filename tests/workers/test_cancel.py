@@ -22,6 +22,7 @@ from pipelines.errors import Cancelled
 from pipelines.graph import Pipeline, function
 from pipelines.keys import GROUP
 from pipelines.model import Item, Result
+from pipelines.outcomes import Outcome
 from pipelines.records import (
     CANCELLED,
     DONE,
@@ -122,9 +123,9 @@ async def test_the_publish_script_discards_a_cancelled_requests_effects_once(
     keys = harness.keys
     ids = await read_batch(redis, keys.stage_stream("s"), 3)
     await redis.hset(keys.job("ran"), mapping=job_cancelled())
-    ok = Reply(id="ran", stage="s", outcome="ok", result={"v": 1})
-    ended = Reply(id="ended", stage="s", outcome="cancelled", error="cancelled", status=499)
-    other = Reply(id="other", stage="s", outcome="ok", result={"v": 2})
+    ok = Reply(id="ran", stage="s", outcome=Outcome.OK, result={"v": 1})
+    ended = Reply(id="ended", stage="s", outcome=Outcome.CANCELLED, error="cancelled", status=499)
+    other = Reply(id="other", stage="s", outcome=Outcome.OK, result={"v": 2})
     out = Outbox()
     for reply, to in ((ok, keys.job("ran")), (ended, keys.job("ended")), (other, keys.job("o"))):
         out.effects[keys.done(reply.id, "s")] = Effects(

@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 
 from pipelines.envelope import Reply
 from pipelines.keys import GROUP, Keys
+from pipelines.outcomes import Outcome
 from pipelines.records import DONE, EXPIRED, FAILED, JobRecord
 from pipelines.redisio import ensure_group
 from tests.helpers import Harness
@@ -20,9 +21,9 @@ def outbox(harness: Harness, ids: list[str], outcome: str = "ok") -> Outbox:
     out = Outbox()
     for rid in ids:
         if outcome == "ok":
-            reply = Reply(id=rid, stage="s", outcome="ok", result={"v": 1})
+            reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": 1})
         else:
-            reply = Reply(id=rid, stage="s", outcome="error", error="boom", status=500)
+            reply = Reply(id=rid, stage="s", outcome=Outcome.ERROR, error="boom", status=500)
         effects = Effects(marker_ttl_s=60, replies=[(harness.keys.reply_stream("t"), reply)])
         out.effects[harness.keys.done(rid, "s")] = effects
     return out
@@ -96,7 +97,7 @@ async def test_outcomes_are_counted_once_per_request_answered(
     ids = await read_batch(redis, keys.stage_stream("s"), 3)
     for worker in ("first", "second"):
         out = outbox(harness, ["a", "b"])
-        out.effects.update(outbox(harness, ["c"], outcome="error").effects)
+        out.effects.update(outbox(harness, ["c"], outcome=Outcome.ERROR).effects)
         await publish_batch(redis, keys, out, ids, worker, 3)
     got = await harness.stats("s")
     assert (got["items:ok"], got["items:error"]) == (2, 1)  # 4 and 2 before
@@ -110,9 +111,11 @@ async def test_a_jobs_reply_finishes_its_record(harness: Harness, redis: aioredi
     keys = harness.keys
     ids = await read_batch(redis, keys.stage_stream("s"), 3)
     replies = {
-        "ok": Reply(id="ok", stage="s", outcome="ok", result={"v": 1}),
-        "failed": Reply(id="failed", stage="s", outcome="error", error="boom", status=422),
-        "expired": Reply(id="expired", stage="s", outcome="expired", error="late", status=504),
+        "ok": Reply(id="ok", stage="s", outcome=Outcome.OK, result={"v": 1}),
+        "failed": Reply(id="failed", stage="s", outcome=Outcome.ERROR, error="boom", status=422),
+        "expired": Reply(
+            id="expired", stage="s", outcome=Outcome.EXPIRED, error="late", status=504
+        ),
     }
     out = Outbox()
     for rid, reply in replies.items():
