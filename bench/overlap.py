@@ -24,8 +24,8 @@ import redis.asyncio as aioredis
 from conveyor.embedded import free_port, start_redis
 from pipelines.envelope import Request
 from pipelines.model import Item, Result
-from pipelines.redisio import enqueue
 from pipelines.stages import Stage, TextIn
+from runtime.redisio import enqueue
 from workers.loop import Worker
 from workers.models.simulated import SimulatedAccelerator
 from workers.settings import WorkerSettings

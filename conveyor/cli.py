@@ -27,10 +27,10 @@ from conveyor.dlq import dlq_command
 from conveyor.keda import TriggerOptions, triggers
 from pipelines.envelope import LANES
 from pipelines.errors import ConveyorError
-from pipelines.redisio import connect
 from pipelines.registry import load_registry
 from pipelines.settings import DEFAULT_REDIS_URL, CommonSettings, load_settings, redact_url
-from pipelines.stats import StageStatus, known_stages, stage_status
+from runtime.redisio import connect
+from runtime.stats import StageStatus, known_stages, stage_status
 
 GATEWAYS_HELP = (
     "gateway processes on the one port (SO_REUSEPORT: the kernel spreads connections); "

@@ -18,10 +18,10 @@ from pipelines.envelope import decode_request
 from pipelines.errors import ConfigError, EnvelopeError, UnknownStage
 from pipelines.keys import Keys
 from pipelines.records import DeadLetter
-from pipelines.redisio import RedisClock, connect, enqueue, in_order, text
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings, load_settings
-from pipelines.stats import known_stages
+from runtime.redisio import RedisClock, connect, enqueue, in_order, text
+from runtime.stats import known_stages
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 

@@ -25,9 +25,9 @@ from collections.abc import Callable, Collection
 import httpx
 
 from pipelines.errors import ConfigError
-from pipelines.redisio import REDIS_DOWN, connect
 from pipelines.settings import CommonSettings
-from pipelines.stats import stage_status
+from runtime.redisio import REDIS_DOWN, connect
+from runtime.stats import stage_status
 
 POLL_S = 0.25
 """How often the stages are looked at until they are ready."""

@@ -18,9 +18,9 @@ import uvicorn
 from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
-from pipelines import tracing
 from pipelines.errors import exit_on_config_error
 from pipelines.settings import load_settings
+from runtime import tracing
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Two tests, on a view of each stage refreshed at most every ``refresh_s``:
 
 - the backlog bound: a stage holding ``max_backlog`` items (its
-  :attr:`~pipelines.stats.StageStatus.backlog`: undelivered + in flight, both lanes)
+  :attr:`~runtime.stats.StageStatus.backlog`: undelivered + in flight, both lanes)
   takes no more, in either lane;
 - the deadline: from the backlog ahead of the request, the live workers and their learned
   batch cost (``a + b·n``, published by the workers), the time a new request would wait
@@ -34,8 +34,8 @@ import redis.asyncio as aioredis
 from pipelines.envelope import DEFAULT_LANE, LANES, Lane
 from pipelines.errors import Overloaded
 from pipelines.keys import Keys
-from pipelines.redisio import REDIS_DOWN
-from pipelines.stats import StageStatus, stage_status
+from runtime.redisio import REDIS_DOWN
+from runtime.stats import StageStatus, stage_status
 
 logger = logging.getLogger(__name__)
 

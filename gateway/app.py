@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.body import WireRoute
 from gateway.docs import add_docs_routes
 from gateway.edge import OPEN_PATHS, EdgeMiddleware
+from gateway.enqueue import refusal
 from gateway.fastpath import SyncCalls
 from gateway.headers import CORS_HEADERS
 from gateway.responses import openapi_document, validation_issues
@@ -29,11 +30,11 @@ from gateway.routes.pipelines import add_pipeline_routes
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.traces import TraceHeaders
-from pipelines import tracing
 from pipelines.errors import RETRY_AFTER_MAX_S, ConfigError, ConveyorError, InvalidInput
-from pipelines.redisio import REDIS_DOWN, refusal
 from pipelines.registry import Registry, load_registry
 from pipelines.settings import load_settings
+from runtime import tracing
+from runtime.redisio import REDIS_DOWN
 
 logger = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ import redis.asyncio as aioredis
 from starlette.types import Receive
 
 from gateway.background import Background
+from gateway.enqueue import refusal
 from pipelines.errors import NotFound
 from pipelines.keys import Keys
 from pipelines.records import QUEUED, JobField, JobRecord, job_cancelled, mark_cancelled
-from pipelines.redisio import (
+from runtime.redisio import (
     REDIS_DOWN,
     RedisClock,
     in_order,
     on_live_connection,
-    refusal,
     text,
 )
 

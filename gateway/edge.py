@@ -15,7 +15,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.protocol import HEADERS_TOO_LARGE
-from pipelines.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines
+from runtime.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines
 
 HTTP_REQUESTS = Family(
     "conveyor_http_requests_total",

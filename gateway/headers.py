@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, Header
 from pydantic import WithJsonSchema
 
-from pipelines import tracing
 from pipelines.envelope import DEFAULT_LANE, LANES, Lane
+from runtime import tracing
 
 RouteKind = Literal["call", "stream", "job"]
 """A kind of route reading the headers: a sync call (``POST``/``GET /v1/{name}``), a

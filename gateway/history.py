@@ -1,6 +1,6 @@
 """The recent past of every stage, for the status page: throughput and latency percentiles.
 
-The stage counters in Redis (:mod:`pipelines.stats`) are cumulative; a rate or a recent
+The stage counters in Redis (:mod:`runtime.stats`) are cumulative; a rate or a recent
 percentile needs two readings some time apart. The gateway takes one every
 :data:`SAMPLE_S` and keeps :data:`KEEP_S` of them, so the page shows the last minutes as
 soon as it opens instead of only what happens while it is open. Each gateway keeps its
@@ -21,10 +21,10 @@ from typing import NamedTuple, TypedDict
 import redis.asyncio as aioredis
 
 from pipelines.keys import Keys
-from pipelines.metrics import BUCKETS, le_label
 from pipelines.outcomes import Outcome
-from pipelines.redisio import REDIS_DOWN, RedisClock
-from pipelines.stats import read_all_stats
+from runtime.metrics import BUCKETS, le_label
+from runtime.redisio import REDIS_DOWN, RedisClock
+from runtime.stats import read_all_stats
 
 logger = logging.getLogger(__name__)
 

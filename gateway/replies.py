@@ -25,11 +25,11 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from pipelines import tracing
 from pipelines.envelope import Reply, decode_reply, replier
 from pipelines.errors import BadReply, EnvelopeError
 from pipelines.outcomes import Outcome
-from pipelines.redisio import REDIS_DOWN, Backoff, entry_ms
+from runtime import tracing
+from runtime.redisio import REDIS_DOWN, Backoff, entry_ms
 
 logger = logging.getLogger(__name__)
 

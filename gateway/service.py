@@ -19,11 +19,11 @@ from gateway.admission import Admission
 from gateway.body import problem_detail
 from gateway.cancel import Cancellations, ClientGone, unwatch, watch
 from gateway.edge import ANONYMOUS, RequestMetrics
+from gateway.enqueue import Enqueuer, refusal
 from gateway.history import History
 from gateway.replies import ReplyDispatcher
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
-from pipelines import tracing
 from pipelines.envelope import DEFAULT_LANE, Lane, Reply, Request, new_request_id, wire_problem
 from pipelines.errors import (
     Cancelled,
@@ -35,20 +35,19 @@ from pipelines.errors import (
 )
 from pipelines.graph import Pipeline
 from pipelines.records import JobRecord, create_job
-from pipelines.redisio import (
+from pipelines.registry import Registry
+from runtime import tracing
+from runtime.redisio import (
     REDIS_DOWN,
     REFUSED,
     SATURATED,
-    Enqueuer,
     RedisClock,
     agree_on_partitions,
     connect,
     enqueue,
     in_order,
     on_live_connection,
-    refusal,
 )
-from pipelines.registry import Registry
 
 logger = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from gateway.history import Latency
 from gateway.service import Gateway
 from pipelines.envelope import LANES
 from pipelines.graph import Pipeline
-from pipelines.metrics import BUCKETS, le_label
 from pipelines.outcomes import Outcome
-from pipelines.redisio import REDIS_DOWN
-from pipelines.stats import (
+from runtime.metrics import BUCKETS, le_label
+from runtime.redisio import REDIS_DOWN
+from runtime.stats import (
     ALIVE_IDLE_MS,
     StageStatus,
     read_stats,
@@ -53,7 +53,7 @@ class ConsumerRow(TypedDict):
 
 
 class LaneRow(TypedDict):
-    """One priority lane of a stage: its :class:`~pipelines.stats.LaneStatus`."""
+    """One priority lane of a stage: its :class:`~runtime.stats.LaneStatus`."""
 
     lag: int
     pending: int
@@ -74,7 +74,7 @@ class Tokens(TypedDict):
 
 
 class StageRow(TypedDict):
-    """One stage's row of ``/status.json``: its :class:`~pipelines.stats.StageStatus`
+    """One stage's row of ``/status.json``: its :class:`~runtime.stats.StageStatus`
     (the queue part) and its counters."""
 
     stage: str
@@ -97,7 +97,7 @@ def stage_row(
 
     Args:
         status: the stage's state.
-        stats: its stats hash (:func:`~pipelines.stats.read_stats`).
+        stats: its stats hash (:func:`~runtime.stats.read_stats`).
         dead_letters: entries in its dead-letter stream.
         latency: its recent queue wait and run time (:meth:`History.latency`).
     """

@@ -1,4 +1,4 @@
-"""The gateway's part of a request's trace (only when tracing is on: :mod:`pipelines.tracing`).
+"""The gateway's part of a request's trace (only when tracing is on: :mod:`runtime.tracing`).
 
 FastAPI's own OpenTelemetry support opens each request's root span (kind SERVER,
 continuing a W3C ``traceparent`` the client sent) once a tracer provider is configured,
@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipelines import tracing
+from runtime import tracing
 
 logger = logging.getLogger(__name__)
 

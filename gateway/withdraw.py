@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from gateway.background import Background
 from pipelines.envelope import Request
 from pipelines.keys import Keys
-from pipelines.redisio import REDIS_DOWN, RedisClock, in_order, text
+from runtime.redisio import REDIS_DOWN, RedisClock, in_order, text
 
 logger = logging.getLogger(__name__)
 

@@ -163,7 +163,7 @@ class Request(BaseModel):
             503 and must never take effect.
         lane: its priority lane (:data:`Lane`), kept at every step of its pipeline.
         traceparent: the W3C trace context of its root span at the gateway, when tracing
-            is on (:mod:`pipelines.tracing`); kept at every step, so each process's spans
+            is on (:mod:`runtime.tracing`); kept at every step, so each process's spans
             join the one trace.
     """
 

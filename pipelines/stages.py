@@ -108,7 +108,7 @@ class Stage:
             took into batches of similar length (length-aware batching,
             :mod:`workers.lengths`). None: batches are bounded by items alone.
         max_backlog: the gateway refuses new requests (503) once the stage's backlog
-            (undelivered + in flight, :attr:`pipelines.stats.StageStatus.backlog`) is this.
+            (undelivered + in flight, :attr:`runtime.stats.StageStatus.backlog`) is this.
         summary: one line for the API docs.
         replicas: worker processes ``conveyor up`` starts for it.
         streaming: its runner can stream output (``/v1/{name}/stream`` is offered).

@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from conveyor.embedded import Cluster, cluster, free_port, start_redis
-from pipelines.redisio import connect
 from pipelines.settings import CommonSettings
+from runtime.redisio import connect
 from tests.helpers import Harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

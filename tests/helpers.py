@@ -28,11 +28,11 @@ from gateway.settings import GatewaySettings
 from pipelines.envelope import Lane, Request, new_request_id
 from pipelines.graph import single
 from pipelines.model import Item, Model, Result
-from pipelines.redisio import enqueue
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
-from pipelines.stats import read_stats
+from runtime.redisio import enqueue
+from runtime.stats import read_stats
 from workers.loop import Worker
 from workers.partitions import partition_workers
 from workers.settings import WorkerSettings

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import GROUP
-from pipelines.redisio import REDIS_DOWN, group_missing
+from runtime.redisio import REDIS_DOWN, group_missing
 
 logger = logging.getLogger(__name__)
 

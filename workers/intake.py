@@ -20,8 +20,8 @@ from pipelines.errors import EnvelopeError
 from pipelines.model import Item, Result
 from pipelines.outcomes import Outcome
 from pipelines.records import cancelled_among
-from pipelines.redisio import REDIS_DOWN, entry_ms, on_live_connection
 from pipelines.stages import Stage
+from runtime.redisio import REDIS_DOWN, entry_ms, on_live_connection
 from workers.batch import BatchRecord, Entry
 from workers.recovery import Letter, Recovery
 from workers.route import Outbox, Router

@@ -43,7 +43,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from pipelines.keys import GROUP
-from pipelines.redisio import text
+from runtime.redisio import text
 from workers.batch import Entry
 from workers.runner import Runner
 

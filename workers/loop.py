@@ -19,19 +19,19 @@ import socket
 import time
 from collections import deque
 
-from pipelines import tracing
 from pipelines.envelope import LANES
 from pipelines.graph import single
 from pipelines.model import Model
-from pipelines.redisio import (
+from pipelines.registry import Registry
+from pipelines.stages import Stage
+from runtime import tracing
+from runtime.redisio import (
     REDIS_DOWN,
     RedisClock,
     agree_on_partitions,
     connect,
     until_reachable,
 )
-from pipelines.registry import Registry
-from pipelines.stages import Stage
 from workers.alive import AliveFile
 from workers.batch import BatchRecord, Entry
 from workers.intake import Batch, Intake

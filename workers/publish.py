@@ -36,7 +36,7 @@ from pipelines.envelope import BRANCH, FIELD, encode
 from pipelines.keys import GROUP, Keys
 from pipelines.outcomes import Outcome
 from pipelines.records import job_finished
-from pipelines.redisio import REDIS_DOWN, Backoff, on_live_connection, text
+from runtime.redisio import REDIS_DOWN, Backoff, on_live_connection, text
 from workers.batch import Entry, by_stream
 from workers.route import Effects, Outbox
 from workers.settings import WorkerSettings
@@ -48,7 +48,7 @@ TOKEN_TTL_S = 30
 
 RETRY_S = TOKEN_TTL_S / 2
 """How long a publish is retried while Redis refuses it or cannot be reached (BUSY, OOM,
-an outage: :data:`~pipelines.redisio.REDIS_DOWN`), backing off, before the batch is left
+an outage: :data:`~runtime.redisio.REDIS_DOWN`), backing off, before the batch is left
 pending to be reclaimed. Well inside the token's life, so the repeat of a call that did
 run is a no-op."""
 
@@ -251,7 +251,7 @@ async def publish(
             ``entry_ids``, if given, as well).
         stats_key: the stage's stats hash.
         stats: batch-level increments for it (``*:sum`` fields are floats), added once
-            per call, unguarded (see :func:`pipelines.stats.batch_fields`).
+            per call, unguarded (see :func:`runtime.stats.batch_fields`).
         reply_maxlen: approximate cap on each reply stream.
         reply_ttl_s: reply streams expire this long after their last write.
         token_key: a key unique to this call (``Keys.publish_token``), set by it.

@@ -40,7 +40,7 @@ from pipelines.errors import EnvelopeError
 from pipelines.keys import GROUP
 from pipelines.outcomes import Outcome
 from pipelines.records import DeadLetter
-from pipelines.redisio import REDIS_DOWN, RedisClock, group_missing, text
+from runtime.redisio import REDIS_DOWN, RedisClock, group_missing, text
 from workers.batch import Entry, by_stream
 from workers.heartbeat import Heartbeat
 from workers.route import Outbox, Router

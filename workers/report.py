@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from pipelines import stats
 from pipelines.outcomes import Outcome
+from runtime import stats
 from workers.intake import Batch
 from workers.publish import Published
 
@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 def batch_counts(batch: Batch) -> dict[str, float]:
     """The increments ``batch`` adds to its stage's stats hash with its publish
-    (:func:`pipelines.stats.batch_fields`, its tokens and its dead letters)."""
+    (:func:`runtime.stats.batch_fields`, its tokens and its dead letters)."""
     record = batch.record
     counts = stats.batch_fields(record.size, len(batch.live), batch.waits, record.run_s)
     if record.padded_tokens:

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import Keys
-from pipelines.redisio import REDIS_DOWN, Backoff, ensure_group, group_missing
+from runtime.redisio import REDIS_DOWN, Backoff, ensure_group, group_missing
 from workers.batch import Entry
 from workers.lanes import Lanes
 from workers.lengths import Lengths

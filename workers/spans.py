@@ -1,4 +1,4 @@
-"""A batch's OpenTelemetry spans (only when tracing is on: :mod:`pipelines.tracing`).
+"""A batch's OpenTelemetry spans (only when tracing is on: :mod:`runtime.tracing`).
 
 One span for the batch itself (its own trace: a batch serves many requests, each in its
 own trace), and for each request it ran, under that request's root span (its envelope's
@@ -14,7 +14,7 @@ own trace), and for each request it ran, under that request's root span (its env
 
 from __future__ import annotations
 
-from pipelines import tracing
+from runtime import tracing
 from workers.intake import Batch
 
 

@@ -14,9 +14,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from pipelines.redisio import REDIS_DOWN, RedisClock, entry_ms
 from pipelines.stages import Stage
-from pipelines.stats import COST_A, COST_B
+from runtime.redisio import REDIS_DOWN, RedisClock, entry_ms
+from runtime.stats import COST_A, COST_B
 from workers.batch import Entry
 from workers.policy import FLAT_OVERHEAD_TOKENS, OVERHEAD_PRIOR_TOKENS, BatchPolicy
 from workers.runner import Runner

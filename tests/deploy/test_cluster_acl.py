@@ -16,9 +16,9 @@ from conveyor.embedded import Cluster, cluster
 from pipelines.builtin import builtin_pipelines
 from pipelines.envelope import LANES
 from pipelines.keys import GROUP, Keys
-from pipelines.redisio import connect
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
+from runtime.redisio import connect
 from tests.deploy.test_deploy import DUMMY_ENV, KEDA_PASSWORD, render_acl
 from tests.helpers import Harness
 

@@ -41,8 +41,8 @@ from conveyor.embedded import find_redis_server
 from gateway.replies import TRIM_EVERY
 from pipelines.envelope import decode_reply, decode_request
 from pipelines.keys import GROUP, Keys
-from pipelines.redisio import text
-from pipelines.stats import read_stats
+from runtime.redisio import text
+from runtime.stats import read_stats
 from tests.helpers import REPO, Doubler, Harness, number_stage
 
 DASHBOARD = REPO / "deploy" / "grafana" / "conveyor-dashboard.json"

@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 from gateway.admission import Admission
 from pipelines.errors import Overloaded
 from pipelines.keys import GROUP
-from pipelines.redisio import ensure_group, text
-from pipelines.stats import stage_status
+from runtime.redisio import ensure_group, text
+from runtime.stats import stage_status
 from tests.helpers import Harness
 
 

@@ -23,9 +23,9 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.core.result import Ok
 
-from pipelines.redisio import connect
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
+from runtime.redisio import connect
 from tests.helpers import Harness
 
 EXAMPLES = 60

@@ -1,4 +1,4 @@
-"""The hot path (gateway/fastpath.py) and the shared enqueue round trip (redisio.Enqueuer):
+"""The hot path (gateway/fastpath.py) and the shared enqueue round trip (gateway/enqueue.py):
 the hot path answers what it takes exactly as the FastAPI route would, and hands it the
 rest; concurrent enqueues share one round trip, and a round trip that fails fails every
 request in it."""
@@ -16,12 +16,13 @@ from redis.exceptions import ResponseError
 
 from conveyor.embedded import free_port
 from gateway.app import create_app
+from gateway.enqueue import Enqueuer
 from gateway.fastpath import SyncCalls
 from gateway.settings import GatewaySettings
 from pipelines.graph import single
 from pipelines.keys import Keys
-from pipelines.redisio import REDIS_DOWN, Enqueuer
 from pipelines.registry import Registry
+from runtime.redisio import REDIS_DOWN
 from tests.helpers import Doubler, Harness, number_stage
 
 PLAIN = {"Content-Type": "application/json"}

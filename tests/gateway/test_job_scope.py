@@ -7,7 +7,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from pipelines.records import DONE, QUEUED, JobField
-from pipelines.redisio import text
+from runtime.redisio import text
 from tests.helpers import Doubler, Harness, number_stage, until
 
 KEY_A = "alpha-secret-key"

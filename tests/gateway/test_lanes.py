@@ -15,7 +15,7 @@ from pipelines.envelope import Lane, Request, decode_request
 from pipelines.errors import Overloaded
 from pipelines.keys import GROUP
 from pipelines.stages import GenerateIn, Stage
-from pipelines.stats import LaneStatus, stage_status
+from runtime.stats import LaneStatus, stage_status
 from tests.helpers import Harness, number_stage
 
 FAST = {"X-Conveyor-Timeout": "0.2"}  # no worker runs: a sync call ends in a 504

@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 from conveyor.embedded import free_port
 from gateway.history import SAMPLE_S, quantile
 from pipelines.builtin import builtin_pipelines
-from pipelines.metrics import BUCKETS
 from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
+from runtime.metrics import BUCKETS
 from tests.browser import CHROMIUM, Chromium, chromium, open_page
 from tests.helpers import REPO, Doubler, Harness, number_stage, until
 

@@ -17,9 +17,9 @@ from pipelines.envelope import Request, decode_reply, decode_request, encode
 from pipelines.errors import ConfigError
 from pipelines.graph import End, Pipeline, function, model
 from pipelines.keys import GROUP
-from pipelines.redisio import RedisClock, connect, ensure_group
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
+from runtime.redisio import RedisClock, connect, ensure_group
 from tests.helpers import Harness, until
 from workers.publish import publish
 from workers.route import Outbox, Router

@@ -24,7 +24,7 @@ from pipelines.records import (
     create_job,
     job_finished,
 )
-from pipelines.redisio import enqueue
+from runtime.redisio import enqueue
 
 
 async def test_a_job_is_created_with_its_request_and_a_repeat_keeps_its_end(

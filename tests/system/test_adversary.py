@@ -29,7 +29,7 @@ from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.settings import MAX_DEADLINE_S
 from pipelines.stages import GenerateIn, Stage
-from pipelines.stats import stage_status
+from runtime.stats import stage_status
 from tests.faultapp import SLOW, spawn
 from tests.helpers import REPO, Doubler, Harness, NumberIn, conveyor, number_stage, until
 from workers.models.hf_text import Generator

@@ -19,9 +19,9 @@ import redis.asyncio as aioredis
 from pipelines.envelope import decode_request
 from pipelines.graph import Pipeline, function
 from pipelines.keys import GROUP
-from pipelines.redisio import entry_ms
 from pipelines.registry import Registry
-from pipelines.stats import stage_status
+from runtime.redisio import entry_ms
+from runtime.stats import stage_status
 from tests.helpers import (
     Doubler,
     Harness,
@@ -146,7 +146,7 @@ async def test_a_gateway_started_during_a_redis_outage_serves_on_the_redis_clock
     # it is down and recovers by itself". gateway/service.py Gateway.start() calibrates
     # its RedisClock once; when Redis is unreachable at start (a gateway pod starting
     # before Redis, a Redis restart during a deploy) the warning is logged, the offset
-    # stays 0 and is never measured again (pipelines/redisio.py RedisClock). On a host
+    # stays 0 and is never measured again (runtime/redisio.py RedisClock). On a host
     # whose clock is behind Redis' by more than CONVEYOR_REDIS_TIMEOUT_S, every request's
     # enqueue_by is already in the past when it lands, so workers/intake.py Intake.open drops
     # it unanswered ("arrived after its gateway refused it") -- forever, for every request.
@@ -155,7 +155,7 @@ async def test_a_gateway_started_during_a_redis_outage_serves_on_the_redis_clock
     # clock is calibrated once Redis answers, or at least before enqueue_by is trusted).
     # Trigger: both hosts' clocks 5 s behind the Redis host (the worker calibrates: it
     # starts with Redis up); Redis SIGSTOPped while the gateway starts, then SIGCONT.
-    monkeypatch.setattr("pipelines.redisio.time", _SkewedTime(5.0))
+    monkeypatch.setattr("runtime.redisio.time", _SkewedTime(5.0))
     stage = number_stage(batch_wait_ms=0)
     http = await gateway_while_redis_paused(harness, own_redis, [stage])
     worker = harness.worker(stage, Doubler())

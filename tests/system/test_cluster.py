@@ -12,8 +12,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ResponseError
 
 from conveyor.embedded import cluster
-from pipelines.redisio import REDIS_DOWN, RedisRefused, connect
 from pipelines.settings import CommonSettings
+from runtime.redisio import REDIS_DOWN, RedisRefused, connect
 from tests.helpers import until
 
 

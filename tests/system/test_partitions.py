@@ -25,9 +25,9 @@ from pipelines.builtin import ADDER, builtin_pipelines
 from pipelines.envelope import decode_reply, encode
 from pipelines.errors import ConfigError
 from pipelines.keys import GROUP, Keys
-from pipelines.redisio import connect, ensure_group
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
+from runtime.redisio import connect, ensure_group
 from tests.helpers import (
     Doubler,
     Harness,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from pipelines.tracing import wanted
+from runtime.tracing import wanted
 from tests.faultapp import spawn
 from tests.helpers import REPO, GatewayProcess
 from tests.otlp import Received, Receiver, receiver, waterfall

@@ -31,9 +31,9 @@ from pipelines.records import (
     job_cancelled,
     mark_cancelled,
 )
-from pipelines.redisio import enqueue
 from pipelines.registry import Registry
-from pipelines.stats import stage_status
+from runtime.redisio import enqueue
+from runtime.stats import stage_status
 from tests.faultapp import spawn
 from tests.helpers import Doubler, Harness, NumberIn, number_stage, until
 from tests.workers.test_publish import publish_batch, read_batch

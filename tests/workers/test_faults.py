@@ -25,7 +25,7 @@ from pipelines.envelope import Request, decode_reply, encode
 from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
-from pipelines.stats import stage_status
+from runtime.stats import stage_status
 from tests.faultapp import CRASHY, SLOW, spawn
 from tests.helpers import Doubler, Harness, number_stage, until
 from workers.models.toy import Adder

@@ -13,8 +13,8 @@ from pipelines.builtin import ADDER, MULTIPLIER, builtin_pipelines
 from pipelines.envelope import LANES, Lane, Request, decode_reply, decode_request
 from pipelines.keys import GROUP
 from pipelines.records import mark_cancelled
-from pipelines.redisio import enqueue
 from pipelines.registry import Registry
+from runtime.redisio import enqueue
 from tests.helpers import Doubler, Harness, conveyor, number_stage, until
 from workers.loop import Worker
 from workers.models.toy import Adder, Multiplier

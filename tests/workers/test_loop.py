@@ -17,8 +17,8 @@ from conveyor.embedded import free_port, start_redis
 from pipelines.envelope import FIELD, Request, decode_reply, dumps, encode
 from pipelines.keys import Keys
 from pipelines.model import Item, Result
-from pipelines.redisio import connect, text
 from pipelines.settings import CommonSettings
+from runtime.redisio import connect, text
 from tests.helpers import Doubler, Harness, number_stage, until
 from workers.loop import Worker
 from workers.settings import WorkerSettings

@@ -10,7 +10,7 @@ from pipelines.envelope import Reply
 from pipelines.keys import GROUP, Keys
 from pipelines.outcomes import Outcome
 from pipelines.records import DONE, EXPIRED, FAILED, JobRecord
-from pipelines.redisio import ensure_group
+from runtime.redisio import ensure_group
 from tests.helpers import Harness
 from workers.publish import Published, publish
 from workers.route import Effects, Outbox

@@ -2,7 +2,7 @@
 bounds, label text.
 
 Both the gateway's own request metrics and the per-stage stats kept in Redis
-(:mod:`pipelines.stats`) are rendered with these. Each metric is a declared
+(:mod:`runtime.stats`) are rendered with these. Each metric is a declared
 :class:`Family` (name, type, help); an :class:`Exposition` collects samples by family
 and writes each family's ``# HELP`` and ``# TYPE`` lines once, with all its samples
 right after them, as the text format requires (a family's samples split by another's

@@ -1,6 +1,6 @@
 """Per stage: the counters and histograms kept in Redis, the queue state
 (:class:`StageStatus`: the one type admission, the status page, the metrics and the
-autoscaler read), and their Prometheus rendering (primitives in :mod:`pipelines.metrics`).
+autoscaler read), and their Prometheus rendering (primitives in :mod:`runtime.metrics`).
 
 Workers add to a stage's stats hash inside the same atomic script call that publishes a batch's
 results and acks it, so the counts can never disagree with what was acknowledged. Any
@@ -18,9 +18,9 @@ from redis.exceptions import ResponseError
 
 from pipelines.envelope import LANES, Lane
 from pipelines.keys import GROUP, Keys
-from pipelines.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines, le_label
 from pipelines.outcomes import Outcome
-from pipelines.redisio import in_order, text
+from runtime.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines, le_label
+from runtime.redisio import in_order, text
 
 ALIVE_IDLE_MS = 30_000
 """A consumer idle longer than this (no read, no touch) counts as gone: a crashed worker

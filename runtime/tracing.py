@@ -16,7 +16,7 @@ every step of a pipeline, so every process that touches the request adds spans u
 root: the gateway its admission, enqueue and reply, each stage its ``queue`` (the wait in
 the stream), ``batch`` (linked to the span of the batch the request joined), ``run`` (the
 model) and ``publish`` (:mod:`workers.spans`). The spans conveyor makes are timed on the
-Redis clock (:class:`~pipelines.redisio.RedisClock`), the clock the stream ids are on, so
+Redis clock (:class:`~runtime.redisio.RedisClock`), the clock the stream ids are on, so
 the spans of one trace line up whichever machine made them (a stream id has millisecond
 resolution: a ``queue`` span may start up to 1 ms early).
 """

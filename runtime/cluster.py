@@ -1,6 +1,6 @@
 """redis-py's asyncio cluster client, adapted where conveyor meets its limits (8.1).
 
-:class:`Cluster` is what :func:`pipelines.redisio.connect` returns for a
+:class:`Cluster` is what :func:`runtime.redisio.connect` returns for a
 ``redis+cluster://`` URL: the same client, but a connection lost under a command raises
 ``ConnectionError`` (as the plain client's do), a stream read finds its own slot, and one
 node down leaves the others served (:meth:`Cluster.initialize`, :meth:`Cluster.aclose`).

@@ -1,0 +1,133 @@
+"""The gateway's writes to Redis: requests enqueued in one round trip per loop iteration,
+and what a client is told when Redis cannot take them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+
+from pipelines.envelope import Request
+from pipelines.errors import ConveyorError, Overloaded, Unavailable
+from pipelines.keys import Keys
+from runtime.redisio import REDIS_DOWN, SATURATED, RedisRefused, enqueue, on_live_connection
+
+
+def refusal(exc: BaseException) -> ConveyorError:
+    """What a client is told when a Redis command failed with one of :data:`REDIS_DOWN`:
+    overload (503) when this process waited too long for a pooled connection, else that
+    the queue is unreachable or refusing commands (503); all with a Retry-After."""
+    if isinstance(exc, SATURATED):
+        return Overloaded(f"the gateway is saturated: {exc}; retry shortly", retry_after=1.0)
+    if isinstance(exc, OutOfMemoryError):
+        return Unavailable("the queue is full (Redis is out of memory); retry later", 5.0)
+    if isinstance(exc, RedisRefused | ReadOnlyError):
+        code = getattr(exc, "status_code", None) or "READONLY"
+        return Unavailable(f"the queue refuses commands for now ({code}); retry shortly", 1.0)
+    return Unavailable("the queue is unreachable; retry shortly", 1.0)
+
+
+class Enqueuer:
+    """Enqueues requests, those enqueued in the same loop iteration in one round trip.
+
+    Concurrent callers (a gateway under load) each :meth:`enqueue` one request. The first
+    of an iteration leads: it yields once, so that the others of that iteration join it,
+    then sends every XADD in one pipeline (not a transaction: each entry is its own; on a
+    cluster, the client splits it by shard) and hands each caller its own outcome. One
+    request alone is one XADD, as before.
+
+    Nothing joined is dropped: a round trip that fails fails every request in it, with
+    what the leader saw (a leader stopped midway fails the rest with a connection error,
+    as a write that may have been sent); an XADD that Redis refuses fails its own caller.
+
+    Args:
+        client: the client to send on.
+        keys: the namespace's key names.
+        write_s: how long one round trip may take, pool wait and retry included; past it
+            every request in it fails with ``TimeoutError``.
+    """
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, write_s: float) -> None:
+        self.client = client
+        self.keys = keys
+        self.write_s = write_s
+        self._joining: list[tuple[Request, asyncio.Future[None]]] | None = None
+
+    async def enqueue(self, request: Request) -> None:
+        """XADD ``request`` (see the class doc), retried once on a dead connection
+        (:func:`on_live_connection`).
+
+        Raises:
+            PoolExhausted: no connection came free; nothing was sent.
+            TimeoutError: no answer within ``write_s``; it may have been sent.
+            redis.exceptions.RedisError: the round trip failed (one of
+                :data:`REDIS_DOWN`: it may have been sent), or Redis refused this XADD.
+        """
+        if self._joining is not None:
+            joined: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._joining.append((request, joined))
+            await joined
+            return
+        batch = self._joining = []
+        outcomes: list[Any] = []
+        try:
+            try:
+                await asyncio.sleep(0)  # the others of this iteration join
+            finally:
+                self._joining = None
+            requests = [request, *(r for r, _ in batch)]
+            async with asyncio.timeout(self.write_s):
+                outcomes = await on_live_connection(self.client, lambda: self._send(requests))
+        except BaseException as exc:
+            # A leader cancelled midway (the process stopping) may have sent them.
+            failure = exc if isinstance(exc, Exception) else RedisConnectionError("write abandoned")
+            for _, joined in batch:
+                if not joined.done():
+                    joined.set_exception(failure)
+            raise
+        for (_, joined), outcome in zip(batch, outcomes[1:], strict=True):
+            if joined.done():
+                continue
+            if isinstance(outcome, Exception):
+                joined.set_exception(outcome)
+            else:
+                joined.set_result(None)
+        if isinstance(outcomes[0], Exception):
+            raise outcomes[0]
+
+    async def _send(self, requests: list[Request]) -> list[Any]:
+        if len(requests) == 1:
+            try:
+                return [await enqueue(self.client, self.keys, requests[0])]
+            except ResponseError as exc:
+                return [exc]
+        if not isinstance(self.client, RedisCluster):
+            pipe = self.client.pipeline(transaction=False)
+            for request in requests:
+                enqueue(pipe, self.keys, request)
+            return list(await pipe.execute(raise_on_error=False))
+        # On a cluster, each partition's XADDs go in a round trip of their own, side by
+        # side: a shard down fails its partition's requests, not the others' (one
+        # pipeline over every shard fails whole, though the others' entries were added).
+        parts: dict[int, list[int]] = {}
+        for i, request in enumerate(requests):
+            parts.setdefault(self.keys.of(request.id).partition, []).append(i)
+        outcomes: list[Any] = [None] * len(requests)
+
+        async def send(rows: list[int]) -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for i in rows:
+                enqueue(pipe, self.keys, requests[i])
+            try:
+                answers = list(await pipe.execute(raise_on_error=False))
+            except REDIS_DOWN as exc:
+                answers = [exc] * len(rows)
+            for i, answer in zip(rows, answers, strict=True):
+                outcomes[i] = answer
+
+        await asyncio.gather(*(send(rows) for rows in parts.values()))
+        return outcomes
