@@ -15,7 +15,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from subprocess import Popen
 
@@ -161,12 +161,16 @@ class Autoscaler:
         drain_timeout_s: a stopped worker still running after this long is killed.
         released: told of each stopped worker once it has exited (its GPU share is
             free again).
+        crashed: told of each worker that exited unasked (it is no longer counted, so
+            the next tick starts another as the stage's bounds ask); answers why to
+            give up, or None. None: every such exit gives up.
     """
 
     scalers: dict[str, Scaler]
     spawn: Callable[[str], Popen[bytes]]
     drain_timeout_s: float = 30.0
     released: Callable[[Popen[bytes]], None] = lambda proc: None
+    crashed: Callable[[str, Popen[bytes]], Awaitable[str | None]] | None = None
     running: dict[str, list[Popen[bytes]]] = field(default_factory=dict)
     draining: list[tuple[str, Popen[bytes], float]] = field(default_factory=list)  # + SIGTERM time
 
@@ -207,8 +211,9 @@ class Autoscaler:
             proc.send_signal(signal.SIGTERM)
             self.draining.append((stage, proc, now))
 
-    def reap(self, now: float) -> str | None:
-        """Reap drained workers, kill overdue ones; name a worker that exited unasked.
+    def reap(self, now: float) -> list[tuple[str, Popen[bytes]]]:
+        """Reap drained workers, kill overdue ones; return the workers that exited
+        unasked (by stage), no longer counted among the running (their share released).
 
         Args:
             now: monotonic time, seconds.
@@ -222,7 +227,10 @@ class Autoscaler:
                 self.draining.remove((stage, proc, since))
                 self.released(proc)
         gone = [(s, p) for s, procs in self.running.items() for p in procs if p.poll() is not None]
-        return f"worker {gone[0][0]} (pid {gone[0][1].pid})" if gone else None
+        for stage, proc in gone:
+            self.running[stage].remove(proc)
+            self.released(proc)
+        return gone
 
     def processes(self) -> list[tuple[str, Popen[bytes]]]:
         """Every worker started and not yet reaped (running or draining), named."""
@@ -234,16 +242,19 @@ class Autoscaler:
         settings: CommonSettings,
         *,
         interval_s: float = 1.0,
-        watch: Callable[[], str | None] = lambda: None,
+        watch: Callable[[], Awaitable[str | None]] | None = None,
         stop: asyncio.Event | None = None,
     ) -> str | None:
-        """Tick until ``stop``, or until a process exits unasked: then return why. The first
-        tick starts each stage's ``min_n``; the caller stops what is left (:meth:`processes`).
+        """Tick until ``stop``, or until there is a reason to give up (a worker exited
+        unasked and :attr:`crashed` says so, or ``watch`` does): then return it. The
+        first tick starts each stage's ``min_n``; the caller stops what is left
+        (:meth:`processes`).
 
         Args:
             settings: the Redis and namespace whose queues are read.
             interval_s: seconds between ticks.
-            watch: names another supervised process that exited (None while all run).
+            watch: looks after the other supervised processes at each tick; says why
+                to give up (None while all is well).
             stop: set to end the loop; None: SIGINT or SIGTERM ends it.
         """
         loop = asyncio.get_running_loop()
@@ -254,8 +265,13 @@ class Autoscaler:
         client = connect(settings)
         try:
             while not stop.is_set():
-                if exited := self.reap(time.monotonic()) or watch():
-                    return f"{exited} exited"
+                for stage, proc in self.reap(time.monotonic()):
+                    if self.crashed is None:
+                        return f"worker {stage} (pid {proc.pid}) exited"
+                    if why := await self.crashed(stage, proc):
+                        return why
+                if watch is not None and (why := await watch()):
+                    return why
                 try:
                     names = [s for key in self.scalers for s in key.split(",")]
                     got = [await stage_status(client, settings.keys, s) for s in names]

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conveyor.children import child_options
 from pipelines.errors import ConfigError
 
 
@@ -47,7 +48,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_redis(
-    port: int, workdir: Path, *, appendonly: bool = False, cluster: bool = False
+    port: int,
+    workdir: Path,
+    *,
+    appendonly: bool = False,
+    cluster: bool = False,
+    bound: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start redis-server on 127.0.0.1:``port`` and return once it accepts connections.
 
@@ -57,6 +63,9 @@ def start_redis(
         appendonly: persist every write (``appendfsync always``).
         cluster: start it as a Redis Cluster node (its ``nodes.conf`` in ``workdir``);
             it serves nothing until a cluster is created over it.
+        bound: it dies with this process, however this one ends (``conveyor up``'s:
+            see :mod:`conveyor.children`); only for a caller that starts it from a
+            thread that lives as long as the process.
 
     Raises:
         ConfigError: it exited or did not accept connections within 20 s.
@@ -89,7 +98,8 @@ def start_redis(
     with (workdir / "redis.log").open("wb") as log:  # the child keeps its own handle
         # Its own process group: a terminal's Ctrl-C goes to its owner, which stops it
         # last, after the processes that still write to it (see conveyor/supervisor.py).
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+        options = child_options(bound=bound)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **options)
     give_up = time.monotonic() + 20
     while time.monotonic() < give_up:
         if proc.poll() is not None:

@@ -5,14 +5,19 @@ this module imports neither side). :func:`up` takes the steps in order: start Re
 (unless ``CONVEYOR_REDIS_URL`` names one), the gateway processes (``--gateways N``,
 ``CONVEYOR_GATEWAYS``: N on one port, :mod:`gateway.__main__`), the worker groups; say
 when every worker has loaded its model and reads its stage (:class:`Readiness`); then
-supervise until Ctrl-C, SIGTERM or a process exiting unasked; then stop in order: the
-workers first (each finishes its batches and leaves its groups), then the gateways (which
-answer what they published meanwhile), then Redis. :func:`gateways` is ``conveyor gateway``'s
-smaller supervisor: N gateway processes alone.
+supervise until Ctrl-C, SIGTERM or SIGHUP: a gateway or worker that exits unasked is
+restarted after a backoff, and only a crash loop, a bad setting or Redis exiting stops
+``up`` (:mod:`conveyor.restarts`). Then it stops in order: the gateways first (each
+drains: its port closes, a request on a connection still open gets 503 + Retry-After,
+those in flight are answered, by the workers still running, within
+``CONVEYOR_DRAIN_S``), then the workers (each finishes its batches and leaves its
+groups), then Redis. :func:`gateways` is ``conveyor gateway``'s smaller supervisor: N
+gateway processes alone.
 
 Every child runs in its own process group, so the terminal's Ctrl-C reaches ``up`` alone
 and nothing is stopped out of that order (a Redis killed by the same keystroke as the
-workers would leave them unable to leave their groups).
+workers would leave them unable to leave their groups); and every child dies with ``up``
+even when ``up`` is killed and can run no stop at all (:mod:`conveyor.children`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 from types import FrameType
 
 from conveyor.autoscale import Autoscaler, AutoscaleSettings
+from conveyor.children import child_options
 from conveyor.embedded import free_port, start_redis
 from conveyor.placement import (
     Group,
@@ -42,16 +48,23 @@ from conveyor.placement import (
     worker_groups,
 )
 from conveyor.readiness import Readiness, check_port, gateway_url
+from conveyor.restarts import NOT_RESTARTED, CrashLoop, RestartSettings, count_restart, exited
 from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
 from pipelines.registry import app_dir, load_registry
 from pipelines.settings import CommonSettings, load_settings
 from pipelines.stages import Stage
+from runtime.redisio import REDIS_DOWN
 
 __all__ = ["Supervisor", "UpOptions", "up", "worker_groups"]
 
 STOP_GRACE_S = 15.0
-"""A process still running this long after SIGTERM is killed."""
+"""A process still running this long after SIGTERM is killed (a gateway: this long after
+its drain, ``CONVEYOR_DRAIN_S``)."""
+
+POLL_S = 0.1
+"""How often the processes are looked at (without ``--autoscale``: with it, at each of
+the autoscaler's ticks)."""
 
 Process = subprocess.Popen[bytes]
 
@@ -136,16 +149,26 @@ class Supervisor:
 
     Args:
         env: every child's environment (``start_redis`` adds ``CONVEYOR_REDIS_URL``).
+        restart: how a process that exits unasked is restarted.
+        drain_s: the gateways' drain (``CONVEYOR_DRAIN_S``): ``up`` waits that long more
+            for a gateway to stop.
     """
 
     env: dict[str, str]
     placer: Placer | None = None  # None: every worker with ``env`` alone
+    restart: RestartSettings = field(default_factory=RestartSettings)
+    drain_s: float = 10.0
     children: list[tuple[str, Process]] = field(default_factory=list)  # gateways, workers
     redis: Process | None = None
     redis_dir: Path | None = None  # the embedded Redis's files, removed once it stopped
     autoscaler: Autoscaler | None = None
     interval_s: float = 1.0  # between the autoscaler's ticks
     placed: dict[int, Placed] = field(default_factory=dict)  # by pid
+    due: dict[str, float] = field(default_factory=dict)  # restarts waiting: when, by name
+    crashes: CrashLoop = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.crashes = CrashLoop(self.restart)
 
     def start_redis(self) -> None:
         """An embedded redis-server on a free port, unless ``CONVEYOR_REDIS_URL`` is set."""
@@ -153,7 +176,7 @@ class Supervisor:
             return
         port = free_port()
         workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
-        self.redis = start_redis(port, workdir)
+        self.redis = start_redis(port, workdir, bound=True)
         self.redis_dir = workdir
         url = self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
         say(
@@ -162,9 +185,9 @@ class Supervisor:
         )
 
     def _spawn(self, module: str, *argv: str, env: dict[str, str] | None = None) -> Process:
-        # Its own process group: see the module's docstring.
+        # Its own process group, and bound to die with up: see the module's docstring.
         args = [sys.executable, "-m", module, *argv]
-        return subprocess.Popen(args, env=self.env | (env or {}), process_group=0)
+        return subprocess.Popen(args, env=self.env | (env or {}), **child_options())
 
     def _spawn_placed(self, placed: Placed) -> Process:
         proc = self._spawn("workers", placed.group.name, env=placed.env())
@@ -229,26 +252,80 @@ class Supervisor:
             lambda name: self._spawn_group(next(g for g in groups if g.name == name)),
             scaling.drain_timeout_s,
             released=self._release,
+            crashed=self._crashed,
         )
         self.interval_s = scaling.interval_s
 
     def supervise(self) -> str | None:
-        """Wait until a process exits unasked and say which; None: the autoscaler was
-        stopped by Ctrl-C or SIGTERM (without one, those raise out of the wait)."""
+        """Look after the processes, restarting those that exit unasked, until there is
+        a reason to give up: then say it. Ctrl-C or SIGTERM raise out of it (with the
+        autoscaler: it returns None)."""
+        return asyncio.run(self._supervise())
+
+    async def _supervise(self) -> str | None:
         if self.autoscaler is None:
-            # Sleep until any child exits (WNOWAIT leaves reaping to Popen) or a signal.
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
-            pid = info.si_pid if info else None
-            name = next((n for n, p in self.children if p.pid == pid), "redis-server")
-            return f"{name} exited ({info.si_status if info else '?'})"
-        watched = self.children + ([("redis-server", self.redis)] if self.redis else [])
-        return asyncio.run(
-            self.autoscaler.run(
-                CommonSettings(redis_url=self.env["CONVEYOR_REDIS_URL"]),
-                interval_s=self.interval_s,
-                watch=lambda: next((n for n, p in watched if p.poll() is not None), None),
-            )
+            # Polled: a child's exit is no event here (and the restarts have times).
+            while True:
+                if why := await self.tend():
+                    return why
+                await asyncio.sleep(POLL_S)
+        return await self.autoscaler.run(
+            self._common(), interval_s=self.interval_s, watch=self.tend
         )
+
+    def _common(self) -> CommonSettings:
+        return CommonSettings(redis_url=self.env.get("CONVEYOR_REDIS_URL", ""))
+
+    async def tend(self) -> str | None:
+        """One look at the processes: a gateway or worker that exited unasked is given
+        its restart time (:class:`~conveyor.restarts.CrashLoop`), one whose time has come
+        is started again; None while all is well, else why to give up (a crash loop, an
+        exit status no restart mends, Redis gone)."""
+        if self.redis is not None and self.redis.poll() is not None:
+            return f"redis-server {exited(self.redis.returncode)}"
+        now = time.monotonic()
+        for i, (name, proc) in enumerate(self.children):
+            code = proc.poll()
+            if code is None:
+                continue
+            if name not in self.due:
+                if code in NOT_RESTARTED:
+                    return f"{name} {exited(code)}: {NOT_RESTARTED[code]}; not restarted"
+                delay = self.crashes.crashed(name, now)
+                if delay is None:
+                    return self.crashes.giving_up(name, code)
+                say(f"{name} {exited(code)}; restarting it in {delay:g}s")
+                self.due[name] = now + delay
+            if now >= self.due[name]:
+                del self.due[name]
+                # A worker again where it was placed (its share is still reserved).
+                placed = self.placed.pop(proc.pid, None)
+                again = self._spawn("gateway") if placed is None else self._spawn_placed(placed)
+                self.children[i] = (name, again)
+                say(f"{name} restarted (pid {again.pid})")
+                await self._count(list(placed.group.stages) if placed is not None else [])
+        return None
+
+    async def _count(self, stages: list[str]) -> None:
+        """Count a restart in ``stages``' stats; Redis down is said, not fatal."""
+        if not stages:
+            return
+        try:
+            await count_restart(self._common(), stages)
+        except REDIS_DOWN as exc:
+            say(f"the restart of a worker of {','.join(stages)} was not counted: {exc}")
+
+    async def _crashed(self, stage: str, proc: Process) -> str | None:
+        """The autoscaler's worker of ``stage`` exited unasked: give up on a crash loop,
+        else count it; the autoscaler starts another at its next tick."""
+        name = f"worker {stage}"
+        if proc.returncode in NOT_RESTARTED:
+            return f"{name} {exited(proc.returncode)}: {NOT_RESTARTED[proc.returncode]}"
+        if self.crashes.crashed(name, time.monotonic()) is None:
+            return self.crashes.giving_up(name, proc.returncode)
+        say(f"{name} (pid {proc.pid}) {exited(proc.returncode)}; the autoscaler starts another")
+        await self._count(stage.split(","))
+        return None
 
     def workers(self) -> list[tuple[str, Process]]:
         """Every worker process started (the autoscaler's, draining ones included)."""
@@ -256,11 +333,12 @@ class Supervisor:
         return started + (self.autoscaler.processes() if self.autoscaler else [])
 
     def stop(self) -> None:
-        """Stop in order: the workers, then every gateway, then Redis; each step SIGTERM
-        (a graceful drain), a kill for a process still running after
-        :data:`STOP_GRACE_S`."""
+        """Stop in order: every gateway (it drains: the workers still answer what is in
+        flight), then the workers, then Redis; each step SIGTERM (a graceful drain), a
+        kill for a process still running after :data:`STOP_GRACE_S` (a gateway: after
+        its drain and that)."""
+        _terminate(self.gateways(), self.drain_s + STOP_GRACE_S)
         _terminate(self.workers())
-        _terminate(self.gateways())
         if self.redis is not None:
             _terminate([("redis-server", self.redis)])
         if self.redis_dir is not None:
@@ -271,18 +349,18 @@ def _is_gateway(name: str) -> bool:
     return name == "gateway" or name.startswith("gateway#")
 
 
-def _terminate(procs: list[tuple[str, Process]]) -> None:
+def _terminate(procs: list[tuple[str, Process]], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to each of ``procs`` still running; wait for all, killing what is still
-    running after :data:`STOP_GRACE_S`."""
+    running after ``grace_s``."""
     for _, proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for name, proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            say(f"{name} did not stop within {STOP_GRACE_S:g}s; killed")
+            say(f"{name} did not stop within {grace_s:g}s; killed")
             proc.kill()
             proc.wait()
 
@@ -319,7 +397,8 @@ def up(options: UpOptions) -> int:
             place.release(p)
     check_port(gateway.host, gateway.port)  # the last check: closest to its bind
     say(f"placement: {place.describe()}")
-    supervisor = Supervisor(env, place)
+    restart = load_settings(RestartSettings)
+    supervisor = Supervisor(env, place, restart, gateway.drain_s)
     supervisor.start_redis()
     _on_stop_signals(_raise_stop)
     code = 0
@@ -359,9 +438,13 @@ def up(options: UpOptions) -> int:
     finally:
         if readiness is not None:
             readiness.stop()
-        # A second Ctrl-C must not cut the ordered stop short (at most STOP_GRACE_S a step).
+        # A second Ctrl-C must not cut the ordered stop short (at most STOP_GRACE_S a
+        # step, plus the gateways' drain).
         _on_stop_signals(signal.SIG_IGN)
-        say("stopping: workers drain and leave their groups, then the gateway, then redis")
+        say(
+            "stopping: the gateway drains (new requests get 503), then the workers "
+            "finish and leave their groups, then redis"
+        )
         supervisor.stop()
         say("stopped")
     return code
@@ -381,7 +464,7 @@ def gateways(env: dict[str, str]) -> int:
         env: their environment (``CONVEYOR_GATEWAYS``, ``CONVEYOR_HOST``, ...).
     """
     settings = load_settings(GatewaySettings)
-    supervisor = Supervisor(env)
+    supervisor = Supervisor(env, None, load_settings(RestartSettings), settings.drain_s)
     _on_stop_signals(_raise_stop)
     code = 0
     try:

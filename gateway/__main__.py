@@ -4,12 +4,16 @@ With ``CONVEYOR_GATEWAYS`` above 1 this process is one of several on the same ho
 port (``conveyor up --gateways N`` and ``conveyor gateway`` start them): it binds with
 ``SO_REUSEPORT``, so the kernel spreads new connections among them. Each reads its own
 reply streams (its id is host-pid-random), so a reply reaches the process that waits.
+
+On SIGTERM or Ctrl-C it drains (:class:`DrainingServer`): new requests get 503, those in
+flight have ``CONVEYOR_DRAIN_S`` to be answered, then its port closes and it exits.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import socket
 import sys
 
@@ -17,12 +21,45 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
+from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from pipelines.errors import exit_on_config_error
 from pipelines.settings import load_settings
 from runtime import tracing
 
 logger = logging.getLogger(__name__)
+
+DRAIN_MARGIN_S = 5
+"""After the drain, how long uvicorn waits for the last answers to be written before it
+cancels what is left (``conveyor up`` waits this long too, and more)."""
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown first drains the gateway (:meth:`Gateway.drain
+    <gateway.service.Gateway.drain>`).
+
+    uvicorn's own shutdown closes the port and the idle connections, then waits for the
+    requests in flight, then cancels those still running (each answered with a
+    plain-text 500 and logged with a traceback). Draining first, the port still open,
+    means every request is answered in JSON and none is left to cancel: a new one gets
+    503 + Retry-After at once (a load balancer or client tries another gateway, or
+    again later), one in flight its answer, or 504 if it still waits when the drain
+    ends. The port closes only then, with nothing in flight.
+
+    Args:
+        config: uvicorn's configuration.
+        gateway: the gateway the app serves.
+        drain_s: how long requests in flight may take (``CONVEYOR_DRAIN_S``).
+    """
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_s: float) -> None:
+        super().__init__(config)
+        self.gateway, self.drain_s = gateway, drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drain, then shut down as uvicorn does."""
+        await self.gateway.drain(self.drain_s)
+        await super().shutdown(sockets)
 
 
 def main() -> None:
@@ -46,10 +83,12 @@ def main() -> None:
         port=settings.port,
         log_level="info",
         access_log=False,
-        timeout_graceful_shutdown=10,
+        # Never reached by a request (the drain answers each by then): this bounds only
+        # the writing of the last answers.
+        timeout_graceful_shutdown=math.ceil(settings.drain_s) + DRAIN_MARGIN_S,
         http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.gateway, settings.drain_s)
     shared = settings.gateways > 1
     server.run(sockets=[shared_socket(settings.host, settings.port)] if shared else None)
     tracing.shutdown()  # the spans still batched go out

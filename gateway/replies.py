@@ -38,6 +38,11 @@ TRIM_EVERY = 64
 last trim (and whenever a read finds nothing new): read replies it still holds are fewer."""
 
 
+class Abandoned(Exception):
+    """The gateway stopped waiting for this reply: it is stopping
+    (:meth:`ReplyDispatcher.abandon`)."""
+
+
 class ReplyDispatcher:
     """Routes replies to the requests waiting for them.
 
@@ -66,6 +71,7 @@ class ReplyDispatcher:
         self._trim_failing = False
         self._untrimmed = dict.fromkeys(streams, 0)  # replies read since the last trim
         self.written: dict[str, float] = {}
+        self._emptied: asyncio.Event | None = None  # set once none waits (settled())
 
     def expect(self, request_id: str) -> asyncio.Future[Reply]:
         """A future the reply for ``request_id`` will resolve; register before sending."""
@@ -85,6 +91,36 @@ class ReplyDispatcher:
         self._streams.pop(request_id, None)
         if self.written:
             self.written.pop(request_id, None)
+        if self._emptied is not None and not self._waiters and not self._streams:
+            self._emptied.set()
+
+    async def settled(self) -> None:
+        """Return once no request waits for a reply (at once if none does now)."""
+        if self._waiters or self._streams:
+            self._emptied = asyncio.Event()
+            await self._emptied.wait()
+
+    def abandon(self, reason: str) -> int:
+        """Stop waiting for every reply awaited now: a sync call's future fails with
+        :class:`Abandoned` (``reason``), a stream gets a last ``expired`` reply (504,
+        ``reason``). The gateway's drain ran out; the requests' own deadlines may be later.
+
+        Args:
+            reason: the client-safe message they are answered with.
+
+        Returns:
+            How many were waiting.
+        """
+        waiting = [f for f in self._waiters.values() if not f.done()]
+        for future in waiting:
+            future.set_exception(Abandoned(reason))
+        for request_id, queue in self._streams.items():
+            expired = Outcome.EXPIRED
+            reply = Reply(
+                id=request_id, stage="", outcome=expired, error=reason, status=expired.http_status
+            )
+            queue.put_nowait(reply)
+        return len(waiting) + len(self._streams)
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after its current read (at most ``block_ms``).

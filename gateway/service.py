@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -21,7 +22,7 @@ from gateway.cancel import Cancellations, ClientGone, unwatch, watch
 from gateway.edge import ANONYMOUS, RequestMetrics
 from gateway.enqueue import Enqueuer, refusal
 from gateway.history import History
-from gateway.replies import ReplyDispatcher
+from gateway.replies import Abandoned, ReplyDispatcher
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
 from pipelines.envelope import DEFAULT_LANE, Lane, Reply, Request, new_request_id, wire_problem
@@ -94,6 +95,8 @@ class Gateway:
             self.client, self.keys, self.clock, self.write_s, settings.job_ttl_s
         )
         self.history = History(self.client, self.keys, registry.stages, self.clock)
+        self.draining = False  # set by drain(): no new request is taken
+        self._abandon: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         """Start the reply loop; Redis being down is not fatal (requests get 503).
@@ -111,8 +114,42 @@ class Gateway:
         self.history.start()
         logger.info("gateway %s routing %s", self.gateway_id, ", ".join(self.registry.pipelines))
 
+    async def drain(self, within_s: float) -> None:
+        """Stop taking requests; return once those in flight are answered, which takes
+        at most ``within_s`` (and the moment their handlers take to answer).
+
+        From now on a new request is refused with 503 + Retry-After before anything is
+        enqueued (so the client may safely send it again, elsewhere or later), and
+        ``/readyz`` says 503. The workers are still running (``conveyor up`` stops them
+        only once its gateways have exited), so a request in flight gets its answer;
+        one still waiting after ``within_s`` is answered 504 and marked cancelled
+        (nobody will read its answer). So the server's shutdown that follows never has
+        to cancel a request, which uvicorn would answer with a plain-text 500 and a
+        traceback.
+
+        Args:
+            within_s: how long requests in flight may still take.
+        """
+        if not self.draining:
+            self.draining = True
+            logger.info("draining: new requests get 503; those in flight have %gs", within_s)
+            loop = asyncio.get_running_loop()
+            self._abandon = loop.call_later(within_s, self._abandon_all, within_s)
+        with contextlib.suppress(TimeoutError):
+            # A stream's client that reads nothing holds its waiter: bounded all the same.
+            await asyncio.wait_for(self.replies.settled(), within_s + 1.0)
+
+    def _abandon_all(self, within_s: float) -> None:
+        left = self.replies.abandon(
+            f"the gateway stopped: no result within its {within_s:g}s drain"
+        )
+        if left:
+            logger.warning("drain over: %d request(s) still waiting answered 504", left)
+
     async def stop(self) -> None:
         """Stop the reply loop and close connections."""
+        if self._abandon is not None:
+            self._abandon.cancel()
         if self._task is not None:
             self.replies.stop()
             grace = self.settings.reply_block_ms / 1000 + self.settings.redis_timeout_s
@@ -142,9 +179,9 @@ class Gateway:
         return min(asked, self.settings.max_timeout_s)
 
     async def ready(self) -> bool:
-        """Whether Redis answers (a stage with no worker is not a readiness failure), and
-        this gateway is configured as the namespace is."""
-        if self.misconfigured is not None:
+        """Whether Redis answers (a stage with no worker is not a readiness failure),
+        this gateway is configured as the namespace is, and it is not draining."""
+        if self.misconfigured is not None or self.draining:
             return False
         try:
             return bool(await self.client.ping())
@@ -185,8 +222,11 @@ class Gateway:
                 :func:`~pipelines.envelope.wire_problem`); nothing was enqueued.
             Overloaded: the entry stage's backlog (both lanes) is at its bound, or the
                 request would miss its deadline (nothing was enqueued).
-            Unavailable: Redis cannot be reached.
+            Unavailable: Redis cannot be reached, or this gateway is draining
+                (:meth:`drain`); nothing was enqueued.
         """
+        if self.draining:
+            raise Unavailable("this gateway is stopping; retry", self.settings.retry_after_s)
         problem = wire_problem(payload)
         if problem is not None:
             # What the body parser let through can still be changed by validation (a
@@ -330,7 +370,8 @@ class Gateway:
         Raises:
             Overloaded: the entry stage's backlog is at its bound (nothing was enqueued).
             Unavailable: Redis cannot be reached.
-            DeadlineExceeded: no reply within ``timeout_s``.
+            DeadlineExceeded: no reply within ``timeout_s``, or within the drain
+                (:meth:`drain`).
             Cancelled: the client went away first (nobody reads the answer).
         """
         request_id = new_request_id()
@@ -355,6 +396,9 @@ class Gateway:
             except ClientGone:
                 await self.cancellations.mark(request.id, request.deadline)
                 raise Cancelled("the client went away", request_id=request.id) from None
+            except Abandoned as exc:  # the drain ran out (see drain())
+                await self.cancellations.mark(request.id, request.deadline)
+                raise DeadlineExceeded(str(exc), request_id=request.id) from None
             finally:
                 expiry.cancel()
             root = traces.current()

@@ -40,6 +40,10 @@ class GatewaySettings(CommonSettings):
             ``conveyor gateway`` start this many; above 1 each binds with
             ``SO_REUSEPORT`` and the kernel spreads connections among them (each has its
             own reply streams).
+        drain_s: on SIGTERM (``conveyor up`` stopping, a rolling deploy) the gateway
+            stops taking requests (each new one gets 503 + Retry-After) and gives those
+            in flight this long to be answered (one still waiting then gets a JSON 504);
+            then its port closes (:meth:`Gateway.drain <gateway.service.Gateway.drain>`).
     """
 
     host: str = "127.0.0.1"
@@ -59,6 +63,7 @@ class GatewaySettings(CommonSettings):
     client_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     max_header_bytes: int = Field(default=65_536, ge=1024)
     gateways: int = Field(default=1, ge=1, le=256)
+    drain_s: float = Field(default=10.0, ge=0, le=3600, allow_inf_nan=False)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

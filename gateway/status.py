@@ -35,6 +35,7 @@ from runtime.metrics import BUCKETS, le_label
 from runtime.redisio import REDIS_DOWN
 from runtime.stats import (
     ALIVE_IDLE_MS,
+    RESTARTS,
     StageStatus,
     read_stats,
     stage_status,
@@ -84,6 +85,7 @@ class StageRow(TypedDict):
     consumers: list[ConsumerRow]
     items: dict[str, int]
     dead_letters: int
+    worker_restarts: int
     batch_size: BatchSizes
     batches: int
     tokens: Tokens
@@ -118,6 +120,7 @@ def stage_row(
         "consumers": consumers,
         "items": {o.value: int(stats.get(o.stats_field, 0)) for o in Outcome},
         "dead_letters": dead_letters,
+        "worker_restarts": int(stats.get(RESTARTS, 0)),
         "batch_size": {"buckets": buckets},
         "batches": int(stats.get("batches", 0)),
         "tokens": {

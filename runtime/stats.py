@@ -30,6 +30,9 @@ COST_A = "cost:a"
 """Stats-hash field: a stage's learned fixed seconds per batch (set by its workers)."""
 COST_B = "cost:b"
 """Stats-hash field: a stage's learned seconds per item."""
+RESTARTS = "worker_restarts"
+"""Stats-hash field: times ``conveyor up`` restarted a crashed worker process of the stage
+(:mod:`conveyor.restarts`)."""
 
 ITEMS = Family(
     "conveyor_stage_items_total",
@@ -70,6 +73,11 @@ PENDING = Family(
     "conveyor_stage_pending", "gauge", "Entries of a stage's lane read by a worker, not acked."
 )
 CONSUMERS = Family("conveyor_stage_consumers", "gauge", "Live workers of a stage.")
+RESTARTS_TOTAL = Family(
+    "conveyor_stage_worker_restarts_total",
+    "counter",
+    "Crashed worker processes of a stage that conveyor up restarted.",
+)
 STAGE_FAMILIES = (
     ITEMS,
     BATCHES,
@@ -79,6 +87,7 @@ STAGE_FAMILIES = (
     CONSUMERS,
     DEAD_LETTERS,
     TOKENS,
+    RESTARTS_TOTAL,
     *(HISTOGRAMS[name] for name in BUCKETS),
 )
 """Every family of the stage metrics (``/metrics``), in the order they are written."""
@@ -425,7 +434,9 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
     :attr:`~LaneStatus.lag` (entries no worker has read yet; not the backlog, which adds
     the pending ones), ``conveyor_stage_pending`` its :attr:`~LaneStatus.pending`, one
     series per lane (label ``lane``; ``sum by (stage)`` is the stage's);
-    ``conveyor_stage_consumers`` is :attr:`StageStatus.workers`.
+    ``conveyor_stage_consumers`` is :attr:`StageStatus.workers`;
+    ``conveyor_stage_worker_restarts_total`` counts the crashed worker processes of the
+    stage ``conveyor up`` restarted (:data:`RESTARTS`).
     """
     out = Exposition(STAGE_FAMILIES)
     for stage in stages:
@@ -438,6 +449,7 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         out.sample(DEAD_LETTERS, stats.get("dead_letters", 0), stage=stage)
         for kind, name in (("real", "tokens"), ("padded", "padded_tokens")):
             out.sample(TOKENS, stats.get(name, 0), stage=stage, kind=kind)
+        out.sample(RESTARTS_TOTAL, stats.get(RESTARTS, 0), stage=stage)
         for name, bounds in BUCKETS.items():
             per = [stats.get(f"h:{name}:{le_label(b)}", 0.0) for b in (*bounds, float("inf"))]
             total = stats.get(f"h:{name}:sum", 0.0)

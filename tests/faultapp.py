@@ -42,6 +42,17 @@ class Crashy:
         return [{"value": item["value"] * 2} for item in items]
 
 
+class Doomed:
+    """A model whose loading always fails: its worker exits at every start."""
+
+    def __init__(self, **options: Any) -> None:
+        raise RuntimeError("this model never loads")
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Never reached."""
+        raise AssertionError
+
+
 class SlowTexts:
     """Answers each text's length after sleeping ``CONVEYOR_TEST_DELAY_S`` per batch."""
 
@@ -85,6 +96,9 @@ CHAIN = Pipeline(
 the file ``CONVEYOR_TEST_STARTED`` names, if set, as it starts)."""
 
 pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), single(TEXTS), CHAIN]
+
+doomed: list[Pipeline] = [single(Stage("doomed", NumberIn, "tests.faultapp:Doomed"))]
+"""A pipeline whose worker crashes at every start (``--app tests.faultapp:doomed``)."""
 
 
 def spawn(module: str, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:

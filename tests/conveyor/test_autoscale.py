@@ -159,11 +159,12 @@ def test_workers_are_started_drained_and_reaped() -> None:
         assert (len(a.running["s"]), [p for _, p, _ in a.draining]) == (2, [procs[2]])
         assert procs[2] in [p for _, p in a.processes()]  # Ctrl-C stops it too
         assert procs[2].wait(10) == -signal.SIGTERM
-        assert a.reap(now=3.1) is None
+        assert a.reap(now=3.1) == []
         assert a.draining == []
         procs[0].kill()
         procs[0].wait(10)
-        assert a.reap(now=3.2) == f"worker s (pid {procs[0].pid})"
+        assert a.reap(now=3.2) == [("s", procs[0])]  # exited unasked
+        assert a.running["s"] == [procs[1]]  # the next tick starts another
     finally:
         for p in procs:
             p.kill()
@@ -185,10 +186,10 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_drain_timeout() -> None:
         assert procs[0].stdout.readline() == b"ready\n"
         a.apply({"s": StageStatus("s")}, now=10.0)
         a.apply({"s": StageStatus("s")}, now=10.0)  # SIGTERM, ignored
-        assert a.reap(now=11.9) is None
+        assert a.reap(now=11.9) == []
         assert procs[0].poll() is None
         assert len(a.draining) == 1
-        assert a.reap(now=12.1) is None
+        assert a.reap(now=12.1) == []
         assert procs[0].returncode == -signal.SIGKILL
         assert a.draining == []
     finally:

@@ -1,0 +1,84 @@
+"""How ``conveyor up`` starts a child process: in a process group of its own, and bound
+to die with ``up``.
+
+Its own process group: a terminal's Ctrl-C reaches ``up`` alone, which stops its
+children in order (see :mod:`conveyor.supervisor`).
+
+Dying with ``up``: an orderly stop stops every child, but ``up`` killed (SIGKILL, the
+OOM killer, a crash of the interpreter) runs no code at all, and its children, an
+embedded redis-server among them, would live on as orphans. On Linux each child asks
+the kernel, between fork and exec, for SIGKILL when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``), so nothing of ``up`` can outlive it, whatever ends it.
+Chosen over a watchdog pipe the children read: that needs code in every child, and
+redis-server runs none of ours. Two things to know:
+
+- The "parent" is the thread that started the child: ``up`` starts every child from
+  its main thread, which lives as long as ``up`` (a child started from a thread that
+  ends is killed with it).
+- ``up`` dying between the fork and the ``prctl`` would be missed, so the child checks
+  that its parent is still the one that forked it, and kills itself if not.
+
+Elsewhere than Linux the children are started without it (an orderly stop still
+stops them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+"""``prctl``'s option: the signal the calling process gets when its parent dies."""
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, looked up before any fork (the child must not load anything);
+    None where there is none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        found: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return found
+
+
+_PRCTL = _prctl()
+
+
+def bound_to_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies (None
+    where the platform cannot; see the module's docstring).
+
+    It runs in the forked child before exec: it only calls ``prctl`` and ``getppid``,
+    no import, no lock another thread could hold.
+    """
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def bind() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return bind
+
+
+def child_options(*, bound: bool = True) -> dict[str, Any]:
+    """``subprocess.Popen`` keyword arguments for a child of ``up``: its own process
+    group and, if ``bound``, death with this process (:func:`bound_to_parent`).
+
+    Args:
+        bound: bind the child's life to this process's.
+    """
+    options: dict[str, Any] = {"process_group": 0}
+    bind = bound_to_parent() if bound else None
+    if bind is not None:
+        options["preexec_fn"] = bind
+    return options

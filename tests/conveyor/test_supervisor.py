@@ -1,0 +1,280 @@
+"""``conveyor up`` as a supervisor, with real processes: a crashed worker is restarted
+(logged, counted), a crash loop gives up, nothing outlives ``up`` however it ends, and a
+stop under load drains the gateway before the workers stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from bench.rss import children
+from conveyor.embedded import free_port
+from pipelines.keys import Keys
+from runtime.stats import RESTARTS, read_stats
+from tests.conveyor.test_cli import CONVEYOR
+from tests.helpers import REPO, until, up_env, wait_for_line, wait_ready
+
+BAD = ("Traceback", "Exception in ASGI application", "ERROR", "Internal Server Error")
+"""What ``up``'s output never holds after a clean run."""
+
+
+def start(log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
+    """``conveyor up ARGS`` serving tests/faultapp.py's pipelines, its output in ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [CONVEYOR, "up", *args],
+            env=up_env(CONVEYOR_APP="tests.faultapp:pipelines", **env),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def stop(up: subprocess.Popen[bytes]) -> int:
+    """SIGINT to ``up`` (if still running); its exit status."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGINT)
+    return up.wait(timeout=60)
+
+
+def _command(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+async def restarts(redis_url: str, namespace: str, stage: str) -> float:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        return (await read_stats(client, Keys(namespace), stage)).get(RESTARTS, 0.0)
+    finally:
+        await client.aclose()
+
+
+async def answered(base: str, value: int) -> bool:
+    """Whether ``crashy`` answers ``value`` doubled (False while its worker is down)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        resp = await client.post(
+            f"{base}/v1/crashy", json={"value": value}, headers={"X-Conveyor-Timeout": "5"}
+        )
+    if resp.status_code == 200:
+        assert resp.json() == {"value": 2 * value}
+        return True
+    assert resp.status_code in (503, 504), resp.text
+    return False
+
+
+async def test_a_crashed_worker_is_restarted_logged_and_counted(
+    tmp_path: Path, redis_url: str, namespace: str
+) -> None:
+    port, log = free_port(), tmp_path / "up.log"
+    base = f"http://127.0.0.1:{port}"
+    up = start(
+        log,
+        *("--port", str(port), "--pipelines", "crashy"),
+        CONVEYOR_REDIS_URL=redis_url,
+        CONVEYOR_NAMESPACE=namespace,
+        CONVEYOR_RESTART_BACKOFF_S="0.2",
+    )
+    try:
+        wait_for_line(log, "conveyor: ready:", up, limit_s=60)
+        wait_ready(f"http://127.0.0.1:{port}", {"conveyor up": up}, lambda _: log.read_text())
+        assert await answered(base, 2)
+        # A negative value kills the worker (SIGKILL, as a segfault or the OOM killer).
+        # Its deadline passes before the entry could be reclaimed, so it kills no other.
+        async with httpx.AsyncClient(timeout=30) as client:
+            resp = await client.post(
+                f"{base}/v1/crashy", json={"value": -1}, headers={"X-Conveyor-Timeout": "2"}
+            )
+        assert resp.status_code == 504, resp.text  # JSON, not a plain-text 500
+        assert resp.json()["detail"].startswith("no result within")
+        wait_for_line(log, "worker crashy#0 was killed by SIGKILL; restarting it in 0.2s", up)
+        wait_for_line(log, "worker crashy#0 restarted (pid", up)
+        await until(lambda: answered(base, 3), limit_s=45)  # the new worker serves
+        assert up.poll() is None  # the stack stayed up
+        assert await restarts(redis_url, namespace, "crashy") == 1
+        async with httpx.AsyncClient(timeout=10) as client:
+            metrics = (await client.get(f"{base}/metrics")).text
+            status = (await client.get(f"{base}/status.json")).json()
+        assert 'conveyor_stage_worker_restarts_total{stage="crashy"} 1' in metrics
+        row = next(s for s in status["stages"] if s["stage"] == "crashy")
+        assert row["worker_restarts"] == 1
+    finally:
+        code = stop(up)
+    assert code == 0, log.read_text()
+
+
+def test_a_crash_loop_gives_up_with_a_clear_message(tmp_path: Path) -> None:
+    log = tmp_path / "up.log"
+    up = start(
+        log,
+        *("--port", str(free_port()), "--app", "tests.faultapp:doomed"),
+        CONVEYOR_RESTART_MAX_CRASHES="3",
+        CONVEYOR_RESTART_BACKOFF_S="0.1",
+    )
+    try:
+        code = up.wait(timeout=50)
+    finally:
+        stop(up)
+    text = log.read_text()
+    assert code == 1, text
+    assert text.count("worker doomed#0 exited (1); restarting it in") == 2, text
+    assert (
+        "conveyor: worker doomed#0 exited (1): its 3 crash(es) within 60s are a crash loop; "
+        "giving up (CONVEYOR_RESTART_MAX_CRASHES, CONVEYOR_RESTART_WINDOW_S); stopping"
+    ) in text
+    assert text.rstrip().endswith("conveyor: stopped"), text
+
+
+@pytest.mark.parametrize("term_first", [True, False])
+async def test_nothing_outlives_up_killed(tmp_path: Path, term_first: bool) -> None:
+    # Its own embedded redis-server, a gateway and the workers; KILL alone, or TERM and,
+    # a moment into the ordered stop (a request in flight keeps the gateway draining and
+    # the others waiting their turn), KILL.
+    port, log, started = free_port(), tmp_path / "up.log", tmp_path / "started"
+    up = start(
+        log,
+        *("--port", str(port), "--pipelines", "chain3"),
+        CONVEYOR_TEST_STEP_S="30",
+        CONVEYOR_TEST_STARTED=str(started),
+        CONVEYOR_DRAIN_S="30",
+    )
+    kids: list[int] = []
+    try:
+        wait_for_line(log, "conveyor: ready:", up, limit_s=60)
+        wait_ready(f"http://127.0.0.1:{port}", {"conveyor up": up}, lambda _: log.read_text())
+        kids = children(up.pid)
+        assert len(kids) >= 3, log.read_text()  # redis-server, the gateway, the workers
+        assert "redis-server" in {_command(p) for p in kids}
+        if term_first:
+            url = f"http://127.0.0.1:{port}/v1/chain3"
+            call = asyncio.to_thread(httpx.post, url, json={"value": 1}, timeout=60)
+            pending = asyncio.create_task(call)
+
+            async def running() -> bool:
+                return started.exists()
+
+            await until(running, limit_s=30)  # its slow step runs: the reply is awaited
+            up.send_signal(signal.SIGTERM)
+            wait_for_line(log, "draining: new requests get 503", up, limit_s=30)
+            assert all(alive(p) for p in kids)  # each still waits its turn to stop
+        up.kill()
+        up.wait(timeout=10)
+
+        async def all_gone() -> bool:
+            return not any(alive(p) for p in kids)
+
+        await until(all_gone, limit_s=15)
+        if term_first:
+            with pytest.raises(httpx.TransportError):  # its gateway died with up
+                await pending
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(timeout=10)
+        for pid in kids:
+            if alive(pid):  # a failed test leaves no orphan either
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stop_under_load_drains_the_gateway_before_the_workers(
+    tmp_path: Path, redis_url: str, namespace: str
+) -> None:
+    port, log, started = free_port(), tmp_path / "up.log", tmp_path / "started"
+    base = f"http://127.0.0.1:{port}"
+    up = start(
+        log,
+        *("--port", str(port), "--pipelines", "slow,chain3"),
+        CONVEYOR_REDIS_URL=redis_url,
+        CONVEYOR_NAMESPACE=namespace,
+        CONVEYOR_TEST_DELAY_S="0.3",  # each batch of slow
+        CONVEYOR_TEST_STEP_S="12",  # chain3's middle step: longer than the drain
+        CONVEYOR_TEST_STARTED=str(started),
+        CONVEYOR_DRAIN_S="5",
+    )
+    stopping = threading.Event()
+    answers: list[tuple[int, httpx.Response, float]] = []  # value sent, answer, when
+    long: list[httpx.Response] = []
+
+    def client(i: int) -> None:
+        # One connection per request; none is sent once the stop is decided.
+        n = 0
+        while not stopping.is_set():
+            value, n = i * 1000 + n, n + 1
+            resp = httpx.post(f"{base}/v1/slow", json={"value": value}, timeout=30)
+            answers.append((value, resp, time.monotonic()))
+
+    def slow_one() -> None:
+        long.append(httpx.post(f"{base}/v1/chain3", json={"value": 1}, timeout=60))
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=slow_one), *clients]
+    try:
+        wait_for_line(log, "conveyor: ready:", up, limit_s=60)
+        wait_ready(f"http://127.0.0.1:{port}", {"conveyor up": up}, lambda _: log.read_text())
+        threads[0].start()
+        _wait(lambda: started.exists(), up, log)  # chain3's slow step runs
+        for t in clients:
+            t.start()
+        _wait(lambda: len(answers) >= 12, up, log)  # slow's load flows
+        stopping.set()
+        signalled = time.monotonic()
+        up.send_signal(signal.SIGTERM)
+        wait_for_line(log, "draining: new requests get 503", up, limit_s=20)
+        # A new request while draining: refused in JSON with Retry-After, nothing run.
+        probe = httpx.post(f"{base}/v1/slow", json={"value": 7}, timeout=10)
+        assert probe.status_code == 503, probe.text
+        assert probe.json()["detail"] == "this gateway is stopping; retry"
+        assert probe.headers["retry-after"] == "1"
+        assert httpx.get(f"{base}/readyz", timeout=10).status_code == 503
+        for t in threads:
+            t.join(timeout=30)
+        code = up.wait(timeout=40)
+    finally:
+        stopping.set()
+        stop(up)
+    text = log.read_text()
+    assert code == 0, text
+    for bad in BAD:
+        assert bad not in text, text
+    # Every request was answered in JSON: its result (those in flight at the signal too:
+    # the workers still ran), or a 503 for one the gateway had not yet taken.
+    for value, resp, _ in answers:
+        assert resp.headers["content-type"] == "application/json", resp.text
+        if resp.status_code != 200:
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["detail"] == "this gateway is stopping; retry"
+        else:
+            assert resp.json() == {"value": 2 * value}
+    late = [resp for _, resp, at in answers if at > signalled and resp.status_code == 200]
+    assert late, "no request in flight at the signal was answered"
+    # The one that outlasted the drain: a JSON 504 when the drain ended.
+    (resp,) = long
+    assert resp.status_code == 504, resp.text
+    assert resp.json()["detail"] == "the gateway stopped: no result within its 5s drain"
+
+
+def _wait(check: Callable[[], bool], up: subprocess.Popen[bytes], log: Path) -> None:
+    """Block until ``check`` holds (at most 30 s), failing if ``up`` exits first."""
+    deadline = time.monotonic() + 30
+    while not check():
+        assert up.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)  # other threads and processes make the progress awaited
