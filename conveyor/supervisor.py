@@ -366,9 +366,10 @@ def _terminate(procs: list[tuple[str, Process]], grace_s: float = STOP_GRACE_S) 
 
 
 def up(options: UpOptions) -> int:
-    """Run ``conveyor up`` until Ctrl-C or SIGTERM (exit status 0) or until a process
-    exits unasked (1); raises :class:`ConfigError` before anything starts for an unknown
-    pipeline, a bad flag or a port something else listens on.
+    """Run ``conveyor up`` until Ctrl-C or SIGTERM (exit status 0) or until it gives up
+    on a process that keeps exiting unasked (1; see :meth:`Supervisor.tend`); raises
+    :class:`ConfigError` before anything starts for an unknown pipeline, a bad flag or a
+    port something else listens on.
 
     Args:
         options: the command's flags.
@@ -457,8 +458,9 @@ def gateway_count() -> int:
 
 def gateways(env: dict[str, str]) -> int:
     """``conveyor gateway`` with ``CONVEYOR_GATEWAYS`` above 1: that many gateway
-    processes on one port, until Ctrl-C or SIGTERM (exit status 0) or until one exits
-    unasked (1); then every one is stopped (a container's one command keeps them all).
+    processes on one port, until Ctrl-C or SIGTERM (exit status 0), one that exits
+    unasked restarted as ``up`` restarts it, or until it gives up on one (1); then every
+    one is stopped, each draining (a container's one command keeps them all).
 
     Args:
         env: their environment (``CONVEYOR_GATEWAYS``, ``CONVEYOR_HOST``, ...).

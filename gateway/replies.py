@@ -91,12 +91,17 @@ class ReplyDispatcher:
         self._streams.pop(request_id, None)
         if self.written:
             self.written.pop(request_id, None)
-        if self._emptied is not None and not self._waiters and not self._streams:
+        if self._emptied is not None and not self.waiting:
             self._emptied.set()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a reply now (sync calls and streams)."""
+        return len(self._waiters) + len(self._streams)
 
     async def settled(self) -> None:
         """Return once no request waits for a reply (at once if none does now)."""
-        if self._waiters or self._streams:
+        if self.waiting:
             self._emptied = asyncio.Event()
             await self._emptied.wait()
 

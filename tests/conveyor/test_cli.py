@@ -255,6 +255,8 @@ CLI = ["-c", "import sys; from conveyor.cli import main; main(sys.argv[1:])"]
         ([*CLI, "up"], "CONVEYOR_MAX_TIMEOUT_S", "inf"),  # the gateway's, checked by up
         ([*CLI, "up"], "CONVEYOR_PORT", "http"),
         ([*CLI, "up", "--autoscale"], "CONVEYOR_AUTOSCALE_INTERVAL_S", "soon"),
+        ([*CLI, "up"], "CONVEYOR_RESTART_WINDOW_S", "soon"),
+        ([*CLI, "up"], "CONVEYOR_DRAIN_S", "-1"),
         ([*CLI, "dlq", "list", "embed"], "CONVEYOR_REDIS_URL", "http://127.0.0.1:1"),
         ([*CLI, "keda", "embed"], "CONVEYOR_PARTITIONS", "0"),
         (["-m", "gateway"], "CONVEYOR_API_KEYS", " , "),

@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,9 +19,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from bench.rss import children
+from conveyor.autoscale import Autoscaler, Scaler
 from conveyor.embedded import free_port
+from conveyor.restarts import CrashLoop, RestartSettings, exited
+from pipelines.errors import ConfigError
 from pipelines.keys import Keys
-from runtime.stats import RESTARTS, read_stats
+from pipelines.settings import CommonSettings, load_settings
+from runtime.stats import RESTARTS, StageStatus, read_stats
 from tests.conveyor.test_cli import CONVEYOR
 from tests.helpers import REPO, until, up_env, wait_for_line, wait_ready
 
@@ -278,3 +283,52 @@ def _wait(check: Callable[[], bool], up: subprocess.Popen[bytes], log: Path) -> 
         assert up.poll() is None, log.read_text()
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)  # other threads and processes make the progress awaited
+
+
+def test_the_backoff_doubles_within_the_window_and_a_crash_loop_gives_up() -> None:
+    settings = RestartSettings(max_crashes=4, window_s=10, backoff_s=0.5, max_backoff_s=1.5)
+    loop = CrashLoop(settings)
+    assert [loop.crashed("w", t) for t in (0.0, 1.0, 2.0)] == [0.5, 1.0, 1.5]  # capped
+    assert loop.crashed("other", 2.5) == 0.5  # each process its own count
+    assert loop.crashed("w", 30.0) == 0.5  # the earlier ones left the window
+    assert [loop.crashed("w", t) for t in (31.0, 32.0, 33.0)] == [1.0, 1.5, None]
+    assert "4 crash(es) within 10s are a crash loop" in loop.giving_up("w", -9)
+    assert exited(-9) == "was killed by SIGKILL"
+    assert exited(1) == "exited (1)"
+
+
+def test_a_bad_restart_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_RESTART_MAX_CRASHES", "0")
+    with pytest.raises(ConfigError, match="CONVEYOR_RESTART_MAX_CRASHES"):
+        load_settings(RestartSettings)
+
+
+async def test_the_autoscaler_hands_a_crashed_worker_over_and_replaces_it() -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+    told: list[tuple[str, int]] = []
+
+    def spawn(stage: str) -> subprocess.Popen[bytes]:
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return procs[-1]
+
+    async def crashed(stage: str, proc: subprocess.Popen[bytes]) -> str | None:
+        told.append((stage, proc.pid))
+        return "a crash loop"
+
+    a = Autoscaler({"s": Scaler(1, 1, 8)}, spawn, crashed=crashed)
+    try:
+        a.apply({"s": StageStatus("s")}, now=0.0)
+        procs[0].kill()
+        procs[0].wait(10)
+        assert a.reap(now=1.0) == [("s", procs[0])]  # no longer counted
+        a.apply({"s": StageStatus("s")}, now=1.0)  # so the next tick replaces it
+        assert [p.poll() for p in procs[1:]] == [None]
+        procs[1].kill()
+        procs[1].wait(10)
+        # run() hands it to crashed() before it reads any queue (no Redis here).
+        why = await a.run(CommonSettings(redis_url="redis://127.0.0.1:1/0"), stop=asyncio.Event())
+        assert (why, told) == ("a crash loop", [("s", procs[1].pid)])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
