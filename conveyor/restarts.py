@@ -6,7 +6,8 @@ started again after a backoff that doubles with each crash of that process withi
 supervisord's ``startretries``); once one process crashed
 :attr:`RestartSettings.max_crashes` times within the window, ``up`` stops everything and
 says why, as a crash loop will not mend itself. A process that exits with status 2 (a
-bad setting) or 3 (a gateway's port taken) is not restarted: it would fail the same way.
+configuration error: a bad setting, an app that does not import, a model that cannot be
+built) or 3 (a gateway's port taken) is not restarted: it would fail the same way.
 
 Each restart is said on ``up``'s output and counted in the stats hash of each stage the
 worker served (:data:`~runtime.stats.RESTARTS`), which ``/metrics``
@@ -27,7 +28,10 @@ from pipelines.settings import CommonSettings
 from runtime.redisio import connect
 from runtime.stats import RESTARTS
 
-NOT_RESTARTED = {2: "a bad setting", 3: "its port could not be bound"}
+NOT_RESTARTED = {
+    2: "a configuration error (a setting, the app, a model that cannot be built)",
+    3: "its port could not be bound",
+}
 """Exit statuses meaning a restart would fail the same way, and what each says."""
 
 

@@ -43,9 +43,13 @@ class Crashy:
 
 
 class Doomed:
-    """A model whose loading always fails: its worker exits at every start."""
+    """A model whose loading always fails: it raises (the worker exits 2, a configuration
+    error), or with ``CONVEYOR_TEST_DOOM=kill`` its worker is killed (SIGKILL, as the OOM
+    killer would) at every start."""
 
     def __init__(self, **options: Any) -> None:
+        if os.environ.get("CONVEYOR_TEST_DOOM") == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("this model never loads")
 
     def predict(self, items: list[Item]) -> list[Result]:

@@ -131,6 +131,7 @@ def test_a_crash_loop_gives_up_with_a_clear_message(tmp_path: Path) -> None:
     up = start(
         log,
         *("--port", str(free_port()), "--app", "tests.faultapp:doomed"),
+        CONVEYOR_TEST_DOOM="kill",  # killed as it loads its model, every time
         CONVEYOR_RESTART_MAX_CRASHES="3",
         CONVEYOR_RESTART_BACKOFF_S="0.1",
     )
@@ -140,11 +141,28 @@ def test_a_crash_loop_gives_up_with_a_clear_message(tmp_path: Path) -> None:
         stop(up)
     text = log.read_text()
     assert code == 1, text
-    assert text.count("worker doomed#0 exited (1); restarting it in") == 2, text
+    assert text.count("worker doomed#0 was killed by SIGKILL; restarting it in") == 2, text
+    assert text.count("worker doomed#0 restarted (pid") == 2, text
     assert (
-        "conveyor: worker doomed#0 exited (1): its 3 crash(es) within 60s are a crash loop; "
-        "giving up (CONVEYOR_RESTART_MAX_CRASHES, CONVEYOR_RESTART_WINDOW_S); stopping"
+        "conveyor: worker doomed#0 was killed by SIGKILL: its 3 crash(es) within 60s are a "
+        "crash loop; giving up (CONVEYOR_RESTART_MAX_CRASHES, CONVEYOR_RESTART_WINDOW_S); "
+        "stopping"
     ) in text
+    assert text.rstrip().endswith("conveyor: stopped"), text
+
+
+def test_a_model_that_cannot_be_built_is_not_restarted(tmp_path: Path) -> None:
+    # Its worker exits 2, a configuration error: a restart would fail the same way.
+    log = tmp_path / "up.log"
+    up = start(log, *("--port", str(free_port()), "--app", "tests.faultapp:doomed"))
+    try:
+        code = up.wait(timeout=50)
+    finally:
+        stop(up)
+    text = log.read_text()
+    assert code == 1, text
+    assert "restarting" not in text, text
+    assert "conveyor: worker doomed#0 exited (2): a configuration error" in text, text
     assert text.rstrip().endswith("conveyor: stopped"), text
 
 
