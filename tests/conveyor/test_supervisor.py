@@ -126,21 +126,28 @@ async def test_a_crashed_worker_is_restarted_logged_and_counted(
     assert code == 0, log.read_text()
 
 
-def test_a_crash_loop_gives_up_with_a_clear_message(tmp_path: Path) -> None:
+def give_up(tmp_path: Path, **env: str) -> str:
+    """``up`` serving the doomed pipeline until it gives up: its output, which says it
+    stopped everything (exit status 1)."""
     log = tmp_path / "up.log"
-    up = start(
-        log,
-        *("--port", str(free_port()), "--app", "tests.faultapp:doomed"),
-        CONVEYOR_TEST_DOOM="kill",  # killed as it loads its model, every time
-        CONVEYOR_RESTART_MAX_CRASHES="3",
-        CONVEYOR_RESTART_BACKOFF_S="0.1",
-    )
+    up = start(log, "--port", str(free_port()), "--app", "tests.faultapp:doomed", **env)
     try:
         code = up.wait(timeout=50)
     finally:
         stop(up)
     text = log.read_text()
     assert code == 1, text
+    assert text.rstrip().endswith("conveyor: stopped"), text
+    return text
+
+
+def test_a_crash_loop_gives_up_with_a_clear_message(tmp_path: Path) -> None:
+    text = give_up(
+        tmp_path,
+        CONVEYOR_TEST_DOOM="kill",  # killed as it loads its model, every time
+        CONVEYOR_RESTART_MAX_CRASHES="3",
+        CONVEYOR_RESTART_BACKOFF_S="0.1",
+    )
     assert text.count("worker doomed#0 was killed by SIGKILL; restarting it in") == 2, text
     assert text.count("worker doomed#0 restarted (pid") == 2, text
     assert (
@@ -148,22 +155,13 @@ def test_a_crash_loop_gives_up_with_a_clear_message(tmp_path: Path) -> None:
         "crash loop; giving up (CONVEYOR_RESTART_MAX_CRASHES, CONVEYOR_RESTART_WINDOW_S); "
         "stopping"
     ) in text
-    assert text.rstrip().endswith("conveyor: stopped"), text
 
 
 def test_a_model_that_cannot_be_built_is_not_restarted(tmp_path: Path) -> None:
     # Its worker exits 2, a configuration error: a restart would fail the same way.
-    log = tmp_path / "up.log"
-    up = start(log, *("--port", str(free_port()), "--app", "tests.faultapp:doomed"))
-    try:
-        code = up.wait(timeout=50)
-    finally:
-        stop(up)
-    text = log.read_text()
-    assert code == 1, text
+    text = give_up(tmp_path)
     assert "restarting" not in text, text
     assert "conveyor: worker doomed#0 exited (2): a configuration error" in text, text
-    assert text.rstrip().endswith("conveyor: stopped"), text
 
 
 @pytest.mark.parametrize("term_first", [True, False])
