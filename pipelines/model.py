@@ -80,7 +80,10 @@ class StagedModel(Model, Protocol):
     batches: while the device runs batch n, batch n+1 is prepared on the host and batch
     n-1's output turned into results (:class:`workers.runner.Runner`).
 
-    ``predict(items)`` must equal ``finish(launch(prepare(items)))``; the worker falls back
+    A model whose device is the host (a runner on the CPU) says ``overlapped = False``:
+    its phases then run as one call, since its host work would only contend with its
+    compute for the same cores. ``predict(items)`` must equal
+    ``finish(launch(prepare(items)))``; the worker falls back
     to ``predict`` (split in halves, :func:`workers.batch.run_isolating`) when a phase
     raises, so a failing item still fails alone.
     """

@@ -187,7 +187,7 @@ class Runner:
     @property
     def staged(self) -> bool:
         """Whether the model runs in phases overlapped across batches."""
-        return isinstance(self.model, StagedModel)
+        return overlapped(self.model)
 
     async def load(self) -> None:
         """Build the stage's model (in the model thread) unless there is one; then move
@@ -243,8 +243,9 @@ class Runner:
             deadline: ``time.monotonic()`` past which nobody waits for any of them.
         """
         model = self.model
-        if not isinstance(model, StagedModel):
+        if not overlapped(model):
             return None
+        assert isinstance(model, StagedModel)
         try:
             value = await self._in(self.host, _within, deadline, model.prepare, items)
         except Exception as exc:  # the whole run, in launch, finds the failing items
@@ -322,6 +323,14 @@ def _finish(deadline: float, fn: Callable[[Any], T], arg: Any) -> tuple[T, float
     return out, time.perf_counter()
 
 
+def overlapped(model: object) -> bool:
+    """Whether ``model``'s phases are run apart, overlapped across batches: a
+    :class:`~pipelines.model.StagedModel` that does not say ``overlapped = False`` (as a
+    runner on the CPU does, whose device is the host: there its host work would only
+    contend with its compute for the same cores)."""
+    return isinstance(model, StagedModel) and bool(getattr(model, "overlapped", True))
+
+
 def _same(a: list[Item], b: list[Item]) -> bool:
     """Whether two lists hold the same item objects (none withdrawn in between)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
@@ -337,7 +346,8 @@ def _launch(
     """The model thread's part of a batch (see :meth:`Runner.launch`)."""
     started = time.perf_counter()
     with batch_deadline(deadline), watching_cold() as cold:
-        if isinstance(model, StagedModel) and emit is None:
+        if overlapped(model) and emit is None:
+            assert isinstance(model, StagedModel)
             try:
                 if prepared is None or prepared.error or not _same(prepared.items, items):
                     prepared = Prepared(items, model.prepare(items))

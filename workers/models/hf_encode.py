@@ -67,6 +67,13 @@ class EncoderRunner(HFRunner):
         (buckets default to on there, off on the CPU)."""
         return self.device.type != "cpu"
 
+    @property
+    def overlapped(self) -> bool:
+        """Whether the worker overlaps this runner's phases across batches (a staged
+        runner's): on an accelerator; on the CPU its host work would only contend with
+        its compute for the same cores."""
+        return self.accelerated
+
     def max_rows(self, max_items: int) -> int:
         """The most rows one forward pass runs when a batch holds up to ``max_items``."""
         return max_items
