@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -57,21 +59,29 @@ def _connection_lost(exc: BaseException) -> bool:
     return tb is not None and any(p in tb.tb_frame.f_code.co_filename for p in _CLIENT_INTERNALS)
 
 
+@contextmanager
+def _in_command() -> Iterator[None]:
+    """Inside a command (what :meth:`Cluster.aclose` asks) for its duration, and a
+    connection-lost slip (:func:`_connection_lost`) raised as ``ConnectionError``."""
+    running = _IN_COMMAND.set(True)
+    try:
+        yield
+    except Exception as exc:
+        if _connection_lost(exc):
+            raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
+        raise
+    finally:
+        _IN_COMMAND.reset(running)
+
+
 class _ClusterPipeline(ClusterPipeline):
     """A cluster pipeline whose failure on one node leaves the others' connections alone
     (:meth:`Cluster.aclose`), and whose connection-lost slips (:func:`_connection_lost`)
     raise ``ConnectionError``."""
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
-        running = _IN_COMMAND.set(True)
-        try:
+        with _in_command():
             return await super().execute(raise_on_error, allow_redirections)
-        except Exception as exc:
-            if _connection_lost(exc):
-                raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
-            raise
-        finally:
-            _IN_COMMAND.reset(running)
 
 
 _STREAM_READS = ("XREAD", "XREADGROUP")
@@ -179,15 +189,8 @@ class Cluster(RedisCluster):
         parser.node = default
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        running = _IN_COMMAND.set(True)
-        try:
+        with _in_command():
             return await super().execute_command(*args, **kwargs)
-        except Exception as exc:
-            if _connection_lost(exc):
-                raise RedisConnectionError(f"cluster connection lost: {exc!r}") from exc
-            raise
-        finally:
-            _IN_COMMAND.reset(running)
 
     async def aclose(self) -> None:
         """Close every connection, unless called by redis-py from inside a command: then
