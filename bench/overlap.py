@@ -23,24 +23,13 @@ import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port, start_redis
 from pipelines.envelope import Request
-from pipelines.model import Item, Result
 from pipelines.stages import Stage, TextIn
 from runtime.redisio import enqueue
 from workers.loop import Worker
-from workers.models.simulated import SimulatedAccelerator
+from workers.models.simulated import OneCall, SimulatedAccelerator
 from workers.settings import WorkerSettings
 
 HOST = "127.0.0.1"
-
-
-class OneCall:
-    """The simulated accelerator's three phases as one ``predict`` (not staged)."""
-
-    def __init__(self, sim: SimulatedAccelerator) -> None:
-        self.sim = sim
-
-    def predict(self, items: list[Item]) -> list[Result]:
-        return self.sim.predict(items)
 
 
 async def served(url: str, staged: bool, prepare_s: float, device_s: float, batches: int) -> float:

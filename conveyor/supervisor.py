@@ -256,11 +256,15 @@ class Supervisor:
         )
         self.interval_s = scaling.interval_s
 
-    def supervise(self) -> str | None:
+    def supervise(self) -> int:
         """Look after the processes, restarting those that exit unasked, until there is
-        a reason to give up: then say it. Ctrl-C or SIGTERM raise out of it (with the
-        autoscaler: it returns None)."""
-        return asyncio.run(self._supervise())
+        a reason to give up: then say it and return 1 (the exit status). Ctrl-C or SIGTERM
+        raise out of it (with the autoscaler: it returns 0)."""
+        why = asyncio.run(self._supervise())
+        if why is None:
+            return 0
+        say(f"{why}; stopping")
+        return 1
 
     async def _supervise(self) -> str | None:
         if self.autoscaler is None:
@@ -430,10 +434,7 @@ def up(options: UpOptions) -> int:
             base,
         )
         readiness.start()
-        why = supervisor.supervise()
-        if why is not None:
-            say(f"{why}; stopping")
-            code = 1
+        code = supervisor.supervise()
     except _Stop:
         pass
     finally:
@@ -472,10 +473,7 @@ def gateways(env: dict[str, str]) -> int:
     try:
         supervisor.start_gateways(settings.gateways)
         say(f"{settings.gateways} gateways on http://{settings.host}:{settings.port}")
-        why = supervisor.supervise()
-        if why is not None:
-            say(f"{why}; stopping")
-            code = 1
+        code = supervisor.supervise()
     except _Stop:
         pass
     finally:

@@ -58,12 +58,11 @@ class CostModel:
         """Whether the slope is learned: the recent batches' sizes spread by a tenth of
         their mean or more. Sizes that barely differ (1,632 and 1,664 padded tokens) fit
         a slope of timing noise, which may read as no fixed cost at all."""
-        spread = self.w * self.snn - self.sn * self.sn  # w² times the sizes' variance
-        return self.known and spread >= 0.01 * self.sn * self.sn
+        return self.known and self._spread() >= 0.01 * self.sn * self.sn
 
-    def _degenerate(self) -> bool:
-        denom = self.w * self.snn - self.sn * self.sn
-        return denom <= 1e-9 * max(1.0, self.w * self.snn)
+    def _spread(self) -> float:
+        """``w²`` times the recent sizes' variance: the fit's denominator."""
+        return self.w * self.snn - self.sn * self.sn
 
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)``: fixed seconds per batch and seconds per item (both ≥ 0).
@@ -74,9 +73,9 @@ class CostModel:
         """
         if not self.known:
             return 0.0, 0.0
-        denom = self.w * self.snn - self.sn * self.sn
+        denom = self._spread()
         mean_t = self.st / self.w
-        if self._degenerate():
+        if denom <= 1e-9 * max(1.0, self.w * self.snn):
             return mean_t, 0.0
         b = (self.w * self.snt - self.sn * self.st) / denom
         a = (self.st - b * self.sn) / self.w

@@ -184,11 +184,6 @@ class Runner:
         """Batches waiting for the model or in it (its sharers' included)."""
         return self.thread.busy
 
-    @property
-    def staged(self) -> bool:
-        """Whether the model runs in phases overlapped across batches."""
-        return overlapped(self.model)
-
     async def load(self) -> None:
         """Build the stage's model (in the model thread) unless there is one; then move
         to the thread of its weights' other stages, if any, and there give it its shape

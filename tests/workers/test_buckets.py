@@ -24,6 +24,7 @@ from tests.helpers import Harness, until
 from workers.loop import Worker
 from workers.models.buckets import Buckets, batch_sizes, padded_lengths
 from workers.models.hf import Embedder, TextClassifier, TokenClassifier
+from workers.models.hf_encode import EncoderRunner
 from workers.models.simulated import SimulatedDevice, SimulatedEmbedder
 from workers.models.zeroshot import AnchorSentiment
 
@@ -116,7 +117,9 @@ class ShapeLog:
         self.shapes.append(tuple(encoding["input_ids"].shape))
 
 
-class LoggedClassifier(TextClassifier):
+class Logged(EncoderRunner):
+    """An encoder runner that logs the shape of each forward pass (mixed in first)."""
+
     def __init__(self, **options: Any) -> None:
         self.log = ShapeLog()
         super().__init__(**options)
@@ -126,14 +129,12 @@ class LoggedClassifier(TextClassifier):
         return super().forward(encoding)
 
 
-class LoggedTokens(TokenClassifier):
-    def __init__(self, **options: Any) -> None:
-        self.log = ShapeLog()
-        super().__init__(**options)
+class LoggedClassifier(Logged, TextClassifier):
+    pass
 
-    def forward(self, encoding: Mapping[str, torch.Tensor]) -> Any:
-        self.log.note(encoding)
-        return super().forward(encoding)
+
+class LoggedTokens(Logged, TokenClassifier):
+    pass
 
 
 @pytest.mark.parametrize("lengths", [16, (24, 40)])

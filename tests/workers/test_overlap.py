@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from pipelines.model import Item, Result, StagedModel
+from pipelines.model import Result, StagedModel
 from pipelines.stages import Stage, TextIn
 from tests.helpers import Harness, until
 from workers.loop import Worker
-from workers.models.simulated import SimulatedAccelerator, Span
+from workers.models.simulated import OneCall, SimulatedAccelerator, Span
 
 RUNNER = "workers.models.simulated:SimulatedAccelerator"
 
@@ -32,17 +32,6 @@ def stage(max_batch_size: int = 8, max_batch_tokens: int | None = None) -> Stage
         batch_wait_ms=5,
         max_batch_tokens=max_batch_tokens,
     )
-
-
-class Unstaged:
-    """The same device, its three phases run as one call: what a worker that does not
-    stage a model gets (the contrast)."""
-
-    def __init__(self, sim: SimulatedAccelerator) -> None:
-        self.sim = sim
-
-    def predict(self, items: list[Item]) -> list[Result]:
-        return self.sim.predict(items)
 
 
 def overlapped(spans: list[Span]) -> int:
@@ -65,7 +54,7 @@ async def test_the_next_batch_is_prepared_while_the_device_runs(
 ) -> None:
     sim = SimulatedAccelerator(prepare_s=0.03, device_s=0.08, first_call_s=0.0)
     assert isinstance(sim, StagedModel)
-    model = sim if staged else Unstaged(sim)
+    model = sim if staged else OneCall(sim)
     await harness.enqueue("sim", texts(random.Random(1), 96, (3, 12)))
     worker = harness.worker(stage(), model)
     assert await worker.run(burst=True) == 12

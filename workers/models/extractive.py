@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from pipelines.model import Item, Result
-from workers.models.buckets import BucketLengths, Buckets, ShapeRun
+from workers.models.buckets import BucketLengths, Buckets
 from workers.models.hf_base import item_texts
-from workers.models.hf_encode import sentence_encoder
+from workers.models.hf_encode import OnSentenceEncoder, sentence_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def split_sentences(text: str) -> list[str]:
     return [part.strip() for part in _SENTENCE_BREAK.split(text) if part.strip()]
 
 
-class ExtractiveSummarizer:
+class ExtractiveSummarizer(OnSentenceEncoder):
     """Extractive summaries: the sentences closest in meaning to the whole document.
 
     Each text is split into sentences; its first ``max_sentences`` are embedded with a
@@ -84,7 +84,6 @@ class ExtractiveSummarizer:
         self.max_sentences = max_sentences
         started = time.perf_counter()
         self.embedder = sentence_encoder(load, batch_size)
-        self.weights_key = self.embedder.weights_key  # one model thread with its sharers
         self.num_sentences = num_sentences
         logger.info(
             "ExtractiveSummarizer loaded %s on %s as %s in %.2fs (num_sentences=%d)",
@@ -102,16 +101,6 @@ class ExtractiveSummarizer:
         for up to ``batch_size`` sentences a pass whatever ``max_items`` is: a batch's
         texts hold any number of sentences, embedded together in chunks."""
         return self.embedder.use_buckets(enabled, self.embedder.batch_size, lengths)
-
-    def use_graphs(self) -> int:
-        """Capture the encoder's graphs
-        (:meth:`~workers.models.hf_encode.EncoderRunner.use_graphs`)."""
-        return self.embedder.use_graphs()
-
-    def warm_up(self) -> list[ShapeRun]:
-        """Run each of the encoder's buckets
-        (:meth:`~workers.models.hf_encode.EncoderRunner.warm_up`)."""
-        return self.embedder.warm_up()
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Summarize each item's text by picking its most central sentences.

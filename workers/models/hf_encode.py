@@ -28,7 +28,7 @@ from transformers import (
 from pipelines.model import Item, Result, check_deadline, cold_shape
 from workers.models.buckets import BucketLengths, Buckets, ShapeRun, fit
 from workers.models.graphs import BucketGraphs, capture
-from workers.models.hf_base import HFRunner, item_texts
+from workers.models.hf_base import HFRunner, WeightsKey, item_texts
 
 
 class Fetched(NamedTuple):
@@ -293,6 +293,34 @@ def sentence_encoder(load: dict[str, Any], batch_size: int = 64) -> Embedder:
         batch_size: most texts per forward pass.
     """
     return Embedder(normalize=True, batch_size=batch_size, **{"model": "minilm", **load})
+
+
+class OnSentenceEncoder:
+    """A runner built on a :func:`sentence_encoder` (its :attr:`embedder`): its shape
+    buckets, CUDA graphs and warm-up are the encoder's, and it runs in the model thread
+    of the encoder's weights (:attr:`weights_key`)."""
+
+    embedder: Embedder
+
+    @property
+    def weights_key(self) -> WeightsKey:
+        """The encoder's weights: one model thread with their other stages."""
+        return self.embedder.weights_key
+
+    def use_buckets(
+        self, enabled: bool | None, max_items: int, lengths: BucketLengths
+    ) -> Buckets | None:
+        """The encoder's buckets (:meth:`EncoderRunner.use_buckets`): a batch's texts are
+        one forward pass of it."""
+        return self.embedder.use_buckets(enabled, max_items, lengths)
+
+    def use_graphs(self) -> int:
+        """Capture the encoder's graphs (:meth:`EncoderRunner.use_graphs`)."""
+        return self.embedder.use_graphs()
+
+    def warm_up(self) -> list[ShapeRun]:
+        """Run each of the encoder's buckets (:meth:`EncoderRunner.warm_up`)."""
+        return self.embedder.warm_up()
 
 
 class TextClassifier(EncoderRunner):

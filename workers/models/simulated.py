@@ -219,3 +219,19 @@ class SimulatedAccelerator:
     def _note(self, span: Span) -> None:
         with self._lock:
             self.spans.append(span)
+
+
+class OneCall:
+    """A staged model's three phases run as one ``predict`` call, so the worker cannot
+    overlap them: the contrast to a staged model (tests, ``bench.overlap``).
+
+    Args:
+        staged: the model wrapped.
+    """
+
+    def __init__(self, staged: SimulatedAccelerator) -> None:
+        self.staged = staged
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """``finish(launch(prepare(items)))`` in the calling thread."""
+        return self.staged.predict(items)

@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from pipelines.model import Item, Result
-from workers.models.buckets import BucketLengths, Buckets, ShapeRun
 from workers.models.hf_base import item_texts
-from workers.models.hf_encode import sentence_encoder
+from workers.models.hf_encode import OnSentenceEncoder, sentence_encoder
 
 POSITIVE_ANCHORS = (
     "This is wonderful, I love it.",
@@ -32,7 +31,7 @@ NEGATIVE_ANCHORS = (
 )
 
 
-class AnchorSentiment:
+class AnchorSentiment(OnSentenceEncoder):
     """``{"label": "POSITIVE" | "NEGATIVE", "score"}`` from embedding similarity.
 
     Args:
@@ -45,7 +44,6 @@ class AnchorSentiment:
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.embedder = sentence_encoder(load)
-        self.weights_key = self.embedder.weights_key  # one model thread with its sharers
         self.max_length = self.embedder.max_length  # the input cap, for length-aware batching
         self.temperature = temperature
         anchors = self.embedder.embed([*POSITIVE_ANCHORS, *NEGATIVE_ANCHORS])
@@ -53,23 +51,6 @@ class AnchorSentiment:
         self.poles = torch.nn.functional.normalize(
             torch.stack([anchors[:n].mean(0), anchors[n:].mean(0)]), dim=1
         )
-
-    def use_buckets(
-        self, enabled: bool | None, max_items: int, lengths: BucketLengths
-    ) -> Buckets | None:
-        """The encoder's buckets (:meth:`~workers.models.hf_encode.EncoderRunner.use_buckets`):
-        a batch's texts are one forward pass of it."""
-        return self.embedder.use_buckets(enabled, max_items, lengths)
-
-    def use_graphs(self) -> int:
-        """Capture the encoder's graphs
-        (:meth:`~workers.models.hf_encode.EncoderRunner.use_graphs`)."""
-        return self.embedder.use_graphs()
-
-    def warm_up(self) -> list[ShapeRun]:
-        """Run each of the encoder's buckets
-        (:meth:`~workers.models.hf_encode.EncoderRunner.warm_up`)."""
-        return self.embedder.warm_up()
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Label each item's text."""
