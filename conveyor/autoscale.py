@@ -173,6 +173,17 @@ class Autoscaler:
     crashed: Callable[[str, Popen[bytes]], Awaitable[str | None]] | None = None
     running: dict[str, list[Popen[bytes]]] = field(default_factory=dict)
     draining: list[tuple[str, Popen[bytes], float]] = field(default_factory=list)  # + SIGTERM time
+    held: set[str] = field(default_factory=set)  # parked: no worker started
+
+    def hold(self, stage: str) -> None:
+        """Stop ``stage``'s workers (each drains) and start none until :meth:`resume`
+        (``conveyor up`` parks a crash loop)."""
+        self.held.add(stage)
+        self._resize(stage, 0, time.monotonic())
+
+    def resume(self, stage: str) -> None:
+        """Scale ``stage`` again from the next tick (its scaler's bounds start it)."""
+        self.held.discard(stage)
 
     def apply(self, statuses: Mapping[str, StageStatus], now: float) -> None:
         """Decide for each stage from its queue state; log and act on each change.
@@ -182,6 +193,8 @@ class Autoscaler:
             now: monotonic time, seconds.
         """
         for stage, scaler in self.scalers.items():
+            if stage in self.held:
+                continue
             st = [statuses[s] for s in stage.split(",")]
             backlog = sum(s.backlog for s in st)
             current = len(self.running.get(stage, []))

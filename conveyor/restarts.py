@@ -1,13 +1,28 @@
-"""``conveyor up`` restarts a process that exits unasked, and gives up on a crash loop.
+"""``conveyor up`` restarts a process that exits unasked, and parks a crash loop.
 
 A worker killed by one input (a segfault, the OOM killer), or a gateway that died, is
 started again after a backoff that doubles with each crash of that process within
 :attr:`RestartSettings.window_s` (systemd's ``Restart=on-failure`` with a start limit,
-supervisord's ``startretries``); once one process crashed
-:attr:`RestartSettings.max_crashes` times within the window, ``up`` stops everything and
-says why, as a crash loop will not mend itself. A process that exits with status 2 (a
-configuration error: a bad setting, an app that does not import, a model that cannot be
-built) or 3 (a gateway's port taken) is not restarted: it would fail the same way.
+supervisord's ``startretries``). Crashes are counted per process: a replica's slot
+(``worker embed#1``, restarted in place), an autoscaled worker by its pid once it had
+started to serve (its crashes are its own: five workers killed once each are no loop),
+and the autoscaled workers of a stage that die before they serve together (a model that
+cannot start kills every one the same way).
+
+A crash that is followed by progress is no loop: a worker that crashes on a poison input
+is restarted, and the inputs on its model are charged the crash, run alone and the one
+that kills is dead-lettered (:mod:`workers.crashes`), while the stage goes on publishing
+batches. So a process's count starts again whenever its stages published a batch or a
+dead letter, or charged a crash to its inputs, since its previous crash. Once a process
+crashed :attr:`RestartSettings.max_crashes` times within the window with no progress
+between, its worker group is **parked**: its processes are stopped, its stages answer
+503 with a Retry-After naming why (``/status`` and ``/metrics`` show it), and it is
+started again after :attr:`RestartSettings.park_s`, doubling with each park up to
+:attr:`RestartSettings.max_park_s`. The other stages, the gateway and Redis go on;
+``up`` exits only when asked, on a configuration error (a status 2 or 3 that the process
+also reported through :func:`pipelines.errors.exit_for`: a bad setting, an app that does
+not import, a model that cannot be built, the port), or when its embedded Redis cannot
+be kept running.
 
 Each restart is said on ``up``'s output and counted in the stats hash of each stage the
 worker served (:data:`~runtime.stats.RESTARTS`), which ``/metrics``
@@ -17,6 +32,7 @@ worker served (:data:`~runtime.stats.RESTARTS`), which ``/metrics``
 from __future__ import annotations
 
 import signal
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,9 +40,10 @@ from dataclasses import dataclass, field
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipelines.records import Parked
 from pipelines.settings import CommonSettings
-from runtime.redisio import connect
-from runtime.stats import RESTARTS
+from runtime.redisio import REDIS_DOWN, connect
+from runtime.stats import CHARGED, RESTARTS, read_all_stats
 
 NOT_RESTARTED = {
     2: "a configuration error (a setting, the app, a model that cannot be built)",
@@ -39,12 +56,15 @@ class RestartSettings(BaseSettings):
     """How ``up`` restarts its processes: ``CONVEYOR_RESTART_*`` variables.
 
     Attributes:
-        max_crashes: ``up`` gives up (stops everything, exit status 1) once one process
-            crashed this many times within ``window_s``.
+        max_crashes: ``up`` parks a process's worker group once it crashed this many
+            times within ``window_s`` with no progress between (see the module).
         window_s: the crash-loop window, seconds.
         backoff_s: the wait before the first restart; each further crash within the
             window doubles it.
         max_backoff_s: the longest wait before a restart.
+        park_s: how long a crash loop's group is first parked; each further park of it
+            doubles the time.
+        max_park_s: the longest park.
     """
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_RESTART_", extra="ignore")
@@ -53,12 +73,14 @@ class RestartSettings(BaseSettings):
     window_s: float = Field(default=60.0, gt=0, le=86_400, allow_inf_nan=False)
     backoff_s: float = Field(default=0.5, ge=0, le=600, allow_inf_nan=False)
     max_backoff_s: float = Field(default=10.0, ge=0, le=600, allow_inf_nan=False)
+    park_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
+    max_park_s: float = Field(default=600.0, gt=0, le=86_400, allow_inf_nan=False)
 
 
 @dataclass
 class CrashLoop:
     """The crashes of each process, within the window: when to restart it, or whether
-    to give up.
+    it is in a loop; and how long each group's next park lasts.
 
     Args:
         settings: the limits.
@@ -66,16 +88,27 @@ class CrashLoop:
 
     settings: RestartSettings
     crashes: dict[str, deque[float]] = field(default_factory=dict)  # by name, monotonic
+    progress: dict[str, int] = field(default_factory=dict)  # by name, at its last crash
+    parks: dict[str, int] = field(default_factory=dict)  # by group: parks so far
 
-    def crashed(self, name: str, now: float) -> float | None:
+    def crashed(self, name: str, now: float, progress: int | None = None) -> float | None:
         """Record a crash of ``name``; the seconds to wait before restarting it, or None:
-        it crashed :attr:`~RestartSettings.max_crashes` times within the window.
+        it crashed :attr:`~RestartSettings.max_crashes` times within the window, with no
+        progress between (a loop).
 
         Args:
             name: the process (``worker embed#0``, ``gateway``).
             now: monotonic time, seconds.
+            progress: what its stages have done so far (batches and dead letters
+                published); a change since its previous crash starts its count again.
+                None: unknown (a gateway; Redis unreachable), no change.
         """
         times = self.crashes.setdefault(name, deque())
+        before = self.progress.get(name)
+        if progress is not None:
+            if before is not None and progress != before:
+                times.clear()  # it did work since: that crash was no loop
+            self.progress[name] = progress
         times.append(now)
         while now - times[0] > self.settings.window_s:
             times.popleft()
@@ -85,12 +118,23 @@ class CrashLoop:
             min(self.settings.max_backoff_s, self.settings.backoff_s * 2 ** (len(times) - 1))
         )
 
-    def giving_up(self, name: str, code: int | None) -> str:
-        """Why ``up`` stops after ``name``'s last crash (exit status ``code``)."""
+    def forget(self, name: str) -> None:
+        """Start ``name``'s count again (its group was parked, or is back)."""
+        self.crashes.pop(name, None)
+        self.progress.pop(name, None)
+
+    def park(self, group: str) -> float:
+        """Seconds to park ``group`` for, now that it looped: doubling with each park."""
+        n = self.parks[group] = self.parks.get(group, 0) + 1
+        return float(min(self.settings.max_park_s, self.settings.park_s * 2 ** (n - 1)))
+
+    def looping(self, name: str, code: int | None) -> str:
+        """Why ``name``'s group is parked after its last crash (exit status ``code``)."""
         s = self.settings
         return (
-            f"{name} {exited(code)}: its {s.max_crashes} crash(es) within {s.window_s:g}s are "
-            "a crash loop; giving up (CONVEYOR_RESTART_MAX_CRASHES, CONVEYOR_RESTART_WINDOW_S)"
+            f"{name} {exited(code)}: {s.max_crashes} crash(es) within {s.window_s:g}s with "
+            "no batch published between (CONVEYOR_RESTART_MAX_CRASHES, "
+            "CONVEYOR_RESTART_WINDOW_S)"
         )
 
 
@@ -102,6 +146,42 @@ def exited(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited ({code})"
+
+
+async def progress(settings: CommonSettings, stages: Iterable[str]) -> int | None:
+    """What ``stages`` have done so far: their batches and dead letters published, and the
+    crashes charged to the inputs on the model (see :meth:`CrashLoop.crashed`); None when
+    Redis cannot be reached."""
+    client = connect(settings)
+    try:
+        stats = await read_all_stats(client, settings.keys, list(stages))
+    except REDIS_DOWN:
+        return None
+    finally:
+        await client.aclose()
+    done = ("batches", "dead_letters", CHARGED)
+    return int(sum(s.get(name, 0) for s in stats.values() for name in done))
+
+
+async def mark_parked(
+    settings: CommonSettings, stages: Iterable[str], why: str, for_s: float | None
+) -> None:
+    """Say in Redis that ``stages`` are parked for ``for_s`` seconds because ``why``
+    (:class:`~pipelines.records.Parked`), or (``for_s`` None) that they are back.
+
+    Raises:
+        RedisError, OSError: Redis could not be reached (the caller says so and goes on).
+    """
+    client = connect(settings)
+    key = settings.keys.parked()
+    try:
+        for stage in stages:
+            if for_s is None:
+                await client.hdel(key, stage)
+            else:
+                await client.hset(key, stage, Parked(why, time.time() + for_s).encode())
+    finally:
+        await client.aclose()
 
 
 async def count_restart(settings: CommonSettings, stages: Iterable[str]) -> None:

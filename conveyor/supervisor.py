@@ -6,8 +6,9 @@ this module imports neither side). :func:`up` takes the steps in order: start Re
 ``CONVEYOR_GATEWAYS``: N on one port, :mod:`gateway.__main__`), the worker groups; say
 when every worker has loaded its model and reads its stage (:class:`Readiness`); then
 supervise until Ctrl-C, SIGTERM or SIGHUP: a gateway or worker that exits unasked is
-restarted after a backoff, and only a crash loop, a bad setting or Redis exiting stops
-``up`` (:mod:`conveyor.restarts`). Then it stops in order: the gateways first (each
+restarted after a backoff, a crash loop parks its group alone, the embedded Redis is
+started again if it exits, and only a configuration error stops ``up``
+(:mod:`conveyor.restarts`). Then it stops in order: the gateways first (each
 drains: its port closes, a request on a connection still open gets 503 + Retry-After,
 those in flight are answered, by the workers still running, within
 ``CONVEYOR_DRAIN_S``), then the workers (each finishes its batches and leaves its
@@ -23,6 +24,7 @@ even when ``up`` is killed and can run no stop at all (:mod:`conveyor.children`)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -47,10 +49,18 @@ from conveyor.placement import (
     host_placer,
     worker_groups,
 )
-from conveyor.readiness import Readiness, check_port, gateway_url
-from conveyor.restarts import NOT_RESTARTED, CrashLoop, RestartSettings, count_restart, exited
+from conveyor.readiness import Readiness, check_port, gateway_url, waiting
+from conveyor.restarts import (
+    NOT_RESTARTED,
+    CrashLoop,
+    RestartSettings,
+    count_restart,
+    exited,
+    mark_parked,
+    progress,
+)
 from gateway.settings import GatewaySettings
-from pipelines.errors import ConfigError
+from pipelines.errors import EXIT_REPORT_FD, ConfigError
 from pipelines.registry import app_dir, load_registry
 from pipelines.settings import CommonSettings, load_settings
 from pipelines.stages import Stage
@@ -166,6 +176,11 @@ class Supervisor:
     placed: dict[int, Placed] = field(default_factory=dict)  # by pid
     due: dict[str, float] = field(default_factory=dict)  # restarts waiting: when, by name
     crashes: CrashLoop = field(init=False)
+    groups: dict[str, Group | None] = field(default_factory=dict)  # by child name (None: gateway)
+    parked: dict[str, float] = field(default_factory=dict)  # group name: until (monotonic)
+    reports: dict[int, int] = field(default_factory=dict)  # pid: read end of its report pipe
+    said: dict[int, str] = field(default_factory=dict)  # pid: its report, read at its release
+    redis_port: int = 0
 
     def __post_init__(self) -> None:
         self.crashes = CrashLoop(self.restart)
@@ -174,20 +189,67 @@ class Supervisor:
         """An embedded redis-server on a free port, unless ``CONVEYOR_REDIS_URL`` is set."""
         if self.env.get("CONVEYOR_REDIS_URL"):
             return
-        port = free_port()
-        workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
-        self.redis = start_redis(port, workdir, bound=True)
-        self.redis_dir = workdir
+        self.redis_port = port = free_port()
+        self._run_redis()
         url = self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
         say(
-            f"embedded redis on 127.0.0.1:{port} (files in {workdir}, removed at stop); "
+            f"embedded redis on 127.0.0.1:{port} (in memory: nothing kept at stop); "
             f"`CONVEYOR_REDIS_URL={url} conveyor status` reads it"
         )
 
+    def _run_redis(self) -> None:
+        # It persists nothing, so its folder is needed only while it starts (its log says
+        # why it failed to): removed at once, nothing is left behind even when up is
+        # killed and can remove nothing.
+        workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
+        try:
+            self.redis = start_redis(self.redis_port, workdir, bound=True)
+        except ConfigError:
+            self.redis_dir = workdir  # kept for its log until up stops
+            raise
+        shutil.rmtree(workdir, ignore_errors=True)
+
     def _spawn(self, module: str, *argv: str, env: dict[str, str] | None = None) -> Process:
         # Its own process group, and bound to die with up: see the module's docstring.
+        # A pipe of its own says why it exits when no restart would mend it
+        # (pipelines.errors.exit_for): its exit status alone could be a user's code's.
         args = [sys.executable, "-m", module, *argv]
-        return subprocess.Popen(args, env=self.env | (env or {}), **child_options())
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        extra = {EXIT_REPORT_FD: str(write)}
+        try:
+            proc = subprocess.Popen(
+                args, env=self.env | (env or {}) | extra, pass_fds=(write,), **child_options()
+            )
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        self.reports[proc.pid] = read
+        return proc
+
+    def _reported(self, proc: Process) -> str | None:
+        """What ``proc`` (exited) reported on its pipe, if anything; the pipe is closed."""
+        read = self.reports.pop(proc.pid, None)
+        if read is None:
+            return self.said.pop(proc.pid, None)  # read already, by a release
+        try:
+            said = os.read(read, 4096)
+        except BlockingIOError:
+            said = b""
+        finally:
+            os.close(read)
+        return said.decode("utf-8", "replace") or None
+
+    def _final(self, proc: Process) -> str | None:
+        """Why ``proc`` (exited) must not be restarted: a status 2 or 3 with its reason
+        on its pipe; None: a crash (whatever its status), restarted."""
+        said = self._reported(proc)
+        code = proc.returncode
+        if code in NOT_RESTARTED and said is not None:
+            return f"{NOT_RESTARTED[code]}: {said}"
+        return None
 
     def _spawn_placed(self, placed: Placed) -> Process:
         proc = self._spawn("workers", placed.group.name, env=placed.env())
@@ -204,6 +266,9 @@ class Supervisor:
         return self._spawn_placed(placed)
 
     def _release(self, proc: Process) -> None:
+        # Its pipe is closed; what it said is kept for _crashed, which comes next.
+        if (said := self._reported(proc)) is not None:
+            self.said[proc.pid] = said
         placed = self.placed.pop(proc.pid, None)
         if placed is not None and self.placer is not None:
             self.placer.release(placed)
@@ -219,6 +284,7 @@ class Supervisor:
         for i in range(count):
             name = "gateway" if count == 1 else f"gateway#{i}"
             self.children.append((name, self._spawn("gateway")))
+            self.groups[name] = None
 
     def gateways(self) -> list[tuple[str, Process]]:
         """Every gateway process started."""
@@ -235,6 +301,7 @@ class Supervisor:
             i = copies[p.group.name] = copies.get(p.group.name, -1) + 1
             say(f"worker {p.group.name}#{i}: {p.describe()}")
             self.children.append((f"worker {p.group.name}#{i}", self._spawn_placed(p)))
+            self.groups[f"worker {p.group.name}#{i}"] = p.group
 
     def start_autoscaler(
         self, groups: list[Group], stages: dict[str, Stage], scaling: AutoscaleSettings
@@ -283,31 +350,103 @@ class Supervisor:
     async def tend(self) -> str | None:
         """One look at the processes: a gateway or worker that exited unasked is given
         its restart time (:class:`~conveyor.restarts.CrashLoop`), one whose time has come
-        is started again; None while all is well, else why to give up (a crash loop, an
-        exit status no restart mends, Redis gone)."""
-        if self.redis is not None and self.redis.poll() is not None:
-            return f"redis-server {exited(self.redis.returncode)}"
+        is started again, a group in a crash loop is parked, a parked one whose time has
+        come is started again, an embedded Redis that exited is started again; None
+        while ``up`` goes on, else why it stops (a configuration error, a Redis that
+        cannot be started)."""
+        redis_gone = self.redis is not None and self.redis.poll() is not None
+        if redis_gone and (why := self._redis_exited()):
+            return why
         now = time.monotonic()
+        await self._unpark(now)
         for i, (name, proc) in enumerate(self.children):
             code = proc.poll()
-            if code is None:
+            if code is None or self._group_name(name) in self.parked:
                 continue
             if name not in self.due:
-                if code in NOT_RESTARTED:
-                    return f"{name} {exited(code)}: {NOT_RESTARTED[code]}; not restarted"
-                delay = self.crashes.crashed(name, now)
+                if why := self._final(proc):
+                    return f"{name} {exited(code)}: {why}; not restarted"
+                group = self.groups.get(name)
+                done = await progress(self._common(), group.stages) if group else None
+                delay = self.crashes.crashed(name, now, done)
                 if delay is None:
-                    return self.crashes.giving_up(name, code)
+                    await self._park(self._group_name(name), self.crashes.looping(name, code))
+                    continue
                 say(f"{name} {exited(code)}; restarting it in {delay:g}s")
                 self.due[name] = now + delay
             if now >= self.due[name]:
                 del self.due[name]
-                # A worker again where it was placed (its share is still reserved).
-                placed = self.placed.pop(proc.pid, None)
-                again = self._spawn("gateway") if placed is None else self._spawn_placed(placed)
-                self.children[i] = (name, again)
-                say(f"{name} restarted (pid {again.pid})")
-                await self._count(list(placed.group.stages) if placed is not None else [])
+                self.children[i] = (name, await self._again(name, proc))
+        return None
+
+    async def _again(self, name: str, proc: Process) -> Process:
+        """Start ``name`` (its process ``proc`` exited) again, where it was placed."""
+        self._reported(proc)  # its pipe, if still open, is closed
+        placed = self.placed.pop(proc.pid, None)
+        again = self._spawn("gateway") if placed is None else self._spawn_placed(placed)
+        say(f"{name} restarted (pid {again.pid})")
+        await self._count(list(placed.group.stages) if placed is not None else [])
+        return again
+
+    def _group_name(self, child: str) -> str:
+        group = self.groups.get(child)
+        return "gateway" if group is None else group.name
+
+    async def _park(self, group: str, why: str) -> None:
+        """Stop ``group``'s processes and start them again after its park (see
+        :mod:`conveyor.restarts`); its stages answer 503 meanwhile."""
+        for_s = self.crashes.park(group)
+        self.parked[group] = time.monotonic() + for_s
+        say(
+            f"{why}; parking {group} for {for_s:g}s (its requests get 503 + Retry-After; "
+            "everything else goes on serving)"
+        )
+        members = [(n, p) for n, p in self.children if self._group_name(n) == group]
+        for name, proc in members:
+            self.due.pop(name, None)
+            self.crashes.forget(name)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        if self.autoscaler is not None and group in self.autoscaler.scalers:
+            self.autoscaler.hold(group)
+        if group != "gateway":
+            await self._say_parked(group.split(","), why, for_s)
+
+    async def _unpark(self, now: float) -> None:
+        """Start again each parked group whose time has come."""
+        for group in [g for g, until in self.parked.items() if now >= until]:
+            del self.parked[group]
+            say(f"{group}: its park is over; starting it again")
+            for i, (name, proc) in enumerate(self.children):
+                if self._group_name(name) == group:
+                    if proc.poll() is None:  # still draining, a whole park later
+                        proc.kill()
+                        proc.wait()
+                    self.children[i] = (name, await self._again(name, proc))
+            if self.autoscaler is not None and group in self.autoscaler.scalers:
+                self.autoscaler.resume(group)
+            if group != "gateway":
+                await self._say_parked(group.split(","), "", None)
+
+    async def _say_parked(self, stages: list[str], why: str, for_s: float | None) -> None:
+        try:
+            await mark_parked(self._common(), stages, why, for_s)
+        except REDIS_DOWN as exc:
+            say(f"could not record in redis that {','.join(stages)} is parked: {exc}")
+
+    def _redis_exited(self) -> str | None:
+        """Start the embedded Redis again (what it held is gone: it keeps nothing; the
+        workers re-create their groups); why to stop if it cannot be kept running."""
+        assert self.redis is not None
+        code = self.redis.returncode
+        now = time.monotonic()
+        if self.crashes.crashed("redis-server", now) is None:
+            return self.crashes.looping("redis-server", code)
+        say(f"redis-server {exited(code)}; starting it again (what it held is lost)")
+        try:
+            self._run_redis()
+        except ConfigError as exc:
+            return f"redis-server {exited(code)} and could not start again: {exc}"
         return None
 
     async def _count(self, stages: list[str]) -> None:
@@ -320,15 +459,25 @@ class Supervisor:
             say(f"the restart of a worker of {','.join(stages)} was not counted: {exc}")
 
     async def _crashed(self, stage: str, proc: Process) -> str | None:
-        """The autoscaler's worker of ``stage`` exited unasked: give up on a crash loop,
-        else count it; the autoscaler starts another at its next tick."""
-        name = f"worker {stage}"
-        if proc.returncode in NOT_RESTARTED:
-            return f"{name} {exited(proc.returncode)}: {NOT_RESTARTED[proc.returncode]}"
-        if self.crashes.crashed(name, time.monotonic()) is None:
-            return self.crashes.giving_up(name, proc.returncode)
-        say(f"{name} (pid {proc.pid}) {exited(proc.returncode)}; the autoscaler starts another")
-        await self._count(stage.split(","))
+        """The autoscaler's worker of ``stage`` exited unasked: stop on a configuration
+        error, park the stage's workers on a crash loop, else count it; the autoscaler
+        starts another at its next tick."""
+        if why := self._final(proc):
+            return f"worker {stage} {exited(proc.returncode)}: {why}"
+        stages = stage.split(",")
+        # Its crashes are its own once it served (one autoscaled worker is not restarted:
+        # it counts once); those of the workers that never started are the stage's.
+        try:
+            started = not await waiting(self._common(), stages, {proc.pid})
+        except REDIS_DOWN:
+            started = False  # unknown: counted with the stage's, the stricter count
+        name = f"worker {stage} (pid {proc.pid})" if started else f"worker {stage} (starting)"
+        now = time.monotonic()
+        if self.crashes.crashed(name, now, await progress(self._common(), stages)) is None:
+            await self._park(stage, self.crashes.looping(name, proc.returncode))
+            return None
+        say(f"{name} {exited(proc.returncode)}; the autoscaler starts another")
+        await self._count(stages)
         return None
 
     def workers(self) -> list[tuple[str, Process]]:
@@ -343,10 +492,17 @@ class Supervisor:
         its drain and that)."""
         _terminate(self.gateways(), self.drain_s + STOP_GRACE_S)
         _terminate(self.workers())
+        if self.parked and self.redis is None:  # an outside Redis outlives this up
+            stages = [s for g in self.parked if g != "gateway" for s in g.split(",")]
+            with contextlib.suppress(*REDIS_DOWN):
+                asyncio.run(mark_parked(self._common(), stages, "", None))
         if self.redis is not None:
             _terminate([("redis-server", self.redis)])
         if self.redis_dir is not None:
             shutil.rmtree(self.redis_dir, ignore_errors=True)
+        for read in self.reports.values():
+            os.close(read)
+        self.reports.clear()
 
 
 def _is_gateway(name: str) -> bool:

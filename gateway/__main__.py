@@ -15,7 +15,6 @@ import gc
 import logging
 import math
 import socket
-import sys
 
 import uvicorn
 
@@ -23,7 +22,7 @@ from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from pipelines.errors import exit_on_config_error
+from pipelines.errors import exit_for, exit_on_config_error
 from pipelines.settings import load_settings
 from runtime import tracing
 
@@ -93,7 +92,7 @@ def main() -> None:
     server.run(sockets=[shared_socket(settings.host, settings.port)] if shared else None)
     tracing.shutdown()  # the spans still batched go out
     if not server.started:  # as uvicorn.run: the port was taken, or start-up failed
-        sys.exit(3)
+        exit_for(3, f"the gateway could not start on {settings.host}:{settings.port}")
 
 
 def shared_socket(host: str, port: int) -> socket.socket:
@@ -115,7 +114,7 @@ def shared_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         logger.error("cannot bind %s:%d: %s", host, port, exc)
-        sys.exit(3)
+        exit_for(3, f"cannot bind {host}:{port}: {exc}")
     return sock
 
 

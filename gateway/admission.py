@@ -1,6 +1,9 @@
 """Admission: refuse work a stage cannot take, before anything is enqueued.
 
-Two tests, on a view of each stage refreshed at most every ``refresh_s``:
+Three tests, on a view of each stage refreshed at most every ``refresh_s``:
+
+- parked: a stage whose workers ``conveyor up`` parked after a crash loop takes nothing
+  until they start again (its :attr:`~runtime.stats.StageStatus.parked`);
 
 - the backlog bound: a stage holding ``max_backlog`` items (its
   :attr:`~runtime.stats.StageStatus.backlog`: undelivered + in flight, both lanes)
@@ -190,6 +193,17 @@ class Admission:
     def _refusal(
         self, view: Reading, stage: str, bound: int, timeout_s: float, max_batch: int, lane: Lane
     ) -> Overloaded | None:
+        parked = view.state.parked
+        left_s = parked.left_s(time.time()) if parked is not None else 0.0
+        if parked is not None and left_s > 0:
+            # Its workers are stopped (conveyor up, after a crash loop): a request taken
+            # now would only wait for them, most likely past its deadline.
+            retry = max(self.retry_after_s, math.ceil(left_s))
+            return Overloaded(
+                f"stage {stage!r} is parked: {parked.reason}; its workers start again in "
+                f"{math.ceil(left_s)}s; retry after {retry}s",
+                retry_after=retry,
+            )
         admitted = self._admitted.get(stage, {})
         # Each lane has its own bound: a deep bulk backlog never refuses interactive calls.
         current = sum(view.waiting(admitted, (lane,)))

@@ -17,6 +17,7 @@ external scripts, styles or fonts, so it works on a machine with no network.
 from __future__ import annotations
 
 import html
+import time
 from collections.abc import Mapping
 from importlib.resources import files
 from typing import TypedDict
@@ -74,6 +75,13 @@ class Tokens(TypedDict):
     padded: int
 
 
+class ParkedRow(TypedDict):
+    """Why ``conveyor up`` parked a stage's workers and for how long more (seconds)."""
+
+    reason: str
+    left_s: float
+
+
 class StageRow(TypedDict):
     """One stage's row of ``/status.json``: its :class:`~runtime.stats.StageStatus`
     (the queue part) and its counters."""
@@ -83,6 +91,7 @@ class StageRow(TypedDict):
     pending: int
     lanes: dict[str, LaneRow]
     consumers: list[ConsumerRow]
+    parked: ParkedRow | None
     items: dict[str, int]
     dead_letters: int
     worker_restarts: int
@@ -118,6 +127,12 @@ def stage_row(
             for lane, part in ((lane, status.lane(lane)) for lane in LANES)
         },
         "consumers": consumers,
+        "parked": None
+        if status.parked is None
+        else {
+            "reason": status.parked.reason,
+            "left_s": round(status.parked.left_s(time.time()), 1),
+        },
         "items": {o.value: int(stats.get(o.stats_field, 0)) for o in Outcome},
         "dead_letters": dead_letters,
         "worker_restarts": int(stats.get(RESTARTS, 0)),

@@ -147,6 +147,18 @@ class Keys:
         """The stream of a stage's dead letters: entries delivered too often."""
         return f"{self.prefix}:dlq:{stage}"
 
+    def on_model(self, stream: str, entry_id: str) -> str:
+        """Marks that an entry of ``stream`` (one of this partition's stage streams) is in
+        its model's hands, or queued to run alone after a crash: what a crash of its
+        worker is charged to (:mod:`workers.crashes`; deleted when its batch publishes,
+        expires)."""
+        return f"{self.prefix}:on-model:{stream.removeprefix(self.prefix + ':')}:{entry_id}"
+
+    def parked(self) -> str:
+        """The hash of the worker groups ``conveyor up`` has parked after a crash loop:
+        stage name -> why and until when (kept in partition 0, read by the gateway)."""
+        return f"{self.at(0).prefix}:parked"
+
     def partition_count(self) -> str:
         """Holds the partition count of the namespace, which every process must share
         (under the namespace's own tag, whatever the count)."""

@@ -312,3 +312,46 @@ class DeadLetter:
             deliveries=None if deliveries is None else int(deliveries),
             error=None if error is None else _str(error),
         )
+
+
+@dataclass(frozen=True)
+class Parked:
+    """Why a stage's workers are parked, and until when: a field of ``Keys.parked()``
+    (the stage's name), written by ``conveyor up`` when the stage's worker group crashes
+    in a loop (:mod:`conveyor.supervisor`), read by the gateway (503 + Retry-After),
+    ``/status`` and ``/metrics`` through :class:`~runtime.stats.StageStatus`.
+
+    Attributes:
+        reason: what happened, in a line.
+        until: when the group is started again (Unix time, seconds).
+    """
+
+    MAX_REASON: ClassVar[int] = 500
+
+    reason: str
+    until: float
+
+    def encode(self) -> bytes:
+        """The hash field's value."""
+        return orjson.dumps({"reason": self.reason[: self.MAX_REASON], "until": self.until})
+
+    def left_s(self, now: float) -> float:
+        """Seconds until the group is started again, at ``now`` (Unix time)."""
+        return max(0.0, self.until - now)
+
+    @classmethod
+    def parse(cls, raw: bytes | str | None) -> Parked | None:
+        """The record in a hash field's value; None for none, or for anything no
+        ``conveyor up`` writes (untrusted: whatever the key holds is refused, not
+        believed)."""
+        if raw is None or len(raw) > 4 * cls.MAX_REASON:
+            return None
+        value = _json_object(_str(raw))
+        if value is None:
+            return None
+        reason, until = value.get("reason"), value.get("until")
+        if not isinstance(reason, str) or isinstance(until, bool):
+            return None
+        if not isinstance(until, int | float) or not math.isfinite(until) or until <= 0:
+            return None
+        return cls(reason[: cls.MAX_REASON], float(min(until, 1e10)))

@@ -9,6 +9,7 @@ process (gateway ``/metrics``, ``conveyor status``) renders them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from redis.exceptions import ResponseError
 from pipelines.envelope import LANES, Lane
 from pipelines.keys import GROUP, Keys
 from pipelines.outcomes import Outcome
+from pipelines.records import Parked
 from runtime.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines, le_label
 from runtime.redisio import in_order, text
 
@@ -34,6 +36,11 @@ RESTARTS = "worker_restarts"
 """Stats-hash field: times ``conveyor up`` restarted a crashed worker process of the stage
 (:mod:`conveyor.restarts`)."""
 
+CHARGED = "crash_charges"
+"""Stats-hash field: entries a worker found on the model of a worker that died, and charged
+the crash (:mod:`workers.crashes`): each such crash moves its inputs toward a dead letter,
+so ``conveyor up`` counts it as progress, not as a crash loop."""
+
 ITEMS = Family(
     "conveyor_stage_items_total",
     "counter",
@@ -47,6 +54,11 @@ MODEL_ITEMS = Family(
 )
 DEAD_LETTERS = Family(
     "conveyor_stage_dead_letters_total", "counter", "Requests a stage moved to its dead letters."
+)
+CRASH_CHARGES = Family(
+    "conveyor_stage_crash_charges_total",
+    "counter",
+    "Entries that were on the model when their worker died, each charged the crash.",
 )
 TOKENS = Family(
     "conveyor_stage_tokens_total",
@@ -73,6 +85,11 @@ PENDING = Family(
     "conveyor_stage_pending", "gauge", "Entries of a stage's lane read by a worker, not acked."
 )
 CONSUMERS = Family("conveyor_stage_consumers", "gauge", "Live workers of a stage.")
+PARKED = Family(
+    "conveyor_stage_parked",
+    "gauge",
+    "Seconds until conveyor up starts a stage's workers again after a crash loop (0: not parked).",
+)
 RESTARTS_TOTAL = Family(
     "conveyor_stage_worker_restarts_total",
     "counter",
@@ -85,7 +102,9 @@ STAGE_FAMILIES = (
     BACKLOG,
     PENDING,
     CONSUMERS,
+    PARKED,
     DEAD_LETTERS,
+    CRASH_CHARGES,
     TOKENS,
     RESTARTS_TOTAL,
     *(HISTOGRAMS[name] for name in BUCKETS),
@@ -227,6 +246,8 @@ class StageStatus:
         a: the workers' learned fixed seconds per batch (0: not learned yet).
         b: their learned seconds per item (0: not learned yet).
         lanes: each lane's part (:func:`stage_status` fills in every lane).
+        parked: why and until when ``conveyor up`` parked the stage's workers after a
+            crash loop (None: not parked; a record past its time is dropped).
     """
 
     stage: str
@@ -237,6 +258,7 @@ class StageStatus:
     a: float = 0.0
     b: float = 0.0
     lanes: dict[Lane, LaneStatus] = field(default_factory=dict)
+    parked: Parked | None = None
 
     def lane(self, lane: Lane) -> LaneStatus:
         """``lane``'s part (empty where it was not measured)."""
@@ -353,9 +375,13 @@ async def stage_status(
         await partition_status(client, part, stage, costs=costs, lag_cap=lag_cap)
         for part in keys.each()
     ]
+    parked = Parked.parse(await client.hget(keys.parked(), stage))
+    if parked is not None and not parked.left_s(time.time()):
+        parked = None
     if len(parts) == 1:
+        parts[0].parked = parked
         return parts[0]
-    total = StageStatus(stage)
+    total = StageStatus(stage, parked=parked)
     consumers: dict[str, Consumer] = {}
     learned = [(p.a, p.b) for p in parts if p.a or p.b]
     if learned:
@@ -436,7 +462,8 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
     series per lane (label ``lane``; ``sum by (stage)`` is the stage's);
     ``conveyor_stage_consumers`` is :attr:`StageStatus.workers`;
     ``conveyor_stage_worker_restarts_total`` counts the crashed worker processes of the
-    stage ``conveyor up`` restarted (:data:`RESTARTS`).
+    stage ``conveyor up`` restarted (:data:`RESTARTS`); ``conveyor_stage_parked`` is the
+    seconds until ``up`` starts a parked stage's workers again (:attr:`StageStatus.parked`).
     """
     out = Exposition(STAGE_FAMILIES)
     for stage in stages:
@@ -447,6 +474,7 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         out.sample(BATCHES, stats.get("batches", 0), stage=stage)
         out.sample(MODEL_ITEMS, stats.get("model_items", 0), stage=stage)
         out.sample(DEAD_LETTERS, stats.get("dead_letters", 0), stage=stage)
+        out.sample(CRASH_CHARGES, stats.get(CHARGED, 0), stage=stage)
         for kind, name in (("real", "tokens"), ("padded", "padded_tokens")):
             out.sample(TOKENS, stats.get(name, 0), stage=stage, kind=kind)
         out.sample(RESTARTS_TOTAL, stats.get(RESTARTS, 0), stage=stage)
@@ -462,4 +490,6 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
             out.sample(BACKLOG, part.lag, stage=stage, lane=lane)
             out.sample(PENDING, part.pending, stage=stage, lane=lane)
         out.sample(CONSUMERS, st.workers, stage=stage)
+        parked = st.parked.left_s(time.time()) if st.parked is not None else 0.0
+        out.sample(PARKED, round(parked, 1), stage=stage)
     return out.text()

@@ -30,13 +30,16 @@ class Sleepy:
 
 class Crashy:
     """Doubles values; a negative value kills the whole worker process, as a segfault or
-    an out-of-memory kill would."""
+    an out-of-memory kill would; -2 ends it with ``os._exit(2)``, the status of a
+    configuration error, which a user's code can produce but must not be believed."""
 
     def __init__(self, **options: Any) -> None:
         del options
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Double, or die."""
+        if any(item["value"] == -2 for item in items):
+            os._exit(2)
         if any(item["value"] < 0 for item in items):
             os.kill(os.getpid(), signal.SIGKILL)
         return [{"value": item["value"] * 2} for item in items]
@@ -103,6 +106,10 @@ pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), single(TEXTS), CHAIN]
 
 doomed: list[Pipeline] = [single(Stage("doomed", NumberIn, "tests.faultapp:Doomed"))]
 """A pipeline whose worker crashes at every start (``--app tests.faultapp:doomed``)."""
+
+doomed_beside_chain: list[Pipeline] = [*doomed, CHAIN]
+"""The doomed pipeline beside a healthy one in a process of its own (its function stages):
+``--app tests.faultapp:doomed_beside_chain``."""
 
 
 def spawn(module: str, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -27,12 +27,15 @@ from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Lane, Request, new_request_id
 from pipelines.graph import single
+from pipelines.keys import GROUP, Keys
 from pipelines.model import Item, Model, Result
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from runtime.redisio import enqueue
 from runtime.stats import read_stats
+from workers.batch import Entry
+from workers.crashes import mark
 from workers.loop import Worker
 from workers.partitions import partition_workers
 from workers.settings import WorkerSettings
@@ -354,3 +357,17 @@ async def gateway_while_redis_paused(
         return await harness.gateway(routed, redis_timeout_s=0.5)
     finally:
         redis_proc.send_signal(signal.SIGCONT)
+
+
+async def died_running(
+    redis: aioredis.Redis, keys: Keys, stream: str, consumer: str = "crashed-worker"
+) -> list[Any]:
+    """Read ``stream``'s new entries as ``consumer`` and mark them on the model, as a
+    worker does just before its model runs them (:mod:`workers.crashes`): what a worker
+    that died running them leaves behind. Returns what was read."""
+    got = cast(list[Any], await redis.xreadgroup(GROUP, consumer, {stream: ">"}))
+    entries = [Entry(eid, fields, stream) for _, read in got or [] for eid, fields in read]
+    pipe = redis.pipeline(transaction=False)
+    mark(pipe, keys, entries)
+    await pipe.execute()
+    return list(got or [])

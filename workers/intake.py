@@ -22,6 +22,7 @@ from pipelines.outcomes import Outcome
 from pipelines.records import cancelled_among
 from pipelines.stages import Stage
 from runtime.redisio import REDIS_DOWN, entry_ms, on_live_connection
+from workers import crashes
 from workers.batch import BatchRecord, Entry
 from workers.recovery import Letter, Recovery
 from workers.route import Outbox, Router
@@ -108,20 +109,33 @@ class Intake:
                 batch.live.append((req, item))
         return batch
 
-    async def withdraw_cancelled(self, batch: Batch, now: float) -> None:
+    async def withdraw_cancelled(self, batch: Batch, now: float, *, mark: bool = False) -> None:
         """End the batch's live requests that are cancelled by ``now`` as ``cancelled``
         (:meth:`Router.cancel`), so the model never runs them: one MGET, none for a batch
-        with nothing live."""
+        with nothing live; with ``mark``, in the same round trip, mark the batch's entries
+        on the model (:mod:`workers.crashes`: what a crash from here on is charged to)."""
+        keys = self.router.keys
         ids = [req.id for req, _ in batch.live]
+
+        async def ask() -> set[str]:
+            if not mark:
+                return await cancelled_among(self.client, keys, ids)
+            pipe = self.client.pipeline(transaction=False)
+            crashes.mark(pipe, keys, batch.entries)
+            for rid in ids:  # a GET each: a cluster client's pipeline takes no MGET
+                pipe.get(keys.cancelled(rid))
+            found = (await pipe.execute())[len(batch.entries) :]
+            return {rid for rid, m in zip(ids, found, strict=True) if m is not None}
+
         # The batch's first command since it was read: after a restart of Redis it may
         # meet a dead pooled connection, which must not leave the batch to a reclaim.
         try:
-            cancelled = await on_live_connection(
-                self.client, lambda: cancelled_among(self.client, self.router.keys, ids)
-            )
+            cancelled = await on_live_connection(self.client, ask)
         except REDIS_DOWN as exc:
             # Only a saving: the publish checks each request's cancellation atomically
-            # anyway, and a batch dropped here would wait for a reclaim.
+            # anyway, and a batch dropped here would wait for a reclaim. (Unmarked, a
+            # crash while it runs is charged to nobody: its entries are reclaimed as
+            # waiting ones, and the delivery cap does not count it.)
             logger.warning("stage %s: cancellations unread (%s)", self.stage.name, exc)
             return
         if not cancelled:

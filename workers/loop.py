@@ -34,6 +34,7 @@ from runtime.redisio import (
 )
 from workers.alive import AliveFile
 from workers.batch import BatchRecord, Entry
+from workers.crashes import mark_now
 from workers.intake import Batch, Intake
 from workers.lanes import Lanes
 from workers.lengths import Lengths, account, input_cap
@@ -42,7 +43,7 @@ from workers.publish import Publisher
 from workers.recovery import Recovery
 from workers.report import batch_counts, log_batch, tally
 from workers.route import Router
-from workers.runner import Runner
+from workers.runner import Runner, overlapped
 from workers.settings import WorkerSettings
 from workers.source import Source
 from workers.spans import record_batch
@@ -113,7 +114,13 @@ class Worker:
             stage, settings, self.lanes.read, self.clock, self.runner, self._stopping
         )
         self.recovery = Recovery(
-            self.client, self.streams, self.consumer, settings, self.router, self.clock
+            self.client,
+            self.streams,
+            self.consumer,
+            settings,
+            self.router,
+            self.clock,
+            claim_count=max_batch,
         )
         self.publish = Publisher(self.client, self.keys, stage.name, self.consumer, settings)
         self.intake = Intake(self.client, stage, self.router, self.recovery)
@@ -269,9 +276,13 @@ class Worker:
         partials: Partials | None = None
         deadline = time.monotonic() + max(r.deadline for r, _ in batch.live) - self.clock.now()
         try:
+            staged = overlapped(self.runner.model)
+            if staged:  # its host phase runs user code before its turn
+                await mark_now(self.client, self.keys, batch.entries)
             prepared = await self.runner.prepare([item for _, item in batch.live], deadline)
             async with self.runner.turn():
-                await self.intake.withdraw_cancelled(batch, self.clock.now())
+                # Marked on the model (workers/crashes.py) in the same round trip.
+                await self.intake.withdraw_cancelled(batch, self.clock.now(), mark=not staged)
                 if not batch.live:
                     return
                 requests = [req for req, _ in batch.live]

@@ -38,6 +38,7 @@ from pipelines.outcomes import Outcome
 from pipelines.records import job_finished
 from runtime.redisio import REDIS_DOWN, Backoff, on_live_connection, text
 from workers.batch import Entry, by_stream
+from workers.crashes import marks
 from workers.route import Effects, Outbox
 from workers.settings import WorkerSettings
 
@@ -229,6 +230,7 @@ async def publish(
     dead_letters: Sequence[tuple[str, dict[FieldT, EncodableT]]] = (),
     gauges: Mapping[str, float] | None = None,
     dropped: Sequence[str] = (),
+    unmark: Sequence[str] = (),
 ) -> Published:
     """Publish a batch's outbox and ack its entries, atomically, in one round trip.
 
@@ -262,6 +264,8 @@ async def publish(
         gauges: values to set (not add) in the stats hash, e.g. the learned cost model.
         dropped: markers (``Keys.dropped``) of entries that could not be decoded and are
             acked unanswered: each counts one ``items:error``, once.
+        unmark: the batch's on-model marks (:mod:`workers.crashes`), deleted with the ack:
+            a crash from then on is not the batch's.
 
     Returns:
         How many requests were skipped as already published, and which were cancelled.
@@ -291,6 +295,8 @@ async def publish(
         for i in range(0, len(ids), 1000):  # Lua's unpack() takes a few thousand at most
             chunk = ids[i : i + 1000]
             plan.always.append(["XACK", plan.key(acked), GROUP, *map(plan.value, chunk)])
+    for i in range(0, len(unmark), 1000):
+        plan.always.append(["DEL", *map(plan.key, unmark[i : i + 1000])])
     if gauges:
         plan.always.append(
             ["HSET", plan.key(stats_key), *_pairs(plan, {k: v for k, v in gauges.items()})]
@@ -355,6 +361,7 @@ class Publisher:
             dead_letters=letters,
             gauges=gauges,
             dropped=dropped,
+            unmark=marks(keys, entries),
         )
 
 

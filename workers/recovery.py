@@ -2,14 +2,16 @@
 cap, dead letters, and trimming a stream without losing anything.
 
 - A worker that dies leaves its entries pending; after ``min_idle_ms`` another worker
-  (or the same one, restarted) takes them with XAUTOCLAIM, one at a time, and runs each
-  alone (a "suspect": it may be what killed its worker). A worker restarted under a
+  (or the same one, restarted) takes them with XAUTOCLAIM. Those that were on the model
+  when it died are charged the crash and run alone, one at a time ("suspects": one may
+  be what killed its worker); those that were only waiting run in an ordinary batch,
+  beside new entries, uncharged (:mod:`workers.crashes`). A worker restarted under a
   stable consumer name first takes back its own pending.
 - A worker still running a long batch touches its entries so they never look idle: a
   slow worker is not robbed (:mod:`workers.heartbeat`).
-- An entry delivered more than ``max_deliveries`` times goes to the stage's dead-letter
-  stream instead of running again; its client is told at once. So does an entry that
-  does not decode.
+- An entry delivered more than ``max_deliveries`` times (its first read, and each crash
+  it was on the model for) goes to the stage's dead-letter stream instead of running
+  again; its client is told at once. So does an entry that does not decode.
 - The stream is trimmed below the oldest entry still pending or not yet delivered, so
   trimming never deletes work.
 
@@ -29,7 +31,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -41,7 +43,9 @@ from pipelines.keys import GROUP
 from pipelines.outcomes import Outcome
 from pipelines.records import DeadLetter
 from runtime.redisio import REDIS_DOWN, RedisClock, group_missing, text
+from runtime.stats import CHARGED
 from workers.batch import Entry, by_stream
+from workers.crashes import Claimed, claim_idle, own_pending
 from workers.heartbeat import Heartbeat
 from workers.route import Outbox, Router
 from workers.settings import WorkerSettings
@@ -64,22 +68,12 @@ class Settled(NamedTuple):
 
 class Next(NamedTuple):
     """What recovery hands the worker before a read: a suspect to run alone (None: read
-    new entries), and dead letters to publish (None: none)."""
+    new entries), dead letters to publish (None: none), and entries taken back that were
+    not on the model when their worker died, to run as an ordinary batch (none: none)."""
 
     suspect: Entry | None
     settled: Settled | None = None
-
-
-async def autoclaim(
-    client: aioredis.Redis, stream: str, consumer: str, min_idle_ms: int, count: int
-) -> list[Entry]:
-    """Take up to ``count`` entries idle for ``min_idle_ms`` from any consumer.
-
-    Entries deleted from the stream while pending (XAUTOCLAIM's third list) are dropped
-    from the group by the server; nothing is left to do for them.
-    """
-    reply = await client.xautoclaim(stream, GROUP, consumer, min_idle_ms, "0-0", count=count)
-    return [Entry(eid, fields, stream) for eid, fields in reply[1] if fields is not None]
+    waiting: tuple[Entry, ...] = ()
 
 
 async def deliveries(
@@ -179,6 +173,7 @@ class Recovery:
         settings: the worker's settings (idle time, intervals, delivery cap).
         router: answers the callers of dead-lettered entries (and names the stage).
         clock: the server's clock.
+        claim_count: the most idle entries taken back at once (the stage's batch size).
 
     Attributes:
         dead_lettered: entries this worker has dead-lettered past the delivery cap.
@@ -192,6 +187,7 @@ class Recovery:
         settings: WorkerSettings,
         router: Router,
         clock: RedisClock,
+        claim_count: int = 64,
     ) -> None:
         self.client, self.streams, self.consumer = client, tuple(streams), consumer
         self.settings = settings
@@ -202,43 +198,50 @@ class Recovery:
         self._trim = Every(settings.trim_interval_s)
         self._reclaim = Every(settings.reclaim_interval_ms / 1000)
         self._own = Every(math.inf)  # this consumer's own pending: at the first reclaim only
+        self.keys = router.keys
+        self.claim_count = claim_count
         self._suspects: deque[Entry] = deque()
         self._no_suspect_running = asyncio.Event()
         self._no_suspect_running.set()
 
     async def next(self) -> Next:
         """Do the duties now due: trim; when no suspect is queued, reclaim (the first time,
-        take back this consumer's own pending first) and screen what came back. Then the
-        next suspect, to run alone (its end reported with :meth:`suspect_done`), or None:
-        read new entries; with the entries past the delivery cap, dead-lettered, for the
-        worker to publish."""
-        # Nothing new is taken while a suspect runs: if it kills this process, it takes no
-        # other entry with it. Recovery is serial, but it is rare.
+        take back this consumer's own pending first) and sort out what came back
+        (:mod:`workers.crashes`). Then the next suspect, to run alone (its end reported
+        with :meth:`suspect_done`), or None: read new entries; with the entries past the
+        delivery cap, dead-lettered, for the worker to publish, and the entries taken
+        back that were only waiting, to run as an ordinary batch."""
+        # Nothing new is taken while a suspect runs: were it to kill this process, no
+        # other batch is on the model with it to be charged the crash.
         await self._no_suspect_running.wait()
         now = time.monotonic()
         if self._trim.due(now):
             for stream in self.streams:
                 await trim(self.client, stream)
         settled: Settled | None = None
+        waiting: list[Entry] = []
         if not self._suspects and self._reclaim.due(now):
-            claimed = await self._own_pending() if self._own.due(now) else []
-            # One at a time: a claim counts as a delivery, so claiming a crashed batch
-            # whole would charge every innocent entry for the poison's next crash.
+            claimed = Claimed()
+            if self._own.due(now):
+                for stream in self.streams:
+                    claimed += await own_pending(self.client, self.keys, stream, self.consumer)
             # Interactive first, as a read takes it.
             min_idle_ms = self.settings.min_idle_ms
             for stream in self.streams:
-                got = await autoclaim(self.client, stream, self.consumer, min_idle_ms, 1)
+                got = await claim_idle(
+                    self.client, self.keys, stream, self.consumer, min_idle_ms, self.claim_count
+                )
                 if got:
                     self._reclaim.again()  # more may be waiting
                     claimed += got
                     break
-            settled = await self._screen(claimed)
+            settled, waiting = await self._screen(claimed)
         if settled is not None or not self._suspects:
             # A suspect only once the dead letters are out: were their publish to fail,
             # a suspect handed out with them would never run, nor report its end.
-            return Next(None, settled)
+            return Next(None, settled, tuple(waiting))
         self._no_suspect_running.clear()
-        return Next(self._suspects.popleft(), settled)
+        return Next(self._suspects.popleft(), settled, tuple(waiting))
 
     def published(self, settled: Settled) -> None:
         """What :meth:`next` dead-lettered is published: count it."""
@@ -286,29 +289,36 @@ class Recovery:
                 if not group_missing(exc):  # no group: nothing to leave
                     raise
 
-    async def _own_pending(self) -> list[Entry]:
-        streams = cast(Any, dict.fromkeys(self.streams, "0"))
-        mine = await self.client.xreadgroup(GROUP, self.consumer, streams, count=10_000)
-        return [
-            Entry(e, f, text(name))
-            for name, got in cast(list[Any], mine or [])
-            for e, f in got
-            if f
-        ]
-
-    async def _screen(self, entries: list[Entry]) -> Settled | None:
-        """Queue entries as suspects; those past the delivery cap, dead-lettered, are
-        returned to publish."""
-        if not entries:
-            return None
+    async def _screen(self, claimed: Claimed) -> tuple[Settled | None, list[Entry]]:
+        """Queue the charged and queued entries as suspects; those past the delivery cap,
+        dead-lettered, are returned to publish, with the entries that were only waiting."""
+        if not claimed:
+            return None, []
+        entries = claimed.alone + claimed.waiting
         counts: dict[tuple[str, bytes], int] = {}
         for stream, ids in by_stream(entries).items():
             got = await deliveries(self.client, stream, self.consumer, ids)
             counts.update(((stream, eid), n) for eid, n in got.items())
         cap = self.settings.max_deliveries
-        over = [e for e in entries if counts.get((e.stream, e.id), 1) > cap]
-        self._suspects += [e for e in entries if counts.get((e.stream, e.id), 1) <= cap]
-        return self._dead_letter(over, counts) if over else None
+
+        def over(e: Entry) -> bool:
+            return counts.get((e.stream, e.id), 1) > cap
+
+        if claimed.charged:
+            # Counted where conveyor up looks for progress: a crash charged to its inputs
+            # is on its way to a dead letter, not a loop (conveyor/restarts.py).
+            stats = self.keys.stage_stats(self.router.stage)
+            await self.client.hincrby(stats, CHARGED, len(claimed.charged))
+            logger.warning(
+                "stage %s: %d entr(ies) were on the model when their worker died; each "
+                "runs alone (a crash while one runs is charged to it)",
+                self.router.stage,
+                len(claimed.charged),
+            )
+        self._suspects += [e for e in claimed.alone if not over(e)]
+        late = [e for e in entries if over(e)]
+        settled = self._dead_letter(late, counts) if late else None
+        return settled, [e for e in claimed.waiting if not over(e)]
 
     def _dead_letter(self, entries: list[Entry], counts: dict[tuple[str, bytes], int]) -> Settled:
         stage = self.router.stage

@@ -95,10 +95,15 @@ class Source:
             self.recovery.published(due.settled)
         if due.suspect is not None:
             return Taken([[due.suspect]], suspect=True)
+        if due.waiting:  # taken back, not on the model when their worker died
+            return self._cut(list(due.waiting))
         entries = await self.window.assemble(block_ms)
         if not entries:
             return Taken([])
         self.lanes.assembled()
+        return self._cut(entries)
+
+    def _cut(self, entries: list[Entry]) -> Taken:
         # A length-aware stage runs the window's entries as batches of similar length,
         # back to back (workers/lengths.py).
         return Taken([entries] if self.lengths is None else self.lengths.split(entries))

@@ -25,13 +25,21 @@ from gateway.settings import GatewaySettings
 from pipelines.envelope import decode_reply
 from pipelines.errors import ConfigError
 from pipelines.graph import Pipeline, function
-from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.settings import MAX_DEADLINE_S
 from pipelines.stages import GenerateIn, Stage
 from runtime.stats import stage_status
 from tests.faultapp import SLOW, spawn
-from tests.helpers import REPO, Doubler, Harness, NumberIn, conveyor, number_stage, until
+from tests.helpers import (
+    REPO,
+    Doubler,
+    Harness,
+    NumberIn,
+    conveyor,
+    died_running,
+    number_stage,
+    until,
+)
 from workers.models.hf_text import Generator
 
 # --------------------------------------------------------------------------------------
@@ -516,7 +524,7 @@ async def test_dlq_replay_skips_an_undecodable_letter_and_replays_the_rest(
     await redis.xadd(stream, {"e": b"not json"})
     await worker.run(max_batches=1, burst=True)
     await harness.enqueue("double", [{"value": 1}])
-    await redis.xreadgroup(GROUP, "crashed-worker", {stream: ">"})  # a worker that died
+    await died_running(redis, harness.keys, stream)  # a worker that died running it
     for _ in range(100):
         await worker.run(max_batches=1, burst=True)
         if await redis.xlen(dlq) >= 2:

@@ -27,6 +27,7 @@ from tests.helpers import (
     Harness,
     NumberIn,
     conveyor,
+    died_running,
     gateway_while_redis_paused,
     number_stage,
     until,
@@ -273,7 +274,7 @@ async def test_replaying_a_dead_lettered_join_branch_answers_its_job(
         return bool(await redis.xlen(left_stream))
 
     await until(branch_arrived, 20)
-    await redis.xreadgroup(GROUP, "crashed-worker", {left_stream: ">"})  # a worker that died
+    await died_running(redis, harness.keys, left_stream)  # a worker that died running it
     left = harness.worker(
         registry.stage("rj.left"),
         registry=registry,

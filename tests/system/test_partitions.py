@@ -32,6 +32,7 @@ from tests.helpers import (
     Doubler,
     Harness,
     conveyor,
+    died_running,
     gateway_while_redis_paused,
     number_stage,
     until,
@@ -293,7 +294,7 @@ async def test_a_foreign_entry_dead_lettered_by_recovery_answers_nowhere(
     )
     await worker.start()
     await parted.redis.xadd(stream, encode(stray))
-    await parted.redis.xreadgroup(GROUP, "crashed-worker", {stream: ">"})  # then it died
+    await died_running(parted.redis, home, stream)  # then it died running it
 
     async def dead_lettered() -> bool:
         await worker.run(max_batches=1, burst=True)

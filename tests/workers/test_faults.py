@@ -27,7 +27,7 @@ from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from runtime.stats import stage_status
 from tests.faultapp import CRASHY, SLOW, spawn
-from tests.helpers import Doubler, Harness, number_stage, until
+from tests.helpers import Doubler, Harness, died_running, number_stage, until
 from workers.models.toy import Adder
 from workers.recovery import trim
 
@@ -247,7 +247,7 @@ async def test_dlq_cli_lists_replays_and_purges(harness: Harness, redis: aioredi
         stage, Doubler(), max_deliveries=1, min_idle_ms=10, reclaim_interval_ms=10
     )
     await worker.start()
-    await redis.xreadgroup(GROUP, "crashed-worker", {stream: ">"})  # a worker that died
+    await died_running(redis, harness.keys, stream)  # a worker that died running them
     await until(lambda: _claimed_and_lettered(worker, 2))
     assert await redis.xlen(dlq) == 2
     env = dict(os.environ)

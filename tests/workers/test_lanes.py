@@ -15,7 +15,7 @@ from pipelines.keys import GROUP
 from pipelines.records import mark_cancelled
 from pipelines.registry import Registry
 from runtime.redisio import enqueue
-from tests.helpers import Doubler, Harness, conveyor, number_stage, until
+from tests.helpers import Doubler, Harness, conveyor, died_running, number_stage, until
 from workers.loop import Worker
 from workers.models.toy import Adder, Multiplier
 
@@ -170,7 +170,7 @@ async def test_a_bulk_entry_delivered_too_often_is_dead_lettered_and_replayed_to
     (sent,) = await send(harness, "bulk", [4])
     worker = harness.worker(stage, Doubler(), max_deliveries=1, min_idle_ms=10)
     await worker.start()
-    assert await redis.xreadgroup(GROUP, "crashed-worker", {lanes["bulk"]: ">"})
+    assert await died_running(redis, harness.keys, lanes["bulk"])  # died running it
 
     async def lettered() -> bool:
         await worker.run(max_batches=1, burst=True)

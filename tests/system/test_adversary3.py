@@ -1,0 +1,195 @@
+"""Round three of an outside tester's attacks (issue 28): a crash is charged to the input
+that was on the model, not to the stack; crashes of different processes are not one loop.
+
+Each test reproduces a break with real processes and a real redis-server, and fails on
+the code before its fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from conveyor.embedded import free_port
+from pipelines.envelope import decode_reply
+from pipelines.keys import GROUP, Keys
+from runtime.stats import read_stats, stage_status
+from tests.conveyor.test_supervisor import start, stop
+from tests.helpers import Doubler, Harness, number_stage, until, wait_for_line
+
+FAST_RECLAIM = {
+    "CONVEYOR_MIN_IDLE_MS": "300",
+    "CONVEYOR_RECLAIM_INTERVAL_MS": "50",
+    "CONVEYOR_BLOCK_MS": "100",
+    "CONVEYOR_RESTART_BACKOFF_S": "0.1",
+}
+
+
+@pytest.mark.timeout(240)
+async def test_two_poison_inputs_are_dead_lettered_and_the_stack_stays_up(
+    tmp_path: Path, redis_url: str, namespace: str
+) -> None:
+    # BREAK (issue 28, 1): two inputs that kill their worker made five crashes within a
+    # minute before either was dead-lettered, and `up` gave up: the gateway, the healthy
+    # stages and Redis stopped, every accepted job gone. Now each crash is charged to the
+    # entries on the model; they run alone, the poison is dead-lettered after its own
+    # crashes, its batch-mates are answered, and crashes followed by progress are no loop
+    # (even with the crash limit lowered to 3).
+    port, log = free_port(), tmp_path / "up.log"
+    base = f"http://127.0.0.1:{port}"
+    up = start(
+        log,
+        *("--port", str(port), "--pipelines", "crashy,slow"),
+        CONVEYOR_REDIS_URL=redis_url,
+        CONVEYOR_NAMESPACE=namespace,
+        CONVEYOR_RESTART_MAX_CRASHES="3",
+        **FAST_RECLAIM,
+    )
+    try:
+        wait_for_line(log, "conveyor: ready:", up, limit_s=90)
+        async with httpx.AsyncClient(base_url=base, timeout=200) as client:
+            headers = {"X-Conveyor-Timeout": "180"}
+            values = [-1, *range(4), -1, *range(4, 8)]
+            calls = [client.post("/v1/crashy", json={"value": v}, headers=headers) for v in values]
+            got = await asyncio.gather(*calls)
+            for value, resp in zip(values, got, strict=True):
+                if value < 0:
+                    assert resp.status_code == 500, resp.text
+                    assert "dead-lettered" in resp.json()["detail"], resp.text
+                else:
+                    assert resp.status_code == 200, resp.text
+                    assert resp.json() == {"value": 2 * value}
+            # The other stage served throughout, and serves now.
+            healthy = await client.post("/v1/slow", json={"value": 5})
+            assert healthy.json() == {"value": 10}, healthy.text
+        assert up.poll() is None, log.read_text()
+        text = log.read_text()
+        assert "parking" not in text, text
+        assert "giving up" not in text, text
+        redis = aioredis.Redis.from_url(redis_url)
+        try:
+            keys = Keys(namespace)
+            assert await redis.xlen(keys.dead_letters("crashy")) == 2
+            assert (await read_stats(redis, keys, "crashy")).get("dead_letters") == 2
+        finally:
+            await redis.aclose()
+    finally:
+        code = stop(up)
+    assert code == 0, log.read_text()
+
+
+async def test_an_entry_only_waiting_at_a_crash_is_not_charged(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # BREAK (issue 28, lesser): an innocent entry pending in a worker killed again and
+    # again was dead-lettered "after 4 deliveries": every reclaim counted one. An entry
+    # that was not on the model when its worker died is claimed without a delivery.
+    stage = number_stage(batch_wait_ms=0)
+    stream = harness.keys.stage_stream("double")
+    worker = harness.worker(
+        stage, Doubler(), max_deliveries=1, min_idle_ms=10, reclaim_interval_ms=10
+    )
+    await worker.start()
+    sent = await harness.enqueue("double", [{"value": 4}])
+    for n in range(3):  # three workers died holding it, none had it on the model
+        if n == 0:
+            assert await redis.xreadgroup(GROUP, "died-0", {stream: ">"})
+        else:
+            await redis.xautoclaim(stream, GROUP, f"died-{n}", 0, "0-0", justid=True)
+    running = harness.run(worker)
+
+    async def answered() -> bool:
+        return bool(await redis.xlen(harness.keys.reply_stream("test")))
+
+    await until(answered, 30)
+    worker.stop()
+    await running
+    (entry,) = cast(list[Any], await redis.xrange(harness.keys.reply_stream("test")))
+    reply = decode_reply(entry[1])
+    assert (reply.id, reply.outcome, reply.result) == (sent[0].id, "ok", {"value": 8})
+    assert await redis.xlen(harness.keys.dead_letters("double")) == 0
+
+
+async def test_entries_taken_back_uncharged_run_as_one_batch(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # BREAK (issue 28, lesser): recovery ran every reclaimed entry alone, one model call
+    # each, while new entries waited (the last batches waited up to 101 s). Entries that
+    # were only waiting when their worker died now run as an ordinary batch.
+    stage = number_stage(max_batch_size=32, batch_wait_ms=0)
+    stream = harness.keys.stage_stream("double")
+    model = Doubler()
+    worker = harness.worker(stage, model, min_idle_ms=10, reclaim_interval_ms=10)
+    await worker.start()
+    sent = await harness.enqueue("double", [{"value": i} for i in range(20)])
+    assert await redis.xreadgroup(GROUP, "died", {stream: ">"})  # read, never run
+    running = harness.run(worker)
+
+    async def answered() -> bool:
+        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 20)
+
+    await until(answered, 30)
+    worker.stop()
+    await running
+    assert max(len(b) for b in model.batches) == 20, model.batches
+    assert (await stage_status(redis, harness.keys, "double")).pending == 0
+    assert len(sent) == 20
+
+
+@pytest.mark.timeout(240)
+async def test_autoscaled_workers_each_killed_once_are_no_crash_loop(
+    tmp_path: Path, redis_url: str, namespace: str
+) -> None:
+    # BREAK (issue 28, 5): every autoscaled worker of a stage had the same name, so five
+    # different processes each SIGKILLed once within 20 s added up to a "crash loop" and
+    # `up` gave up. Crashes are counted per process now.
+    port, log = free_port(), tmp_path / "up.log"
+    up = start(
+        log,
+        *("--port", str(port), "--pipelines", "slow", "--autoscale"),
+        *("--min-workers", "1", "--max-workers", "2"),
+        CONVEYOR_REDIS_URL=redis_url,
+        CONVEYOR_NAMESPACE=namespace,
+        CONVEYOR_RESTART_MAX_CRASHES="3",
+        CONVEYOR_RESTART_BACKOFF_S="0.1",
+    )
+    keys = Keys(namespace)
+    client = aioredis.Redis.from_url(redis_url)
+    killed: set[int] = set()
+    try:
+        wait_for_line(log, "conveyor: ready:", up, limit_s=90)
+        for _ in range(4):
+
+            async def a_new_worker_reads() -> bool:
+                status = await stage_status(client, keys, "slow")
+                pids = {int(c.name.split("-")[-2]) for c in status.consumers if c.alive}
+                return bool(pids - killed)
+
+            await until(a_new_worker_reads, 60)
+            status = await stage_status(client, keys, "slow")
+            pid = next(
+                int(c.name.split("-")[-2])
+                for c in status.consumers
+                if c.alive and int(c.name.split("-")[-2]) not in killed
+            )
+            killed.add(pid)
+            await asyncio.to_thread(_kill, pid)
+            wait_for_line(log, f"(pid {pid}) was killed by SIGKILL", up, limit_s=30)
+        assert up.poll() is None, log.read_text()
+        text = log.read_text()
+        assert "parking" not in text, text
+        assert "giving up" not in text, text
+    finally:
+        await client.aclose()
+        code = stop(up)
+    assert code == 0, log.read_text()
+
+
+def _kill(pid: int) -> None:
+    subprocess.run(["kill", "-KILL", str(pid)], check=False)  # a real SIGKILL
