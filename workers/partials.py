@@ -63,7 +63,17 @@ class Partials:
         self.task = loop.create_task(self._drain()) if self.wanted else None
 
     def emit(self, index: int, text: str) -> None:
-        """Called from the model thread: row ``index`` now reads ``text``."""
+        """Called from the model thread: row ``index`` now reads ``text``.
+
+        Raises:
+            TypeError, IndexError: the model passed something else; raised in its own
+                call (whose failure the worker isolates), not later in the drain.
+        """
+        if not isinstance(text, str) or isinstance(index, bool) or not isinstance(index, int):
+            kinds = f"{type(index).__name__}, {type(text).__name__}"
+            raise TypeError(f"emit(index, text) takes an int and a str, not {kinds}")
+        if not 0 <= index < len(self.requests):
+            raise IndexError(f"emit: row {index} of a batch of {len(self.requests)}")
         if self.requests[index].stream and not self.cancelled[index]:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, text))
 
