@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 
 import redis.asyncio as aioredis
@@ -69,9 +70,9 @@ class Partials:
             TypeError, IndexError: the model passed something else; raised in its own
                 call (whose failure the worker isolates), not later in the drain.
         """
-        if not isinstance(text, str) or isinstance(index, bool) or not isinstance(index, int):
-            kinds = f"{type(index).__name__}, {type(text).__name__}"
-            raise TypeError(f"emit(index, text) takes an int and a str, not {kinds}")
+        if not isinstance(text, str):
+            raise TypeError(f"emit(index, text): text is {type(text).__name__}, not str")
+        index = operator.index(index)  # an int, or what stands for one (numpy's)
         if not 0 <= index < len(self.requests):
             raise IndexError(f"emit: row {index} of a batch of {len(self.requests)}")
         if self.requests[index].stream and not self.cancelled[index]:

@@ -7,6 +7,10 @@ thread before its turn, while batch n is on the device; in the turn, :meth:`Runn
 only queues the device's work; :meth:`Runner.finish` waits for it (a wait that releases
 the GIL) and makes the results in a host thread after the turn, while the next batch
 launches. Any other model runs whole in :meth:`Runner.launch`.
+
+Whatever user code raises in these threads fails its items, never the worker; a call
+still running ``hung_grace_s`` past every deadline of its batch ends the process
+(:func:`hung`), since the thread it holds can never be freed.
 """
 
 from __future__ import annotations
@@ -330,17 +334,20 @@ class Runner:
         latest deadline is ``deadline``: should it still run ``hung_grace_s`` past that
         (or past its start, if later), it is hung (:func:`hung`). A thread cannot be
         stopped, and the model's stays taken: no later batch could run."""
-        future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        call = executor.submit(fn, *args)
+        future = asyncio.wrap_future(call)
         started = time.monotonic()
         limit = max(deadline - started, 0.0) + self.settings.hung_grace_s
         try:
-            done, _ = await asyncio.wait((future,), timeout=limit)
+            await asyncio.wait((future,), timeout=limit)
         except asyncio.CancelledError:
             future.cancel()  # the worker stops: a call not started yet never runs
             raise
-        if not done:
+        # The call itself, not its news in this loop: a process paused past the limit
+        # (SIGSTOP, a VM's pause) finds its call returned, and its timer due first.
+        if not call.done():
             hung(self.stage.name, phase, size, time.monotonic() - started)
-        return future.result()
+        return await future
 
 
 def hung(stage: str, phase: str, size: int, ran_s: float) -> NoReturn:
