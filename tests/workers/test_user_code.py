@@ -140,7 +140,8 @@ async def test_a_sync_step_running_past_its_deadline_and_the_grace_ends_the_work
     # Before: the worker lived on with its model thread taken for good, answering nothing.
     proc = await serving(worker_log, "raises.run", procs, CONVEYOR_HUNG_GRACE_S="1")
     http = await harness.gateway(Registry(user_code))
-    assert (await call(http, "raises", "hang", 2)).status_code == 504
+    # 5 s: time enough for a busy machine's worker to start the step before its deadline.
+    assert (await call(http, "raises", "hang", 5)).status_code == 504
 
     async def exited() -> bool:
         return proc.poll() is not None
