@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
 
 from pipelines.graph import Pipeline, function, single
 from pipelines.model import Item, Result
@@ -110,6 +114,78 @@ doomed: list[Pipeline] = [single(Stage("doomed", NumberIn, "tests.faultapp:Doome
 doomed_beside_chain: list[Pipeline] = [*doomed, CHAIN]
 """The doomed pipeline beside a healthy one in a process of its own (its function stages):
 ``--app tests.faultapp:doomed_beside_chain``."""
+
+
+class Kind(BaseModel):
+    """What a user-code step does: ``ok`` answers, ``hang`` never returns, any key of
+    :data:`RAISED` raises that."""
+
+    kind: str = "ok"
+
+
+RAISED: dict[str, Callable[[], BaseException]] = {
+    "exit2": lambda: SystemExit(2),
+    "exit0": lambda: SystemExit(0),
+    "interrupt": KeyboardInterrupt,
+    "bare": lambda: BaseException("bare"),
+    "generator": GeneratorExit,
+    "cancelled": asyncio.CancelledError,
+}
+"""What a step of :data:`user_code` can be asked to raise: none of them an ``Exception``."""
+
+
+def _sync_step(payload: dict[str, Any]) -> dict[str, Any]:
+    kind = payload["kind"]
+    if kind == "hang":
+        time.sleep(3600)  # a call no deadline stops
+    if kind in RAISED:
+        raise RAISED[kind]()
+    return {"kind": kind}
+
+
+def _pass_kind(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": payload["kind"]}
+
+
+async def _async_step(payload: dict[str, Any]) -> dict[str, Any]:
+    kind = payload["kind"]
+    if kind == "hang":
+        await asyncio.Event().wait()  # awaits forever, unless cancelled
+    if kind in RAISED:
+        raise RAISED[kind]()
+    return {"kind": kind}
+
+
+def _raising_route(output: dict[str, Any], ctx: dict[str, Any]) -> str:
+    where, _, kind = output["kind"].partition(":")
+    if where == "route":
+        raise RAISED[kind]()
+    return "next"
+
+
+def _raising_input(ctx: dict[str, Any]) -> dict[str, Any]:
+    where, _, kind = ctx["input"]["kind"].partition(":")
+    if where == "input":
+        raise RAISED[kind]()
+    return {"kind": "ok"}
+
+
+user_code: list[Pipeline] = [
+    Pipeline("raises", Kind, (function("run", _sync_step),)),
+    Pipeline("araises", Kind, (function("run", _async_step),)),
+    Pipeline(
+        "routes",
+        Kind,
+        (
+            function("first", _pass_kind, route=_raising_route, routes_to=("next",)),
+            function("next", _pass_kind, input=_raising_input),
+        ),
+    ),
+]
+"""User code that raises what is no ``Exception`` or never returns, as a sync function
+step (stage ``raises.run``) and an async one (``araises.run``), each on :class:`Kind`
+(``--app tests.faultapp:user_code``); in ``routes`` the route of its first step raises
+for ``route:<RAISED key>``, the next step's input function for ``input:<key>``."""
 
 
 def spawn(module: str, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:

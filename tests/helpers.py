@@ -131,6 +131,11 @@ def number_stage(name: str = "double", **options: Any) -> Stage:
     return Stage(name, NumberIn, runner="tests.helpers:Doubler", **options)
 
 
+IN_PROCESS_GRACE_S = 3600.0
+"""The hung grace of a worker in the test's process: one that found a model call hung
+would end the whole test run (``os._exit``); a test's model waits far less."""
+
+
 class Harness:
     """Starts workers and gateways for one test and stops them after it.
 
@@ -157,7 +162,9 @@ class Harness:
     ) -> Worker:
         """A worker for ``stage`` (not yet running), reading ``partition``."""
         # Short blocking reads so a stopped worker notices at once.
-        settings = WorkerSettings(**{"block_ms": 100, **overrides})
+        settings = WorkerSettings(
+            **{"block_ms": 100, "hung_grace_s": IN_PROCESS_GRACE_S, **overrides}
+        )
         w = Worker(stage, settings, model, registry, partition=partition)
         self._workers.append(w)
         return w
@@ -171,7 +178,9 @@ class Harness:
     async def start_workers(self, registry: Registry) -> None:
         """A running worker for every stage of ``registry`` (real runners), models loaded;
         one per partition (``CONVEYOR_PARTITIONS``), as ``python -m workers`` starts."""
-        settings = WorkerSettings(block_ms=100, device="cpu", threads=1)
+        settings = WorkerSettings(
+            block_ms=100, device="cpu", threads=1, hung_grace_s=IN_PROCESS_GRACE_S
+        )
         workers = [
             w
             for stage in registry.stages.values()

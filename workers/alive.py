@@ -4,7 +4,9 @@ A worker has no HTTP port; what a supervisor (Kubernetes, Docker) can see of it 
 file. The loop touches ``CONVEYOR_ALIVE_FILE`` after every read (at least every
 ``CONVEYOR_BLOCK_MS`` while idle) and whenever a batch frees a slot for the next read, so
 a file older than the longest batch plus a margin means the loop has stopped coming
-round: a model call that never returns, an event loop blocked, a deadlock. The probe
+round: a model call that never returns, an event loop blocked, a deadlock. (A model
+call past every deadline of its batch by ``CONVEYOR_HUNG_GRACE_S`` ends the worker
+itself: :func:`workers.runner.hung`.) The probe
 is a shell one-liner (no Python start per probe)::
 
     test $(( $(date +%s) - $(stat -c %Y "$CONVEYOR_ALIVE_FILE") )) -lt 120

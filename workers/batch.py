@@ -49,13 +49,15 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
     A failing item thus fails alone, at the cost of about log2(n) extra model calls
     for the batch it was in; the other items' results are the model's own.
 
-    Raises nothing: an item's failure is returned in its place.
+    Raises nothing: an item's failure is returned in its place, whatever the model
+    raised (a ``SystemExit``, ``KeyboardInterrupt`` or ``CancelledError`` too: in the
+    model thread none of them is the worker's own; raised on, it would end the worker).
     """
     try:
         return contract(items, model.predict(items))
     except DeadlineExceeded as exc:
         return [exc] * len(items)  # the whole batch is out of time: no half would run
-    except Exception as exc:
+    except BaseException as exc:
         if len(items) == 1:
             return [exc]
         mid = len(items) // 2
@@ -134,6 +136,8 @@ def checked(res: Result | BaseException) -> Result | BaseException:
             res = plain(res)
         except RecursionError:
             return TypeError("result is nested too deep")
+        except BaseException as exc:  # a value's own tolist() failed: user code
+            return exc
         problem = wire_problem(res)
         if problem is None:
             return res

@@ -166,7 +166,8 @@ class Intake:
             message = f"invalid input for {where}: {exc.error_count()} error(s)"
             self.router.fail(out, req, Outcome.ERROR, message, status=422, now=now)
             return None
-        except Exception as exc:  # unknown pipeline/step, or a join's input function failed
+        except BaseException as exc:  # unknown pipeline/step, or user code (a join's
+            # input function, the input model's validators) raised, SystemExit included
             self.router.fail_with(out, req, exc, now)
             return None
         return item

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 
 import redis.asyncio as aioredis
@@ -63,7 +64,17 @@ class Partials:
         self.task = loop.create_task(self._drain()) if self.wanted else None
 
     def emit(self, index: int, text: str) -> None:
-        """Called from the model thread: row ``index`` now reads ``text``."""
+        """Called from the model thread: row ``index`` now reads ``text``.
+
+        Raises:
+            TypeError, IndexError: the model passed something else; raised in its own
+                call (whose failure the worker isolates), not later in the drain.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"emit(index, text): text is {type(text).__name__}, not str")
+        index = operator.index(index)  # an int, or what stands for one (numpy's)
+        if not 0 <= index < len(self.requests):
+            raise IndexError(f"emit: row {index} of a batch of {len(self.requests)}")
         if self.requests[index].stream and not self.cancelled[index]:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, text))
 

@@ -265,7 +265,8 @@ class Router:
                     payload = pipeline.input_of(target, ctx, step.name)
                     stream = self.keys.stage_stream(target.stage.name, req.lane)
                     effects.forwards.append((stream, self._next(req, target, payload, ctx)))
-        except Exception as exc:  # a route or input function failed: this request ends
+        except BaseException as exc:  # a route or input function (user code) raised
+            # anything, SystemExit included: this request ends, the worker serves on
             del out.effects[self.keys.done(req.id, req.step)]
             self.fail_with(out, req, exc, now)
 

@@ -7,19 +7,26 @@ thread before its turn, while batch n is on the device; in the turn, :meth:`Runn
 only queues the device's work; :meth:`Runner.finish` waits for it (a wait that releases
 the GIL) and makes the results in a host thread after the turn, while the next batch
 launches. Any other model runs whole in :meth:`Runner.launch`.
+
+Whatever user code raises in these threads fails its items, never the worker; a call
+still running ``hung_grace_s`` past every deadline of its batch ends the process
+(:func:`hung`), since the thread it holds can never be freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import sys
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from pipelines.errors import DeadlineExceeded
 from pipelines.model import (
@@ -36,7 +43,14 @@ from workers.batch import contract, run_isolating
 from workers.build import build_model, prepare_shapes
 from workers.settings import WorkerSettings
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+HUNG_EXIT = 70
+"""The exit status of a worker whose model call hung (:func:`hung`): not 2 or 3, which
+``up`` reads as a configuration error or a taken port, so it is restarted as any crash
+(70 is ``EX_SOFTWARE``)."""
 
 Emit = Callable[[int, str], None]
 """Streamed output from the model thread: row ``index`` now reads ``text``."""
@@ -52,7 +66,7 @@ def whole_run(model: Model, items: list[Item], emit: Emit | None) -> Results:
             return contract(items, model.predict_stream(items, emit))
         except DeadlineExceeded as exc:
             return [exc] * len(items)
-        except Exception:
+        except BaseException:  # whatever user code raises (SystemExit too) is its failure
             pass  # find the failing items without streaming; what was streamed is not resent
     return run_isolating(model, items)
 
@@ -241,10 +255,11 @@ class Runner:
         if not overlapped(model):
             return None
         assert isinstance(model, StagedModel)
-        try:
-            value = await self._in(self.host, _within, deadline, model.prepare, items)
-        except Exception as exc:  # the whole run, in launch, finds the failing items
-            return Prepared(items, error=exc)
+        size = len(items)
+        args = (_within, deadline, model.prepare, items)
+        value = await self._watched(self.host, "prepare", size, deadline, _caught, *args)
+        if isinstance(value, Raised):  # the whole run, in launch, finds the failing items
+            return Prepared(items, error=value.exc)
         return Prepared(items, value)
 
     async def launch(
@@ -255,7 +270,8 @@ class Runner:
         is prepared again first); any other model runs whole, streaming to ``emit``."""
         assert self.model is not None
         args = (self.model, items, emit, deadline, prepared)
-        launched: Launched = await self._in(self.thread.executor, _launch, *args)
+        executor = self.thread.executor
+        launched = await self._watched(executor, "launch", len(items), deadline, _launch, *args)
         if launched.results is not None:
             self.last_run_s = launched.took_s
         return launched
@@ -269,18 +285,19 @@ class Runner:
             return Ran(launched.results, launched.took_s, launched.cold)
         model = self.model
         assert isinstance(model, StagedModel)
-        try:
-            args = (launched.deadline, model.finish, launched.value)
-            out, done = await self._in(self.host, _finish, *args)
-            results = contract(launched.items, out)
-        except DeadlineExceeded as exc:
-            return Ran([exc] * len(launched.items), 0.0, launched.cold, costed=False)
-        except Exception:
+        items, deadline = launched.items, launched.deadline
+        args = (_finish, deadline, model.finish, launched.value, items)
+        got = await self._watched(self.host, "finish", len(items), deadline, _caught, *args)
+        if isinstance(got, Raised):
+            if isinstance(got.exc, DeadlineExceeded):
+                return Ran([got.exc] * len(items), 0.0, launched.cold, costed=False)
             async with self.turn():
-                again = (model, launched.items, None, launched.deadline)
-                rerun: Launched = await self._in(self.thread.executor, _whole, *again)
+                again = (model, items, None, deadline)
+                executor = self.thread.executor
+                rerun = await self._watched(executor, "rerun", len(items), deadline, _whole, *again)
             assert rerun.results is not None
             return Ran(rerun.results, rerun.took_s, rerun.cold, costed=False)
+        results, done = got
         # Device time: from when it could start this batch (launched, and done with the
         # one before, of any stage on these weights) to done, so a wait behind the
         # previous batch is not this one's cost.
@@ -304,6 +321,82 @@ class Runner:
     async def _in(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
+    async def _watched(
+        self,
+        executor: ThreadPoolExecutor,
+        phase: str,
+        size: int,
+        deadline: float,
+        fn: Callable[..., T],
+        *args: Any,
+    ) -> T:
+        """``fn(*args)`` in ``executor``, a phase of a batch of ``size`` items whose
+        latest deadline is ``deadline``: should it still run ``hung_grace_s`` past that
+        (or past its start, if later), it is hung (:func:`hung`). A thread cannot be
+        stopped, and the model's stays taken: no later batch could run."""
+        call = executor.submit(fn, *args)
+        future = asyncio.wrap_future(call)
+        started = time.monotonic()
+        limit = max(deadline - started, 0.0) + self.settings.hung_grace_s
+        try:
+            await asyncio.wait((future,), timeout=limit)
+        except asyncio.CancelledError:
+            future.cancel()  # the worker stops: a call not started yet never runs
+            raise
+        # The call itself, not its news in this loop: a process paused past the limit
+        # (SIGSTOP, a VM's pause) finds its call returned, and its timer due first.
+        if not call.done():
+            hung(self.stage.name, phase, size, time.monotonic() - started)
+        return await future
+
+
+def hung(stage: str, phase: str, size: int, ran_s: float) -> NoReturn:
+    """End the process: a model call of ``stage`` ran past every deadline of its batch
+    and the grace after them. One ERROR line says so (the stage, the phase, the batch's
+    size and how long it ran), the logs are flushed, and the process exits with
+    :data:`HUNG_EXIT` at once (``os._exit``: the stuck thread cannot be joined, and an
+    orderly exit would wait for it). Its liveness file (:mod:`workers.alive`) is touched
+    no more; its batch's entries stay pending, for recovery to reclaim; ``up`` restarts
+    it as any crash.
+
+    Args:
+        stage: the stage served.
+        phase: the call that hung (``prepare``, ``launch``, ``finish``, ``rerun``).
+        size: the items of its batch.
+        ran_s: how long the call had run.
+    """
+    logger.error(
+        "stage %s: a batch of %d hung in its model call (%s): %.1f s without returning, "
+        "past every deadline of the batch; exiting with status %d to be restarted",
+        stage,
+        size,
+        phase,
+        ran_s,
+        HUNG_EXIT,
+    )
+    logging.shutdown()  # flushes every handler
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(HUNG_EXIT)
+
+
+@dataclass
+class Raised:
+    """What user code raised in a thread, carried back as a value: raised across into the
+    event loop, a ``SystemExit`` or ``KeyboardInterrupt`` would end the worker and a
+    ``CancelledError`` would read as the awaiting task's own cancellation."""
+
+    exc: BaseException
+
+
+def _caught(fn: Callable[..., T], *args: Any) -> T | Raised:
+    """``fn(*args)``, or what it raised (:class:`Raised`)."""
+    try:
+        return fn(*args)
+    except BaseException as exc:  # user code: whatever it raises is its batch's failure
+        return Raised(exc)
+
 
 def _within(deadline: float, fn: Callable[[Any], T], arg: Any) -> T:
     """``fn(arg)`` with the batch's deadline set for :func:`~pipelines.model.check_deadline`."""
@@ -311,11 +404,14 @@ def _within(deadline: float, fn: Callable[[Any], T], arg: Any) -> T:
         return fn(arg)
 
 
-def _finish(deadline: float, fn: Callable[[Any], T], arg: Any) -> tuple[T, float]:
-    """:func:`_within`, and when it returned (``perf_counter``): the device's end, read
-    in the thread that waited for it."""
+def _finish(
+    deadline: float, fn: Callable[[Any], object], arg: Any, items: list[Item]
+) -> tuple[Results, float]:
+    """:func:`_within`, its results held to the batch contract, and when it returned
+    (``perf_counter``): the device's end, read in the thread that waited for it."""
     out = _within(deadline, fn, arg)
-    return out, time.perf_counter()
+    done = time.perf_counter()
+    return contract(items, out), done
 
 
 def overlapped(model: object) -> bool:
@@ -350,7 +446,7 @@ def _launch(
                 return Launched(items, deadline, started, cold(), value=value)
             except DeadlineExceeded as exc:
                 return Launched(items, deadline, started, cold(), results=[exc] * len(items))
-            except Exception:
+            except BaseException:  # whatever user code raises (SystemExit too)
                 pass  # run whole below: a failing item fails alone
         return _whole(model, items, emit, deadline, started)
 

@@ -84,6 +84,9 @@ class WorkerSettings(CommonSettings):
         trim_interval_s: how often a worker trims its stage stream (done work only).
         alive_file: a file the worker's loop touches each time it comes round, for a
             liveness probe (:mod:`workers.alive`); unset: none.
+        hung_grace_s: a model call still running this long past every deadline of its
+            batch is hung: the worker logs it and exits (:func:`workers.runner.hung`),
+            to be restarted, since the model thread it holds can never be freed.
     """
 
     model_profile: Literal["offline", "hub"] = "offline"
@@ -114,6 +117,7 @@ class WorkerSettings(CommonSettings):
     max_deliveries: int = Field(default=3, ge=1)
     trim_interval_s: float = Field(default=10.0, gt=0)
     alive_file: str | None = Field(default=None, min_length=1)
+    hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
 
     @field_validator("device")
     @classmethod

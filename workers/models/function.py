@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel
 
-from pipelines.model import Item, Result
+from pipelines.errors import DeadlineExceeded
+from pipelines.model import Item, Result, time_left
 
 
 class FunctionRunner:
@@ -18,7 +20,12 @@ class FunctionRunner:
 
     Sync functions run on a thread pool, async ones on an event loop owned by the model
     thread; at most ``concurrency`` at a time either way. An item whose call raises
-    gets its exception in its place, so it fails alone.
+    anything (``SystemExit`` and ``CancelledError`` too) gets it in its place, so it
+    fails alone. An async call still running at the batch's deadline
+    (:func:`~pipelines.model.time_left`) is cancelled there and its item expires
+    (:class:`~pipelines.errors.DeadlineExceeded`), so a call that awaits forever frees
+    the model thread for the next batch; a sync call cannot be stopped (the worker
+    reports it hung past a grace: :func:`workers.runner.hung`).
 
     Args:
         fn: ``fn(dict) -> dict`` (or a pydantic model), sync or async.
@@ -47,25 +54,33 @@ class FunctionRunner:
     def predict(self, items: list[Item]) -> list[Result | BaseException]:
         """Call the function on each item; failures are returned in place."""
         if self._loop is not None:
-            return self._loop.run_until_complete(self._gather(items))
+            left = time_left()  # the batch's, set in this (the model) thread
+            return self._loop.run_until_complete(self._gather(items, left))
         futures = [self._pool.submit(self._call_sync, item) for item in items]
         return [f.result() for f in futures]
 
     def _call_sync(self, item: Item) -> Result | BaseException:
         try:
             return _as_dict(self.fn(item))
-        except Exception as exc:
+        except BaseException as exc:  # the user's: in a pool thread none is the worker's
             return exc
 
-    async def _gather(self, items: list[Item]) -> list[Result | BaseException]:
+    async def _gather(self, items: list[Item], left: float) -> list[Result | BaseException]:
         gate = asyncio.Semaphore(self.concurrency)
+        loop = asyncio.get_running_loop()
+        at = loop.time() + left if math.isfinite(left) else None
 
         async def one(item: Item) -> Result | BaseException:
-            async with gate:
-                try:
+            window = asyncio.timeout_at(at)
+            try:
+                async with window, gate:
                     return _as_dict(await self.fn(item))
-                except Exception as exc:
-                    return exc
+            except BaseException as exc:
+                # Nothing but the window cancels a call on this loop: whatever else
+                # comes out (a CancelledError or SystemExit of its own) is the item's.
+                if window.expired():
+                    return DeadlineExceeded("the step ran past its deadline; cancelled")
+                return exc
 
         return list(await asyncio.gather(*(one(item) for item in items)))
 
