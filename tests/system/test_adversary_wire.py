@@ -7,9 +7,11 @@ real workers and a real gateway.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
 from pipelines.keys import GROUP
@@ -67,3 +69,45 @@ async def test_a_reply_key_of_another_type_dead_letters_its_request_alone(
     stats = await harness.stats("double")
     assert (stats["items:ok"], stats["items:error"], stats["dead_letters"]) == (9, 1, 1)
     assert (await redis.xpending(stream, GROUP))["pending"] == 0
+
+
+# --------------------------------------------------------------------------------------
+# Break 4: stream ids taken for times.
+# --------------------------------------------------------------------------------------
+
+FUTURE_ID = "99999999999999-0"  # the year 5138
+
+
+async def test_a_forged_future_id_does_not_drop_the_stage_s_requests(
+    harness: Harness, redis: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    # BREAK (issue 28, 4): after `XADD {ns}:stage:X 99999999999999-0 e junk`, Redis gives
+    # every later `XADD *` an id after it; the worker took the id's time for the write
+    # time, found it past each request's enqueue_by and dropped every sync request as
+    # "arrived after its gateway refused it" (answered 504 at its deadline), until the
+    # stream was deleted. A restore onto a host whose clock lags does the same. Expected:
+    # requests are answered; the forged entry is dead-lettered; the stream's ids being
+    # ahead is logged once by the worker and once by the gateway.
+    caplog.set_level(logging.WARNING, logger="runtime.redisio")
+    stage = number_stage()
+    stream = harness.keys.stage_stream("double")
+    http = await harness.gateway([stage])
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    await redis.xadd(stream, {"e": "junk"}, id=FUTURE_ID)
+    harness.run(worker)
+    timeout = {"X-Conveyor-Timeout": "20"}
+    for i in range(3):
+        answer = await http.post("/v1/double", json={"value": i}, headers=timeout)
+        assert (answer.status_code, answer.json()) == (200, {"value": 2 * i}), answer.text
+    answers = await asyncio.gather(
+        *(http.post("/v1/double", json={"value": i}, headers=timeout) for i in range(8))
+    )
+    assert [a.status_code for a in answers] == [200] * 8, [a.text[:200] for a in answers]
+    letters: list[Any] = await redis.xrange(harness.keys.dead_letters("double")) or []
+    assert [fields[b"e"] for _, fields in letters] == [b"junk"]
+    # Ids ahead of the clock are no arrival times: no batch waited a negative time.
+    assert all(r.closed_at * 1000 - r.oldest_ms >= 0 for r in worker.history)
+    told = [r.getMessage() for r in caplog.records if "ahead of the Redis clock" in r.getMessage()]
+    assert len([m for m in told if m.startswith("stage double:") and stream in m]) == 1, told
+    assert len([m for m in told if m.startswith("gateway:") and stream in m]) == 1, told
