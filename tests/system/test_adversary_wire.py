@@ -11,11 +11,13 @@ import logging
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from pipelines.envelope import FIELD, decode_request
 from pipelines.keys import GROUP
-from pipelines.records import DeadLetter
+from pipelines.records import DETAIL_MAX, DeadLetter, JobField
 from tests.helpers import Doubler, Harness, number_stage, until
 
 # --------------------------------------------------------------------------------------
@@ -111,3 +113,51 @@ async def test_a_forged_future_id_does_not_drop_the_stage_s_requests(
     told = [r.getMessage() for r in caplog.records if "ahead of the Redis clock" in r.getMessage()]
     assert len([m for m in told if m.startswith("stage double:") and stream in m]) == 1, told
     assert len([m for m in told if m.startswith("gateway:") and stream in m]) == 1, told
+
+
+# --------------------------------------------------------------------------------------
+# Lesser b: an error of any size read from Redis was served whole.
+# --------------------------------------------------------------------------------------
+
+HUGE = 5_000_000  # characters of a forged error message
+
+
+async def test_a_huge_forged_error_is_served_cut_and_says_so(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # BREAK (issue 28, b): a 5 MB error in a forged reply (or job record) was returned
+    # verbatim in the response's detail. Expected: at most DETAIL_MAX characters of it,
+    # and the detail says how much was cut. Trigger: a call to a stage with no worker,
+    # answered by a reply XADDed to its gateway's reply stream; a job whose record is
+    # overwritten with such an error.
+    stage = number_stage()
+    http = await harness.gateway([stage])
+    stream = harness.keys.stage_stream("double")
+    timeout = {"X-Conveyor-Timeout": "20"}
+    call = asyncio.create_task(http.post("/v1/double", json={"value": 1}, headers=timeout))
+    found: list[Any] = []
+
+    async def enqueued() -> bool:
+        found[:] = await redis.xrange(stream) or []
+        return bool(found)
+
+    await until(enqueued, 10)
+    request = decode_request(found[0][1])
+    entry = {"v": 1, "id": request.id, "stage": "double", "outcome": "error", "status": 500}
+    entry["error"] = "x" * HUGE
+    await redis.xadd(request.reply_to, {FIELD: orjson.dumps(entry)})
+    answer = await call
+    assert answer.status_code == 500, answer.text[:200]
+    detail = answer.json()["detail"]
+    assert len(detail) < DETAIL_MAX + 200, len(detail)
+    assert detail.endswith(f"[cut: {HUGE - DETAIL_MAX} more characters]"), detail[-100:]
+
+    job_id = (await http.post("/v1/jobs/double", json={"value": 2})).json()["id"]
+    await redis.hset(
+        harness.keys.job(job_id),
+        mapping={JobField.STATUS: "failed", JobField.ERROR: "y" * HUGE, JobField.HTTP_STATUS: 500},
+    )
+    view = (await http.get(f"/v1/jobs/{job_id}")).json()
+    assert view["status"] == "failed", str(view)[:200]
+    assert len(view["error"]) < DETAIL_MAX + 200, len(view["error"])
+    assert view["error"].endswith(f"[cut: {HUGE - DETAIL_MAX} more characters]")
