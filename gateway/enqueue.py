@@ -14,7 +14,16 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from pipelines.envelope import Request
 from pipelines.errors import ConveyorError, Overloaded, Unavailable
 from pipelines.keys import Keys
-from runtime.redisio import REDIS_DOWN, SATURATED, RedisRefused, enqueue, on_live_connection
+from runtime.redisio import (
+    REDIS_DOWN,
+    SATURATED,
+    IdsAhead,
+    RedisClock,
+    RedisRefused,
+    enqueue,
+    on_live_connection,
+    request_stream,
+)
 
 
 def refusal(exc: BaseException) -> ConveyorError:
@@ -49,12 +58,18 @@ class Enqueuer:
         keys: the namespace's key names.
         write_s: how long one round trip may take, pool wait and retry included; past it
             every request in it fails with ``TimeoutError``.
+        clock: the Redis clock, entry ids are checked against (:meth:`written`); by
+            default this host's clock, uncalibrated.
     """
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, write_s: float) -> None:
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, write_s: float, clock: RedisClock | None = None
+    ) -> None:
         self.client = client
         self.keys = keys
         self.write_s = write_s
+        self.clock = clock or RedisClock()
+        self.ahead = IdsAhead("gateway")
         self._joining: list[tuple[Request, asyncio.Future[None]]] | None = None
 
     async def enqueue(self, request: Request) -> None:
@@ -89,6 +104,10 @@ class Enqueuer:
                 if not joined.done():
                     joined.set_exception(failure)
             raise
+        now = self.clock.now()
+        for sent, outcome in zip(requests, outcomes, strict=True):
+            if isinstance(outcome, bytes | str):
+                self.written(sent, outcome, now)
         for (_, joined), outcome in zip(batch, outcomes[1:], strict=True):
             if joined.done():
                 continue
@@ -98,6 +117,12 @@ class Enqueuer:
                 joined.set_result(None)
         if isinstance(outcomes[0], Exception):
             raise outcomes[0]
+
+    def written(self, request: Request, entry_id: bytes | str, now: float) -> None:
+        """``request`` was enqueued as ``entry_id``: a stream whose ids run ahead of the
+        clock is reported (once), as workers would drop requests on such a stream's ids
+        if they took them as times."""
+        self.ahead.check(request_stream(self.keys, request), entry_id, now)
 
     async def _send(self, requests: list[Request]) -> list[Any]:
         if len(requests) == 1:

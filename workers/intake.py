@@ -1,10 +1,11 @@
 """What a batch runs: its entries decoded, and each request admitted or ended at once.
 
 An entry that does not decode is dead-lettered and its caller told; one written after its
-gateway refused it is dropped; the same request twice in one batch runs once; a request
-past its deadline, or whose input is invalid, is answered without running; so is one
-cancelled by the time the model is free for its batch (:meth:`Intake.withdraw_cancelled`,
-one MGET per batch). What is left are the batch's live items, in entry order.
+gateway refused it is dropped (as its id tells: an id ahead of the clock tells no time);
+the same request twice in one batch runs once; a request past its deadline, or whose
+input is invalid, is answered without running; so is one cancelled by the time the model
+is free for its batch (:meth:`Intake.withdraw_cancelled`, one MGET per batch). What is
+left are the batch's live items, in entry order.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pipelines.model import Item, Result
 from pipelines.outcomes import Outcome
 from pipelines.records import cancelled_among
 from pipelines.stages import Stage
-from runtime.redisio import REDIS_DOWN, entry_ms, on_live_connection
+from runtime.redisio import REDIS_DOWN, IdsAhead, arrival, on_live_connection, written_at
 from workers import crashes
 from workers.batch import BatchRecord, Entry
 from workers.recovery import Letter, Recovery
@@ -61,13 +62,17 @@ class Intake:
         self.stage = stage
         self.router = router
         self.recovery = recovery
+        self.ahead = IdsAhead(f"stage {stage.name}")
 
     def open(self, entries: list[Entry], now: float) -> Batch:
         """The batch of ``entries``, closed at ``now``: its live items, and the outbox
         entries of those that end here."""
         keys = self.router.keys
-        record = BatchRecord(size=len(entries), oldest_ms=entry_ms(entries[0].id), closed_at=now)
-        batch = Batch(entries, record, [max(0.0, now - entry_ms(e.id) / 1000.0) for e in entries])
+        for entry in entries:
+            self.ahead.check(entry.stream, entry.id, now)
+        oldest_ms = int(arrival(entries[0].id, now) * 1000)
+        record = BatchRecord(size=len(entries), oldest_ms=oldest_ms, closed_at=now)
+        batch = Batch(entries, record, [now - arrival(e.id, now) for e in entries])
         seen: set[str] = set()
         for eid, fields, _ in entries:
             try:
@@ -86,9 +91,12 @@ class Intake:
                 if not answered:  # an answered one counts its error with its reply
                     batch.dropped.append(keys.dropped(self.stage.name, eid.decode()))
                 continue
-            if req.enqueue_by is not None and entry_ms(eid) / 1000 > req.enqueue_by:
+            written = written_at(eid, now)
+            if req.enqueue_by is not None and written is not None and written > req.enqueue_by:
                 # Written after its gateway gave up on the write (Redis stalled) and told
                 # the client 503: running it would answer a request the client may resend.
+                # Only an id that is a write time says so: one ahead of the clock (a
+                # forged future id before it in the stream) says nothing of the kind.
                 logger.warning(
                     "stage %s: request %s arrived after its gateway refused it; dropped",
                     self.stage.name,
@@ -103,7 +111,7 @@ class Intake:
             seen.add(marker)
             record.request_ids.append(req.id)
             record.trace_ids.append(req.trace_id)
-            record.arrivals.append(entry_ms(eid) / 1000.0)
+            record.arrivals.append(arrival(eid, now))
             item = self._admit(batch.out, req, now)
             if item is not None:
                 batch.live.append((req, item))

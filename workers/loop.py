@@ -122,7 +122,7 @@ class Worker:
             self.clock,
             claim_count=max_batch,
         )
-        self.publish = Publisher(self.client, self.keys, stage.name, self.consumer, settings)
+        self.publish = Publisher(self.client, self.router, self.consumer, settings)
         self.intake = Intake(self.client, stage, self.router, self.recovery)
         max_tokens = settings.max_batch_tokens
         if max_tokens is None:

@@ -114,9 +114,14 @@ class Partials:
                 maxlen = self.settings.reply_maxlen
                 pipe.xadd(req.reply_to, encode(partial), maxlen=maxlen, approximate=True)
             try:
-                await pipe.execute()
+                written = await pipe.execute(raise_on_error=False)
             except REDIS_DOWN as exc:
                 logger.warning("could not stream partial output: %s", exc)
+                continue
+            # One reply key refusing its XADD (it holds another type: something else SET
+            # it) loses that request's partials only; its final reply is the publish's.
+            for failure in {str(w) for w in written if isinstance(w, Exception)}:
+                logger.warning("could not stream partial output: %s", failure)
 
     async def _check_cancelled(self) -> None:
         """Mark the streaming rows whose requests are cancelled, if it is time to ask."""

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from pipelines.stages import Stage
-from runtime.redisio import REDIS_DOWN, RedisClock, entry_ms
+from runtime.redisio import REDIS_DOWN, RedisClock, arrival
 from runtime.stats import COST_A, COST_B
 from workers.batch import Entry
 from workers.policy import FLAT_OVERHEAD_TOKENS, OVERHEAD_PRIOR_TOKENS, BatchPolicy
@@ -70,7 +70,9 @@ class Window:
         entries = await self._take(self.max_batch, block_ms)
         if not entries:
             return []
-        close_at = entry_ms(entries[0].id) / 1000.0 + self.wait_s
+        # Not later than now: an id ahead of the clock would hold the window open for as
+        # long as it is ahead (a forged future id makes every later id so).
+        close_at = arrival(entries[0].id, self._clock.now()) + self.wait_s
         while len(entries) < self.max_batch and not self._stopping.is_set():
             now = self._clock.now()
             if self.policy and not self._runner.busy and self.policy.go_now(len(entries), now):
@@ -126,6 +128,7 @@ class Window:
     async def _take(self, count: int, block_ms: int | None) -> list[Entry]:
         entries = await self._read(count, block_ms)
         if self.policy is not None:
+            now = self._clock.now()
             for entry in entries:
-                self.policy.arrivals.observe(entry_ms(entry.id) / 1000.0)
+                self.policy.arrivals.observe(arrival(entry.id, now))
         return entries

@@ -329,3 +329,41 @@ def test_the_gateway_url_is_one_a_browser_here_opens() -> None:
     assert gateway_url("0.0.0.0", 80) == "http://127.0.0.1:80"
     assert gateway_url("::", 8000) == "http://[::1]:8000"
     assert gateway_url("fe80::1", 8000) == "http://[fe80::1]:8000"
+
+
+@pytest.mark.parametrize(
+    ("name", "argv"),
+    [
+        ("workers.py", ["--app", "workers:pipeline"]),
+        ("pipelines/__init__.py", ["--app", "pipelines:pipeline"]),
+        ("uvicorn.py", []),
+        ("redis.py", ["--app", "mymodule:pipeline"]),
+    ],
+)
+def test_a_module_named_like_one_conveyor_imports_is_one_line_before_anything_starts(
+    folder: Path, name: str, argv: list[str]
+) -> None:
+    # Issue 28, a: a user's `workers.py` (or pipelines/, gateway.py...) in the folder up
+    # runs in was hidden by conveyor's own package (up said it held no pipeline: it
+    # did); a `uvicorn.py` (or redis.py, fastapi.py...) was imported by the gateway in
+    # uvicorn's place, and up restarted it into a crash loop.
+    (folder / name).parent.mkdir(exist_ok=True)
+    (folder / name).write_text(APP)
+    done = run([CONVEYOR, "up", "--port", str(free_port()), *argv], folder)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.splitlines()
+    module = name.removesuffix("/__init__.py")
+    assert line.startswith(f"conveyor: {folder / module} is named like "), line
+    assert line.endswith("rename it"), line
+    assert "embedded redis" not in done.stdout  # nothing started
+
+
+def test_a_gateway_that_cannot_import_what_it_runs_on_is_one_line(folder: Path) -> None:
+    # Issue 28, a: `python -m gateway` run where a `uvicorn.py` hides uvicorn ended in a
+    # traceback (status 1), which up restarted 5 times; now one line, status 2 (a
+    # configuration error, which up does not restart).
+    (folder / "uvicorn.py").write_text("raise RuntimeError('not uvicorn')\n")
+    done = run([sys.executable, "-m", "gateway"], folder)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"conveyor: {folder / 'uvicorn.py'} is named like "), line

@@ -128,3 +128,64 @@ async def test_a_jobs_reply_finishes_its_record(harness: Harness, redis: aioredi
     assert records["expired"] == JobRecord(status=EXPIRED, error="late", http_status=504)
     assert 0 < await redis.ttl(keys.job("ok")) <= 90
     assert await redis.exists(keys.reply_stream("t")) == 0
+
+
+async def test_a_call_that_would_meet_a_key_of_another_type_writes_nothing(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # Issue 28, break 5: a reply key SET to a string failed the script with WRONGTYPE
+    # midway, and what it had written before the error stayed (replies, markers, counts).
+    # Now the script checks every key first: it writes nothing at all and names the
+    # request whose effects would fail, with the key and what it holds.
+    keys = harness.keys
+    ids = await read_batch(redis, keys.stage_stream("s"), 4)
+    out = outbox(harness, ["a", "b"])
+    bad = keys.reply_stream("forged")
+    await redis.set(bad, "not a stream")
+    culprit = Reply(id="c", stage="s", outcome=Outcome.OK, result={"v": 1})
+    out.effects[keys.done("c", "s")] = Effects(marker_ttl_s=60, replies=[(bad, culprit)])
+    out.effects.update(outbox(harness, ["d"]).effects)
+    published = await publish_batch(
+        redis,
+        keys,
+        out,
+        ids,
+        "refused",
+        4,
+        dead_letters=[(keys.dead_letters("s"), {"why": "test"})],
+        dropped=[keys.dropped("s", ids[3].decode())],
+        gauges={"cost_a": 1.0},
+    )
+    assert published.refused == {keys.done("c", "s"): (bad, "string")}
+    assert await redis.get(bad) == b"not a stream"
+    written = [key async for key in redis.scan_iter(match=f"{keys.prefix}:*")]
+    assert sorted(written) == sorted([bad.encode(), keys.stage_stream("s").encode()])
+    pending = await redis.xpending(keys.stage_stream("s"), GROUP)
+    assert pending["pending"] == 4  # nothing acked
+
+
+async def test_own_keys_of_another_type_are_skipped_and_the_batch_answered(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # The stats hash and the dead-letter stream are written by every call, whatever its
+    # requests: one SET to a string is no request's fault. What the call would write
+    # there is skipped and named; the replies, markers and acks are written.
+    keys = harness.keys
+    ids = await read_batch(redis, keys.stage_stream("s"), 2)
+    await redis.set(keys.stage_stats("s"), "x")
+    await redis.set(keys.dead_letters("s"), "x")
+    published = await publish_batch(
+        redis,
+        keys,
+        outbox(harness, ["a", "b"]),
+        ids,
+        "own",
+        2,
+        dead_letters=[(keys.dead_letters("s"), {"why": "test"})],
+    )
+    assert published.broken == {keys.stage_stats("s"), keys.dead_letters("s")}
+    assert not published.refused
+    assert await redis.xlen(keys.reply_stream("t")) == 2
+    assert await redis.exists(keys.done("a", "s"), keys.done("b", "s")) == 2
+    assert (await redis.xpending(keys.stage_stream("s"), GROUP))["pending"] == 0
+    assert await redis.get(keys.stage_stats("s")) == b"x"

@@ -1,0 +1,119 @@
+"""One gateway process: the HTTP gateway served with uvicorn (``python -m gateway``,
+:mod:`gateway.__main__`, runs :func:`main`).
+
+With ``CONVEYOR_GATEWAYS`` above 1 this process is one of several on the same host and
+port (``conveyor up --gateways N`` and ``conveyor gateway`` start them): it binds with
+``SO_REUSEPORT``, so the kernel spreads new connections among them. Each reads its own
+reply streams (its id is host-pid-random), so a reply reaches the process that waits.
+
+On SIGTERM or Ctrl-C it drains (:class:`DrainingServer`): new requests get 503, those in
+flight have ``CONVEYOR_DRAIN_S`` to be answered, then its port closes and it exits.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import socket
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.protocol import header_deadline_protocol
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+from pipelines.errors import exit_for, exit_on_config_error
+from pipelines.settings import load_settings
+from runtime import tracing
+
+logger = logging.getLogger(__name__)
+
+DRAIN_MARGIN_S = 5
+"""After the drain, how long uvicorn waits for the last answers to be written before it
+cancels what is left (``conveyor up`` waits this long too, and more)."""
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown first drains the gateway (:meth:`Gateway.drain
+    <gateway.service.Gateway.drain>`).
+
+    uvicorn's own shutdown closes the port and the idle connections, then waits for the
+    requests in flight, then cancels those still running (each answered with a
+    plain-text 500 and logged with a traceback). Draining first, the port still open,
+    means every request is answered in JSON and none is left to cancel: a new one gets
+    503 + Retry-After at once (a load balancer or client tries another gateway, or
+    again later), one in flight its answer, or 504 if it still waits when the drain
+    ends. The port closes only then, with nothing in flight.
+
+    Args:
+        config: uvicorn's configuration.
+        gateway: the gateway the app serves.
+        drain_s: how long requests in flight may take (``CONVEYOR_DRAIN_S``).
+    """
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_s: float) -> None:
+        super().__init__(config)
+        self.gateway, self.drain_s = gateway, drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drain, then shut down as uvicorn does."""
+        await self.gateway.drain(self.drain_s)
+        await super().shutdown(sockets)
+
+
+def main() -> None:
+    """Entry point of one gateway process (settings from ``CONVEYOR_*``); a bad setting
+    ends it with one line and exit status 2."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    with exit_on_config_error():
+        settings = load_settings(GatewaySettings)
+        tracing.configure("conveyor-gateway")  # OTEL_* variables; off unless they say
+        app = create_app(settings)
+    # What start-up built (modules, routes, schemas) lives as long as the process: moved
+    # out of the collector's sight, a full collection no longer walks it again and again
+    # under load (it showed as a tenth of the gateway's CPU on small fast requests).
+    gc.collect()
+    gc.freeze()
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=False,
+        # Never reached by a request (the drain answers each by then): this bounds only
+        # the writing of the last answers.
+        timeout_graceful_shutdown=math.ceil(settings.drain_s) + DRAIN_MARGIN_S,
+        http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
+    )
+    server = DrainingServer(config, app.state.gateway, settings.drain_s)
+    shared = settings.gateways > 1
+    server.run(sockets=[shared_socket(settings.host, settings.port)] if shared else None)
+    tracing.shutdown()  # the spans still batched go out
+    if not server.started:  # as uvicorn.run: the port was taken, or start-up failed
+        exit_for(3, f"the gateway could not start on {settings.host}:{settings.port}")
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT``: every gateway process of
+    one host binds its own, and the kernel hands each new connection to one of them.
+    Only processes of the same user can join (Linux), and only when all of them set it:
+    a lone gateway (``CONVEYOR_GATEWAYS=1``) does not, so a second one started on its
+    port by mistake fails as before.
+
+    Args:
+        host: the address (IPv6 when it holds a colon).
+        port: the port.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        logger.error("cannot bind %s:%d: %s", host, port, exc)
+        exit_for(3, f"cannot bind {host}:{port}: {exc}")
+    return sock
