@@ -27,9 +27,12 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+from runtime.exits import EXIT_REPORT_FD, PROGRESS
 
 PR_SET_PDEATHSIG = 1
 """``prctl``'s option: the signal the calling process gets when its parent dies."""
@@ -82,3 +85,74 @@ def child_options(*, bound: bool = True) -> dict[str, Any]:
     if bind is not None:
         options["preexec_fn"] = bind
     return options
+
+
+class Exit(NamedTuple):
+    """What a child said on its pipe before it exited (:mod:`runtime.exits`).
+
+    Attributes:
+        progressed: it did some work (published, or charged a crash to its inputs).
+        reason: why no restart would mend it (a configuration error), or None.
+    """
+
+    progressed: bool = False
+    reason: str | None = None
+
+
+class ExitReports:
+    """Each child's pipe, on which it says why it exits when no restart would mend it,
+    and whether it made progress (:mod:`runtime.exits`).
+
+    Its exit status alone cannot be believed: a user's code can exit 2 (``sys.exit(2)``,
+    ``os._exit(2)``), and that is a crash, restarted, never a reason to stop the whole
+    service.
+    """
+
+    def __init__(self) -> None:
+        self._pipes: dict[int, int] = {}  # pid: the read end of its pipe
+        self._kept: dict[int, Exit] = {}  # pid: what it said, read before it was asked
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Start ``args`` with ``env`` as a child of ``up`` (:func:`child_options`), a
+        report pipe of its own given."""
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        try:
+            proc = subprocess.Popen(
+                args, env=env | {EXIT_REPORT_FD: str(write)}, pass_fds=(write,), **child_options()
+            )
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        self._pipes[proc.pid] = read
+        return proc
+
+    def said(self, proc: subprocess.Popen[bytes], *, keep: bool = False) -> Exit:
+        """What ``proc`` (exited) said; its pipe is closed. With ``keep``, it is also kept
+        for the next call (read early, asked later)."""
+        read = self._pipes.pop(proc.pid, None)
+        if read is None:
+            return self._kept.pop(proc.pid, Exit())
+        chunks = []
+        try:
+            while chunk := os.read(read, 65536):  # what it wrote, up to its end (EOF)
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass  # its end still open (a grandchild holds it): what is there is all
+        finally:
+            os.close(read)
+        raw = b"".join(chunks)
+        progressed = raw.startswith(PROGRESS)
+        text = raw.removeprefix(PROGRESS).decode("utf-8", "replace")
+        said = Exit(progressed, text or None)
+        if keep and said != Exit():
+            self._kept[proc.pid] = said
+        return said
+
+    def close(self) -> None:
+        """Close every pipe left (``up`` stops)."""
+        for read in self._pipes.values():
+            os.close(read)
+        self._pipes.clear()

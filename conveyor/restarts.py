@@ -9,20 +9,22 @@ started to serve (its crashes are its own: five workers killed once each are no 
 and the autoscaled workers of a stage that die before they serve together (a model that
 cannot start kills every one the same way).
 
-A crash that is followed by progress is no loop: a worker that crashes on a poison input
-is restarted, and the inputs on its model are charged the crash, run alone and the one
-that kills is dead-lettered (:mod:`workers.crashes`), while the stage goes on publishing
-batches. So a process's count starts again whenever its stages published a batch or a
-dead letter, or charged a crash to its inputs, since its previous crash. Once a process
-crashed :attr:`RestartSettings.max_crashes` times within the window with no progress
-between, its worker group is **parked**: its processes are stopped, its stages answer
-503 with a Retry-After naming why (``/status`` and ``/metrics`` show it), and it is
-started again after :attr:`RestartSettings.park_s`, doubling with each park up to
-:attr:`RestartSettings.max_park_s`. The other stages, the gateway and Redis go on;
-``up`` exits only when asked, on a configuration error (a status 2 or 3 that the process
-also reported through :func:`pipelines.errors.exit_for`: a bad setting, an app that does
-not import, a model that cannot be built, the port), or when its embedded Redis cannot
-be kept running.
+A crash after progress is no loop: a worker that crashes on a poison input is restarted,
+and the next one charges the crash to the inputs that were on the model, runs them alone
+and dead-letters the one that kills (:mod:`workers.crashes`). So a process's count
+starts again when the process that crashed had done some work first (published a batch
+or a dead letter, or charged a crash to its inputs), which it says on its pipe
+(:func:`runtime.exits.progressed`): per process, so one replica that crashes on every
+batch is not kept out of its loop by a healthy sibling. Once a process crashed
+:attr:`RestartSettings.max_crashes` times within the window with no progress between,
+its worker group is **parked**: its processes are stopped, its stages answer 503 with a
+Retry-After naming why (``/status`` and ``/metrics`` show it), and it is started again
+after :attr:`RestartSettings.park_s`, doubling with each park up to
+:attr:`RestartSettings.max_park_s`; a gateway in a loop is parked alone. The other
+stages, the gateways and Redis go on; ``up`` exits only when asked, on a configuration
+error (a status 2 or 3 that the process also said on its pipe,
+:func:`runtime.exits.exit_for`: a bad setting, an app that does not import, a model that
+cannot be built, the port), or when its embedded Redis cannot be kept running.
 
 Each restart is said on ``up``'s output and counted in the stats hash of each stage the
 worker served (:data:`~runtime.stats.RESTARTS`), which ``/metrics``
@@ -42,8 +44,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipelines.records import Parked
 from pipelines.settings import CommonSettings
-from runtime.redisio import REDIS_DOWN, connect
-from runtime.stats import CHARGED, RESTARTS, read_all_stats
+from runtime.redisio import connect
+from runtime.stats import RESTARTS
 
 NOT_RESTARTED = {
     2: "a configuration error (a setting, the app, a model that cannot be built)",
@@ -88,10 +90,9 @@ class CrashLoop:
 
     settings: RestartSettings
     crashes: dict[str, deque[float]] = field(default_factory=dict)  # by name, monotonic
-    progress: dict[str, int] = field(default_factory=dict)  # by name, at its last crash
     parks: dict[str, int] = field(default_factory=dict)  # by group: parks so far
 
-    def crashed(self, name: str, now: float, progress: int | None = None) -> float | None:
+    def crashed(self, name: str, now: float, progressed: bool = False) -> float | None:
         """Record a crash of ``name``; the seconds to wait before restarting it, or None:
         it crashed :attr:`~RestartSettings.max_crashes` times within the window, with no
         progress between (a loop).
@@ -99,16 +100,14 @@ class CrashLoop:
         Args:
             name: the process (``worker embed#0``, ``gateway``).
             now: monotonic time, seconds.
-            progress: what its stages have done so far (batches and dead letters
-                published); a change since its previous crash starts its count again.
-                None: unknown (a gateway; Redis unreachable), no change.
+            progressed: the process that crashed did some work first (it said so:
+                :func:`runtime.exits.progressed`); its count starts again.
         """
+        for other in [n for n, t in self.crashes.items() if now - t[-1] > self.settings.window_s]:
+            del self.crashes[other]  # names seen once (autoscaled workers) do not pile up
         times = self.crashes.setdefault(name, deque())
-        before = self.progress.get(name)
-        if progress is not None:
-            if before is not None and progress != before:
-                times.clear()  # it did work since: that crash was no loop
-            self.progress[name] = progress
+        if progressed:
+            times.clear()  # it did work since its last crash: that was no loop
         times.append(now)
         while now - times[0] > self.settings.window_s:
             times.popleft()
@@ -121,7 +120,6 @@ class CrashLoop:
     def forget(self, name: str) -> None:
         """Start ``name``'s count again (its group was parked, or is back)."""
         self.crashes.pop(name, None)
-        self.progress.pop(name, None)
 
     def park(self, group: str) -> float:
         """Seconds to park ``group`` for, now that it looped: doubling with each park."""
@@ -133,8 +131,7 @@ class CrashLoop:
         s = self.settings
         return (
             f"{name} {exited(code)}: {s.max_crashes} crash(es) within {s.window_s:g}s with "
-            "no batch published between (CONVEYOR_RESTART_MAX_CRASHES, "
-            "CONVEYOR_RESTART_WINDOW_S)"
+            "no work done between (CONVEYOR_RESTART_MAX_CRASHES, CONVEYOR_RESTART_WINDOW_S)"
         )
 
 
@@ -146,21 +143,6 @@ def exited(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited ({code})"
-
-
-async def progress(settings: CommonSettings, stages: Iterable[str]) -> int | None:
-    """What ``stages`` have done so far: their batches and dead letters published, and the
-    crashes charged to the inputs on the model (see :meth:`CrashLoop.crashed`); None when
-    Redis cannot be reached."""
-    client = connect(settings)
-    try:
-        stats = await read_all_stats(client, settings.keys, list(stages))
-    except REDIS_DOWN:
-        return None
-    finally:
-        await client.aclose()
-    done = ("batches", "dead_letters", CHARGED)
-    return int(sum(s.get(name, 0) for s in stats.values() for name in done))
 
 
 async def mark_parked(

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 
+from redis.exceptions import RedisError
+
 from conveyor.autoscale import Autoscaler, AutoscaleSettings
-from conveyor.children import child_options
+from conveyor.children import ExitReports
 from conveyor.embedded import free_port, start_redis
 from conveyor.placement import (
     Group,
@@ -57,10 +59,9 @@ from conveyor.restarts import (
     count_restart,
     exited,
     mark_parked,
-    progress,
 )
 from gateway.settings import GatewaySettings
-from pipelines.errors import EXIT_REPORT_FD, ConfigError
+from pipelines.errors import ConfigError
 from pipelines.registry import app_dir, load_registry
 from pipelines.settings import CommonSettings, load_settings
 from pipelines.stages import Stage
@@ -178,8 +179,7 @@ class Supervisor:
     crashes: CrashLoop = field(init=False)
     groups: dict[str, Group | None] = field(default_factory=dict)  # by child name (None: gateway)
     parked: dict[str, float] = field(default_factory=dict)  # group name: until (monotonic)
-    reports: dict[int, int] = field(default_factory=dict)  # pid: read end of its report pipe
-    said: dict[int, str] = field(default_factory=dict)  # pid: its report, read at its release
+    reports: ExitReports = field(default_factory=ExitReports)
     redis_port: int = 0
 
     def __post_init__(self) -> None:
@@ -210,45 +210,17 @@ class Supervisor:
         shutil.rmtree(workdir, ignore_errors=True)
 
     def _spawn(self, module: str, *argv: str, env: dict[str, str] | None = None) -> Process:
-        # Its own process group, and bound to die with up: see the module's docstring.
-        # A pipe of its own says why it exits when no restart would mend it
-        # (pipelines.errors.exit_for): its exit status alone could be a user's code's.
-        args = [sys.executable, "-m", module, *argv]
-        read, write = os.pipe()
-        os.set_blocking(read, False)
-        extra = {EXIT_REPORT_FD: str(write)}
-        try:
-            proc = subprocess.Popen(
-                args, env=self.env | (env or {}) | extra, pass_fds=(write,), **child_options()
-            )
-        except BaseException:
-            os.close(read)
-            raise
-        finally:
-            os.close(write)
-        self.reports[proc.pid] = read
-        return proc
-
-    def _reported(self, proc: Process) -> str | None:
-        """What ``proc`` (exited) reported on its pipe, if anything; the pipe is closed."""
-        read = self.reports.pop(proc.pid, None)
-        if read is None:
-            return self.said.pop(proc.pid, None)  # read already, by a release
-        try:
-            said = os.read(read, 4096)
-        except BlockingIOError:
-            said = b""
-        finally:
-            os.close(read)
-        return said.decode("utf-8", "replace") or None
+        # Its own process group, bound to die with up (see the module's docstring), and a
+        # pipe of its own to say why it exits when no restart would mend it.
+        return self.reports.start([sys.executable, "-m", module, *argv], self.env | (env or {}))
 
     def _final(self, proc: Process) -> str | None:
         """Why ``proc`` (exited) must not be restarted: a status 2 or 3 with its reason
         on its pipe; None: a crash (whatever its status), restarted."""
-        said = self._reported(proc)
+        said = self.reports.said(proc, keep=True)  # kept for the crash count next
         code = proc.returncode
-        if code in NOT_RESTARTED and said is not None:
-            return f"{NOT_RESTARTED[code]}: {said}"
+        if code in NOT_RESTARTED and said.reason is not None:
+            return f"{NOT_RESTARTED[code]}: {said.reason}"
         return None
 
     def _spawn_placed(self, placed: Placed) -> Process:
@@ -266,9 +238,7 @@ class Supervisor:
         return self._spawn_placed(placed)
 
     def _release(self, proc: Process) -> None:
-        # Its pipe is closed; what it said is kept for _crashed, which comes next.
-        if (said := self._reported(proc)) is not None:
-            self.said[proc.pid] = said
+        self.reports.said(proc, keep=True)  # for _crashed, which comes next if it crashed
         placed = self.placed.pop(proc.pid, None)
         if placed is not None and self.placer is not None:
             self.placer.release(placed)
@@ -358,6 +328,10 @@ class Supervisor:
         if redis_gone and (why := self._redis_exited()):
             return why
         now = time.monotonic()
+        if redis_gone:  # the new one knows nothing of the parks still on
+            for group, until in self.parked.items():
+                if not _is_gateway(group):
+                    await self._say_parked(group.split(","), "parked", until - now)
         await self._unpark(now)
         for i, (name, proc) in enumerate(self.children):
             code = proc.poll()
@@ -366,9 +340,7 @@ class Supervisor:
             if name not in self.due:
                 if why := self._final(proc):
                     return f"{name} {exited(code)}: {why}; not restarted"
-                group = self.groups.get(name)
-                done = await progress(self._common(), group.stages) if group else None
-                delay = self.crashes.crashed(name, now, done)
+                delay = self.crashes.crashed(name, now, self.reports.said(proc).progressed)
                 if delay is None:
                     await self._park(self._group_name(name), self.crashes.looping(name, code))
                     continue
@@ -381,7 +353,7 @@ class Supervisor:
 
     async def _again(self, name: str, proc: Process) -> Process:
         """Start ``name`` (its process ``proc`` exited) again, where it was placed."""
-        self._reported(proc)  # its pipe, if still open, is closed
+        self.reports.said(proc)  # its pipe, if still open, is closed
         placed = self.placed.pop(proc.pid, None)
         again = self._spawn("gateway") if placed is None else self._spawn_placed(placed)
         say(f"{name} restarted (pid {again.pid})")
@@ -389,8 +361,10 @@ class Supervisor:
         return again
 
     def _group_name(self, child: str) -> str:
+        """What a crash loop of ``child`` parks: its worker group; a gateway alone (its
+        siblings go on serving the port)."""
         group = self.groups.get(child)
-        return "gateway" if group is None else group.name
+        return child if group is None else group.name
 
     async def _park(self, group: str, why: str) -> None:
         """Stop ``group``'s processes and start them again after its park (see
@@ -409,7 +383,7 @@ class Supervisor:
                 proc.send_signal(signal.SIGTERM)
         if self.autoscaler is not None and group in self.autoscaler.scalers:
             self.autoscaler.hold(group)
-        if group != "gateway":
+        if not _is_gateway(group):
             await self._say_parked(group.split(","), why, for_s)
 
     async def _unpark(self, now: float) -> None:
@@ -425,13 +399,13 @@ class Supervisor:
                     self.children[i] = (name, await self._again(name, proc))
             if self.autoscaler is not None and group in self.autoscaler.scalers:
                 self.autoscaler.resume(group)
-            if group != "gateway":
+            if not _is_gateway(group):
                 await self._say_parked(group.split(","), "", None)
 
     async def _say_parked(self, stages: list[str], why: str, for_s: float | None) -> None:
         try:
             await mark_parked(self._common(), stages, why, for_s)
-        except REDIS_DOWN as exc:
+        except RedisError as exc:  # unreachable, or a key of ours forged to another type
             say(f"could not record in redis that {','.join(stages)} is parked: {exc}")
 
     def _redis_exited(self) -> str | None:
@@ -455,7 +429,7 @@ class Supervisor:
             return
         try:
             await count_restart(self._common(), stages)
-        except REDIS_DOWN as exc:
+        except RedisError as exc:  # unreachable, or a key of ours forged to another type
             say(f"the restart of a worker of {','.join(stages)} was not counted: {exc}")
 
     async def _crashed(self, stage: str, proc: Process) -> str | None:
@@ -464,16 +438,18 @@ class Supervisor:
         starts another at its next tick."""
         if why := self._final(proc):
             return f"worker {stage} {exited(proc.returncode)}: {why}"
+        if stage in self.parked:  # stopped by its park (or dying with the others)
+            return None
         stages = stage.split(",")
         # Its crashes are its own once it served (one autoscaled worker is not restarted:
         # it counts once); those of the workers that never started are the stage's.
         try:
             started = not await waiting(self._common(), stages, {proc.pid})
-        except REDIS_DOWN:
+        except RedisError:  # unreachable, or a key of ours forged to another type
             started = False  # unknown: counted with the stage's, the stricter count
         name = f"worker {stage} (pid {proc.pid})" if started else f"worker {stage} (starting)"
         now = time.monotonic()
-        if self.crashes.crashed(name, now, await progress(self._common(), stages)) is None:
+        if self.crashes.crashed(name, now, self.reports.said(proc).progressed) is None:
             await self._park(stage, self.crashes.looping(name, proc.returncode))
             return None
         say(f"{name} {exited(proc.returncode)}; the autoscaler starts another")
@@ -493,16 +469,14 @@ class Supervisor:
         _terminate(self.gateways(), self.drain_s + STOP_GRACE_S)
         _terminate(self.workers())
         if self.parked and self.redis is None:  # an outside Redis outlives this up
-            stages = [s for g in self.parked if g != "gateway" for s in g.split(",")]
+            stages = [s for g in self.parked if not _is_gateway(g) for s in g.split(",")]
             with contextlib.suppress(*REDIS_DOWN):
                 asyncio.run(mark_parked(self._common(), stages, "", None))
         if self.redis is not None:
             _terminate([("redis-server", self.redis)])
         if self.redis_dir is not None:
             shutil.rmtree(self.redis_dir, ignore_errors=True)
-        for read in self.reports.values():
-            os.close(read)
-        self.reports.clear()
+        self.reports.close()
 
 
 def _is_gateway(name: str) -> bool:

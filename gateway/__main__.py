@@ -9,8 +9,9 @@ named like one of them (``uvicorn.py``).
 
 from __future__ import annotations
 
-from pipelines.errors import ConfigError, exit_on_config_error, one_line
+from pipelines.errors import ConfigError, one_line
 from pipelines.registry import check_app_dir
+from runtime.exits import exit_on_config_error
 
 
 def main() -> None:
@@ -18,7 +19,7 @@ def main() -> None:
     with exit_on_config_error():
         try:
             from gateway.serve import main as serve
-        except Exception as exc:
+        except ImportError as exc:  # anything else is a bug or the machine, not config
             check_app_dir()  # a module of the user's hiding one: named, with what to do
             raise ConfigError(
                 f"the gateway cannot import what it runs on: {one_line(exc)}; "

@@ -23,9 +23,9 @@ from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from pipelines.errors import exit_for, exit_on_config_error
 from pipelines.settings import load_settings
 from runtime import tracing
+from runtime.exits import exit_for, exit_on_config_error
 
 logger = logging.getLogger(__name__)
 

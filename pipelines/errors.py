@@ -6,18 +6,12 @@ worker maps a failed item the same way: :func:`http_status`.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sys
 import sysconfig
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from http import HTTPStatus
-from typing import NoReturn
 
 RETRY_AFTER_MAX_S = 3600
 """The longest Retry-After a client is told, whatever a step or an upstream said."""
@@ -87,39 +81,6 @@ def http_status(exc: BaseException) -> int:
 
 class ConfigError(ConveyorError):
     """A setting, stage or model spec is wrong; the message names it."""
-
-
-@contextmanager
-def exit_on_config_error() -> Iterator[None]:
-    """Around an entry point's start: a :class:`ConfigError` (a bad setting, argument or
-    stage) ends the process with its message on one line and exit status 2, as a usage
-    error does, instead of a traceback; told to ``conveyor up`` too (:func:`exit_for`)."""
-    try:
-        yield
-    except ConfigError as exc:
-        print(f"conveyor: {exc}", file=sys.stderr, flush=True)
-        exit_for(2, str(exc))
-
-
-EXIT_REPORT_FD = "CONVEYOR_EXIT_REPORT_FD"
-"""Not a setting: the variable ``conveyor up`` gives each child it starts, naming the
-write end of a pipe that only :func:`exit_for` writes to (:mod:`conveyor.supervisor`)."""
-
-
-def exit_for(code: int, why: str) -> NoReturn:
-    """End this process with ``code`` for a reason no restart mends (2: a configuration
-    error; 3: the gateway's port), saying ``why`` on the pipe ``conveyor up`` gave it.
-
-    ``up`` believes a status 2 or 3 only with its word on that pipe: a user's code that
-    calls ``sys.exit(2)`` or ``os._exit(2)`` while serving is a crash, restarted like any
-    other, never a reason to stop the whole service.
-    """
-    raw = os.environ.get(EXIT_REPORT_FD, "")
-    if raw.isdigit():
-        # An OSError: not up's child after all (a stale variable); the status says it.
-        with contextlib.suppress(OSError):
-            os.write(int(raw), why.encode("utf-8", "replace")[:4096] or b"?")
-    raise SystemExit(code)
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:

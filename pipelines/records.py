@@ -347,9 +347,12 @@ class Parked:
         """The hash field's value."""
         return orjson.dumps({"reason": self.reason[: self.MAX_REASON], "until": self.until})
 
+    MAX_PARK_S: ClassVar[float] = 86_400.0
+
     def left_s(self, now: float) -> float:
-        """Seconds until the group is started again, at ``now`` (Unix time)."""
-        return max(0.0, self.until - now)
+        """Seconds until the group is started again, at ``now`` (Unix time; at most
+        :data:`MAX_PARK_S`, the longest park ``up`` allows, whatever the record says)."""
+        return min(self.MAX_PARK_S, max(0.0, self.until - now))
 
     @classmethod
     def parse(cls, raw: bytes | str | None) -> Parked | None:

@@ -375,7 +375,10 @@ async def stage_status(
         await partition_status(client, part, stage, costs=costs, lag_cap=lag_cap)
         for part in keys.each()
     ]
-    parked = Parked.parse(await client.hget(keys.parked(), stage))
+    try:
+        parked = Parked.parse(await client.hget(keys.parked(), stage))
+    except ResponseError:  # the key forged to another type: nobody parked the stage
+        parked = None
     if parked is not None and not parked.left_s(time.time()):
         parked = None
     if len(parts) == 1:

@@ -18,10 +18,10 @@ import os
 import signal
 from collections.abc import MutableMapping
 
-from pipelines.errors import exit_on_config_error
 from pipelines.registry import load_registry
 from pipelines.settings import load_settings
 from runtime import tracing
+from runtime.exits import exit_on_config_error
 from workers.build import process_threads
 from workers.partitions import partition_workers
 from workers.settings import WorkerSettings

@@ -9,10 +9,11 @@ whoever reclaims its entries (:class:`~workers.recovery.Recovery`) reads them:
 
 - **no mark**: the entry was only waiting (read, in a window, in a batch not yet on the
   model) when its worker died. It is claimed without counting a delivery (XAUTOCLAIM
-  ``JUSTID``) and runs in an ordinary batch, beside new entries: a worker killed
-  again and again charges nothing to the entries it merely held.
+  ``JUSTID``) and runs in an ordinary batch of those taken back, before anything new is
+  read: a worker killed again and again charges nothing to the entries it merely held.
 - **a number** (the size of the batch it was in): the crash is charged to it. It counts
-  one delivery (XCLAIM) and runs alone, so a crash while it runs is its own; past
+  one delivery (XCLAIM) and runs alone, once nothing else of its worker is in flight, so
+  a crash while it runs is its own; past
   ``CONVEYOR_MAX_DELIVERIES`` it is dead-lettered. Its batch-mates were charged too,
   once, and each also runs alone: the input that kills is found with one more crash, not
   one per halving (a crash costs a restart and a reload, seconds; an item alone costs one
@@ -136,6 +137,11 @@ async def sort_out(
     queued = {i for i, m in zip(ids, found, strict=True) if m == QUEUED}
     out = Claimed()
     if on_model:
+        # Queued first: a worker dying between the two leaves them to run alone, never
+        # charged twice for one crash.
+        pipe = client.pipeline(transaction=False)
+        mark(pipe, keys, [Entry(i, {}, stream) for i in on_model], QUEUED)
+        await pipe.execute()
         taken = cast(list[Any], await client.xclaim(stream, GROUP, consumer, 0, list(on_model)))
         out.charged = [Entry(_raw(e), f, stream) for e, f in taken if f]
     others = [i for i in ids if i not in set(on_model)]
@@ -147,10 +153,6 @@ async def sort_out(
             if got and got[0][1]:
                 entry = Entry(eid, cast(dict[bytes, bytes], got[0][1]), stream)
                 (out.queued if eid in queued else out.waiting).append(entry)
-    if out.charged:
-        pipe = client.pipeline(transaction=False)
-        mark(pipe, keys, out.charged, QUEUED)
-        await pipe.execute()
     return out
 
 

@@ -218,6 +218,10 @@ class Worker:
                     if burst:
                         break
                     continue
+                if taken.suspect and tasks:
+                    # Alone on the model: a crash while it runs is its own, no other
+                    # batch of this worker is there to be charged with it.
+                    await asyncio.wait(set(tasks))
                 spawn(taken.batches[0], taken.suspect)
                 for group in taken.batches[1:]:  # each takes a slot
                     await slots.acquire()
@@ -253,6 +257,9 @@ class Worker:
             self._stopping.set()
 
     async def _process(self, entries: list[Entry], suspect: bool) -> None:
+        # Its entries are kept fresh until they are published: a batch whose publish
+        # waits out Redis is not reclaimed from a worker that is alive.
+        heartbeat = self.recovery.heartbeat(entries)
         try:
             batch = self.intake.open(entries, self.clock.now())
             if batch.live:
@@ -262,6 +269,7 @@ class Worker:
                     self.router.finish(batch.out, req, result, done)
             await self._publish_batch(batch)
         finally:
+            await heartbeat.stop()
             if suspect:
                 self.recovery.suspect_done()
 
@@ -272,7 +280,6 @@ class Worker:
         device (:class:`~workers.runner.Runner`). Once the model is the batch's (its
         turn), the requests cancelled while it waited are withdrawn (one MGET) and never
         run; its results are made after the turn, while the next batch launches."""
-        heartbeat = self.recovery.heartbeat(batch.entries)
         partials: Partials | None = None
         deadline = time.monotonic() + max(r.deadline for r, _ in batch.live) - self.clock.now()
         try:
@@ -296,7 +303,6 @@ class Worker:
             batch.record.cold = ran.cold
             batch.record.ran_at = self.clock.now()
         finally:
-            await heartbeat.stop()
             if partials is not None:
                 await partials.close()  # every partial is out before the final reply
         padded = account(batch.record, items, input_cap(self.runner.model))

@@ -44,6 +44,7 @@ from pipelines.envelope import BRANCH, FIELD, encode
 from pipelines.keys import GROUP
 from pipelines.outcomes import Outcome
 from pipelines.records import job_finished
+from runtime.exits import progressed
 from runtime.redisio import REDIS_DOWN, Backoff, on_live_connection, text
 from workers.batch import Entry, by_stream
 from workers.crashes import marks
@@ -473,6 +474,7 @@ class Publisher:
                     key,
                 )
             if not published.refused:
+                progressed()  # what conveyor up counts as work done (runtime/exits.py)
                 return replace(published, refused=refused) if refused else published
             refused.update(published.refused)
             added, unanswered = set_aside(self.router, out, entries, published.refused, letters)

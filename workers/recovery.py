@@ -42,11 +42,12 @@ from pipelines.errors import EnvelopeError
 from pipelines.keys import GROUP
 from pipelines.outcomes import Outcome
 from pipelines.records import DeadLetter
+from runtime.exits import progressed
 from runtime.redisio import REDIS_DOWN, RedisClock, group_missing, text
 from runtime.stats import CHARGED
 from workers.batch import Entry, by_stream
 from workers.crashes import Claimed, claim_idle, own_pending
-from workers.heartbeat import Heartbeat
+from workers.heartbeat import Heartbeat, touch
 from workers.route import Outbox, Router
 from workers.settings import WorkerSettings
 
@@ -198,6 +199,7 @@ class Recovery:
         self._trim = Every(settings.trim_interval_s)
         self._reclaim = Every(settings.reclaim_interval_ms / 1000)
         self._own = Every(math.inf)  # this consumer's own pending: at the first reclaim only
+        self._touch = Every(settings.min_idle_ms / 3000)  # the queued suspects
         self.keys = router.keys
         self.claim_count = claim_count
         self._suspects: deque[Entry] = deque()
@@ -223,8 +225,12 @@ class Recovery:
         if not self._suspects and self._reclaim.due(now):
             claimed = Claimed()
             if self._own.due(now):
-                for stream in self.streams:
-                    claimed += await own_pending(self.client, self.keys, stream, self.consumer)
+                try:
+                    for stream in self.streams:
+                        claimed += await own_pending(self.client, self.keys, stream, self.consumer)
+                except BaseException:
+                    self._own.again()  # not done: at the next look
+                    raise
             # Interactive first, as a read takes it.
             min_idle_ms = self.settings.min_idle_ms
             for stream in self.streams:
@@ -236,12 +242,16 @@ class Recovery:
                     claimed += got
                     break
             settled, waiting = await self._screen(claimed)
-        if settled is not None or not self._suspects:
-            # A suspect only once the dead letters are out: were their publish to fail,
-            # a suspect handed out with them would never run, nor report its end.
+        if settled is not None or waiting or not self._suspects:
+            # A suspect only once the dead letters are out (were their publish to fail, a
+            # suspect handed out with them would never run, nor report its end) and the
+            # entries taken back beside it are handed out (it runs alone: next time).
             return Next(None, settled, tuple(waiting))
+        if self._touch.due(now):  # queued, they must not look idle to another worker
+            for stream, ids in by_stream(self._suspects).items():
+                await touch(self.client, stream, self.consumer, ids)
         self._no_suspect_running.clear()
-        return Next(self._suspects.popleft(), settled, tuple(waiting))
+        return Next(self._suspects.popleft(), settled)
 
     def published(self, settled: Settled) -> None:
         """What :meth:`next` dead-lettered is published: count it."""
@@ -254,7 +264,9 @@ class Recovery:
     def heartbeat(self, entries: Sequence[Entry]) -> Heartbeat:
         """Keeps a running batch's entries from being reclaimed until stopped."""
         beat_s = self.settings.min_idle_ms / 3000  # well inside the idle time that reclaims
-        return Heartbeat(self.client, by_stream(entries), self.consumer, beat_s)
+        # With the suspects queued to run alone after it: they are this worker's too.
+        held = by_stream([*entries, *self._suspects])
+        return Heartbeat(self.client, held, self.consumer, beat_s)
 
     def unreadable(
         self, out: Outbox, eid: bytes, fields: dict[bytes, bytes], exc: EnvelopeError
@@ -305,10 +317,12 @@ class Recovery:
             return counts.get((e.stream, e.id), 1) > cap
 
         if claimed.charged:
-            # Counted where conveyor up looks for progress: a crash charged to its inputs
-            # is on its way to a dead letter, not a loop (conveyor/restarts.py).
+            progressed()  # their crash is on its way to a dead letter: no loop
             stats = self.keys.stage_stats(self.router.stage)
-            await self.client.hincrby(stats, CHARGED, len(claimed.charged))
+            try:
+                await self.client.hincrby(stats, CHARGED, len(claimed.charged))
+            except ResponseError as exc:  # a stats key forged to another type: a count lost
+                logger.error("stage %s: crash charges not counted: %s", self.router.stage, exc)
             logger.warning(
                 "stage %s: %d entr(ies) were on the model when their worker died; each "
                 "runs alone (a crash while one runs is charged to it)",

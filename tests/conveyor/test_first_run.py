@@ -108,7 +108,7 @@ def test_up_serves_a_module_of_the_current_folder_and_says_where_everything_is(
         assert answer.json() == {"words": 3}
         for path in ("/docs", "/status", "/metrics"):
             assert f"{base}{path}" in text, text
-        assert list(tmp.glob("conveyor-redis-*")), text
+        assert not list(tmp.glob("conveyor-redis-*")), text  # it keeps nothing there
         # What up prints for `conveyor status` is true, and status (like every command)
         # imports the app from the current folder too.
         found = re.search(r"CONVEYOR_REDIS_URL=(redis://\S+) conveyor status", text)

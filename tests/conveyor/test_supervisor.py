@@ -382,12 +382,13 @@ def test_the_backoff_doubles_within_the_window_and_progress_breaks_a_loop() -> N
     assert loop.crashed("other", 2.5) == 0.5  # each process its own count
     assert loop.crashed("w", 30.0) == 0.5  # the earlier ones left the window
     assert [loop.crashed("w", t) for t in (31.0, 32.0, 33.0)] == [1.0, 1.5, None]
-    assert "4 crash(es) within 10s with no batch published" in loop.looping("w", -9)
-    # A crash after its stages published something starts the count again.
-    assert [loop.crashed("p", t, 7) for t in (40.0, 41.0, 42.0)] == [0.5, 1.0, 1.5]
-    assert loop.crashed("p", 43.0, 8) == 0.5  # progress: no loop
-    assert [loop.crashed("p", t, 8) for t in (44.0, 45.0)] == [1.0, 1.5]
-    assert loop.crashed("p", 46.0, None) is None  # unknown progress is no progress
+    assert "4 crash(es) within 10s with no work done between" in loop.looping("w", -9)
+    # A crash of a process that did some work first starts its count again.
+    assert [loop.crashed("p", t) for t in (40.0, 41.0, 42.0)] == [0.5, 1.0, 1.5]
+    assert loop.crashed("p", 43.0, progressed=True) == 0.5  # progress: no loop
+    assert [loop.crashed("p", t) for t in (44.0, 45.0)] == [1.0, 1.5]
+    assert loop.crashed("p", 46.0) is None
+    assert "w" not in loop.crashes  # a name whose crashes left the window is dropped
     assert [loop.park("g"), loop.park("g"), loop.park("h")] == [30.0, 60.0, 30.0]
     assert exited(-9) == "was killed by SIGKILL"
     assert exited(1) == "exited (1)"

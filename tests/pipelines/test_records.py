@@ -21,6 +21,7 @@ from pipelines.records import (
     DeadLetter,
     JobField,
     JobRecord,
+    Parked,
     create_job,
     job_finished,
 )
@@ -129,3 +130,33 @@ async def test_a_dead_letter_reads_back_what_was_added_to_its_entry(
     (_, letter), (_, bare) = entries
     assert DeadLetter.parse(letter) == DeadLetter(b"1-0", 3, "crashed")
     assert DeadLetter.parse(bare) == DeadLetter()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        b"",
+        b"not json",
+        b"[1, 2]",
+        b'{"reason": "r"}',
+        b'{"reason": 5, "until": 10}',
+        b'{"reason": "r", "until": true}',
+        b'{"reason": "r", "until": -1}',
+        b'{"reason": "r", "until": "soon"}',
+        b'{"reason": "r", "until": 1e999}',
+        b'{"reason": "' + b"x" * 5000 + b'", "until": 10}',
+    ],
+)
+def test_a_parked_record_nobody_wrote_is_not_believed(raw: bytes | None) -> None:
+    # Whatever the hash holds is untrusted: only what conveyor up writes parks a stage.
+    assert Parked.parse(raw) is None
+
+
+def test_a_parked_record_reads_back_bounded() -> None:
+    written = Parked("crash loop " * 100, 1e12).encode()
+    back = Parked.parse(written)
+    assert back is not None
+    assert len(back.reason) == Parked.MAX_REASON
+    assert back.until == 1e10  # bounded where it enters
+    assert back.left_s(1e10 + 1) == 0
