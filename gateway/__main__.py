@@ -19,8 +19,10 @@ def main() -> None:
     with exit_on_config_error():
         try:
             from gateway.serve import main as serve
-        except ImportError as exc:  # anything else is a bug or the machine, not config
+        except Exception as exc:
             check_app_dir()  # a module of the user's hiding one: named, with what to do
+            if not isinstance(exc, ImportError):
+                raise  # nothing hides one: a bug, or the machine (a traceback, restarted)
             raise ConfigError(
                 f"the gateway cannot import what it runs on: {one_line(exc)}; "
                 "install conveyor's dependencies where it runs"

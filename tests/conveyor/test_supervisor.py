@@ -46,6 +46,27 @@ def start(log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
         )
 
 
+def start_ready(
+    tmp_path: Path, redis_url: str, namespace: str, *args: str, **env: str
+) -> tuple[subprocess.Popen[bytes], Path, str]:
+    """``conveyor up ARGS`` on a free port of the tests' Redis and namespace, once it says
+    it is ready: the process, its log and its base URL."""
+    port, log = free_port(), tmp_path / "up.log"
+    up = start(
+        log,
+        *("--port", str(port), *args),
+        CONVEYOR_REDIS_URL=redis_url,
+        CONVEYOR_NAMESPACE=namespace,
+        **env,
+    )
+    try:
+        wait_for_line(log, "conveyor: ready:", up, limit_s=90)
+    except BaseException:
+        stop(up)
+        raise
+    return up, log, f"http://127.0.0.1:{port}"
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, exited and not yet reaped, does not)."""
     try:
@@ -95,18 +116,11 @@ async def answered(base: str, value: int) -> bool:
 async def test_a_crashed_worker_is_restarted_logged_and_counted(
     tmp_path: Path, redis_url: str, namespace: str
 ) -> None:
-    port, log = free_port(), tmp_path / "up.log"
-    base = f"http://127.0.0.1:{port}"
-    up = start(
-        log,
-        *("--port", str(port), "--pipelines", "crashy"),
-        CONVEYOR_REDIS_URL=redis_url,
-        CONVEYOR_NAMESPACE=namespace,
-        CONVEYOR_RESTART_BACKOFF_S="0.2",
+    up, log, base = start_ready(
+        tmp_path, redis_url, namespace, "--pipelines", "crashy", CONVEYOR_RESTART_BACKOFF_S="0.2"
     )
     try:
-        wait_for_line(log, "conveyor: ready:", up, limit_s=60)
-        wait_ready(f"http://127.0.0.1:{port}", {"conveyor up": up}, lambda _: log.read_text())
+        wait_ready(base, {"conveyor up": up}, lambda _: log.read_text())
         assert await answered(base, 2)
         # A negative value kills the worker (SIGKILL, as a segfault or the OOM killer).
         # Its deadline passes before the entry could be reclaimed, so it kills no other.
@@ -207,17 +221,10 @@ async def test_a_users_exit_status_2_is_a_crash_not_a_configuration_error(
     # BREAK (issue 28, 2): a model's os._exit(2) (or a step's SystemExit(2)) was read as a
     # configuration error: "not restarted; stopping", the whole service down. Only a
     # status 2 reported on the worker's own pipe stops up now.
-    port, log = free_port(), tmp_path / "up.log"
-    base = f"http://127.0.0.1:{port}"
-    up = start(
-        log,
-        *("--port", str(port), "--pipelines", "crashy"),
-        CONVEYOR_REDIS_URL=redis_url,
-        CONVEYOR_NAMESPACE=namespace,
-        CONVEYOR_RESTART_BACKOFF_S="0.2",
+    up, log, base = start_ready(
+        tmp_path, redis_url, namespace, "--pipelines", "crashy", CONVEYOR_RESTART_BACKOFF_S="0.2"
     )
     try:
-        wait_for_line(log, "conveyor: ready:", up, limit_s=60)
         assert await answered(base, 2)
         async with httpx.AsyncClient(timeout=30) as client:
             resp = await client.post(

@@ -16,11 +16,10 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from conveyor.embedded import free_port
 from pipelines.envelope import decode_reply
 from pipelines.keys import GROUP, Keys
 from runtime.stats import read_stats, stage_status
-from tests.conveyor.test_supervisor import start, stop
+from tests.conveyor.test_supervisor import start_ready, stop
 from tests.helpers import Doubler, Harness, number_stage, until, wait_for_line
 
 FAST_RECLAIM = {
@@ -41,18 +40,15 @@ async def test_two_poison_inputs_are_dead_lettered_and_the_stack_stays_up(
     # entries on the model; they run alone, the poison is dead-lettered after its own
     # crashes, its batch-mates are answered, and crashes followed by progress are no loop
     # (even with the crash limit lowered to 3).
-    port, log = free_port(), tmp_path / "up.log"
-    base = f"http://127.0.0.1:{port}"
-    up = start(
-        log,
-        *("--port", str(port), "--pipelines", "crashy,slow"),
-        CONVEYOR_REDIS_URL=redis_url,
-        CONVEYOR_NAMESPACE=namespace,
+    up, log, base = start_ready(
+        tmp_path,
+        redis_url,
+        namespace,
+        *("--pipelines", "crashy,slow"),
         CONVEYOR_RESTART_MAX_CRASHES="3",
         **FAST_RECLAIM,
     )
     try:
-        wait_for_line(log, "conveyor: ready:", up, limit_s=90)
         async with httpx.AsyncClient(base_url=base, timeout=200) as client:
             headers = {"X-Conveyor-Timeout": "180"}
             values = [-1, *range(4), -1, *range(4, 8)]
@@ -149,13 +145,11 @@ async def test_autoscaled_workers_each_killed_once_are_no_crash_loop(
     # BREAK (issue 28, 5): every autoscaled worker of a stage had the same name, so five
     # different processes each SIGKILLed once within 20 s added up to a "crash loop" and
     # `up` gave up. Crashes are counted per process now.
-    port, log = free_port(), tmp_path / "up.log"
-    up = start(
-        log,
-        *("--port", str(port), "--pipelines", "slow", "--autoscale"),
-        *("--min-workers", "1", "--max-workers", "2"),
-        CONVEYOR_REDIS_URL=redis_url,
-        CONVEYOR_NAMESPACE=namespace,
+    up, log, _ = start_ready(
+        tmp_path,
+        redis_url,
+        namespace,
+        *("--pipelines", "slow", "--autoscale", "--min-workers", "1", "--max-workers", "2"),
         CONVEYOR_RESTART_MAX_CRASHES="3",
         CONVEYOR_RESTART_BACKOFF_S="0.1",
     )
@@ -163,7 +157,6 @@ async def test_autoscaled_workers_each_killed_once_are_no_crash_loop(
     client = aioredis.Redis.from_url(redis_url)
     killed: set[int] = set()
     try:
-        wait_for_line(log, "conveyor: ready:", up, limit_s=90)
         for _ in range(4):
 
             async def a_new_worker_reads() -> bool:

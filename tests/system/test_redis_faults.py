@@ -190,8 +190,8 @@ async def test_paused_worker_resumed_doubles_no_reply_and_no_count(
         await until(lambda: _at_least(redis, reply_stream, 32))
         paused.send_signal(signal.SIGCONT)  # it finishes its batch and publishes it
 
-        async def both_ran() -> bool:  # the survivor's 32 batches of one, and the paused one
-            return (await harness.stats("slow")).get("batches", 0) >= 33
+        async def both_ran() -> bool:  # the survivor's run of the 32, and the paused one's
+            return (await harness.stats("slow")).get("model_items", 0) >= 64
 
         await until(both_ran)
     finally:
