@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -16,6 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.protocol import HEADERS_TOO_LARGE
 from runtime.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines
+
+logger = logging.getLogger(__name__)
 
 HTTP_REQUESTS = Family(
     "conveyor_http_requests_total",
@@ -212,6 +215,15 @@ class EdgeMiddleware:
             except Exception:
                 if not refused:
                     raise
+            except asyncio.CancelledError:
+                raise  # the server's own (a disconnect, a shutdown)
+            except BaseException as exc:
+                # Raised by a user's code run per request (an input model's validator):
+                # one request fails, never the gateway (past this, asyncio would stop it).
+                logger.error("%s raised on %s; answered 500", type(exc).__name__, scope["path"])
+                status = 500
+                if not responding and not refused:
+                    await _send_json(send, 500, {"detail": "internal error"}, [])
         finally:
             self.metrics.observe(self._label(scope), status, time.perf_counter() - started)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from pipelines.graph import Pipeline, function, single
 from pipelines.model import Item, Result
@@ -170,7 +170,22 @@ def _raising_input(ctx: dict[str, Any]) -> dict[str, Any]:
     return {"kind": "ok"}
 
 
+class Touchy(BaseModel):
+    """An input model whose validator raises what :data:`RAISED` names (in the gateway,
+    before anything is enqueued)."""
+
+    kind: str
+
+    @field_validator("kind")
+    @classmethod
+    def _raise(cls, kind: str) -> str:
+        if kind in RAISED:
+            raise RAISED[kind]()
+        return kind
+
+
 user_code: list[Pipeline] = [
+    Pipeline("touchy", Touchy, (function("run", _pass_kind),)),
     Pipeline("raises", Kind, (function("run", _sync_step),)),
     Pipeline("araises", Kind, (function("run", _async_step),)),
     Pipeline(
