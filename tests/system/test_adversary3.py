@@ -21,6 +21,7 @@ from pipelines.keys import GROUP, Keys
 from runtime.stats import read_stats, stage_status
 from tests.conveyor.test_supervisor import start_ready, stop
 from tests.helpers import Doubler, Harness, number_stage, until, wait_for_line
+from workers.route import LATE_S
 
 FAST_RECLAIM = {
     "CONVEYOR_MIN_IDLE_MS": "300",
@@ -186,3 +187,26 @@ async def test_autoscaled_workers_each_killed_once_are_no_crash_loop(
 
 def _kill(pid: int) -> None:
     subprocess.run(["kill", "-KILL", str(pid)], check=False)  # a real SIGKILL
+
+
+async def test_an_entry_read_long_past_its_deadline_is_not_answered_again(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # BREAK (found under load, issue 28's runs): a worker stalled (SIGSTOP) between its
+    # read and its batch's intake answered "expired" when resumed, a minute late: the
+    # reclaimer had answered already and the done marker had expired, so the caller got
+    # two answers. Past its deadline by LATE_S, intake ends an entry unanswered, as a
+    # late result is.
+    stale, fresh = -(LATE_S + 5), -1.0
+    old = await harness.enqueue("double", [{"value": 1}], deadline_in=stale)
+    recent = await harness.enqueue("double", [{"value": 2}], deadline_in=fresh)
+    worker = harness.worker(number_stage(batch_wait_ms=0), Doubler())
+    await worker.run(burst=True)
+    got = [decode_reply(f) for _, f in cast(list[Any], await redis.xrange(replies_of(harness)))]
+    assert [(r.id, r.outcome) for r in got] == [(recent[0].id, "expired")], got
+    assert old[0].id not in {r.id for r in got}
+    assert (await stage_status(redis, harness.keys, "double")).pending == 0  # both acked
+
+
+def replies_of(harness: Harness) -> str:
+    return harness.keys.reply_stream("test")
