@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -114,8 +115,19 @@ class _Stop(Exception):
     """Raised by the signal handler to end ``up``'s wait."""
 
 
+_ASKED = threading.Event()
+"""Set once a stop signal came: a :class:`_Stop` that a library caught and wrapped in an
+error of its own (pydantic-settings does) is still the stop asked for."""
+
+
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    _ASKED.set()
     raise _Stop
+
+
+def _asked_to_stop(exc: Exception) -> bool:
+    """Whether ``exc`` is the stop signal's :class:`_Stop`, as such or wrapped."""
+    return isinstance(exc, _Stop) or _ASKED.is_set()
 
 
 def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
@@ -565,14 +577,15 @@ def up(options: UpOptions) -> int:
         )
         readiness.start()
         code = supervisor.supervise()
-    except _Stop:
-        pass
+    except Exception as exc:
+        if not _asked_to_stop(exc):
+            raise
     finally:
-        if readiness is not None:
-            readiness.stop()
         # A second Ctrl-C must not cut the ordered stop short (at most STOP_GRACE_S a
         # step, plus the gateways' drain).
         _on_stop_signals(signal.SIG_IGN)
+        if readiness is not None:
+            readiness.stop()
         say(
             "stopping: the gateway drains (new requests get 503), then the workers "
             "finish and leave their groups, then redis"
@@ -604,8 +617,9 @@ def gateways(env: dict[str, str]) -> int:
         supervisor.start_gateways(settings.gateways)
         say(f"{settings.gateways} gateways on http://{settings.host}:{settings.port}")
         code = supervisor.supervise()
-    except _Stop:
-        pass
+    except Exception as exc:
+        if not _asked_to_stop(exc):
+            raise
     finally:
         _on_stop_signals(signal.SIG_IGN)
         supervisor.stop()

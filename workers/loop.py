@@ -278,8 +278,9 @@ class Worker:
 
         A staged model prepares the batch before its turn, beside the batch on the
         device (:class:`~workers.runner.Runner`). Once the model is the batch's (its
-        turn), the requests cancelled while it waited are withdrawn (one MGET) and never
-        run; its results are made after the turn, while the next batch launches."""
+        turn), the requests cancelled while it waited are withdrawn and never run (one
+        round trip, which also marks its entries on the model: workers/crashes.py); its
+        results are made after the turn, while the next batch launches."""
         partials: Partials | None = None
         deadline = time.monotonic() + max(r.deadline for r, _ in batch.live) - self.clock.now()
         try:
