@@ -2,7 +2,7 @@
 ``keda``.
 
 ``up`` supervises separate processes (an embedded redis-server, the gateway(s), the
-workers) exactly as a deployment runs them (:mod:`conveyor.supervisor`); ``gateway`` and
+workers) exactly as a deployment runs them (:mod:`conveyor.stack`); ``gateway`` and
 ``worker`` run one process each (``gateway`` with ``CONVEYOR_GATEWAYS`` above 1: that
 many gateway processes on one port, supervised). Both start them by module name, so
 neither imports the gateway or the workers.
@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from conveyor import supervisor
+from conveyor import stack
 from conveyor.dlq import dlq_command
 from conveyor.keda import TriggerOptions, triggers
 from pipelines.envelope import LANES
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            options = supervisor.UpOptions(
+            options = stack.UpOptions(
                 host=args.host,
                 port=args.port,
                 app=args.app,
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
                 target_backlog=args.target_backlog,
                 gateways=args.gateways,
             )
-            sys.exit(supervisor.up(options))
+            sys.exit(stack.up(options))
         elif args.command == "gateway":
             flags = (
                 ("CONVEYOR_HOST", args.host),
@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             env = {k: str(v) for k, v in flags if v is not None}
             os.environ.update(env)
-            if supervisor.gateway_count() > 1:
-                sys.exit(supervisor.gateways(dict(os.environ)))
+            if stack.gateway_count() > 1:
+                sys.exit(stack.gateways(dict(os.environ)))
             _run_module("gateway", [], env)
         elif args.command == "worker":
             _run_module("workers", [args.stage], {})

@@ -1,19 +1,16 @@
 """``conveyor up``: an embedded redis-server, the gateway(s) and the workers, supervised.
 
 Each runs as its own process, started by module name exactly as a deployment runs it (so
-this module imports neither side). :func:`up` takes the steps in order: start Redis
-(unless ``CONVEYOR_REDIS_URL`` names one), the gateway processes (``--gateways N``,
-``CONVEYOR_GATEWAYS``: N on one port, :mod:`gateway.__main__`), the worker groups; say
-when every worker has loaded its model and reads its stage (:class:`Readiness`); then
-supervise until Ctrl-C, SIGTERM or SIGHUP: a gateway or worker that exits unasked is
+this module imports neither side); :mod:`conveyor.stack` starts them in order and says
+when they are ready. :class:`Supervisor` looks after them until Ctrl-C, SIGTERM or
+SIGHUP: a gateway or worker that exits unasked is
 restarted after a backoff, a crash loop parks its group alone, the embedded Redis is
 started again if it exits, and only a configuration error stops ``up``
 (:mod:`conveyor.restarts`). Then it stops in order: the gateways first (each
 drains: its port closes, a request on a connection still open gets 503 + Retry-After,
 those in flight are answered, by the workers still running, within
 ``CONVEYOR_DRAIN_S``), then the workers (each finishes its batches and leaves its
-groups), then Redis. :func:`gateways` is ``conveyor gateway``'s smaller supervisor: N
-gateway processes alone.
+groups), then Redis.
 
 Every child runs in its own process group, so the terminal's Ctrl-C reaches ``up`` alone
 and nothing is stopped out of that order (a Redis killed by the same keystroke as the
@@ -25,19 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 from redis.exceptions import RedisError
 
@@ -47,12 +39,10 @@ from conveyor.embedded import free_port, start_redis
 from conveyor.placement import (
     Group,
     Placed,
-    PlacementSettings,
     Placer,
-    host_placer,
     worker_groups,
 )
-from conveyor.readiness import Readiness, check_port, gateway_url, waiting
+from conveyor.readiness import waiting
 from conveyor.restarts import (
     NOT_RESTARTED,
     CrashLoop,
@@ -61,14 +51,12 @@ from conveyor.restarts import (
     exited,
     mark_parked,
 )
-from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
-from pipelines.registry import app_dir, load_registry
-from pipelines.settings import CommonSettings, load_settings
+from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from runtime.redisio import REDIS_DOWN
 
-__all__ = ["Supervisor", "UpOptions", "up", "worker_groups"]
+__all__ = ["Supervisor", "say", "worker_groups"]
 
 STOP_GRACE_S = 15.0
 """A process still running this long after SIGTERM is killed (a gateway: this long after
@@ -79,91 +67,6 @@ POLL_S = 0.1
 the autoscaler's ticks)."""
 
 Process = subprocess.Popen[bytes]
-
-
-@dataclass(frozen=True)
-class UpOptions:
-    """``conveyor up``'s flags.
-
-    Attributes:
-        host: the gateway's listen address (None: its settings', ``CONVEYOR_HOST``).
-        port: the gateway's port (None: its settings', ``CONVEYOR_PORT``).
-        app: ``module:attribute`` of the user's pipeline(s).
-        pipelines: comma-separated pipelines to serve.
-        replicas: worker processes per model stage (with ``autoscale``: of the function
-            stages).
-        autoscale: grow and shrink each model stage's workers with its backlog.
-        min_workers: autoscale: fewest per model stage.
-        max_workers: autoscale: most per model stage.
-        target_backlog: autoscale: backlog per worker.
-        gateways: gateway processes on the port (None: ``CONVEYOR_GATEWAYS``, 1).
-    """
-
-    host: str | None = None
-    port: int | None = None
-    app: str | None = None
-    pipelines: str | None = None
-    replicas: int | None = None
-    autoscale: bool = False
-    min_workers: int | None = None
-    max_workers: int | None = None
-    target_backlog: int | None = None
-    gateways: int | None = None
-
-
-class _Stop(Exception):
-    """Raised by the signal handler to end ``up``'s wait."""
-
-
-_ASKED = threading.Event()
-"""Set once a stop signal came: a :class:`_Stop` that a library caught and wrapped in an
-error of its own (pydantic-settings does) is still the stop asked for."""
-
-
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    _ASKED.set()
-    raise _Stop
-
-
-def _asked_to_stop(exc: Exception) -> bool:
-    """Whether ``exc`` is the stop signal's :class:`_Stop`, as such or wrapped."""
-    return isinstance(exc, _Stop) or _ASKED.is_set()
-
-
-def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
-    """This process's environment with ``up``'s flags, for every child."""
-    env = dict(os.environ)
-    env["CONVEYOR_HOST"] = gateway.host
-    env["CONVEYOR_PORT"] = str(gateway.port)
-    env["CONVEYOR_GATEWAYS"] = str(gateway.gateways)
-    if options.app:
-        env["CONVEYOR_APP"] = options.app
-    # The user's module is imported from the folder up runs in, in every child too.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (app_dir(), env.get("PYTHONPATH")) if p)
-    if options.pipelines:
-        env["CONVEYOR_PIPELINES"] = options.pipelines
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return env
-
-
-def _autoscale_settings(options: UpOptions) -> AutoscaleSettings | None:
-    """The autoscaler's settings (None without ``--autoscale``); raises
-    :class:`ConfigError` for an autoscale flag without it, or a value out of range."""
-    flags = (options.min_workers, options.max_workers, options.target_backlog)
-    if not options.autoscale:
-        if any(f is not None for f in flags):
-            raise ConfigError("--min-workers, --max-workers and --target-backlog need --autoscale")
-        return None
-    scaling = AutoscaleSettings.from_flags(
-        min_workers=options.min_workers,
-        max_workers=options.max_workers,
-        target_backlog=options.target_backlog,
-    )
-    # The autoscaler logs each decision.
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return scaling
 
 
 @dataclass
@@ -509,127 +412,6 @@ def _terminate(procs: list[tuple[str, Process]], grace_s: float = STOP_GRACE_S) 
             say(f"{name} did not stop within {grace_s:g}s; killed")
             proc.kill()
             proc.wait()
-
-
-def up(options: UpOptions) -> int:
-    """Run ``conveyor up`` until Ctrl-C or SIGTERM (exit status 0) or until it gives up
-    on a process that keeps exiting unasked (1; see :meth:`Supervisor.tend`); raises
-    :class:`ConfigError` before anything starts for an unknown pipeline, a bad flag or a
-    port something else listens on.
-
-    Args:
-        options: the command's flags.
-    """
-    # Every child's settings are checked before any starts: a bad value is one line
-    # here, not a child exiting after Redis and the others have started.
-    flags = {"host": options.host, "port": options.port, "gateways": options.gateways}
-    gateway = load_settings(GatewaySettings, **{k: v for k, v in flags.items() if v is not None})
-    if gateway.port == 0:  # any free port, the same for every gateway, and known to print
-        gateway = gateway.model_copy(update={"port": free_port(gateway.host)})
-    env = _child_env(options, gateway)
-    registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
-    scaling = _autoscale_settings(options)
-    settings = load_settings(PlacementSettings)  # the workers' settings, and placement's
-    groups = worker_groups(registry, options.replicas, settings)
-    scaled = [g for g in groups if not g.light] if scaling is not None else []
-    fixed = [g for g in groups if g not in scaled]  # the autoscaler starts the others
-    # Cores are divided among the model processes up may run at once.
-    most = sum(g.replicas for g in fixed if not g.light)
-    most += sum(1 for g in scaled if not g.light) * (scaling.max_workers if scaling else 0)
-    place = host_placer(settings, env, most)
-    placed = place.all(fixed)
-    if scaling is not None:
-        # Their first workers must fit too: tried, then given back for the autoscaler.
-        for p in place.all(replace(g, replicas=scaling.min_workers) for g in scaled):
-            place.release(p)
-    check_port(gateway.host, gateway.port)  # the last check: closest to its bind
-    say(f"placement: {place.describe()}")
-    restart = load_settings(RestartSettings)
-    supervisor = Supervisor(env, place, restart, gateway.drain_s)
-    supervisor.start_redis()
-    _on_stop_signals(_raise_stop)
-    code = 0
-    readiness: Readiness | None = None
-    try:
-        supervisor.start_gateways(gateway.gateways)
-        supervisor.start_workers(placed)
-        autoscaled = ""
-        if scaling is not None and scaled:
-            supervisor.start_autoscaler(scaled, registry.stages, scaling)
-            autoscaled = (
-                f"; autoscaling {', '.join(g.name for g in scaled)} "
-                f"({scaling.min_workers} to {scaling.max_workers} workers each)"
-            )
-        gateways = "gateway" if gateway.gateways == 1 else f"{gateway.gateways} gateways"
-        base = gateway_url(gateway.host, gateway.port)
-        say(
-            f"{gateways} on http://{gateway.host}:{gateway.port} serving "
-            f"{', '.join(registry.pipelines)}; {len(supervisor.workers())} worker "
-            f"process(es){autoscaled} loading their models; Ctrl-C stops"
-        )
-        say(f"API docs {base}/docs, status page {base}/status, metrics {base}/metrics")
-        readiness = Readiness(
-            CommonSettings(redis_url=env["CONVEYOR_REDIS_URL"]),
-            list(registry.stages),
-            lambda: {p.pid for _, p in supervisor.workers()},
-            say,
-            base,
-        )
-        readiness.start()
-        code = supervisor.supervise()
-    except Exception as exc:
-        if not _asked_to_stop(exc):
-            raise
-    finally:
-        # A second Ctrl-C must not cut the ordered stop short (at most STOP_GRACE_S a
-        # step, plus the gateways' drain).
-        _on_stop_signals(signal.SIG_IGN)
-        if readiness is not None:
-            readiness.stop()
-        say(
-            "stopping: the gateway drains (new requests get 503), then the workers "
-            "finish and leave their groups, then redis"
-        )
-        supervisor.stop()
-        say("stopped")
-    return code
-
-
-def gateway_count() -> int:
-    """``CONVEYOR_GATEWAYS``, validated: the gateway processes ``conveyor gateway`` runs."""
-    return load_settings(GatewaySettings).gateways
-
-
-def gateways(env: dict[str, str]) -> int:
-    """``conveyor gateway`` with ``CONVEYOR_GATEWAYS`` above 1: that many gateway
-    processes on one port, until Ctrl-C or SIGTERM (exit status 0), one that exits
-    unasked restarted as ``up`` restarts it, or until it gives up on one (1); then every
-    one is stopped, each draining (a container's one command keeps them all).
-
-    Args:
-        env: their environment (``CONVEYOR_GATEWAYS``, ``CONVEYOR_HOST``, ...).
-    """
-    settings = load_settings(GatewaySettings)
-    supervisor = Supervisor(env, None, load_settings(RestartSettings), settings.drain_s)
-    _on_stop_signals(_raise_stop)
-    code = 0
-    try:
-        supervisor.start_gateways(settings.gateways)
-        say(f"{settings.gateways} gateways on http://{settings.host}:{settings.port}")
-        code = supervisor.supervise()
-    except Exception as exc:
-        if not _asked_to_stop(exc):
-            raise
-    finally:
-        _on_stop_signals(signal.SIG_IGN)
-        supervisor.stop()
-    return code
-
-
-def _on_stop_signals(handler: Callable[[int, FrameType | None], None] | signal.Handlers) -> None:
-    """Handle Ctrl-C, SIGTERM and SIGHUP (the terminal closed) with ``handler``."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, handler)
 
 
 def say(line: str) -> None:
