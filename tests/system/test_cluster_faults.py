@@ -138,6 +138,13 @@ async def test_a_worker_killed_mid_batch_loses_and_doubles_nothing_on_a_cluster(
         stop(survivor)
 
 
+async def _reading(log: Path) -> bool:
+    """Whether the worker logging to ``log`` (created as it was spawned) reads every
+    partition's stream."""
+    text = await asyncio.to_thread(log.read_text, errors="replace")
+    return text.count("stage slow: consumer") >= PARTITIONS
+
+
 async def _mid_run(log: Path) -> bool:
     text = await asyncio.to_thread(log.read_text, errors="replace")
     return text.count("stage slow batch=") >= 2
@@ -154,6 +161,9 @@ async def test_a_shard_killed_and_restarted_from_its_aof_loses_no_accepted_job(
     keys = Keys(namespace, PARTITIONS)
     try:
         victim = await partition_1_port(cluster_client, keys)
+        # The worker joins every partition before it serves any: killed before it has
+        # (a busy machine starts it slowly), the shard would hold up the others too.
+        await until(lambda: _reading(tmp_path / "worker.log"), limit_s=60)
         with GatewayProcess(nodes.url, tmp_path / "gateway.log", **env) as gw:
             async with httpx.AsyncClient(base_url=gw.base, timeout=30) as http:
                 jobs = await submit(http, range(JOBS))
