@@ -25,7 +25,7 @@ from conveyor.embedded import free_port
 from conveyor.placement import PlacementSettings, host_placer, worker_groups
 from conveyor.readiness import Readiness, check_port, gateway_url
 from conveyor.restarts import RestartSettings
-from conveyor.supervisor import Supervisor, say
+from conveyor.supervisor import StopAsked, Supervisor, say
 from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
 from pipelines.registry import app_dir, load_registry
@@ -64,23 +64,20 @@ class UpOptions:
     gateways: int | None = None
 
 
-class _Stop(Exception):
-    """Raised by the signal handler to end ``up``'s wait."""
-
-
 _ASKED = threading.Event()
-"""Set once a stop signal came: a :class:`_Stop` that a library caught and wrapped in an
-error of its own (pydantic-settings does) is still the stop asked for."""
+"""Set once a stop signal came: a :class:`StopAsked` that a library caught and wrapped in
+an error of its own (pydantic-settings does), or that an event-loop callback swallowed
+(the supervisor looks at this too), is still the stop asked for."""
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
     _ASKED.set()
-    raise _Stop
+    raise StopAsked
 
 
 def _asked_to_stop(exc: Exception) -> bool:
-    """Whether ``exc`` is the stop signal's :class:`_Stop`, as such or wrapped."""
-    return isinstance(exc, _Stop) or _ASKED.is_set()
+    """Whether ``exc`` is the stop signal's :class:`StopAsked`, as such or wrapped."""
+    return isinstance(exc, StopAsked) or _ASKED.is_set()
 
 
 def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
@@ -153,7 +150,7 @@ def up(options: UpOptions) -> int:
     check_port(gateway.host, gateway.port)  # the last check: closest to its bind
     say(f"placement: {place.describe()}")
     restart = load_settings(RestartSettings)
-    supervisor = Supervisor(env, place, restart, gateway.drain_s)
+    supervisor = Supervisor(env, place, restart, gateway.drain_s, stop_asked=_ASKED)
     supervisor.start_redis()
     _on_stop_signals(_raise_stop)
     code = 0
@@ -218,7 +215,9 @@ def gateways(env: dict[str, str]) -> int:
         env: their environment (``CONVEYOR_GATEWAYS``, ``CONVEYOR_HOST``, ...).
     """
     settings = load_settings(GatewaySettings)
-    supervisor = Supervisor(env, None, load_settings(RestartSettings), settings.drain_s)
+    supervisor = Supervisor(
+        env, None, load_settings(RestartSettings), settings.drain_s, stop_asked=_ASKED
+    )
     _on_stop_signals(_raise_stop)
     code = 0
     try:

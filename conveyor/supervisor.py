@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,7 @@ from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
 from runtime.redisio import REDIS_DOWN
 
-__all__ = ["Supervisor", "say", "worker_groups"]
+__all__ = ["StopAsked", "Supervisor", "say", "worker_groups"]
 
 STOP_GRACE_S = 15.0
 """A process still running this long after SIGTERM is killed (a gateway: this long after
@@ -67,6 +68,12 @@ POLL_S = 0.1
 the autoscaler's ticks)."""
 
 Process = subprocess.Popen[bytes]
+
+
+class StopAsked(Exception):
+    """A stop signal came: raised by ``up``'s handler, and by :meth:`Supervisor.tend` once
+    :attr:`Supervisor.stop_asked` is set (the handler's raise can land in an event-loop
+    callback, which logs it and goes on)."""
 
 
 @dataclass
@@ -96,6 +103,7 @@ class Supervisor:
     parked: dict[str, float] = field(default_factory=dict)  # group name: until (monotonic)
     reports: ExitReports = field(default_factory=ExitReports)
     redis_port: int = 0
+    stop_asked: threading.Event = field(default_factory=threading.Event)  # set by the stop signal
 
     def __post_init__(self) -> None:
         self.crashes = CrashLoop(self.restart)
@@ -238,7 +246,9 @@ class Supervisor:
         is started again, a group in a crash loop is parked, a parked one whose time has
         come is started again, an embedded Redis that exited is started again; None
         while ``up`` goes on, else why it stops (a configuration error, a Redis that
-        cannot be started)."""
+        cannot be started). Raises :class:`StopAsked` once :attr:`stop_asked` is set."""
+        if self.stop_asked.is_set():
+            raise StopAsked
         redis_gone = self.redis is not None and self.redis.poll() is not None
         if redis_gone and (why := self._redis_exited()):
             return why
