@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor import stack
+from conveyor.deploy import cli as deploy_files
 from conveyor.dlq import dlq_command
 from conveyor.keda import TriggerOptions, triggers
 from pipelines.envelope import LANES
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         default=300.0,
         help="deadline of a replayed request, seconds from now",
     )
+    deploy_files.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
@@ -217,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             load_registry(settings.app, settings.pipelines).stage(args.stage)
             where = TriggerOptions(args.address, args.target, args.auth, settings.cluster)
             print(triggers(settings.keys, args.stage, where), end="")
+        elif args.command == "deploy":
+            deploy_files.run(args)
         elif args.command == "dlq":
             sys.exit(asyncio.run(dlq_command(args.action, args.stage, args.id, args.timeout)))
         else:

@@ -44,7 +44,7 @@ class TriggerOptions:
     cluster: bool = False
 
 
-def triggers(keys: Keys, stage: str, options: TriggerOptions) -> str:
+def triggers(keys: Keys, stage: str, options: TriggerOptions, label: str = "") -> str:
     """The YAML list of ``stage``'s triggers (lag and pending, every lane, every
     partition), indented to sit under ``spec.triggers``.
 
@@ -52,6 +52,8 @@ def triggers(keys: Keys, stage: str, options: TriggerOptions) -> str:
         keys: the deployment's key names (every partition is covered).
         stage: the stage whose workers scale.
         options: where Redis is, the target, the authentication.
+        label: put into each trigger's name (``lag-<label>``), to tell apart the triggers
+            of several stages in one ScaledObject.
     """
     kind = "redis-cluster-streams" if options.cluster else "redis-streams"
     where = "addresses" if options.cluster else "address"
@@ -63,7 +65,8 @@ def triggers(keys: Keys, stage: str, options: TriggerOptions) -> str:
     ):
         for part in keys.each():
             for lane in LANES:
-                name = metric if lane == "interactive" else f"{metric}-{lane}"
+                name = f"{metric}-{label}" if label else metric
+                name += "" if lane == "interactive" else f"-{lane}"
                 if keys.partitions > 1:
                     name += f"-p{part.partition}"
                 out += [
