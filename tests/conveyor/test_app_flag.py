@@ -17,9 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from conveyor.embedded import free_port
+from pipelines.keys import Keys
 from pipelines.registry import load_registry
+from pipelines.settings import CommonSettings
 from tests.conveyor.test_cli import CONVEYOR
 from tests.helpers import REPO, up_env, wait_for_line, wait_ready
 
@@ -142,8 +145,12 @@ def test_a_worker_started_by_hand_in_the_apps_folder_takes_work(
 
 @pytest.mark.parametrize("how", ["flag", "variable"])
 def test_status_with_an_app_shows_its_stages_only(folder: Path, up: Up, how: str) -> None:
-    # Before: `status --app` was a usage error, and with CONVEYOR_APP it listed the 14
-    # built-in stages, none of them running, beside the app's.
+    # Before: `status --app` was a usage error, and with CONVEYOR_APP it listed every
+    # stage that ever ran on that Redis beside the app's: here the built-in embed, as if
+    # an earlier `conveyor up` without --app had served it.
+    with redis.Redis.from_url(up.redis_url) as client:
+        namespace = CommonSettings.model_fields["namespace"].default  # up_env sets none
+        client.sadd(Keys(namespace).stages_set(), "embed")
     if how == "flag":
         done = cli(folder, "status", "--app", APP, CONVEYOR_REDIS_URL=up.redis_url)
     else:
@@ -212,8 +219,7 @@ def test_dlq_keda_and_graph_take_app(folder: Path, redis_url: str) -> None:
         (
             ["worker", "wc"],
             {},
-            "(the built-ins; a stage of your own app needs --app module:attribute or "
-            "CONVEYOR_APP)",
+            "(the built-ins; a stage of your own app needs --app module:attribute or CONVEYOR_APP)",
         ),
     ],
 )
