@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     add_app_argument(dlq)
     args = parser.parse_args(argv)
     try:
-        app = use_app(args.app)  # every command has --app; CONVEYOR_APP from here on
+        # --app (add_app_argument) names the app for this command and every process it
+        # starts; CONVEYOR_APP from here on.
+        app = use_app(getattr(args, "app", None))
         if args.command == "up":
             options = stack.UpOptions(
                 host=args.host,
