@@ -6,6 +6,10 @@ workers) exactly as a deployment runs them (:mod:`conveyor.stack`); ``gateway`` 
 ``worker`` run one process each (``gateway`` with ``CONVEYOR_GATEWAYS`` above 1: that
 many gateway processes on one port, supervised). Both start them by module name, so
 neither imports the gateway or the workers.
+
+Every command takes ``--app module:attribute`` (else ``CONVEYOR_APP``) the same way
+(:mod:`conveyor.appflag`): ``conveyor worker STAGE --app mymodule:pipeline``, run in the
+folder of ``mymodule.py``, serves that app's stage beside the workers ``up`` started.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor import stack
+from conveyor.appflag import add_app_argument, use_app
 from conveyor.deploy import cli as deploy_files
 from conveyor.dlq import dlq_command
 from conveyor.keda import TriggerOptions, triggers
@@ -93,7 +98,13 @@ async def _status_async() -> int:
     client = connect(settings)
     try:
         configured = load_registry(settings.app, settings.pipelines).stages
-        known = await known_stages(client, settings.keys, configured)
+        # An app's own stages only; without one, the built-ins and every stage that ever
+        # had a worker in this namespace.
+        known = (
+            sorted(configured)
+            if settings.app
+            else await known_stages(client, settings.keys, configured)
+        )
         statuses = [await stage_status(client, settings.keys, name) for name in known]
         if settings.partitions > 1:
             print(f"{settings.partitions} partitions; each row sums them")
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated pipelines to serve (default: every built-in but echo, "
         "or every pipeline of --app)",
     )
-    up.add_argument("--app", help="module:attribute of your Pipeline(s), like `serve run`")
+    add_app_argument(up)
     up.add_argument("--gateways", type=_int_in(1, 256), help=GATEWAYS_HELP)
     up.add_argument(
         "--replicas",
@@ -143,17 +154,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     graph = sub.add_parser("graph", help="print a pipeline's graph")
     graph.add_argument("name")
-    graph.add_argument("--app", help="module:attribute of your Pipeline(s)")
+    add_app_argument(graph)
     gw = sub.add_parser("gateway", help="run the HTTP gateway")
     gw.add_argument("--host")
     gw.add_argument("--port", type=port)
     gw.add_argument("--gateways", type=_int_in(1, 256), help=GATEWAYS_HELP)
+    add_app_argument(gw)
     wk = sub.add_parser("worker", help="run a worker for STAGE (or several: a,b)")
     wk.add_argument("stage")
-    sub.add_parser(
+    add_app_argument(wk)
+    status = sub.add_parser(
         "status",
         help="per stage: length, lag, pending, consumers, each lane's lag/pending, idle",
     )
+    add_app_argument(status)
     keda = sub.add_parser(
         "keda", help="a stage's KEDA triggers: lag and pending of every lane and partition"
     )
@@ -170,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         help="entries per worker (max_batch_size x max_concurrent_batches)",
     )
     keda.add_argument("--auth", default="conveyor-redis-keda", help="TriggerAuthentication")
+    add_app_argument(keda)
     dlq = sub.add_parser("dlq", help="dead letters of a stage: list, replay or purge")
     dlq.add_argument("action", choices=["list", "replay", "purge"])
     dlq.add_argument("stage")
@@ -180,14 +195,18 @@ def main(argv: list[str] | None = None) -> None:
         default=300.0,
         help="deadline of a replayed request, seconds from now",
     )
+    add_app_argument(dlq)
     deploy_files.add_parser(sub)
     args = parser.parse_args(argv)
     try:
+        # --app (add_app_argument) names the app for this command and every process it
+        # starts; CONVEYOR_APP from here on.
+        app = use_app(getattr(args, "app", None))
         if args.command == "up":
             options = stack.UpOptions(
                 host=args.host,
                 port=args.port,
-                app=args.app,
+                app=app,
                 pipelines=args.pipelines,
                 replicas=args.replicas,
                 autoscale=args.autoscale,
@@ -211,7 +230,6 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "worker":
             _run_module("workers", [args.stage], {})
         elif args.command == "graph":
-            app = args.app or os.environ.get("CONVEYOR_APP")
             print(load_registry(app, args.name).pipeline(args.name).describe())
         elif args.command == "keda":
             settings = load_settings(CommonSettings)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pipelines.errors import ConfigError, UnknownStage, one_line
-from pipelines.graph import Pipeline
+from pipelines.graph import Pipeline, single
 from pipelines.stages import Stage
 
 T = TypeVar("T")
@@ -29,13 +29,16 @@ class Registry:
     Args:
         pipelines: the pipelines; two of them may share a model stage (one stream, one
             worker pool) but not a name.
+        builtin: these are conveyor's built-ins, not a user's app: a stage not found
+            among them says how to name the app it may belong to.
 
     Raises:
         ConfigError: duplicate pipeline names, or one stage name bound to two different
             stage definitions.
     """
 
-    def __init__(self, pipelines: Iterable[Pipeline]) -> None:
+    def __init__(self, pipelines: Iterable[Pipeline], *, builtin: bool = False) -> None:
+        self.builtin = builtin
         self.pipelines: dict[str, Pipeline] = {}
         self.stages: dict[str, Stage] = {}
         for p in pipelines:
@@ -56,11 +59,21 @@ class Registry:
 
     def stage(self, name: str) -> Stage:
         """The stage called ``name``."""
-        return _named("stage", self.stages, name)
+        try:
+            return _named("stage", self.stages, name)
+        except UnknownStage as exc:
+            if not self.builtin:
+                raise
+            # `conveyor worker wc` beside `up --app`: the user's stage, asked for without
+            # the app that defines it.
+            raise UnknownStage(
+                f"{exc} (the built-ins; a stage of your own app needs --app "
+                "module:attribute or CONVEYOR_APP)"
+            ) from None
 
     def select(self, names: Iterable[str]) -> Registry:
         """A registry of just the named pipelines."""
-        return Registry(self.pipeline(n) for n in names)
+        return Registry((self.pipeline(n) for n in names), builtin=self.builtin)
 
 
 def _named(kind: str, table: dict[str, T], name: str) -> T:
@@ -125,14 +138,19 @@ def check_app_dir(here: str | None = None) -> None:
         )
 
 
+APP_KINDS = "a Pipeline, a Stage, a list of them, or a function returning one"
+"""What ``--app module:attr`` may name (:func:`load_app`), as its errors say it."""
+
+
 def load_app(spec: str) -> list[Pipeline]:
-    """The pipelines named by ``module:attr`` (a Pipeline, an iterable of them, or a
-    function returning either), the module imported from :func:`app_dir` first.
+    """The pipelines named by ``module:attr`` (:data:`APP_KINDS`; a Stage is served as the
+    one-step pipeline of its name, :func:`~pipelines.graph.single`), the module imported
+    from :func:`app_dir` first.
 
     Raises:
         ConfigError: the module or attribute is missing, importing the module or calling
-            the attribute raised (one line naming the error and its line), or it holds no
-            pipelines.
+            the attribute raised (one line naming the error and its line), or it holds
+            neither pipelines nor stages.
     """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -143,20 +161,24 @@ def load_app(spec: str) -> list[Pipeline]:
     module = _import_app(spec, module_name, here)
     if not hasattr(module, attr):
         held = sorted(k for k, v in vars(module).items() if _holds_pipelines(v))
-        hint = f"; it has {', '.join(held)}" if held else ", nor any Pipeline"
+        hint = f"; it has {', '.join(held)}" if held else ", nor any Pipeline or Stage"
         raise ConfigError(f"--app {spec!r}: module {module_name!r} has no {attr!r}{hint}")
     found: Any = getattr(module, attr)
-    if callable(found) and not isinstance(found, Pipeline):
+    if callable(found) and not isinstance(found, Pipeline | Stage):
         try:
             found = found()
         except ConfigError as exc:
             raise ConfigError(f"--app {spec!r}: {exc}") from exc
         except Exception as exc:
             raise ConfigError(f"--app {spec!r}: calling {attr} raised {one_line(exc)}") from exc
-    pipelines = [found] if isinstance(found, Pipeline) else list(_iterable(found, spec))
-    if not pipelines or not all(isinstance(p, Pipeline) for p in pipelines):
-        raise ConfigError(f"--app {spec!r} must be a Pipeline or a list of Pipelines")
-    return pipelines
+    served = [found] if isinstance(found, Pipeline | Stage) else _listed(found)
+    if not served or not all(isinstance(p, Pipeline | Stage) for p in served):
+        what = _kind_of(found)
+        raise ConfigError(f"--app {spec!r} is {what}; it must be {APP_KINDS}")
+    try:
+        return [single(p) if isinstance(p, Stage) else p for p in served]
+    except ConfigError as exc:  # a stage whose name cannot be a pipeline's
+        raise ConfigError(f"--app {spec!r}: {exc}") from exc
 
 
 def _import_app(spec: str, module_name: str, here: str) -> Any:
@@ -185,19 +207,33 @@ def _import_app(spec: str, module_name: str, here: str) -> Any:
 
 
 def _holds_pipelines(value: Any) -> bool:
-    if isinstance(value, Pipeline):
+    if isinstance(value, Pipeline | Stage):
         return True
     return (
         isinstance(value, list | tuple)
         and bool(value)
-        and all(isinstance(v, Pipeline) for v in value)
+        and all(isinstance(v, Pipeline | Stage) for v in value)
     )
 
 
-def _iterable(value: Any, spec: str) -> Iterable[Any]:
-    if isinstance(value, Iterable):
-        return value
-    raise ConfigError(f"--app {spec!r} is a {type(value).__name__}, not pipelines")
+def _listed(value: Any) -> list[Any]:
+    """``value``'s items if it is an iterable other than a string; else nothing."""
+    return list(value) if isinstance(value, Iterable) and not isinstance(value, str) else []
+
+
+def _kind_of(value: Any) -> str:
+    """What ``value`` is, for an error: its type, or an empty list, or the first item
+    that is neither a Pipeline nor a Stage."""
+    if isinstance(value, list | tuple):
+        if not value:
+            return f"an empty {type(value).__name__}"
+        odd = next(v for v in value if not isinstance(v, Pipeline | Stage))
+        return f"{_a(type(value).__name__)} holding {_a(type(odd).__name__)}"
+    return _a(type(value).__name__)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def load_registry(app: str | None, names: str | None) -> Registry:
@@ -216,7 +252,7 @@ def load_registry(app: str | None, names: str | None) -> Registry:
 
     check_app_dir()  # on the import path of every process up starts, with or without --app
     loader: Callable[[], list[Pipeline]] = (lambda: load_app(app)) if app else builtin_pipelines
-    registry = Registry(loader())
+    registry = Registry(loader(), builtin=not app)
     chosen = [n.strip() for n in (names or "").split(",") if n.strip()]
     if not chosen:
         chosen = list(registry.pipelines) if app else list(DEFAULT_UP)

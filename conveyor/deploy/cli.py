@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from conveyor.appflag import add_app_argument
 from conveyor.deploy import compose, k8s, plan, write
 
 
@@ -15,9 +16,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "deploy", help="write a compose file or Kubernetes manifests for your pipelines"
     )
     deploy.add_argument("target", choices=["compose", "k8s"])
-    deploy.add_argument(
-        "--app", help="module:attribute of your Pipeline(s), imported from the current folder"
-    )
+    add_app_argument(deploy)
     deploy.add_argument("--pipelines", help="comma-separated pipelines (default: all of --app)")
     deploy.add_argument("--out", required=True, type=Path, help="folder to write the files to")
     deploy.add_argument(

@@ -166,7 +166,7 @@ def test_the_gateway_and_a_worker_import_the_app_from_the_current_folder(
     (folder / "other.py").write_text("pipeline = 1\n")  # found, but holds no pipeline
     for app, says in (
         ("nosuch:pipeline", "no module 'nosuch' in "),
-        ("other:pipeline", "is a int, not pipelines"),
+        ("other:pipeline", "is an int; it must be a Pipeline, a Stage"),
     ):
         unreachable = f"redis://127.0.0.1:{free_port()}/0"
         done = run(
