@@ -147,9 +147,9 @@ def up(options: UpOptions) -> int:
         # Their first workers must fit too: tried, then given back for the autoscaler.
         for p in place.all(replace(g, replicas=scaling.min_workers) for g in scaled):
             place.release(p)
+    restart = load_settings(RestartSettings)
     check_port(gateway.host, gateway.port)  # the last check: closest to its bind
     say(f"placement: {place.describe()}")
-    restart = load_settings(RestartSettings)
     supervisor = Supervisor(env, place, restart, gateway.drain_s, stop_asked=_ASKED)
     supervisor.start_redis()
     _on_stop_signals(_raise_stop)
