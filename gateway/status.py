@@ -35,7 +35,7 @@ from pipelines.outcomes import Outcome
 from runtime.metrics import BUCKETS, le_label
 from runtime.redisio import REDIS_DOWN
 from runtime.stats import (
-    ALIVE_IDLE_MS,
+    ALIVE_STALE_MS,
     RESTARTS,
     StageStatus,
     read_stats,
@@ -224,7 +224,7 @@ def status_router(gw: Gateway) -> APIRouter:
         # answered by different gateways behind a load balancer.
         snapshot = {
             "time": gw.clock.now(),
-            "stale_after_ms": ALIVE_IDLE_MS,
+            "stale_after_ms": ALIVE_STALE_MS,
             "partitions": gw.keys.partitions,
             "stages": stages,
             "history": gw.history.rates(),

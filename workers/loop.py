@@ -32,7 +32,7 @@ from runtime.redisio import (
     connect,
     until_reachable,
 )
-from workers.alive import AliveFile
+from workers.alive import AliveFile, Presence
 from workers.batch import BatchRecord, Entry
 from workers.crashes import mark_now
 from workers.intake import Batch, Intake
@@ -110,6 +110,9 @@ class Worker:
         )
         self._stopping = asyncio.Event()
         self.alive = AliveFile(settings.alive_file)
+        self.presence = Presence(
+            self.client, self.keys, stage.name, self.consumer, self.clock, settings.alive_stale_s
+        )
         self.window = Window(
             stage, settings, self.lanes.read, self.clock, self.runner, self._stopping
         )
@@ -199,6 +202,8 @@ class Worker:
         )
         slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
         tasks: set[asyncio.Task[None]] = set()
+        # Its own heartbeat says it is alive, idle or not (Redis's idle time cannot).
+        self.presence.start()
         batches = 0
 
         def spawn(entries: list[Entry], suspect: bool) -> None:
@@ -234,6 +239,7 @@ class Worker:
         finally:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            await self.presence.stop(leave=self._stopping.is_set() or burst)
         if self._fatal is not None:
             raise self._fatal
         if self._stopping.is_set():
