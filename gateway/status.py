@@ -36,6 +36,7 @@ from runtime.metrics import BUCKETS, le_label
 from runtime.redisio import REDIS_DOWN
 from runtime.stats import (
     ALIVE_STALE_MS,
+    CONTRACT,
     RESTARTS,
     StageStatus,
     read_stats,
@@ -95,6 +96,7 @@ class StageRow(TypedDict):
     items: dict[str, int]
     dead_letters: int
     worker_restarts: int
+    contract_errors: int
     batch_size: BatchSizes
     batches: int
     tokens: Tokens
@@ -136,6 +138,7 @@ def stage_row(
         "items": {o.value: int(stats.get(o.stats_field, 0)) for o in Outcome},
         "dead_letters": dead_letters,
         "worker_restarts": int(stats.get(RESTARTS, 0)),
+        "contract_errors": int(stats.get(CONTRACT, 0)),
         "batch_size": {"buckets": buckets},
         "batches": int(stats.get("batches", 0)),
         "tokens": {

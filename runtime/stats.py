@@ -57,6 +57,16 @@ MODEL_ITEMS = Family(
 DEAD_LETTERS = Family(
     "conveyor_stage_dead_letters_total", "counter", "Requests a stage moved to its dead letters."
 )
+CONTRACT = "contract_errors"
+"""Stats-hash field: batch-contract breaches of a stage's model (a batch answered with the
+wrong number of results, an item with a result that is not a JSON object;
+:class:`workers.batch.Breaches`)."""
+CONTRACT_ERRORS = Family(
+    "conveyor_stage_contract_errors_total",
+    "counter",
+    "Batch-contract breaches of a stage's model: a batch answered with the wrong number of "
+    "results, or an item with a result that is not a JSON object.",
+)
 CRASH_CHARGES = Family(
     "conveyor_stage_crash_charges_total",
     "counter",
@@ -107,6 +117,7 @@ STAGE_FAMILIES = (
     PARKED,
     DEAD_LETTERS,
     CRASH_CHARGES,
+    CONTRACT_ERRORS,
     TOKENS,
     RESTARTS_TOTAL,
     *(HISTOGRAMS[name] for name in BUCKETS),
@@ -524,6 +535,7 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         out.sample(MODEL_ITEMS, stats.get("model_items", 0), stage=stage)
         out.sample(DEAD_LETTERS, stats.get("dead_letters", 0), stage=stage)
         out.sample(CRASH_CHARGES, stats.get(CHARGED, 0), stage=stage)
+        out.sample(CONTRACT_ERRORS, stats.get(CONTRACT, 0), stage=stage)
         for kind, name in (("real", "tokens"), ("padded", "padded_tokens")):
             out.sample(TOKENS, stats.get(name, 0), stage=stage, kind=kind)
         out.sample(RESTARTS_TOTAL, stats.get(RESTARTS, 0), stage=stage)

@@ -32,6 +32,7 @@ from runtime.redisio import (
     connect,
     until_reachable,
 )
+from runtime.stats import CONTRACT
 from workers.alive import AliveFile, Presence
 from workers.batch import BatchRecord, Entry
 from workers.crashes import mark_now
@@ -307,6 +308,9 @@ class Worker:
                 launched = await self.runner.launch(items, emit, deadline, prepared)
             ran = await self.runner.finish(launched)
             batch.results, batch.record.run_s = ran.results, ran.run_s
+            for result in ran.results:  # said and counted, then failed alone (route.py)
+                if not isinstance(result, dict | BaseException):
+                    self.runner.breaches.note(f"a result is {type(result).__name__}")
             batch.record.cold = ran.cold
             batch.record.ran_at = self.clock.now()
         finally:
@@ -320,6 +324,9 @@ class Worker:
     async def _publish_batch(self, batch: Batch) -> None:
         """Publish and ack the batch, count it, and log it in one line."""
         counts, gauges = batch_counts(batch), self.window.gauges()
+        breaches = self.runner.breaches.take()  # logged here, at most one line a minute
+        if breaches:
+            counts[CONTRACT] = breaches
         published = await self.publish(
             batch.out, batch.entries, counts, batch.letters, gauges, batch.dropped
         )
