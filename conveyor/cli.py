@@ -79,15 +79,23 @@ def _run_module(module: str, argv: list[str], env: dict[str, str]) -> None:
 
 
 def status_table(statuses: list[StageStatus]) -> str:
-    """``conveyor status``'s table: a row per stage, its totals (both lanes), then each
-    lane's ``lag/pending``, then its consumers' idle times."""
+    """``conveyor status``'s table: a row per stage, its totals (both lanes), its live
+    workers (their heartbeats) of its consumers, then each lane's ``lag/pending``, then
+    each consumer, ``name=alive`` or ``name=gone``, and Redis's idle time."""
     lanes = "".join(f"{lane:>13}" for lane in LANES)
-    rows = [f"{'stage':<24}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}{lanes}  idle"]
+    rows = [f"{'stage':<24}{'length':>8}{'lag':>8}{'pending':>9}{'live/all':>11}{lanes}  workers"]
     for st in statuses:
-        idle = ", ".join(f"{c.name}={c.idle_ms}ms" for c in st.consumers) or "-"
+        idle = (
+            ", ".join(
+                f"{c.name}={'alive' if c.alive else 'gone'} (idle {c.idle_ms}ms)"
+                for c in st.consumers
+            )
+            or "-"
+        )
         parts = "".join(f"{f'{st.lane(lane).lag}/{st.lane(lane).pending}':>13}" for lane in LANES)
         rows.append(
-            f"{st.stage:<24}{st.length:>8}{st.lag:>8}{st.pending:>9}{len(st.consumers):>11}"
+            f"{st.stage:<24}{st.length:>8}{st.lag:>8}{st.pending:>9}"
+            f"{f'{st.workers}/{len(st.consumers)}':>11}"
             f"{parts}  {idle}"
         )
     return "\n".join(rows)

@@ -26,6 +26,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.routing import APIRoute
+from redis.exceptions import ResponseError
 
 from gateway.history import Latency
 from gateway.service import Gateway
@@ -35,7 +36,8 @@ from pipelines.outcomes import Outcome
 from runtime.metrics import BUCKETS, le_label
 from runtime.redisio import REDIS_DOWN
 from runtime.stats import (
-    ALIVE_IDLE_MS,
+    ALIVE_STALE_MS,
+    CONTRACT,
     RESTARTS,
     StageStatus,
     read_stats,
@@ -95,6 +97,7 @@ class StageRow(TypedDict):
     items: dict[str, int]
     dead_letters: int
     worker_restarts: int
+    contract_errors: int
     batch_size: BatchSizes
     batches: int
     tokens: Tokens
@@ -136,6 +139,7 @@ def stage_row(
         "items": {o.value: int(stats.get(o.stats_field, 0)) for o in Outcome},
         "dead_letters": dead_letters,
         "worker_restarts": int(stats.get(RESTARTS, 0)),
+        "contract_errors": int(stats.get(CONTRACT, 0)),
         "batch_size": {"buckets": buckets},
         "batches": int(stats.get("batches", 0)),
         "tokens": {
@@ -191,6 +195,54 @@ def pipelines_html(pipelines: list[Pipeline], docs_url: str | None, ops: dict[st
     return "\n".join(rows)
 
 
+class GatewayFigures(TypedDict):
+    """This gateway's own figures in ``/status.json`` (cumulative: the page takes rates
+    and percentiles over a window from successive snapshots)."""
+
+    requests: dict[str, int]
+    latency_bounds: list[float]
+    latency_counts: list[int]
+    redis_memory_bytes: int | None
+
+
+def gateway_figures(gw: Gateway, redis_memory: int | None) -> GatewayFigures:
+    """The requests this gateway answered on the API (``/v1/...``; not the page's own
+    polls), by status class (``2xx``, ``4xx``, ``5xx``), and their end-to-end latency
+    histogram (counts per bucket, not cumulative, the last past every bound).
+
+    Args:
+        gw: the gateway.
+        redis_memory: Redis's ``used_memory`` (None: not readable, e.g. the ACL).
+    """
+    classes: dict[str, int] = {"2xx": 0, "4xx": 0, "5xx": 0}
+    for (route, status), n in gw.metrics.counts.items():
+        if route.startswith("/v1/"):
+            key = f"{status // 100}xx"
+            classes[key] = classes.get(key, 0) + n
+    bounds = list(BUCKETS["run_seconds"])
+    counts = [0] * (len(bounds) + 1)
+    for route, hist in gw.metrics.latency.items():
+        if route.startswith("/v1/"):
+            counts = [a + int(b) for a, b in zip(counts, hist.counts, strict=True)]
+    return {
+        "requests": classes,
+        "latency_bounds": bounds,
+        "latency_counts": counts,
+        "redis_memory_bytes": redis_memory,
+    }
+
+
+async def redis_memory(gw: Gateway) -> int | None:
+    """Redis's ``used_memory`` in bytes, or None where it cannot be read (an ACL user
+    without INFO, a cluster, a forged answer)."""
+    try:
+        info = await gw.client.info("memory")
+    except (ResponseError, *REDIS_DOWN, AttributeError, TypeError):
+        return None
+    used = info.get("used_memory") if isinstance(info, dict) else None
+    return used if isinstance(used, int) and 0 <= used < 1 << 50 else None
+
+
 def _no_store(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     headers = {"Cache-Control": "no-store", **(headers or {})}
     return Response(orjson.dumps(body), status, headers, media_type="application/json")
@@ -224,7 +276,13 @@ def status_router(gw: Gateway) -> APIRouter:
         # answered by different gateways behind a load balancer.
         snapshot = {
             "time": gw.clock.now(),
-            "stale_after_ms": ALIVE_IDLE_MS,
+            "stale_after_ms": ALIVE_STALE_MS,
+            # Past this, a percentile only says "at least": the top histogram bound.
+            "latency_top_s": {
+                "queue_wait": BUCKETS["queue_wait_seconds"][-1],
+                "run": BUCKETS["run_seconds"][-1],
+            },
+            "gateway": gateway_figures(gw, await redis_memory(gw)),
             "partitions": gw.keys.partitions,
             "stages": stages,
             "history": gw.history.rates(),

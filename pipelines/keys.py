@@ -164,6 +164,11 @@ class Keys:
         (under the namespace's own tag, whatever the count)."""
         return "{" + self.namespace + "}:partitions"
 
+    def alive(self, stage: str) -> str:
+        """The hash of a stage's workers' heartbeats: consumer name -> when its last beat
+        runs out (Redis time, ms; :mod:`workers.alive`; kept in partition 0)."""
+        return f"{self.at(0).prefix}:alive:{stage}"
+
     def stages_set(self) -> str:
         """The set of stage names that have ever had a worker (for status views; kept in
         partition 0)."""

@@ -24,9 +24,11 @@ from pipelines.records import Parked
 from runtime.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines, le_label
 from runtime.redisio import in_order, text
 
-ALIVE_IDLE_MS = 30_000
-"""A consumer idle longer than this (no read, no touch) counts as gone: a crashed worker
-stays in its group until someone removes it."""
+ALIVE_STALE_MS = 30_000
+"""A worker's heartbeat counts this long by default (``CONVEYOR_ALIVE_STALE_S``): one
+silent longer is gone (:class:`workers.alive.Presence`)."""
+MAX_BEATS = 10_000
+"""Read at most this many heartbeats of a stage (a forged hash may hold millions)."""
 
 COST_A = "cost:a"
 """Stats-hash field: a stage's learned fixed seconds per batch (set by its workers)."""
@@ -54,6 +56,16 @@ MODEL_ITEMS = Family(
 )
 DEAD_LETTERS = Family(
     "conveyor_stage_dead_letters_total", "counter", "Requests a stage moved to its dead letters."
+)
+CONTRACT = "contract_errors"
+"""Stats-hash field: batch-contract breaches of a stage's model (a batch answered with the
+wrong number of results, an item with a result that is not a JSON object;
+:class:`workers.batch.Breaches`)."""
+CONTRACT_ERRORS = Family(
+    "conveyor_stage_contract_errors_total",
+    "counter",
+    "Batch-contract breaches of a stage's model: a batch answered with the wrong number of "
+    "results, or an item with a result that is not a JSON object.",
 )
 CRASH_CHARGES = Family(
     "conveyor_stage_crash_charges_total",
@@ -105,6 +117,7 @@ STAGE_FAMILIES = (
     PARKED,
     DEAD_LETTERS,
     CRASH_CHARGES,
+    CONTRACT_ERRORS,
     TOKENS,
     RESTARTS_TOTAL,
     *(HISTOGRAMS[name] for name in BUCKETS),
@@ -185,24 +198,57 @@ async def read_all_stats(
     return {stage: merge_stats(answers[i * n : (i + 1) * n]) for i, stage in enumerate(stages)}
 
 
+def beat_until(raw: object) -> int | None:
+    """A heartbeat's field value (when it runs out, Redis time, ms) read from Redis, or
+    None where it is not one (a forged or damaged field: no worker wrote it)."""
+    try:
+        value = int(text(raw))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if 0 < value < 10**15 else None
+
+
+async def live_workers(client: aioredis.Redis, keys: Keys, stage: str) -> set[str]:
+    """The consumer names of ``stage`` whose heartbeat has not run out
+    (:class:`workers.alive.Presence`), on the Redis clock.
+
+    Whatever the hash holds is checked: a field that is not a time, a name over 256
+    characters, a key of another type count as no worker.
+    """
+    try:
+        raw = await client.hgetall(keys.alive(stage))
+    except ResponseError:  # the key forged to another type
+        return set()
+    seconds, micros = await client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    live: set[str] = set()
+    for name, until in list(raw.items())[:MAX_BEATS]:
+        value = beat_until(until)
+        try:
+            consumer = text(name)
+        except UnicodeDecodeError:
+            continue
+        if value is not None and value > now_ms and len(consumer) <= 256:
+            live.add(consumer)
+    return live
+
+
 @dataclass(frozen=True)
 class Consumer:
-    """One worker in a stage's consumer group.
+    """One worker of a stage: in its consumer group, or beating (or both).
 
     Attributes:
         name: the consumer name (host-pid-random).
         pending: entries delivered to it and not yet acknowledged.
-        idle_ms: since its last read or touch, milliseconds.
+        idle_ms: what Redis reports as its idle time, milliseconds (on Redis 7.0, since
+            the last entry delivered to it: not whether it is alive).
+        alive: its heartbeat has not run out (:func:`live_workers`).
     """
 
     name: str
     pending: int
     idle_ms: int
-
-    @property
-    def alive(self) -> bool:
-        """Whether it was heard from within :data:`ALIVE_IDLE_MS`."""
-        return self.idle_ms < ALIVE_IDLE_MS
+    alive: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,7 +324,7 @@ class StageStatus:
 
     @property
     def workers(self) -> int:
-        """Consumers heard from within :data:`ALIVE_IDLE_MS`."""
+        """Live workers: those whose heartbeat has not run out."""
         return sum(1 for c in self.consumers if c.alive)
 
 
@@ -361,7 +407,8 @@ async def stage_status(
 ) -> StageStatus:
     """A stage's state, summed over its partitions: each partition's lanes read in one
     round trip (more when a lag must be counted); a consumer serving several partitions
-    (the same name in each) counts once.
+    (the same name in each) counts once; which consumers are alive, from the workers'
+    heartbeats (:func:`live_workers`).
 
     Args:
         client: Redis client.
@@ -381,8 +428,10 @@ async def stage_status(
         parked = None
     if parked is not None and not parked.left_s(time.time()):
         parked = None
+    live = await live_workers(client, keys, stage)
     if len(parts) == 1:
         parts[0].parked = parked
+        parts[0].consumers = _with_beats(parts[0].consumers, live)
         return parts[0]
     total = StageStatus(stage, parked=parked)
     consumers: dict[str, Consumer] = {}
@@ -401,8 +450,16 @@ async def stage_status(
             )
         for c in part.consumers:
             _add(consumers, c.name, c.pending, c.idle_ms)
-    total.consumers = list(consumers.values())
+    total.consumers = _with_beats(list(consumers.values()), live)
     return total
+
+
+def _with_beats(consumers: list[Consumer], live: set[str]) -> list[Consumer]:
+    """``consumers`` each marked alive or not, and the live ones not (yet) in the group
+    added (a worker beats from its start; it joins the group with its first read)."""
+    named = {c.name for c in consumers}
+    marked = [Consumer(c.name, c.pending, c.idle_ms, c.name in live) for c in consumers]
+    return marked + [Consumer(name, 0, 0, True) for name in sorted(live - named)]
 
 
 async def partition_status(
@@ -478,6 +535,7 @@ async def render_stage_metrics(client: aioredis.Redis, keys: Keys, stages: Itera
         out.sample(MODEL_ITEMS, stats.get("model_items", 0), stage=stage)
         out.sample(DEAD_LETTERS, stats.get("dead_letters", 0), stage=stage)
         out.sample(CRASH_CHARGES, stats.get(CHARGED, 0), stage=stage)
+        out.sample(CONTRACT_ERRORS, stats.get(CONTRACT, 0), stage=stage)
         for kind, name in (("real", "tokens"), ("padded", "padded_tokens")):
             out.sample(TOKENS, stats.get(name, 0), stage=stage, kind=kind)
         out.sample(RESTARTS_TOTAL, stats.get(RESTARTS, 0), stage=stage)

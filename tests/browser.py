@@ -123,8 +123,8 @@ async def chromium(tmp_path: Path) -> AsyncIterator[Chromium]:
         await browser.close()
 
 
-async def open_page(browser: Chromium, url: str) -> str:
-    """A new 1440x900 tab on ``url``; returns its DevTools session."""
+async def open_page(browser: Chromium, url: str, width: int = 1440) -> str:
+    """A new tab, ``width`` x 900, on ``url``; returns its DevTools session."""
     target = await browser.call("Target.createTarget", url="about:blank")
     attached = await browser.call(
         "Target.attachToTarget", targetId=target["targetId"], flatten=True
@@ -134,7 +134,7 @@ async def open_page(browser: Chromium, url: str) -> str:
     await browser.call(
         "Emulation.setDeviceMetricsOverride",
         session,
-        width=1440,
+        width=width,
         height=900,
         deviceScaleFactor=1,
         mobile=False,

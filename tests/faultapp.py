@@ -20,6 +20,18 @@ from pipelines.stages import Stage, TextIn
 from tests.helpers import REPO, NumberIn
 
 
+class ShortByOne:
+    """Breaks the batch contract: one result short for a batch of two or more; a string,
+    not a JSON object, for an item of value -1; right otherwise."""
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Double each value, one result short when there are several."""
+        out: list[Any] = [
+            "not an object" if i["value"] == -1 else {"value": i["value"] * 2} for i in items
+        ]
+        return out[:-1] if len(items) >= 2 else out
+
+
 class Sleepy:
     """Doubles values after sleeping ``CONVEYOR_TEST_DELAY_S`` per batch (model time)."""
 

@@ -17,9 +17,18 @@ with a generous budget covers the load and the liveness probe takes over after i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from pipelines.keys import Keys
+from runtime.redisio import REDIS_DOWN, RedisClock
+from runtime.stats import beat_until
 
 logger = logging.getLogger(__name__)
 
@@ -50,3 +59,76 @@ class AliveFile:
             self.path.touch()  # sets the modification time of one that exists
         except OSError as exc:  # a full or read-only disk must not stop the work
             logger.warning("could not touch the liveness file %s: %s", self.path, exc)
+
+
+class Presence:
+    """The worker's heartbeat in Redis: what every status view counts as a live worker.
+
+    Redis's own idle time of a consumer (XINFO CONSUMERS) cannot say it: on Redis 7.0 it
+    counts from the last entry delivered, so a healthy worker with nothing to do looks
+    gone after any quiet spell. So each worker says it itself: every third of
+    ``stale_s`` a task sets its field of the stage's hash (:meth:`Keys.alive`) to when
+    the beat runs out, on the Redis clock. A worker paused (SIGSTOP), killed, or whose
+    event loop is blocked stops beating and counts as gone once its beat runs out; one
+    idle for hours keeps beating. On its way it deletes the fields that ran out or are
+    not a time (a crashed worker's, or forged ones), and an orderly stop deletes its own.
+
+    Args:
+        client: Redis client.
+        keys: key names (the field is kept in partition 0).
+        stage: the stage.
+        consumer: this worker's consumer name (the field).
+        clock: the Redis clock (calibrated).
+        stale_s: how long a beat counts.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        stage: str,
+        consumer: str,
+        clock: RedisClock,
+        stale_s: float,
+    ) -> None:
+        self.client, self.key, self.consumer = client, keys.alive(stage), consumer
+        self.clock, self.stale_s = clock, stale_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def beat(self) -> None:
+        """Set this worker's beat, and delete the fields that ran out."""
+        now_ms = int(self.clock.now() * 1000)
+        await self.client.hset(self.key, self.consumer, str(now_ms + int(self.stale_s * 1000)))
+        beats = await self.client.hgetall(self.key)
+        gone = [name for name, raw in beats.items() if (beat_until(raw) or 0) <= now_ms]
+        if gone:
+            await self.client.hdel(self.key, *gone)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except REDIS_DOWN as exc:  # the next beat tries again; the work goes on
+                logger.warning("could not beat in %s: %s", self.key, exc)
+            except ResponseError as exc:  # the key forged to another type
+                logger.warning("could not beat in %s: %s", self.key, exc)
+            await asyncio.sleep(self.stale_s / 3)
+
+    def start(self) -> None:
+        """Beat now and every third of the stale window until :meth:`stop`."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    async def stop(self, *, leave: bool) -> None:
+        """Stop beating; ``leave``: also delete this worker's field (an orderly stop,
+        so it counts as gone at once)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if leave:
+            try:
+                await self.client.hdel(self.key, self.consumer)
+            except (*REDIS_DOWN, ResponseError) as exc:
+                logger.warning("could not remove the beat in %s: %s", self.key, exc)

@@ -4,10 +4,13 @@ runs in is :mod:`workers.runner`'s."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import orjson
 
@@ -33,9 +36,93 @@ def by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:
     return out
 
 
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REPORT_EVERY_S = 60.0
+"""A stage logs at most one contract-breach line this often (the rest are counted in it)."""
+
+
+class Breaches:
+    """The batch-contract breaches of one stage's model, said and counted.
+
+    A model that answers a batch with the wrong number of results, or an item with a
+    result that is not a JSON object, still has its items isolated (:func:`run_isolating`
+    splits the batch until each part keeps the contract), which hides a throughput
+    collapse: so each breach is also noted here, from the model thread
+    (:func:`contract`), counted into the stage's stats
+    (``conveyor_stage_contract_errors_total``) and logged as one ERROR line naming the
+    stage, the runner and both counts, at most once per :data:`REPORT_EVERY_S` with how
+    many more there were since.
+
+    Args:
+        stage: the stage's name.
+        runner: its runner, as the stage names it.
+    """
+
+    def __init__(self, stage: str, runner: str) -> None:
+        self.stage, self.runner = stage, runner
+        self._lock = threading.Lock()  # noted in model threads, taken in the loop
+        self._new: list[str] = []
+        self._unsaid = 0
+        self._said_at = float("-inf")
+
+    def note(self, what: str) -> None:
+        """One breach, ``what`` it was (``"returned 1 results for 2 items"``)."""
+        with self._lock:
+            self._new.append(what)
+
+    def take(self) -> int:
+        """The breaches noted since the last take (what the next publish counts); logs
+        the first of them unless a line was logged within :data:`REPORT_EVERY_S`."""
+        with self._lock:
+            new, self._new = self._new, []
+        if not new:
+            return 0
+        now = time.monotonic()
+        if now - self._said_at < REPORT_EVERY_S:
+            self._unsaid += len(new)
+            return len(new)
+        more, self._unsaid, self._said_at = self._unsaid + len(new) - 1, 0, now
+        logger.error(
+            "stage %s: runner %s broke the batch contract: %s (one result per item, a JSON "
+            "object each); its items were isolated, at the cost of extra model calls; "
+            "and %d more breaches since the last such line",
+            self.stage,
+            self.runner,
+            new[0],
+            more,
+        )
+        return len(new)
+
+
+_noting = threading.local()
+"""The :class:`Breaches` a model-thread call notes into (:func:`noting`)."""
+
+
+def noting(breaches: Breaches, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in this thread, the contract breaches it makes noted in ``breaches``."""
+    _noting.breaches = breaches
+    try:
+        return fn(*args)
+    finally:
+        _noting.breaches = None
+
+
+def breach(what: str) -> None:
+    """Note a contract breach where the current model-thread call notes them (if any)."""
+    into: Breaches | None = getattr(_noting, "breaches", None)
+    if into is not None:
+        into.note(what)
+
+
 def contract(items: list[Item], results: object) -> list[Result | BaseException]:
+    """``results``, if they hold the batch contract's count (one per item); else a
+    :class:`BatchContractError`, naming both counts, noted (:func:`breach`) and raised."""
     if not isinstance(results, (list, tuple)) or len(results) != len(items):
         got = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
+        breach(f"{len(items)} items, {got} results")
         raise BatchContractError(
             f"predict() got {len(items)} items and returned {got}; "
             "it must return one result per item, in order"

@@ -32,7 +32,8 @@ from runtime.redisio import (
     connect,
     until_reachable,
 )
-from workers.alive import AliveFile
+from runtime.stats import CONTRACT
+from workers.alive import AliveFile, Presence
 from workers.batch import BatchRecord, Entry
 from workers.crashes import mark_now
 from workers.intake import Batch, Intake
@@ -110,6 +111,9 @@ class Worker:
         )
         self._stopping = asyncio.Event()
         self.alive = AliveFile(settings.alive_file)
+        self.presence = Presence(
+            self.client, self.keys, stage.name, self.consumer, self.clock, settings.alive_stale_s
+        )
         self.window = Window(
             stage, settings, self.lanes.read, self.clock, self.runner, self._stopping
         )
@@ -199,6 +203,8 @@ class Worker:
         )
         slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
         tasks: set[asyncio.Task[None]] = set()
+        # Its own heartbeat says it is alive, idle or not (Redis's idle time cannot).
+        self.presence.start()
         batches = 0
 
         def spawn(entries: list[Entry], suspect: bool) -> None:
@@ -234,6 +240,7 @@ class Worker:
         finally:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            await self.presence.stop(leave=self._stopping.is_set() or burst)
         if self._fatal is not None:
             raise self._fatal
         if self._stopping.is_set():
@@ -301,6 +308,9 @@ class Worker:
                 launched = await self.runner.launch(items, emit, deadline, prepared)
             ran = await self.runner.finish(launched)
             batch.results, batch.record.run_s = ran.results, ran.run_s
+            for result in ran.results:  # said and counted, then failed alone (route.py)
+                if not isinstance(result, dict | BaseException):
+                    self.runner.breaches.note(f"a result is {type(result).__name__}")
             batch.record.cold = ran.cold
             batch.record.ran_at = self.clock.now()
         finally:
@@ -314,6 +324,9 @@ class Worker:
     async def _publish_batch(self, batch: Batch) -> None:
         """Publish and ack the batch, count it, and log it in one line."""
         counts, gauges = batch_counts(batch), self.window.gauges()
+        breaches = self.runner.breaches.take()  # logged here, at most one line a minute
+        if breaches:
+            counts[CONTRACT] = breaches
         published = await self.publish(
             batch.out, batch.entries, counts, batch.letters, gauges, batch.dropped
         )

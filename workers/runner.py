@@ -39,7 +39,7 @@ from pipelines.model import (
     watching_cold,
 )
 from pipelines.stages import Stage
-from workers.batch import contract, run_isolating
+from workers.batch import Breaches, contract, noting, run_isolating
 from workers.build import build_model, prepare_shapes
 from workers.settings import WorkerSettings
 
@@ -183,6 +183,8 @@ class Runner:
     def __init__(self, stage: Stage, settings: WorkerSettings, model: Model | None) -> None:
         self.stage, self.settings, self.model = stage, settings, model
         self.last_run_s = 0.0
+        runner = stage.runner if isinstance(stage.runner, str) else repr(stage.runner)
+        self.breaches = Breaches(stage.name, runner)  # noted in every model-thread call
         self.thread = ModelThread(stage.name)
         # Two: one batch's preparation beside another's wait for the device.
         self.host = ThreadPoolExecutor(2, thread_name_prefix=f"host-{stage.name}")
@@ -334,7 +336,7 @@ class Runner:
         latest deadline is ``deadline``: should it still run ``hung_grace_s`` past that
         (or past its start, if later), it is hung (:func:`hung`). A thread cannot be
         stopped, and the model's stays taken: no later batch could run."""
-        call = executor.submit(fn, *args)
+        call = executor.submit(noting, self.breaches, fn, *args)
         future = asyncio.wrap_future(call)
         started = time.monotonic()
         limit = max(deadline - started, 0.0) + self.settings.hung_grace_s

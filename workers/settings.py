@@ -84,6 +84,9 @@ class WorkerSettings(CommonSettings):
         trim_interval_s: how often a worker trims its stage stream (done work only).
         alive_file: a file the worker's loop touches each time it comes round, for a
             liveness probe (:mod:`workers.alive`); unset: none.
+        alive_stale_s: the worker's heartbeat in Redis (what ``/metrics``, ``/status``
+            and ``conveyor status`` count as a live worker) runs out this long after its
+            last beat; it beats every third of it (:class:`workers.alive.Presence`).
         hung_grace_s: a model call still running this long past every deadline of its
             batch is hung: the worker logs it and exits (:func:`workers.runner.hung`),
             to be restarted, since the model thread it holds can never be freed.
@@ -117,6 +120,7 @@ class WorkerSettings(CommonSettings):
     max_deliveries: int = Field(default=3, ge=1)
     trim_interval_s: float = Field(default=10.0, gt=0)
     alive_file: str | None = Field(default=None, min_length=1)
+    alive_stale_s: float = Field(default=30.0, ge=0.3, le=86_400, allow_inf_nan=False)
     hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
 
     @field_validator("device")
