@@ -1,6 +1,6 @@
-"""The README's "Your own pipelines", as written (issue 25): its code blocks copied into a
-module in an empty folder, served by ``conveyor up --app mymodule:pipeline`` run there, and
-called over real HTTP. If the README's example stops working, this fails."""
+"""The docs' "Your own pipelines" (docs/pipelines.md), as written (issue 25): its code blocks
+copied into a module in an empty folder, served by ``conveyor up --app mymodule:pipeline`` run
+there, and called over real HTTP. If the example stops working, this fails."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from tests.helpers import REPO, up_env, wait_for_line
 
 
 def readme_blocks() -> list[str]:
-    """The python blocks of the README's "Your own pipelines" section, in order."""
-    text = (REPO / "README.md").read_text()
+    """The python blocks of docs/pipelines.md's "Your own pipelines" section, in order."""
+    text = (REPO / "docs" / "pipelines.md").read_text()
     section = text.split("\n## Your own pipelines\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)
 

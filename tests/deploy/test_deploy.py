@@ -622,7 +622,7 @@ def test_live_acl_worker_may_queue_but_not_administer(acl_redis: AclRedis) -> No
 
 @pytest.mark.parametrize("user", ["gateway", "worker"])
 def test_live_acl_conveyor_status_runs_as_gateway_or_worker(acl_redis: AclRedis, user: str) -> None:
-    # The operator's `conveyor status` (deploy/README.md runs it in the gateway container)
+    # The operator's `conveyor status` (docs/deploy.md runs it in the gateway container)
     # reads the queue state only, which either process's user may read.
     password = DUMMY_ENV[f"REDIS_{user.upper()}_PASSWORD"]
     url = f"redis://{user}:{password}@127.0.0.1:{acl_redis.port}/0"

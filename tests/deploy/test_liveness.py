@@ -72,12 +72,12 @@ def test_both_images_check_health_with_the_script_on_one_python_minor() -> None:
             # The python3 each Ubuntu release ships (the CUDA image installs it by apt).
             minors[dockerfile] = {"22.04": "3.10", "24.04": "3.12", "26.04": "3.14"}[ubuntu[1]]
     assert minors["Dockerfile"] == minors["Dockerfile.cuda"], minors
-    readme = (DEPLOY / "README.md").read_text()
+    readme = (DEPLOY.parent / "docs" / "deploy.md").read_text()
     assert f"python:{minors['Dockerfile']}-slim" in readme
 
 
 def test_the_deploy_notes_say_streams_are_trimmed() -> None:
-    readme = (DEPLOY / "README.md").read_text()
+    readme = (DEPLOY.parent / "docs" / "deploy.md").read_text()
     assert "XTRIM MINID" in readme
     flat = " ".join(readme.split()).lower()
     for claim in ("not trimmed", "never trimmed", "does not trim", "are not trimmed"):

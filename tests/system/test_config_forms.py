@@ -1,6 +1,6 @@
 """Every ``CONVEYOR_*`` form the docs show, exactly as written there, starts what it configures.
 
-The forms are read out of README.md and deploy/README.md (every ``CONVEYOR_X=value`` in a
+The forms are read out of README.md and every page of docs/ (every ``CONVEYOR_X=value`` in a
 code span or block), so a newly documented form is covered without touching this file.
 Gateway forms start a real gateway process that must answer ``/readyz``; worker and
 ``conveyor up`` forms construct the settings class of each process that reads them.
@@ -27,7 +27,7 @@ from tests.helpers import REPO as ROOT
 from tests.helpers import GatewayProcess
 from workers.settings import WorkerSettings
 
-DOCS = (ROOT / "README.md", ROOT / "deploy" / "README.md")
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
 SETTINGS: tuple[type[BaseSettings], ...] = (
     GatewaySettings,
     WorkerSettings,

@@ -1,0 +1,222 @@
+"""Every fenced block of the docs (README.md and docs/**/*.md) is run, or says why not.
+
+How a page is run: each page gets an empty folder of its own, and its blocks are taken in
+order. What the HTML comment on the line before a block says decides what happens to it:
+
+- ``<!-- norun: why -->``: not run here (docker, kubectl, a command that serves until
+  stopped); the reason is required.
+- ``<!-- file: NAME -->``: the block's text is appended to ``NAME`` in the page's folder
+  (a user's module, as the page tells them to write it).
+- ``<!-- stack: conveyor up ARGS -->``: before this block, ``conveyor up ARGS`` is started
+  in the page's folder on a free port (once: stacks with the same arguments are shared by
+  pages, except an ``--app`` one, which belongs to its page), and this and the page's later
+  blocks run against it: ``localhost:8000`` / ``127.0.0.1:8000`` in their text become that
+  port.
+
+Then, by language: ``python`` runs as a script (``python -c``) in the page's folder;
+``bash`` runs as one ``bash -euo pipefail`` script there, ``curl`` failing on an HTTP error;
+``console`` runs its ``$ `` lines the same way (the rest is their output, not compared);
+``text``, ``yaml`` and ``json`` are output or file contents, not commands. A fence with no
+language, or another language, fails: a new kind of block needs a rule here first. A
+command block that needs the port and has no stack fails too.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conveyor.embedded import free_port
+from tests.conveyor.test_cli import CONVEYOR
+from tests.helpers import REPO, up_env, wait_for_line
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
+MARKER = re.compile(r"<!--\s*(norun|file|stack):\s*(.*?)\s*-->\s*\Z", re.S)
+COMMANDS = {"bash", "console"}
+NOT_RUN = {"text", "yaml", "json"}
+PORT = re.compile(r"(?:localhost|127\.0\.0\.1):8000\b")
+
+
+@dataclass
+class Block:
+    """One fenced block of a page, with the marker before it."""
+
+    page: Path
+    line: int
+    lang: str
+    text: str
+    marker: str | None = None
+    arg: str = ""
+
+    @property
+    def where(self) -> str:
+        page = self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page
+        return f"{page}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    """The fenced blocks of ``page`` in order, each with the marker on the line before."""
+    text = page.read_text(encoding="utf-8")
+    found = []
+    for fence in FENCE.finditer(text):
+        before = text[: fence.start()].rstrip("\n")
+        last = before.rsplit("\n", 1)[-1]
+        marker = MARKER.search(last)
+        found.append(
+            Block(
+                page,
+                text.count("\n", 0, fence.start()) + 1,
+                fence[1].strip(),
+                fence[2],
+                marker[1] if marker else None,
+                marker[2] if marker else "",
+            )
+        )
+    return found
+
+
+class Stacks:
+    """The ``conveyor up`` stacks the pages asked for, kept for the module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.running: dict[tuple[str, str], tuple[subprocess.Popen[bytes], int, Path]] = {}
+
+    def start(self, command: str, folder: Path) -> int:
+        """The port of a running ``command`` (``conveyor up ...``), started if need be."""
+        argv = shlex.split(command)
+        assert argv[:2] == ["conveyor", "up"], f"a stack is a `conveyor up`: {command!r}"
+        key = (command, str(folder) if "--app" in argv else "")
+        if key in self.running:
+            return self.running[key][1]
+        port = free_port()
+        log = self.root / f"up-{len(self.running)}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [CONVEYOR, *argv[1:], "--port", str(port)],
+                cwd=folder if key[1] else self.root,
+                env=up_env(TMPDIR=str(self.root)),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.running[key] = (proc, port, log)
+        wait_for_line(log, "conveyor: ready:", proc, limit_s=400)
+        return port
+
+    def stop(self) -> None:
+        for proc, _, _log in self.running.values():
+            proc.send_signal(signal.SIGINT)
+        for proc, _, log in self.running.values():
+            try:
+                code = proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError(f"conveyor up did not stop:\n{log.read_text()}") from None
+            assert code == 0, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stacks]:
+    running = Stacks(tmp_path_factory.mktemp("stacks"))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def command_script(block: Block) -> str:
+    """The shell script a command block runs."""
+    if block.lang == "console":
+        lines = [line[2:] for line in block.text.splitlines() if line.startswith("$ ")]
+        assert lines, f"{block.where}: a console block with no `$ ` command"
+        return "\n".join(lines) + "\n"
+    return block.text
+
+
+def run_page(page: Path, folder: Path, stacks: Stacks) -> int:
+    """Run every block of ``page`` in ``folder``; the number of blocks run."""
+    env = up_env()
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # `conveyor`, `python`
+    curl_home = folder / ".curl"
+    curl_home.mkdir()
+    # curl fails on an HTTP error status, as the docs' calls are meant to succeed.
+    (curl_home / ".curlrc").write_text("fail-with-body\nmax-time = 120\nsilent\nshow-error\n")
+    env["CURL_HOME"] = str(curl_home)
+    port: int | None = None
+    ran = 0
+    for block in blocks(page):
+        known = {"python", *COMMANDS, *NOT_RUN}
+        assert block.lang in known, f"{block.where}: a fence needs one of {sorted(known)}"
+        if block.marker == "norun":
+            assert block.arg, f"{block.where}: `norun:` must say why"
+            continue
+        if block.marker == "file":
+            with (folder / block.arg).open("a", encoding="utf-8") as out:
+                out.write(block.text + "\n\n")
+            continue
+        if block.marker == "stack":
+            port = stacks.start(block.arg, folder)
+        if block.lang in NOT_RUN:
+            continue
+        text = block.text
+        if PORT.search(text):
+            assert port is not None, f"{block.where}: calls a gateway; needs a stack marker"
+            text = PORT.sub(f"127.0.0.1:{port}", text)
+        if block.lang == "python":
+            argv = [sys.executable, "-c", text]
+        else:
+            script = command_script(Block(block.page, block.line, block.lang, text))
+            argv = ["bash", "-euo", "pipefail", "-c", script]
+        done = subprocess.run(
+            argv, cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert done.returncode == 0, f"{block.where} failed:\n{text}\n{done.stdout}{done.stderr}"
+        ran += 1
+    return ran
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
+def test_every_block_of_the_page_runs_or_says_why_not(
+    page: Path, stacks: Stacks, tmp_path: Path
+) -> None:
+    folder = tmp_path / "page"
+    folder.mkdir()
+    run_page(page, folder, stacks)
+
+
+def test_the_block_rules_catch_what_they_promise(tmp_path: Path) -> None:
+    # The parser itself: a broken one would make every page pass by running nothing.
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- norun: serves until stopped -->\n```bash\nmake up\n```\n\n"
+        "<!-- file: m.py -->\n```python\nX = 2\n```\n\n"
+        "```python\nimport m\nassert m.X == 2\n```\n\n"
+        "```console\n$ python -c 'print(1)'\n1\n```\n"
+    )
+    found = blocks(page)
+    assert [(b.lang, b.marker) for b in found] == [
+        ("bash", "norun"),
+        ("python", "file"),
+        ("python", None),
+        ("console", None),
+    ]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    assert run_page(page, folder, Stacks(tmp_path)) == 2
+    for bad in ("```\nls\n```\n", "<!-- norun: -->\n```bash\nls\n```\n", "```bash\nfalse\n```\n"):
+        page.write_text(bad)
+        other = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        other.mkdir()
+        with pytest.raises(AssertionError):
+            run_page(page, other, Stacks(tmp_path))
