@@ -8,6 +8,7 @@ Same contract as :mod:`workers.models.hf`: built once per worker process with ``
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -147,6 +148,14 @@ class _RowStreamer:
         """Generation finished (nothing left to flush: rows are reported as they grow)."""
 
 
+@dataclass(frozen=True)
+class _Count:
+    """One item's prompt tokens (as the model ran them) and its new-token limit."""
+
+    prompt: int
+    limit: int
+
+
 class Generator(_GenerateRunner):
     """Continuations from a decoder-only (causal) language model.
 
@@ -154,7 +163,10 @@ class Generator(_GenerateRunner):
     batch and generation continues from it. An item may carry its own ``max_new_tokens``;
     the batch generates once up to the largest and each row is cut to its own limit (and at
     its first end-of-sequence). Result per item: ``{"generated_text": str}``, the new text
-    only, without the prompt.
+    only, without the prompt. An item with ``messages`` is a chat: its prompt is the
+    messages rendered by the chat template. An item with ``usage`` true also gets
+    ``prompt_tokens``, ``completion_tokens`` (counted by the tokenizer) and
+    ``finish_reason`` (``length``: cut at its limit; else ``stop``).
 
     Args:
         max_new_tokens: default new tokens per item, when the item has no ``max_new_tokens``.
@@ -162,6 +174,8 @@ class Generator(_GenerateRunner):
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature (only with ``do_sample``).
         top_p: nucleus sampling mass (only with ``do_sample``).
+        chat_template: a Jinja chat template for ``messages`` (None: the tokenizer's own;
+            a chat item is refused where neither exists).
         load: how to load the model (:class:`~workers.models.hf_base.LoadOptions`), such
             as ``model="tiny:generate"``; prompts longer than ``max_length`` keep their end.
     """
@@ -176,12 +190,14 @@ class Generator(_GenerateRunner):
         do_sample: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        chat_template: str | None = None,
         **load: Any,
     ) -> None:
         limit = ("max_new_tokens_limit", max_new_tokens_limit)
         _check_range("max_new_tokens", max_new_tokens, 1, limit)
         super().__init__(max_new_tokens, **load)
         self.max_new_tokens_limit = max_new_tokens_limit
+        self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.sampling: dict[str, float | bool] = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(temperature=temperature, top_p=top_p)
@@ -209,8 +225,32 @@ class Generator(_GenerateRunner):
             limits.append(limit)
         return limits
 
+    def _prompts(self, items: list[Item]) -> list[str]:
+        """Each item's prompt: its text, or its ``messages`` through the chat template."""
+        texts = item_texts(items)
+        for index, item in enumerate(items):
+            messages = item.get("messages")
+            if messages is None:
+                continue
+            if self.chat_template is None:
+                raise InvalidInput(
+                    f"item {index}: this model's tokenizer has no chat template; send a "
+                    "plain prompt, or give the runner a chat_template option"
+                )
+            rendered = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            texts[index] = str(rendered)
+        return texts
+
     def generate_ids(
-        self, items: list[Item], on_tokens: Callable[[int, list[int]], None] | None = None
+        self,
+        items: list[Item],
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+        counts: list[_Count] | None = None,
     ) -> list[list[int]]:
         """Generate the new token ids for each item.
 
@@ -240,7 +280,7 @@ class Generator(_GenerateRunner):
             # cutting the prompt's start, but the prompt keeps at least half the table;
             # past that, generation stops at the table's end ("at most" max_new_tokens).
             prompt_length = min(prompt_length, max(positions - budget, positions // 2))
-        encoding = self.encode(item_texts(items), max_length=prompt_length)
+        encoding = self.encode(self._prompts(items), max_length=prompt_length)
         if isinstance(positions, int):
             budget = min(budget, positions - encoding["input_ids"].shape[1])
             limits = [min(limit, budget) for limit in limits]
@@ -263,6 +303,13 @@ class Generator(_GenerateRunner):
             row = row[:limit]
             end = next((i for i, token in enumerate(row) if token in self.eos_ids), len(row))
             results.append(row[:end])
+        if counts is not None:
+            counts.extend(
+                _Count(int(n), limit)
+                for n, limit in zip(
+                    encoding["attention_mask"].sum(dim=1).tolist(), limits, strict=False
+                )
+            )
         return results
 
     def predict(self, items: list[Item]) -> list[Result]:
@@ -274,10 +321,24 @@ class Generator(_GenerateRunner):
         Returns:
             ``{"generated_text": str}`` per item (the continuation only).
         """
-        return [
-            {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}
-            for ids in self.generate_ids(items)
-        ]
+        counts: list[_Count] = []
+        return self._results(items, self.generate_ids(items, counts=counts), counts)
+
+    def _results(
+        self, items: list[Item], rows: list[list[int]], counts: list[_Count]
+    ) -> list[Result]:
+        results: list[Result] = []
+        for item, ids, count in zip(items, rows, counts, strict=True):
+            result: Result = {
+                "generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)
+            }
+            if item.get("usage") is True:
+                result["prompt_tokens"] = count.prompt
+                result["completion_tokens"] = len(ids)
+                # At its limit (its own, or the position table's): cut, not ended.
+                result["finish_reason"] = "length" if len(ids) >= count.limit else "stop"
+            results.append(result)
+        return results
 
     def predict_stream(self, items: list[Item], emit: Callable[[int, str], None]) -> list[Result]:
         """:meth:`predict`, calling ``emit(row, text_so_far)`` as each row grows.
@@ -293,7 +354,5 @@ class Generator(_GenerateRunner):
             text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
             emit(index, text.rstrip("\ufffd"))
 
-        return [
-            {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}
-            for ids in self.generate_ids(items, on_tokens)
-        ]
+        counts: list[_Count] = []
+        return self._results(items, self.generate_ids(items, on_tokens, counts), counts)
