@@ -8,7 +8,6 @@ Same contract as :mod:`workers.models.hf`: built once per worker process with ``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -148,14 +147,6 @@ class _RowStreamer:
         """Generation finished (nothing left to flush: rows are reported as they grow)."""
 
 
-@dataclass(frozen=True)
-class _Count:
-    """One item's prompt tokens (as the model ran them) and its new-token limit."""
-
-    prompt: int
-    limit: int
-
-
 class Generator(_GenerateRunner):
     """Continuations from a decoder-only (causal) language model.
 
@@ -247,10 +238,7 @@ class Generator(_GenerateRunner):
         return texts
 
     def generate_ids(
-        self,
-        items: list[Item],
-        on_tokens: Callable[[int, list[int]], None] | None = None,
-        counts: list[_Count] | None = None,
+        self, items: list[Item], on_tokens: Callable[[int, list[int]], None] | None = None
     ) -> list[list[int]]:
         """Generate the new token ids for each item.
 
@@ -303,13 +291,6 @@ class Generator(_GenerateRunner):
             row = row[:limit]
             end = next((i for i, token in enumerate(row) if token in self.eos_ids), len(row))
             results.append(row[:end])
-        if counts is not None:
-            counts.extend(
-                _Count(int(n), limit)
-                for n, limit in zip(
-                    encoding["attention_mask"].sum(dim=1).tolist(), limits, strict=False
-                )
-            )
         return results
 
     def predict(self, items: list[Item]) -> list[Result]:
@@ -321,24 +302,33 @@ class Generator(_GenerateRunner):
         Returns:
             ``{"generated_text": str}`` per item (the continuation only).
         """
-        counts: list[_Count] = []
-        return self._results(items, self.generate_ids(items, counts=counts), counts)
+        return self._results(items, self.generate_ids(items))
 
-    def _results(
-        self, items: list[Item], rows: list[list[int]], counts: list[_Count]
-    ) -> list[Result]:
+    def _results(self, items: list[Item], rows: list[list[int]]) -> list[Result]:
         results: list[Result] = []
-        for item, ids, count in zip(items, rows, counts, strict=True):
+        asked = [i for i, item in enumerate(items) if item.get("usage") is True]
+        # Counted again, for the items that ask only: the prompt as the model ran it
+        # (truncated as generate_ids truncates it, at most), the new ids as returned.
+        prompts = self._prompts([items[i] for i in asked]) if asked else []
+        counted = dict(zip(asked, self._prompt_tokens(prompts), strict=True))
+        limits = self._limits(items)
+        for index, ids in enumerate(rows):
             result: Result = {
                 "generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)
             }
-            if item.get("usage") is True:
-                result["prompt_tokens"] = count.prompt
+            if index in counted:
+                result["prompt_tokens"] = counted[index]
                 result["completion_tokens"] = len(ids)
-                # At its limit (its own, or the position table's): cut, not ended.
-                result["finish_reason"] = "length" if len(ids) >= count.limit else "stop"
+                # At its limit: cut, not ended (the model chose no end-of-sequence).
+                result["finish_reason"] = "length" if len(ids) >= limits[index] else "stop"
             results.append(result)
         return results
+
+    def _prompt_tokens(self, prompts: list[str]) -> list[int]:
+        if not prompts:
+            return []
+        encoded = self.tokenizer(prompts, truncation=True, max_length=self.max_length)
+        return [len(ids) for ids in encoded["input_ids"]]
 
     def predict_stream(self, items: list[Item], emit: Callable[[int, str], None]) -> list[Result]:
         """:meth:`predict`, calling ``emit(row, text_so_far)`` as each row grows.
@@ -354,5 +344,4 @@ class Generator(_GenerateRunner):
             text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
             emit(index, text.rstrip("\ufffd"))
 
-        counts: list[_Count] = []
-        return self._results(items, self.generate_ids(items, on_tokens, counts), counts)
+        return self._results(items, self.generate_ids(items, on_tokens))
