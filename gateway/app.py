@@ -31,6 +31,7 @@ from gateway.routes.openai import (
     check_names,
     is_openai_path,
     openai_error,
+    without_422,
 )
 from gateway.routes.openai import error_of as openai_error_of
 from gateway.routes.ops import add_ops_routes
@@ -159,7 +160,9 @@ def create_app(
     app.state.gateway = gw
     app.router.route_class = WireRoute  # bodies parsed as the envelope will carry them
     edge = [413, 401] if settings.api_keys else [413]  # the edge answers these first
-    app.openapi = lambda: openapi_document(app, bool(settings.api_keys), OPEN_PATHS)  # type: ignore[method-assign]
+    app.openapi = lambda: without_422(  # type: ignore[method-assign]
+        openapi_document(app, bool(settings.api_keys), OPEN_PATHS)
+    )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.headers import Sent, sent_on
-from gateway.responses import declared
+from gateway.responses import WHY, declared
 from gateway.routes import json_response
 from gateway.routes.pipelines import EventStream, Relay, open_stream, reply_response
 from gateway.service import Gateway
@@ -44,7 +44,8 @@ MAX_INPUTS = 2048
 """The most texts one embeddings (or prompts one completions) request may hold, as OpenAI."""
 DEFAULT_MAX_TOKENS = 16
 """A completion's ``max_tokens`` when the request gives none (OpenAI's default)."""
-_ERRORS = [400, 404, 500, 502, 503, 504]
+_ERRORS = (400, 404, 500, 502, 503, 504)
+"""What these routes answer in OpenAI's shape (the edge's 401, 408 and 413 are the gateway's)."""
 _FIELDS: dict[OpenAIKind, set[str]] = {
     "embeddings": {"text"},
     "completions": {"text", "max_new_tokens", "messages", "usage"},
@@ -72,6 +73,15 @@ def check_names(registry: Registry) -> None:
                 f"pipeline {pipeline.name!r}: its stage is marked openai={kind!r} but its "
                 f"input has no {', '.join(missing)} (subclass pipelines.stages.GenerateIn)"
             )
+
+
+def without_422(doc: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document ``doc`` without the 422 FastAPI declares for every route with a
+    body: these routes answer an invalid request 400 (:func:`openai_error`)."""
+    for path in (*PATHS, "/v1/models/{name}"):
+        for operation in doc.get("paths", {}).get(path, {}).values():
+            operation.get("responses", {}).pop("422", None)
+    return doc
 
 
 def openai_kind(pipeline: Pipeline) -> OpenAIKind | None:
@@ -145,6 +155,35 @@ def error_of(exc: ConveyorError, response: Response) -> Response:
 
 
 _KEPT = ("retry-after", "x-request-id")
+
+
+class OpenAIErrorDetail(BaseModel):
+    """What went wrong, as OpenAI says it."""
+
+    message: str
+    type: str = Field(examples=["invalid_request_error"])
+    param: str | None = Field(default=None, description="The request field it concerns.")
+    code: str | None = Field(default=None, examples=["model_not_found"])
+
+
+class OpenAIErrorBody(BaseModel):
+    """An error of the OpenAI-compatible routes."""
+
+    error: OpenAIErrorDetail
+
+
+_WHY = {
+    400: "Invalid request (where conveyor's own routes answer 422), or an option this "
+    "server does not support; `param` names the field.",
+    404: "No such model (`code`: model_not_found).",
+}
+
+
+def _openai_errors(statuses: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    return {
+        s: {"model": OpenAIErrorBody, "description": _WHY.get(s, WHY.get(s, "Error."))}
+        for s in statuses
+    }
 
 
 class _In(BaseModel):
@@ -404,7 +443,7 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
             )
         return json_response(_model(pipeline))
 
-    errors = declared([*edge, *_ERRORS])
+    errors = {**declared([*edge, 408]), **_openai_errors(_ERRORS)}
     for path, endpoint, summary in (
         ("/v1/embeddings", embeddings, "Embeddings (OpenAI-compatible)"),
         ("/v1/completions", completions, "Completions (OpenAI-compatible)"),
@@ -427,7 +466,7 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         methods=["GET"],
         summary="A model (OpenAI-compatible)",
         tags=["openai"],
-        responses=declared([*edge, 404]),
+        responses={**declared(edge), **_openai_errors((404,))},
     )
 
 
