@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from gateway.headers import Sent, sent_on
 from gateway.responses import WHY, declared
@@ -194,28 +194,40 @@ class _In(BaseModel):
     model: str = Field(min_length=1, max_length=200, description="A pipeline's name.")
 
 
+_TEXTS = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2048},
+        ],
+        "description": "A text, or a list of texts (token arrays are refused, 400).",
+    }
+)
+Texts = Annotated[Any, _TEXTS]
+"""A text or a list of texts; read by :func:`_texts`, which refuses anything else with a
+400 that says so (a token array included), rather than pydantic's union errors."""
+
+
 class EmbeddingsIn(_In):
     """``POST /v1/embeddings``."""
 
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="A text or a list of texts (token arrays are refused)."
-    )
+    input: Texts
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
 class CompletionsIn(_In):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=1)
+    prompt: Texts
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = None
     n: int | None = Field(default=None, ge=1, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
     stop: str | list[str] | None = None
@@ -241,8 +253,8 @@ class ChatIn(_In):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = None
     n: int | None = Field(default=None, ge=1, le=1)
@@ -268,7 +280,7 @@ def _served(gw: Gateway, model: str, kind: OpenAIKind) -> Pipeline:
     return pipeline
 
 
-def _texts(value: str | list[str] | list[int] | list[list[int]], param: str) -> list[str]:
+def _texts(value: Any, param: str) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not items or not all(isinstance(v, str) for v in items):
         raise Refused(
@@ -280,6 +292,18 @@ def _texts(value: str | list[str] | list[int] | list[list[int]], param: str) -> 
     if len(items) > MAX_INPUTS:
         raise Refused(f"{param} holds {len(items)} items; at most {MAX_INPUTS}", 400, param)
     return [str(v) for v in items]
+
+
+def _checked(pipeline: Pipeline, payload: dict[str, Any], param: str) -> dict[str, Any]:
+    """``payload`` validated by the pipeline's input model, as ``POST /v1/{name}``
+    validates its body: refused here (400), not by a worker."""
+    try:
+        valid = pipeline.input_model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise Refused(f"{param}: {field}: {first['msg']}", 400, param) from None
+    return valid.model_dump(mode="json", exclude_unset=True)
 
 
 def _unsupported(**fields: bool) -> None:
@@ -356,8 +380,8 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         budget = gw.timeout_for(sent.timeout_s)
         results = await _all(
             [
-                gw.call(pipeline, {"text": t}, budget, sent.trace, http.receive, sent.lane)
-                for t in texts
+                gw.call(pipeline, p, budget, sent.trace, http.receive, sent.lane)
+                for p in [_checked(pipeline, {"text": t}, "input") for t in texts]
             ]
         )
         as_base64 = body.encoding_format == "base64"
@@ -386,7 +410,10 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
             stop=body.stop is not None,
         )
         limit = body.max_tokens or DEFAULT_MAX_TOKENS
-        payloads = [{"text": p, "max_new_tokens": limit, "usage": True} for p in prompts]
+        payloads = [
+            _checked(pipeline, {"text": p, "max_new_tokens": limit, "usage": True}, "prompt")
+            for p in prompts
+        ]
         shape = _Shape("text_completion", body.model, chat=False)
         if body.stream:
             if len(payloads) > 1:
@@ -414,12 +441,11 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         ]
         limit = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-        payload = {
-            "text": text or " ",
-            "messages": messages,
-            "max_new_tokens": limit,
-            "usage": True,
-        }
+        payload = _checked(
+            pipeline,
+            {"text": text or " ", "messages": messages, "max_new_tokens": limit, "usage": True},
+            "messages",
+        )
         shape = _Shape("chat.completion", body.model, chat=True)
         if body.stream:
             return await _streamed(
