@@ -311,7 +311,7 @@ class Generator(_GenerateRunner):
         # (truncated as generate_ids truncates it, at most), the new ids as returned.
         prompts = self._prompts([items[i] for i in asked]) if asked else []
         counted = dict(zip(asked, self._prompt_tokens(prompts), strict=True))
-        limits = self._limits(items)
+        limits = self._limits(items) if asked else []
         for index, ids in enumerate(rows):
             result: Result = {
                 "generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)
