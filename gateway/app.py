@@ -25,6 +25,15 @@ from gateway.headers import CORS_HEADERS
 from gateway.responses import openapi_document, validation_issues
 from gateway.routes import json_response
 from gateway.routes.jobs import add_job_routes
+from gateway.routes.openai import (
+    PATHS,
+    add_openai_routes,
+    check_names,
+    is_openai_path,
+    openai_error,
+    without_422,
+)
+from gateway.routes.openai import error_of as openai_error_of
 from gateway.routes.ops import add_ops_routes
 from gateway.routes.pipelines import add_pipeline_routes
 from gateway.service import Gateway
@@ -118,7 +127,8 @@ def create_app(
             or the built-ins).
 
     Raises:
-        ConfigError: a pipeline is called ``jobs``: ``/v1/jobs/...`` are the job routes.
+        ConfigError: a pipeline is called ``jobs``: ``/v1/jobs/...`` are the job routes;
+            or as one of the OpenAI-compatible routes (:func:`gateway.routes.openai.check_names`).
     """
     settings = settings or load_settings(GatewaySettings)
     registry = registry or load_registry(settings.app, settings.pipelines)
@@ -126,6 +136,7 @@ def create_app(
         # Its /v1/jobs/stream would be one path with the submit route of a pipeline
         # called "stream"; which answered would depend on the order routes were added.
         raise ConfigError("pipeline name 'jobs' is taken by the job routes (/v1/jobs/...)")
+    check_names(registry)
     gw = Gateway(settings, registry)
 
     @asynccontextmanager
@@ -149,20 +160,32 @@ def create_app(
     app.state.gateway = gw
     app.router.route_class = WireRoute  # bodies parsed as the envelope will carry them
     edge = [413, 401] if settings.api_keys else [413]  # the edge answers these first
-    app.openapi = lambda: openapi_document(app, bool(settings.api_keys), OPEN_PATHS)  # type: ignore[method-assign]
+    app.openapi = lambda: without_422(  # type: ignore[method-assign]
+        openapi_document(app, bool(settings.api_keys), OPEN_PATHS)
+    )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        if is_openai_path(request.url.path):
+            issues = validation_issues(exc.errors())
+            first = issues[0] if issues else {"loc": [], "msg": "invalid request"}
+            where = [str(p) for p in first["loc"] if p != "body"]
+            param = ".".join(where) or None
+            return openai_error(422, f"{param or 'body'}: {first['msg']}", param=param)
         return json_response({"detail": validation_issues(exc.errors())}, 422)
 
     @app.exception_handler(ConveyorError)
     async def _conveyor_error(request: Request, exc: ConveyorError) -> Response:
+        if is_openai_path(request.url.path):
+            return openai_error_of(exc, error_response(exc))
         return error_response(exc)
 
     known = sorted(registry.pipelines)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if is_openai_path(request.url.path):
+            return openai_error(exc.status_code, str(exc.detail))
         # POST /v1/jobs/{name} of no pipeline matches GET /v1/jobs/{id}'s path: a 405.
         name = unknown_pipeline(request.method, request.url.path, registry)
         if name is not None and exc.status_code in (404, 405):
@@ -179,6 +202,7 @@ def create_app(
 
     add_ops_routes(app, gw, edge)
     add_job_routes(app, gw, edge)
+    add_openai_routes(app, gw, edge)
     add_pipeline_routes(app, gw, edge)
     # Innermost: the hot path is still behind the edge and CORS, in front of FastAPI.
     app.add_middleware(SyncCalls, gateway=gw, error_response=error_response)
@@ -193,7 +217,7 @@ def create_app(
         EdgeMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=gw.metrics,
-        routes=[f"/v1/{name}" for name in registry.pipelines],
+        routes=[*(f"/v1/{name}" for name in registry.pipelines), *PATHS],
         api_keys=settings.api_keys,
         client_timeout_s=settings.client_timeout_s,
     )

@@ -24,6 +24,11 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,100}$")
 
 Profile = Literal["offline", "hub"]
 
+OpenAIKind = Literal["embeddings", "completions"]
+"""Which OpenAI-compatible route serves a stage's one-step pipeline (``gateway.routes.openai``):
+``embeddings`` takes ``{"text"}`` and answers ``{"embedding": [float, ...]}``; ``completions``
+takes :class:`GenerateIn` and answers ``{"generated_text"}``."""
+
 Kind = Literal["model", "function"]
 """A model stage is shared by every pipeline naming it and served by its own workers; a
 function stage runs one pipeline step's plain Python and belongs to that pipeline."""
@@ -37,11 +42,32 @@ class TextIn(BaseModel):
     text: str = Field(min_length=1, max_length=100_000, description="The input text.")
 
 
+class ChatMessage(BaseModel):
+    """One message of a chat, as a chat template reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: str = Field(min_length=1, max_length=40, examples=["user"])
+    content: str = Field(max_length=100_000, examples=["Hello!"])
+
+
 class GenerateIn(TextIn):
     """Input of ``generate``."""
 
     max_new_tokens: int = Field(
         default=32, ge=1, le=512, description="At most this many tokens are generated."
+    )
+    messages: list[ChatMessage] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="A chat: the prompt is these messages rendered by the model's chat "
+        "template (then `text` is not read); refused where the tokenizer has none.",
+    )
+    usage: bool = Field(
+        default=False,
+        description="Also answer `prompt_tokens` and `completion_tokens` (counted by the "
+        "model's tokenizer) and `finish_reason` (`length` or `stop`).",
     )
 
 
@@ -133,6 +159,8 @@ class Stage:
         bucket_lengths: how ``buckets`` pads tokens: an int, up to a multiple of it; a
             tuple, up to the least of its lengths that fits (the model's ``max_length``
             is always a bucket too).
+        openai: the OpenAI-compatible route its one-step pipeline is served on
+            (:data:`OpenAIKind`); None: none.
     """
 
     name: str
@@ -156,6 +184,7 @@ class Stage:
     memory_mb: int | None = None
     buckets: bool | None = None
     bucket_lengths: int | tuple[int, ...] = 16
+    openai: OpenAIKind | None = None
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -179,6 +208,10 @@ class Stage:
             raise ConfigError(
                 f"stage {self.name!r}: bucket_lengths must be a length >= 1 (a multiple) "
                 f"or a non-empty tuple of them, got {self.bucket_lengths!r}"
+            )
+        if self.openai not in (None, "embeddings", "completions"):
+            raise ConfigError(
+                f"stage {self.name!r}: openai must be 'embeddings', 'completions' or None"
             )
         if self.kind not in ("model", "function"):
             raise ConfigError(f"stage {self.name!r}: kind must be 'model' or 'function'")
@@ -248,6 +281,7 @@ BUILTIN: dict[str, Stage] = {
             max_batch_size=32,
             max_batch_tokens=8192,
             memory_mb=1024,
+            openai="embeddings",
             summary="Sentence embedding (mean-pooled, L2-normalised).",
         ),
         Stage(
@@ -291,6 +325,7 @@ BUILTIN: dict[str, Stage] = {
             max_batch_size=8,
             streaming=True,
             memory_mb=1024,
+            openai="completions",
             summary="Text continuation.",
         ),
         Stage(

@@ -163,30 +163,9 @@ class EventStream(StreamingResponse):
 
 def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def stream(payload: BaseModel, sent: Annotated[Sent, sent_on("stream")]) -> Response:
-        budget = gw.timeout_for(sent.timeout_s)
-        request_id = new_request_id()
-        queue = gw.replies.expect_stream(request_id)
-        try:
-            # Refusals (503) happen here, before the stream starts, as plain HTTP errors.
-            request = await gw.enqueue(
-                pipeline,
-                payload.model_dump(mode="json"),
-                budget,
-                sent.trace,
-                request_id=request_id,
-                stream=True,
-                lane=sent.lane,
-            )
-        except BaseException:
-            gw.replies.forget(request_id)
-            raise
-        relay = _Relay(queue, budget)
-
-        def ended() -> None:
-            gw.replies.forget(request_id)
-            if not relay.finished:  # the client went away first: nobody reads the rest
-                gw.cancellations.mark_soon(request_id, request.deadline)
-
+        request_id, relay, ended = await open_stream(
+            gw, pipeline, payload.model_dump(mode="json"), sent
+        )
         headers = {"X-Request-Id": request_id, "Cache-Control": "no-cache"}
         return EventStream(relay.events(), headers=headers, ended=ended)
 
@@ -203,34 +182,96 @@ def _add_stream_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[
     )
 
 
+async def open_stream(
+    gw: Gateway, pipeline: Pipeline, payload: dict[str, Any], sent: Sent
+) -> tuple[str, "Relay", Callable[[], None]]:
+    """Enqueue a streamed request and relay its replies.
+
+    Args:
+        gw: the gateway.
+        pipeline: the one-step pipeline whose stage streams.
+        payload: the validated request.
+        sent: its headers.
+
+    Returns:
+        Its request id, the relay of its replies, and what to call once the response
+        is over however it ended (a client gone first gets its request cancelled).
+
+    Raises:
+        ConveyorError: refused before anything streams (503 and the like).
+    """
+    budget = gw.timeout_for(sent.timeout_s)
+    request_id = new_request_id()
+    queue = gw.replies.expect_stream(request_id)
+    try:
+        # Refusals (503) happen here, before the stream starts, as plain HTTP errors.
+        request = await gw.enqueue(
+            pipeline,
+            payload,
+            budget,
+            sent.trace,
+            request_id=request_id,
+            stream=True,
+            lane=sent.lane,
+        )
+    except BaseException:
+        gw.replies.forget(request_id)
+        raise
+    relay = Relay(queue, budget)
+
+    def ended() -> None:
+        gw.replies.forget(request_id)
+        if not relay.finished:  # the client went away first: nobody reads the rest
+            gw.cancellations.mark_soon(request_id, request.deadline)
+
+    return request_id, relay, ended
+
+
 def _sse(event: str, data: Any) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-class _Relay:
-    """A streamed request's replies as events: ``token`` as text arrives, then ``done``
-    (the result) or ``error``; ``finished`` once the last is produced."""
+class Relay:
+    """A streamed request's replies, read until the last: :meth:`events` as conveyor's
+    events, or :meth:`replies` for a route of another shape (the OpenAI routes);
+    ``finished`` once the last is read.
+
+    Args:
+        queue: where its replies arrive (:meth:`ReplyDispatcher.expect_stream
+            <gateway.replies.ReplyDispatcher.expect_stream>`).
+        budget: seconds the whole stream may take.
+    """
 
     def __init__(self, queue: asyncio.Queue[Reply], budget: float) -> None:
         self.queue, self.budget = queue, budget
         self.finished = False
 
-    async def events(self) -> AsyncIterator[bytes]:
-        """The events, until the last."""
+    async def replies(self) -> AsyncIterator[Reply | None]:
+        """Each reply as it arrives (``partial`` ones, then the final one), or None, the
+        last, where the budget ran out first."""
         deadline = time.monotonic() + self.budget
         while True:
             try:
                 reply = await asyncio.wait_for(self.queue.get(), deadline - time.monotonic())
             except TimeoutError:
                 self.finished = True
-                yield _sse("error", {"detail": f"no result within {self.budget:g}s", "status": 504})
+                yield None
                 return
             if reply.outcome == "partial":
-                yield _sse("token", reply.result)
+                yield reply
                 continue
             self.finished = True
-            if reply.outcome is Outcome.OK:
+            yield reply
+            return
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """``token`` as text arrives, then ``done`` (the result) or ``error``."""
+        async for reply in self.replies():
+            if reply is None:
+                yield _sse("error", {"detail": f"no result within {self.budget:g}s", "status": 504})
+            elif reply.outcome == "partial":
+                yield _sse("token", reply.result)
+            elif reply.outcome is Outcome.OK:
                 yield _sse("done", reply.result)
             else:
                 yield _sse("error", {"detail": reply.error, "status": reply.http_status})
-            return

@@ -154,7 +154,10 @@ class Generator(_GenerateRunner):
     batch and generation continues from it. An item may carry its own ``max_new_tokens``;
     the batch generates once up to the largest and each row is cut to its own limit (and at
     its first end-of-sequence). Result per item: ``{"generated_text": str}``, the new text
-    only, without the prompt.
+    only, without the prompt. An item with ``messages`` is a chat: its prompt is the
+    messages rendered by the chat template. An item with ``usage`` true also gets
+    ``prompt_tokens``, ``completion_tokens`` (counted by the tokenizer) and
+    ``finish_reason`` (``length``: cut at its limit; else ``stop``).
 
     Args:
         max_new_tokens: default new tokens per item, when the item has no ``max_new_tokens``.
@@ -162,6 +165,8 @@ class Generator(_GenerateRunner):
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature (only with ``do_sample``).
         top_p: nucleus sampling mass (only with ``do_sample``).
+        chat_template: a Jinja chat template for ``messages`` (None: the tokenizer's own;
+            a chat item is refused where neither exists).
         load: how to load the model (:class:`~workers.models.hf_base.LoadOptions`), such
             as ``model="tiny:generate"``; prompts longer than ``max_length`` keep their end.
     """
@@ -176,12 +181,14 @@ class Generator(_GenerateRunner):
         do_sample: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        chat_template: str | None = None,
         **load: Any,
     ) -> None:
         limit = ("max_new_tokens_limit", max_new_tokens_limit)
         _check_range("max_new_tokens", max_new_tokens, 1, limit)
         super().__init__(max_new_tokens, **load)
         self.max_new_tokens_limit = max_new_tokens_limit
+        self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.sampling: dict[str, float | bool] = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(temperature=temperature, top_p=top_p)
@@ -208,6 +215,27 @@ class Generator(_GenerateRunner):
                 )
             limits.append(limit)
         return limits
+
+    def _prompts(self, items: list[Item]) -> list[str]:
+        """Each item's prompt: its text, or its ``messages`` through the chat template."""
+        texts = item_texts(items)
+        for index, item in enumerate(items):
+            messages = item.get("messages")
+            if messages is None:
+                continue
+            if self.chat_template is None:
+                raise InvalidInput(
+                    f"item {index}: this model's tokenizer has no chat template; send a "
+                    "plain prompt, or give the runner a chat_template option"
+                )
+            rendered = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            texts[index] = str(rendered)
+        return texts
 
     def generate_ids(
         self, items: list[Item], on_tokens: Callable[[int, list[int]], None] | None = None
@@ -240,7 +268,7 @@ class Generator(_GenerateRunner):
             # cutting the prompt's start, but the prompt keeps at least half the table;
             # past that, generation stops at the table's end ("at most" max_new_tokens).
             prompt_length = min(prompt_length, max(positions - budget, positions // 2))
-        encoding = self.encode(item_texts(items), max_length=prompt_length)
+        encoding = self.encode(self._prompts(items), max_length=prompt_length)
         if isinstance(positions, int):
             budget = min(budget, positions - encoding["input_ids"].shape[1])
             limits = [min(limit, budget) for limit in limits]
@@ -274,10 +302,33 @@ class Generator(_GenerateRunner):
         Returns:
             ``{"generated_text": str}`` per item (the continuation only).
         """
-        return [
-            {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}
-            for ids in self.generate_ids(items)
-        ]
+        return self._results(items, self.generate_ids(items))
+
+    def _results(self, items: list[Item], rows: list[list[int]]) -> list[Result]:
+        results: list[Result] = []
+        asked = [i for i, item in enumerate(items) if item.get("usage") is True]
+        # Counted again, for the items that ask only: the prompt as the model ran it
+        # (truncated as generate_ids truncates it, at most), the new ids as returned.
+        prompts = self._prompts([items[i] for i in asked]) if asked else []
+        counted = dict(zip(asked, self._prompt_tokens(prompts), strict=True))
+        limits = self._limits(items) if asked else []
+        for index, ids in enumerate(rows):
+            result: Result = {
+                "generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)
+            }
+            if index in counted:
+                result["prompt_tokens"] = counted[index]
+                result["completion_tokens"] = len(ids)
+                # At its limit: cut, not ended (the model chose no end-of-sequence).
+                result["finish_reason"] = "length" if len(ids) >= limits[index] else "stop"
+            results.append(result)
+        return results
+
+    def _prompt_tokens(self, prompts: list[str]) -> list[int]:
+        if not prompts:
+            return []
+        encoded = self.tokenizer(prompts, truncation=True, max_length=self.max_length)
+        return [len(ids) for ids in encoded["input_ids"]]
 
     def predict_stream(self, items: list[Item], emit: Callable[[int, str], None]) -> list[Result]:
         """:meth:`predict`, calling ``emit(row, text_so_far)`` as each row grows.
@@ -293,7 +344,4 @@ class Generator(_GenerateRunner):
             text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
             emit(index, text.rstrip("\ufffd"))
 
-        return [
-            {"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)}
-            for ids in self.generate_ids(items, on_tokens)
-        ]
+        return self._results(items, self.generate_ids(items, on_tokens))

@@ -1,0 +1,179 @@
+"""The OpenAI-compatible routes, called by the real ``openai`` client against a real
+gateway (uvicorn on loopback), real workers with the built-in runners, and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from pipelines.errors import ConfigError
+from pipelines.graph import single
+from pipelines.registry import Registry
+from pipelines.stages import BUILTIN, Stage
+from tests.helpers import Harness
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+# The tiny generate model's tokenizer has no chat template; this stage gives it one.
+CHAT = replace(BUILTIN["generate"], name="chatty", options={"chat_template": TEMPLATE})
+
+
+async def _serve(harness: Harness, stages: list[Stage], **gateway: Any) -> str:
+    workers = [harness.worker(s, device="cpu", threads=1) for s in stages]
+    await asyncio.gather(*(w.start() for w in workers))  # models loaded before serving
+    for w in workers:
+        harness.run(w)
+    return await harness.http_server(stages, **gateway)
+
+
+def _client(base: str, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, timeout=60, max_retries=0)
+
+
+async def test_embeddings_single_and_list(harness: Harness) -> None:
+    base = await _serve(harness, [BUILTIN["embed"]])
+    async with _client(base) as client:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            native = (await http.post("/v1/embed", json={"text": "a cat"})).json()["embedding"]
+        # The client asks for base64 by default and decodes it (float32).
+        one = await client.embeddings.create(model="embed", input="a cat")
+        assert one.object == "list"
+        assert one.model == "embed"
+        assert len(one.data) == 1
+        assert one.data[0].index == 0
+        assert len(one.data[0].embedding) == 384
+        assert all(
+            math.isclose(a, b, abs_tol=1e-6)
+            for a, b in zip(one.data[0].embedding, native, strict=True)
+        )
+        assert one.usage.prompt_tokens > 0
+        assert one.usage.total_tokens == one.usage.prompt_tokens
+
+        texts = ["a cat", "a dog sat on the mat", "quantum chromodynamics"]
+        many = await client.embeddings.create(model="embed", input=texts, encoding_format="float")
+        assert [d.index for d in many.data] == [0, 1, 2]
+        assert all(
+            math.isclose(a, b, abs_tol=1e-6)
+            for a, b in zip(many.data[0].embedding, native, strict=True)
+        )
+        assert many.data[1].embedding != many.data[2].embedding
+        assert many.usage.prompt_tokens > one.usage.prompt_tokens
+
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.embeddings.create(model="embed", input=[[1, 2, 3]])
+        assert "token arrays" in refused.value.message
+        assert refused.value.body["param"] == "input"  # type: ignore[index]
+
+
+async def test_completions_and_their_stream(harness: Harness) -> None:
+    base = await _serve(harness, [BUILTIN["generate"]])
+    async with _client(base) as client:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            resp = await http.post("/v1/generate", json={"text": "Once upon", "max_new_tokens": 4})
+            native = resp.json()["generated_text"]
+        done = await client.completions.create(model="generate", prompt="Once upon", max_tokens=4)
+        assert done.object == "text_completion"
+        assert done.model == "generate"
+        assert done.choices[0].text == native  # greedy decoding: the same text
+        assert done.choices[0].finish_reason in ("length", "stop")
+        assert done.usage is not None
+        assert done.usage.completion_tokens <= 4
+        assert done.usage.prompt_tokens > 0
+        assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+
+        chunks = [
+            c
+            async for c in await client.completions.create(
+                model="generate",
+                prompt="Once upon",
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        ]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == native
+        finished = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finished[-1] == done.choices[0].finish_reason
+        assert set(finished[:-1]) <= {None}
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens <= 4
+
+        several = await client.completions.create(model="generate", prompt=["a", "b"], max_tokens=2)
+        assert [c.index for c in several.choices] == [0, 1]
+
+
+async def test_chat_needs_a_chat_template(harness: Harness) -> None:
+    base = await _serve(harness, [BUILTIN["generate"], CHAT])
+    async with _client(base) as client:
+        messages: Any = [{"role": "user", "content": "Hello there"}]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="generate", messages=messages, max_tokens=3)
+        assert "chat template" in refused.value.message
+
+        done = await client.chat.completions.create(model="chatty", messages=messages, max_tokens=3)
+        assert done.object == "chat.completion"
+        message = done.choices[0].message
+        assert message.role == "assistant"
+        assert isinstance(message.content, str)
+        assert message.content
+        assert done.usage is not None
+        assert done.usage.completion_tokens <= 3
+        # The template's text was what the model read: more tokens than the message alone.
+        plain = await client.completions.create(model="chatty", prompt="Hello there", max_tokens=3)
+        assert plain.usage is not None
+        assert done.usage.prompt_tokens > plain.usage.prompt_tokens
+
+        stream = await client.chat.completions.create(
+            model="chatty", messages=messages, max_tokens=3, stream=True
+        )
+        deltas = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(deltas) == message.content
+
+
+async def test_models_and_unknown_model(harness: Harness) -> None:
+    base = await _serve(harness, [BUILTIN["embed"], BUILTIN["generate"], BUILTIN["echo"]])
+    async with _client(base) as client:
+        listed = await client.models.list()
+        assert sorted(m.id for m in listed.data) == ["embed", "generate"]  # echo serves neither
+        assert (await client.models.retrieve("embed")).id == "embed"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.embeddings.create(model="nope", input="x")
+        assert missing.value.code == "model_not_found"
+        assert "embed" in missing.value.message  # what is served is named
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("echo")
+        with pytest.raises(openai.BadRequestError) as wrong:
+            await client.embeddings.create(model="generate", input="x")
+        assert wrong.value.body["param"] == "model"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as invalid:  # 422 from validation: 400
+            await client.completions.create(model="generate", prompt="x", max_tokens=0)
+        assert invalid.value.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+async def test_api_keys(harness: Harness) -> None:
+    base = await _serve(harness, [BUILTIN["embed"]], api_keys=["sekret"])
+    async with _client(base, "sekret") as client, _client(base, "wrong") as stranger:
+        got = await client.embeddings.create(model="embed", input="a cat")
+        assert len(got.data[0].embedding) == 384
+        with pytest.raises(openai.AuthenticationError):
+            await stranger.embeddings.create(model="embed", input="a cat")
+        with pytest.raises(openai.AuthenticationError):
+            await stranger.models.list()
+
+
+@pytest.mark.parametrize("name", ["embeddings", "completions", "chat", "models"])
+def test_names_of_the_routes_are_refused(name: str) -> None:
+    taken = replace(BUILTIN["echo"], name=name)
+    with pytest.raises(ConfigError, match=f"pipeline name '{name}' is taken") as refused:
+        create_app(GatewaySettings(), Registry([single(taken)]))
+    assert "\n" not in str(refused.value)
