@@ -24,6 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor import stack
 from conveyor.dlq import dlq_command
+from conveyor.extras import require_serve
 from conveyor.keda import TriggerOptions, triggers
 from pipelines.envelope import LANES
 from pipelines.errors import ConveyorError
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     try:
+        require_serve(args.command)  # up, gateway, worker: the `serve` extra, or one line
         if args.command == "up":
             options = stack.UpOptions(
                 host=args.host,
