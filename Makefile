@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[dev]"
+	$(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[serve,dev]"
 	rm -f $(VENV)/.installed-* && touch $@
 
 up: $(STAMP)
@@ -34,7 +34,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[dev,bench]"
+	$(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[serve,dev,bench]"
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench $(ARGS)
 
 clean:

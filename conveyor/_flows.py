@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping, MutableMapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
@@ -26,6 +26,7 @@ from pipelines.records import CANCELLED, DONE, EXPIRED, FAILED, JobField
 MAX_RETRY_WAIT_S = 5.0  # no wait between retries is longer, whatever Retry-After says
 BACKOFF_S = 0.25  # the first wait after a refused connection (or a bare 503); it doubles
 DEADLINE_SLACK_S = 5.0  # past a call's deadline, so that the gateway's 504 comes first
+BACKLOG_WAIT_S = 60.0  # how long ``submit`` keeps retrying a 503 by default (a full backlog)
 
 Json = dict[str, Any]
 Payload = Mapping[str, Any]
@@ -86,19 +87,37 @@ def error_of(resp: httpx.Response) -> ConveyorHTTPError:
     )
 
 
-def retry_in(failed: httpx.Response | httpx.TransportError, attempt: int, retries: int) -> float:
-    """Seconds to wait before retrying a failed attempt; raises its error to give up."""
+def retry_in(
+    failed: httpx.Response | httpx.TransportError,
+    attempt: int,
+    retries: int,
+    busy_until: float | None = None,
+) -> float:
+    """Seconds to wait before retrying a failed attempt; raises its error to give up.
+
+    Args:
+        failed: what the attempt got.
+        attempt: how many attempts failed before this one.
+        retries: how many failed attempts are tried again.
+        busy_until: a ``time.monotonic()`` before which a 503 is tried again whatever
+            ``retries`` says (``submit``'s ``backlog_wait``: a full backlog drains).
+    """
     error = error_of(failed) if isinstance(failed, httpx.Response) else failed
+    patient = False
     if isinstance(error, ConveyorHTTPError):
         # Only a 503 says "nothing was done, try again"; 4xx, 500 and 504 would fail the
         # same way again, or may already have run the model.
         retry, retry_after = error.status == 503, error.retry_after
+        patient = retry and busy_until is not None and time.monotonic() < busy_until
     else:  # A connection never opened sent nothing; other errors: only a GET is harmless.
         never_sent = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
         retry, retry_after = never_sent or error.request.method == "GET", None
-    if not retry or attempt >= retries:
+    if not retry or (attempt >= retries and not patient):
         raise error
-    return min(BACKOFF_S * 2**attempt if retry_after is None else retry_after, MAX_RETRY_WAIT_S)
+    # A bare 503's backoff stops doubling at the cap (2**attempt would overflow a float
+    # after ~1000 patient attempts).
+    backoff = BACKOFF_S * 2 ** min(attempt, 16)
+    return min(backoff if retry_after is None else retry_after, MAX_RETRY_WAIT_S)
 
 
 FINISHED_STATUS = {FAILED: 500, EXPIRED: 504, CANCELLED: 499}
@@ -202,6 +221,28 @@ class Map:
     return_exceptions: bool = False
     timeout: float | None = None
     priority: Lane | None = None
+    done: MutableMapping[int, Json] | None = None
+
+    def plan(self) -> tuple[list[Payload], MutableMapping[int, Json], list[int]]:
+        """The inputs, the results by input index (``done``, or a new dict) and the indexes
+        still to call, in order. Raises ValueError if ``done`` holds an index the inputs do
+        not have: it was kept for other inputs."""
+        items, done = list(self.inputs), {} if self.done is None else self.done
+        stray = [
+            index for index in done if not (isinstance(index, int) and 0 <= index < len(items))
+        ]
+        if stray:
+            raise ValueError(
+                f"done holds {len(stray)} key(s) that are not indexes of the {len(items)} "
+                f"inputs (e.g. {stray[0]!r}): it was kept for other inputs"
+            )
+        return items, done, [index for index in range(len(items)) if index not in done]
+
+    def results(
+        self, items: list[Payload], done: Mapping[int, Json], failed: Mapping[int, Exception]
+    ) -> list[Json | Exception]:
+        """Each input's result from ``done``, or its error from ``failed``, in input order."""
+        return [failed[index] if index in failed else done[index] for index in range(len(items))]
 
 
 TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
@@ -221,9 +262,10 @@ class Base(Generic[TransportT, PoolT]):
         timeout: float = 60,
         api_key: str | None = None,
         retries: int = 3,
+        backlog_wait: float = BACKLOG_WAIT_S,
         transport: TransportT | None = None,
     ) -> None:
-        self.timeout, self.retries = timeout, retries
+        self.timeout, self.retries, self.backlog_wait = timeout, retries, backlog_wait
         headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
         self._http = self._pool(transport, base_url=base_url, timeout=timeout, headers=headers)
 
@@ -231,18 +273,23 @@ class Base(Generic[TransportT, PoolT]):
         """The connection pool (an ``httpx.Client`` or ``httpx.AsyncClient``)."""
         raise NotImplementedError
 
-    def _send(self, request: httpx.Request, stream: bool = False) -> Flow[httpx.Response]:
+    def _send(
+        self, request: httpx.Request, stream: bool = False, busy_s: float = 0.0
+    ) -> Flow[httpx.Response]:
         """Send ``request`` until it succeeds; after a failed attempt, wait :func:`retry_in`'s
-        seconds and try again, or raise its error."""
-        attempt = 0
+        seconds and try again, or raise its error. A 503 is tried again for ``busy_s``
+        seconds from the first attempt, then ``retries`` times as any other."""
+        attempt, busy_until = 0, time.monotonic() + busy_s if busy_s > 0 else None
         while True:
             answer: httpx.Response | httpx.TransportError = yield Send(request, stream)
             if isinstance(answer, httpx.Response) and answer.is_success:
                 return answer
-            yield Sleep(retry_in(answer, attempt, self.retries))
+            yield Sleep(retry_in(answer, attempt, self.retries, busy_until))
             attempt += 1
 
-    def _post(self, path: str, post: Post, stream: bool = False) -> Flow[httpx.Response]:
+    def _post(
+        self, path: str, post: Post, stream: bool = False, busy_s: float = 0.0
+    ) -> Flow[httpx.Response]:
         headers = {"X-Conveyor-Timeout": f"{post.timeout:g}"} if post.timeout is not None else {}
         if post.trace_id is not None:
             headers["X-Trace-Id"] = post.trace_id
@@ -251,13 +298,16 @@ class Base(Generic[TransportT, PoolT]):
         wait_s = self.timeout if post.timeout is None else post.timeout + DEADLINE_SLACK_S
         build = self._http.build_request
         request = build("POST", path, json=post.body, headers=headers, timeout=wait_s)
-        return self._send(request, stream)
+        return self._send(request, stream, busy_s)
 
     def _call(self, post: Post) -> Flow[Json]:
         return dict((yield from self._post(f"/v1/{post.name}", post)).json())
 
     def _submit(self, post: Post) -> Flow[str]:
-        return str((yield from self._post(f"/v1/jobs/{post.name}", post)).json()["id"])
+        # A job's 503 is a full backlog (the lane at ``max_backlog``), which drains: wait
+        # for room for ``backlog_wait`` seconds, as a producer of many jobs needs.
+        path, wait_s = f"/v1/jobs/{post.name}", self.backlog_wait
+        return str((yield from self._post(path, post, busy_s=wait_s)).json()["id"])
 
     def _job(self, job_id: str, method: str = "GET") -> Flow[Json]:
         request = self._http.build_request(method, f"/v1/jobs/{quote(job_id, safe='')}")
@@ -280,12 +330,12 @@ class Base(Generic[TransportT, PoolT]):
         """The streamed response to ``post``, its events left to read."""
         return self._post(f"/v1/{post.name}/stream", post, stream=True)
 
-    def _outcome(self, job: Map, item: Payload) -> Flow[Json | ConveyorHTTPError]:
-        """``job``'s call on ``item``: its result, or its error where ``job`` keeps errors."""
-        try:
-            post = Post(job.name, item, timeout=job.timeout, priority=job.priority)
-            return (yield from self._call(post))
-        except ConveyorHTTPError as exc:
-            if not job.return_exceptions:
-                raise
-            return exc
+    def _mapped(
+        self, job: Map, index: int, item: Payload, done: MutableMapping[int, Json]
+    ) -> Flow[Json]:
+        """``job``'s call on ``item``, input ``index``: its result, kept in ``done`` as soon
+        as it comes (so that an error elsewhere, or a stop, loses no result)."""
+        post = Post(job.name, item, timeout=job.timeout, priority=job.priority)
+        result = yield from self._call(post)
+        done[index] = result
+        return result

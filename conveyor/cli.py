@@ -30,6 +30,7 @@ from conveyor import stack
 from conveyor.appflag import add_app_argument, use_app
 from conveyor.deploy import cli as deploy_files
 from conveyor.dlq import dlq_command
+from conveyor.extras import require_serve
 from conveyor.keda import TriggerOptions, triggers
 from pipelines.envelope import LANES
 from pipelines.errors import ConveyorError
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         # --app (add_app_argument) names the app for this command and every process it
         # starts; CONVEYOR_APP from here on.
         app = use_app(getattr(args, "app", None))
+        require_serve(args.command)  # up, gateway, worker: the `serve` extra, or one line
         if args.command == "up":
             options = stack.UpOptions(
                 host=args.host,

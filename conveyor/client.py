@@ -16,13 +16,14 @@ import functools
 import inspect
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar, cast
 
 import httpx
 from tqdm import tqdm
 
 from conveyor._flows import (
+    BACKLOG_WAIT_S,
     BACKOFF_S,
     DEADLINE_SLACK_S,
     MAX_RETRY_WAIT_S,
@@ -41,6 +42,7 @@ from conveyor._flows import (
 )
 
 __all__ = [  # the names the client always had, some now kept in conveyor._flows
+    "BACKLOG_WAIT_S",
     "BACKOFF_S",
     "DEADLINE_SLACK_S",
     "MAX_RETRY_WAIT_S",
@@ -97,6 +99,10 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
         api_key: sent as ``Authorization: Bearer <key>``.
         retries: retries of a 503 (after its ``Retry-After``, at most ``MAX_RETRY_WAIT_S``)
             or of a refused connection (backing off from ``BACKOFF_S``) before raising.
+        backlog_wait: seconds :meth:`submit` keeps retrying a 503 (the jobs backlog full:
+            the lane at the stage's ``max_backlog``, ``CONVEYOR_MAX_BACKLOG``), each time
+            after its ``Retry-After``, before its ``retries`` more; 0: a 503 to ``submit``
+            is retried ``retries`` times, as a call's.
         transport: an httpx transport to use instead of the network.
 
     The methods take ``name``, the pipeline (``/v1/{name}``); ``payload``, the input, and/or
@@ -204,20 +210,46 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
         raise events.error()
 
     @_taking(Map)
-    def map(self, job: Map) -> list[Json | ConveyorHTTPError]:
+    def map(self, job: Map) -> list[Json | Exception]:
         """:meth:`call` ``name`` on each of ``inputs``; the results in their order.
 
         Args:
             concurrency: at most this many calls in flight (threads).
             progress: show a tqdm progress bar (on stderr).
-            return_exceptions: put a failed input's :class:`ConveyorHTTPError` in its place
-                instead of raising the first (other errors always raise).
+            return_exceptions: put a failed input's exception in its place (as
+                ``asyncio.gather`` does): :class:`ConveyorHTTPError` for an error answer,
+                an ``httpx.TransportError`` such as ``httpx.ReadTimeout`` for none. Else the
+                first error is raised once the calls not started are cancelled and those in
+                flight have finished (a thread cannot be stopped mid-call).
+            done: results by input index, kept across calls: each result is put in it as it
+                comes, and an input already in it is not sent again. Pass the same dict to
+                a second ``map`` of the same inputs after an error (or Ctrl-C) and it sends
+                only what is missing. Failed inputs are never in it.
         """
-        items = list(job.inputs)
-        with ThreadPoolExecutor(job.concurrency, thread_name_prefix="conveyor-map") as pool:
-            # As tqdm's thread_map: progress in input order; an error cancels calls not started.
-            outcomes = pool.map(lambda item: self._drive(self._outcome(job, item)), items)
-            return list(tqdm(outcomes, total=len(items), desc=job.name, disable=not job.progress))
+        items, done, todo = job.plan()
+        failed: dict[int, Exception] = {}
+
+        def one(index: int) -> Json:
+            return self._drive(self._mapped(job, index, items[index], done))
+
+        initial = len(items) - len(todo)
+        with (
+            tqdm(total=len(items), initial=initial, desc=job.name, disable=not job.progress) as bar,
+            ThreadPoolExecutor(job.concurrency, thread_name_prefix="conveyor-map") as pool,
+        ):
+            futures: dict[Future[Json], int] = {pool.submit(one, i): i for i in todo}
+            try:
+                for future in as_completed(futures):
+                    bar.update()
+                    if (error := future.exception()) is None:
+                        continue
+                    if not job.return_exceptions or not isinstance(error, Exception):
+                        raise error
+                    failed[futures[future]] = error
+            except BaseException:  # the first error, or Ctrl-C: none started after it
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        return job.results(items, done, failed)
 
 
 class AsyncClient(Base[httpx.AsyncBaseTransport, httpx.AsyncClient]):
@@ -313,21 +345,33 @@ class AsyncClient(Base[httpx.AsyncBaseTransport, httpx.AsyncClient]):
         raise events.error()
 
     @_taking(Map)
-    async def map(self, job: Map) -> list[Json | ConveyorHTTPError]:
-        """:meth:`Client.map`, with at most ``concurrency`` calls in flight (a semaphore)."""
-        items, gate = list(job.inputs), asyncio.Semaphore(job.concurrency)
+    async def map(self, job: Map) -> list[Json | Exception]:
+        """:meth:`Client.map`, with at most ``concurrency`` calls in flight (a semaphore).
+        Without ``return_exceptions``, the first error cancels the calls in flight (the
+        gateway cancels their requests) and is raised."""
+        items, done, todo = job.plan()
+        failed: dict[int, Exception] = {}
+        gate = asyncio.Semaphore(job.concurrency)
 
-        async def one(item: Payload) -> Json | ConveyorHTTPError:
+        async def one(index: int) -> None:
             async with gate:
                 try:
-                    return await self._drive(self._outcome(job, item))
+                    await self._drive(self._mapped(job, index, items[index], done))
+                except Exception as exc:
+                    if not job.return_exceptions:
+                        raise
+                    failed[index] = exc
                 finally:
                     bar.update()
 
-        with tqdm(total=len(items), desc=job.name, disable=not job.progress) as bar:
+        initial = len(items) - len(todo)
+        with tqdm(
+            total=len(items), initial=initial, desc=job.name, disable=not job.progress
+        ) as bar:
             try:
                 async with asyncio.TaskGroup() as group:  # an error cancels the rest
-                    tasks = [group.create_task(one(item)) for item in items]
-            except BaseExceptionGroup as failed:
-                raise failed.exceptions[0] from None
-        return [task.result() for task in tasks]
+                    for index in todo:
+                        group.create_task(one(index))
+            except BaseExceptionGroup as errors:
+                raise errors.exceptions[0] from None
+        return job.results(items, done, failed)

@@ -209,8 +209,9 @@ class Admission:
         current = sum(view.waiting(admitted, (lane,)))
         if current >= bound:
             return Overloaded(
+                # The bound's names, so that a caller finds the setting (docs/client.md).
                 f"stage {stage!r} is at capacity ({current} waiting in its {lane} lane, bound "
-                f"{bound}); "
+                f"{bound}: the stage's max_backlog, or CONVEYOR_MAX_BACKLOG); "
                 f"retry after {self.retry_after_s}s",
                 retry_after=self.retry_after_s,
             )

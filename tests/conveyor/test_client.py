@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -50,14 +52,16 @@ class Recording(httpx.AsyncHTTPTransport):
 
 
 class CountingSync(httpx.HTTPTransport):
-    """The network, counting the attempts of a sync client."""
+    """The network, counting the attempts of a sync client (and keeping their requests)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.attempts = 0
+        self.requests: list[httpx.Request] = []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.attempts += 1
+        self.requests.append(request)
         return super().handle_request(request)
 
 
@@ -189,9 +193,11 @@ async def test_503_is_retried_after_retry_after_then_raised(harness: Harness) ->
     assert refused.value.status == 503
     assert refused.value.retry_after == 1.0
     assert "503 from /v1/double: stage 'double' is at capacity" in str(refused.value)
+    assert "bound 1: the stage's max_backlog, or CONVEYOR_MAX_BACKLOG)" in str(refused.value)
 
     def no_retries() -> ConveyorHTTPError:
-        with Client(base, retries=0) as client, pytest.raises(ConveyorHTTPError) as exc:
+        no_wait = Client(base, retries=0, backlog_wait=0)  # submit waits out a 503 by default
+        with no_wait as client, pytest.raises(ConveyorHTTPError) as exc:
             client.submit("double", value=1, priority="interactive")  # the full lane
         return exc.value
 
@@ -437,7 +443,7 @@ async def test_map_puts_errors_in_place_or_raises(harness: Harness) -> None:
     expected = [500, {"value": 2}, {"value": 4}, 500, 422, {"value": 10}, 500, {"value": 14}]
     expected.append({"value": 16})
 
-    def outcomes(results: list[dict[str, Any] | ConveyorHTTPError]) -> list[Any]:
+    def outcomes(results: list[dict[str, Any] | Exception]) -> list[Any]:
         return [r.status if isinstance(r, ConveyorHTTPError) else r for r in results]
 
     async with AsyncClient(base) as client:
@@ -452,6 +458,123 @@ async def test_map_puts_errors_in_place_or_raises(harness: Harness) -> None:
         assert outcomes(mapped) == expected
         with pytest.raises(ConveyorHTTPError):
             await asyncio.to_thread(sync.map, "double", inputs, progress=False)
+
+
+class Stalling(Doubler):
+    """Doubles ``value``, but holds a batch holding one of ``stalls`` until it is released."""
+
+    def __init__(self, *stalls: int) -> None:
+        super().__init__()
+        self.gates = {value: threading.Event() for value in stalls}
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        for item in items:
+            if gate := self.gates.get(item["value"]):
+                gate.wait(60)
+        return super().predict(items)
+
+    def release(self) -> None:
+        for gate in self.gates.values():
+            gate.set()
+
+
+async def test_map_keeps_every_result_when_one_input_times_out(harness: Harness) -> None:
+    # Two workers, a batch of one at a time each: the stalled input holds one of them and
+    # the other answers the rest, so exactly one call gets no answer in time.
+    stage, model = number_stage(batch_wait_ms=0, max_batch_size=1), Stalling(5, 105)
+    for _ in range(2):
+        worker = harness.worker(stage, model, max_concurrent_batches=1)
+        await worker.start()
+        harness.run(worker)
+    base = await harness.http_server([stage])
+    try:
+        inputs = [{"value": i} for i in range(20)]
+        async with AsyncClient(base, timeout=3) as client:
+            mapped = await client.map(
+                "double", inputs, concurrency=4, progress=False, return_exceptions=True
+            )
+        model.gates[5].set()  # its worker is free again for the second map
+        assert isinstance(mapped.pop(5), httpx.ReadTimeout)
+        assert mapped == [{"value": 2 * i} for i in range(20) if i != 5]
+
+        inputs = [{"value": 100 + i} for i in range(20)]
+        with Client(base, timeout=3) as sync:
+            mapped = await asyncio.to_thread(
+                sync.map, "double", inputs, concurrency=4, progress=False, return_exceptions=True
+            )
+        assert isinstance(mapped.pop(5), httpx.ReadTimeout)
+        assert mapped == [{"value": 2 * (100 + i)} for i in range(20) if i != 5]
+    finally:
+        model.release()
+
+
+def sent_values(requests: list[httpx.Request]) -> list[int]:
+    """The ``value`` of each request's JSON body, sorted."""
+    return sorted(json.loads(request.content)["value"] for request in requests)
+
+
+async def test_map_raises_the_first_error_and_a_second_map_sends_only_what_is_missing(
+    harness: Harness,
+) -> None:
+    base, model = await doubling(harness, batch_wait_ms=0)
+    inputs: list[dict[str, Any]] = [{"value": i} for i in range(60)]
+    expected = [{"value": 2 * i} for i in range(60)]
+    network = Recording()
+    async with AsyncClient(base, transport=network) as client:
+        done: dict[int, dict[str, Any]] = {}
+        failing = [*inputs[:2], {"value": 2, "fail": True}, *inputs[3:]]
+        with pytest.raises(ConveyorHTTPError) as failed:
+            await client.map("double", failing, concurrency=4, progress=False, done=done)
+        assert failed.value.status == 500
+        first = len(network.requests)
+        # The error cancelled the rest: most inputs were never sent.
+        assert first < len(inputs) / 2
+        assert 2 not in done
+        assert all(done[i] == expected[i] for i in done)
+        missing = sorted(set(range(60)) - set(done))
+        assert await client.map("double", inputs, progress=False, done=done) == expected
+    assert sent_values(network.requests[first:]) == missing  # each missing input, once
+    assert sorted(done) == list(range(60))
+
+    # The sync client, on a stage of its own (none of the async map's cancelled requests
+    # can reach its model).
+    base, model = await doubling(harness, name="twice", batch_wait_ms=0)
+    counting = CountingSync()
+    with Client(base, transport=counting) as sync:
+        done = {}
+        with pytest.raises(ConveyorHTTPError) as failed:
+            await asyncio.to_thread(
+                sync.map, "twice", failing, concurrency=4, progress=False, done=done
+            )
+        assert failed.value.status == 500
+        first = len(counting.requests)
+        assert first < len(inputs) / 2  # none started after the error
+        missing = sorted(set(range(60)) - set(done))
+        mapped = await asyncio.to_thread(sync.map, "twice", inputs, progress=False, done=done)
+    assert mapped == expected
+    assert sent_values(counting.requests[first:]) == missing
+    # Each input sent once across both maps, the failed one twice: the calls in flight at
+    # the error (a thread is not stopped mid-call) finished into ``done``.
+    assert len(counting.requests) == len(inputs) + 1
+    assert {value for batch in model.batches for value in batch} == set(range(60))
+
+
+async def test_submit_waits_for_room_in_a_full_jobs_backlog(harness: Harness) -> None:
+    stage = number_stage(batch_wait_ms=0)
+    base = await harness.http_server([stage], max_backlog=2, admission_refresh_ms=0)
+    network = Recording()
+    async with AsyncClient(base, retries=0, backlog_wait=120, transport=network) as client:
+        queued = [await client.submit("double", value=i) for i in range(2)]  # the cap
+        submit = asyncio.create_task(client.submit("double", value=2))
+        await network.refused.wait()  # the bulk lane is full: 503, and the client waits
+        worker = harness.worker(stage, Doubler())
+        await worker.start()
+        harness.run(worker)
+        job_id = await submit
+        assert await client.wait(job_id, timeout=30) == {"value": 4}
+        assert [await client.wait(j, timeout=30) for j in queued] == [{"value": 0}, {"value": 2}]
+    assert network.statuses[:3] == [202, 202, 503]
+    assert network.statuses.count(202) == 3
 
 
 Scripted = tuple[int, Any, dict[str, str]] | type[httpx.TransportError]
@@ -503,7 +626,7 @@ def test_a_flow_gives_up_or_never_retries_what_may_have_run() -> None:
     busy = (503, {"detail": "busy"}, {"Retry-After": "60"})
     still_busy = (503, {"detail": "still busy", "request_id": "r1"}, {"Retry-After": "60"})
     record = {"id": "j1", "pipeline": "double", "status": "queued"}
-    with Client("http://gateway.test", retries=1) as client:
+    with Client("http://gateway.test", retries=1, backlog_wait=0) as client:
         refused, _, slept = scripted(client._submit(Post("double", value=1)), busy, still_busy)
         assert slept == [5.0]  # Retry-After, capped at MAX_RETRY_WAIT_S
         assert isinstance(refused, ConveyorHTTPError)
@@ -569,18 +692,37 @@ def test_the_cancel_flow_deletes_once_and_raises_a_conflict() -> None:
     assert (waited.status, waited.detail) == (499, "cancelled")  # no http_status: 499
 
 
-def test_the_map_flow_keeps_or_raises_an_error() -> None:
+def test_the_map_flow_keeps_each_result_as_it_comes() -> None:
+    done: dict[int, dict[str, Any]] = {0: {"value": 0}}
     with Client("http://gateway.test") as client:
-        kept, _, _ = scripted(
-            client._outcome(Map("double", [], return_exceptions=True), {"value": "x"}),
-            (422, {"detail": [{"loc": ["body", "value"], "msg": "bad", "type": "t"}]}, {}),
+        result, sent, _ = scripted(
+            client._mapped(Map("double", []), 3, {"value": 2}, done), (200, {"value": 4}, {})
         )
-        raised, _, _ = scripted(
-            client._outcome(Map("double", []), {"value": "x"}), (422, {"detail": "bad"}, {})
+        refused, _, _ = scripted(
+            client._mapped(Map("double", []), 4, {"value": "x"}, done),
+            (422, {"detail": "bad"}, {}),
         )
-    assert isinstance(kept, ConveyorHTTPError)
-    assert str(kept) == "422 from /v1/double: body.value: bad"
-    assert isinstance(raised, ConveyorHTTPError)
+    assert (result, sent) == ({"value": 4}, ["POST /v1/double"])
+    assert isinstance(refused, ConveyorHTTPError)
+    assert done == {0: {"value": 0}, 3: {"value": 4}}  # a failure is never "done"
+    items, kept, todo = Map("double", [{"value": i} for i in range(5)], done=done).plan()
+    assert (len(items), kept is done, todo) == (5, True, [1, 2, 4])
+    with pytest.raises(ValueError, match="not indexes of the 2 inputs"):
+        Map("double", [{}, {}], done=done).plan()  # kept for other (more) inputs
+
+
+def test_submit_retries_a_503_for_its_backlog_wait() -> None:
+    busy: Scripted = (503, {"detail": "at capacity"}, {"Retry-After": "2"})
+    made: Scripted = (202, {"id": "j1"}, {})
+    with Client("http://gateway.test", retries=1, backlog_wait=3600) as client:
+        job_id, sent, slept = scripted(client._submit(Post("double", value=1)), *[busy] * 6, made)
+        assert (job_id, len(sent), slept) == ("j1", 7, [2.0] * 6)  # past ``retries``
+        # A call is not patient: its 503 means "shed load now", so retries bound it.
+        refused, sent, _ = scripted(client._call(Post("double", value=1)), busy, busy)
+        assert (isinstance(refused, ConveyorHTTPError), len(sent)) == (True, 2)
+    with Client("http://gateway.test", retries=1, backlog_wait=0) as client:
+        refused, sent, _ = scripted(client._submit(Post("double", value=1)), busy, busy)
+        assert (isinstance(refused, ConveyorHTTPError), len(sent)) == (True, 2)
 
 
 def test_both_clients_take_the_same_parameters() -> None:
@@ -592,7 +734,8 @@ def test_both_clients_take_the_same_parameters() -> None:
     bulk = (
         "(self, name: 'str', inputs: 'Iterable[Payload]', *, concurrency: 'int' = 16, "
         "progress: 'bool' = True, return_exceptions: 'bool' = False, "
-        "timeout: 'float | None' = None, priority: 'Lane | None' = None)"
+        "timeout: 'float | None' = None, priority: 'Lane | None' = None, "
+        "done: 'MutableMapping[int, Json] | None' = None)"
     )
     for kind in (Client, AsyncClient):
         for method in ("call", "submit", "stream", "stream_events"):

@@ -389,7 +389,8 @@ def test_images_install_every_package_with_pinned_torch_as_non_root(dockerfile: 
     assert {".venv", ".git", "tests"} <= set(ignored)
     # torch named in the same pip command as the project, so pip cannot pick another build.
     commands = [part.strip() for line in lines for part in line.split("&&")]
-    (install,) = [c for c in commands if "pip install" in c and c.endswith(" .")]
+    # The project with its `serve` extra: without it, an image would hold the client only.
+    (install,) = [c for c in commands if "pip install" in c and c.endswith(' ".[serve]"')]
     assert "torch==" in install or "TORCH_SPEC" in install, install
     assert "download.pytorch.org/whl/" in text
     users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
