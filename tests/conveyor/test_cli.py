@@ -76,7 +76,7 @@ def test_up_serves_end_to_end_and_stops_on_ctrl_c(tmp_path: Path, cache_dir: Pat
             check=True,
         ).stdout
         row = next(line for line in status.splitlines() if line.startswith("embed "))
-        assert row.split()[1:5] == ["2", "0", "0", "1"]  # length, lag, pending, consumers
+        assert row.split()[1:5] == ["2", "0", "0", "1/1"]  # length, lag, pending, live/all
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
@@ -231,10 +231,10 @@ async def test_status_shows_each_lane(harness: Harness, redis: aioredis.Redis) -
     table = status_table([await stage_status(redis, harness.keys, "double")])
     header, row = table.splitlines()
     assert header.split() == [
-        "stage", "length", "lag", "pending", "consumers", "interactive", "bulk", "idle",
+        "stage", "length", "lag", "pending", "live/all", "interactive", "bulk", "workers",
     ]  # fmt: skip
     # totals, then each lane's lag/pending
-    assert row.split() == ["double", "7", "7", "0", "0", "2/0", "5/0", "-"]
+    assert row.split() == ["double", "7", "7", "0", "0/0", "2/0", "5/0", "-"]
 
 
 # --- issue 23, break 8: every bad setting and argument is one line and exit status 2 -------

@@ -1078,7 +1078,7 @@ def _run_compose_services(
         )
         assert status.returncode == 0, status.stderr
         row = next(line for line in status.stdout.splitlines() if line.startswith("embed "))
-        assert row.split()[2:5] == ["0", "0", "1"]  # lag, pending, consumers
+        assert row.split()[2:5] == ["0", "0", "1/1"]  # lag, pending, live/all consumers
     finally:
         for proc in procs.values():
             if proc.poll() is None:
