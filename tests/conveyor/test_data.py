@@ -16,13 +16,14 @@ from typing import cast
 import httpx
 import redis.asyncio as aioredis
 
+from bench.rss import children
 from conveyor.embedded import free_port
 from pipelines.envelope import decode_request
 from pipelines.keys import Keys
 from pipelines.records import DeadLetter
 from pipelines.settings import CommonSettings
 from tests.conveyor.test_cli import CONVEYOR
-from tests.conveyor.test_supervisor import stop
+from tests.conveyor.test_supervisor import _command, stop
 from tests.helpers import conveyor, until, up_env, wait_for_line
 
 APP = "tests.faultapp:kept"
@@ -235,7 +236,7 @@ def test_the_embedded_redis_restarted_by_up_reloads_what_it_held(tmp_path: Path)
     up, base = ready(tmp_path, log, **env)
     try:
         ids = submit(base, range(12))
-        pid = int((tmp_path / ".conveyor" / "redis.pid").read_text())
+        (pid,) = [p for p in children(up.pid) if _command(p) == "redis-server"]
         os.kill(pid, signal.SIGKILL)
         wait_for_line(log, "starting it again (it reloads what it held from", up, limit_s=60)
         gate.touch()
