@@ -161,6 +161,12 @@ def main(argv: list[str] | None = None) -> None:
         type=_int_in(1),
         help="autoscale: undelivered + in-flight items per worker (the stage's max batch size)",
     )
+    up.add_argument(
+        "--ephemeral",
+        action="store_true",
+        help="the embedded redis keeps nothing (default: its append-only file in "
+        "CONVEYOR_DATA_DIR, .conveyor/, so a stopped or killed up resumes its work)",
+    )
     graph = sub.add_parser("graph", help="print a pipeline's graph")
     graph.add_argument("name")
     add_app_argument(graph)
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                 max_workers=args.max_workers,
                 target_backlog=args.target_backlog,
                 gateways=args.gateways,
+                ephemeral=args.ephemeral,
             )
             sys.exit(stack.up(options))
         elif args.command == "gateway":

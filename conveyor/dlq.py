@@ -86,7 +86,8 @@ def _list(dlq: str, entries: list[Entry]) -> None:
         letter = DeadLetter.parse(fields)
         try:
             req = decode_request(fields)
-            what = f"request {req.id} pipeline {req.pipeline} step {req.step}"
+            # attempt: how often it was replayed (deliveries count this entry's own).
+            what = f"request {req.id} pipeline {req.pipeline} step {req.step} attempt={req.attempt}"
         except EnvelopeError as exc:
             what = f"undecodable entry ({exc})"
         print(f"{text(eid)}  {what}  deliveries={letter.deliveries}  {letter.error or ''}")

@@ -52,6 +52,8 @@ def start_redis(
     workdir: Path,
     *,
     appendonly: bool = False,
+    fsync: str = "always",
+    pidfile: Path | None = None,
     cluster: bool = False,
     bound: bool = False,
 ) -> subprocess.Popen[bytes]:
@@ -60,7 +62,10 @@ def start_redis(
     Args:
         port: the port to bind.
         workdir: its working directory (AOF files live there).
-        appendonly: persist every write (``appendfsync always``).
+        appendonly: persist every write in an append-only file.
+        fsync: its ``appendfsync``: ``always`` (a disk flush per write) or ``everysec``
+            (``conveyor up``'s: see :mod:`conveyor.data`).
+        pidfile: where it writes its pid (None: nowhere).
         cluster: start it as a Redis Cluster node (its ``nodes.conf`` in ``workdir``);
             it serves nothing until a cluster is created over it.
         bound: it dies with this process, however this one ends (``conveyor up``'s:
@@ -77,10 +82,12 @@ def start_redis(
         "dir": str(workdir),
         "save": "",
         "appendonly": "yes" if appendonly else "no",
-        "appendfsync": "always",
+        "appendfsync": fsync,
         "maxmemory-policy": "noeviction",
         "protected-mode": "yes",
     }
+    if pidfile is not None:
+        config["pidfile"] = str(pidfile)
     if cluster:
         config |= {
             "cluster-enabled": "yes",
@@ -95,7 +102,8 @@ def start_redis(
     args = [find_redis_server()]
     for name, value in config.items():
         args += [f"--{name}", value]
-    with (workdir / "redis.log").open("wb") as log:  # the child keeps its own handle
+    # Appended: a folder reused by a restart keeps the log of the runs before.
+    with (workdir / "redis.log").open("ab") as log:  # the child keeps its own handle
         # Its own process group: a terminal's Ctrl-C goes to its owner, which stops it
         # last, after the processes that still write to it (see conveyor/supervisor.py).
         options = child_options(bound=bound)

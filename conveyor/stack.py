@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from types import FrameType
 
 from conveyor.autoscale import AutoscaleSettings
+from conveyor.data import DataDir, DataSettings
 from conveyor.embedded import free_port
 from conveyor.placement import PlacementSettings, host_placer, worker_groups
 from conveyor.readiness import Readiness, check_port, gateway_url
@@ -50,6 +51,8 @@ class UpOptions:
         max_workers: autoscale: most per model stage.
         target_backlog: autoscale: backlog per worker.
         gateways: gateway processes on the port (None: ``CONVEYOR_GATEWAYS``, 1).
+        ephemeral: the embedded Redis keeps nothing (a temp folder), instead of its
+            append-only file in ``CONVEYOR_DATA_DIR`` (:mod:`conveyor.data`).
     """
 
     host: str | None = None
@@ -62,6 +65,7 @@ class UpOptions:
     max_workers: int | None = None
     target_backlog: int | None = None
     gateways: int | None = None
+    ephemeral: bool = False
 
 
 _ASKED = threading.Event()
@@ -147,11 +151,20 @@ def up(options: UpOptions) -> int:
         # Their first workers must fit too: tried, then given back for the autoscaler.
         for p in place.all(replace(g, replicas=scaling.min_workers) for g in scaled):
             place.release(p)
+    data = _data_dir(options, env)
     restart = load_settings(RestartSettings)
     check_port(gateway.host, gateway.port)  # the last check: closest to its bind
+    if data is not None:
+        data.lock()  # one up per data folder: a second is refused here
     say(f"placement: {place.describe()}")
-    supervisor = Supervisor(env, place, restart, gateway.drain_s, stop_asked=_ASKED)
-    supervisor.start_redis()
+    where = data.path if data is not None else None
+    supervisor = Supervisor(env, place, restart, gateway.drain_s, stop_asked=_ASKED, data_dir=where)
+    try:
+        supervisor.start_redis()
+    except BaseException:
+        if data is not None:
+            data.release()
+        raise
     _on_stop_signals(_raise_stop)
     code = 0
     readiness: Readiness | None = None
@@ -195,9 +208,24 @@ def up(options: UpOptions) -> int:
             "stopping: the gateway drains (new requests get 503), then the workers "
             "finish and leave their groups, then redis"
         )
-        supervisor.stop()
+        supervisor.stop(list(registry.stages))
+        if data is not None:
+            data.release()
         say("stopped")
     return code
+
+
+def _data_dir(options: UpOptions, env: dict[str, str]) -> DataDir | None:
+    """The embedded Redis's data folder (None: ``--ephemeral``, or an outside Redis)."""
+    if env.get("CONVEYOR_REDIS_URL"):
+        if options.ephemeral:
+            raise ConfigError(
+                "--ephemeral is for up's embedded Redis; CONVEYOR_REDIS_URL names another"
+            )
+        return None
+    if options.ephemeral:
+        return None
+    return DataDir(load_settings(DataSettings).data_dir.absolute())
 
 
 def gateway_count() -> int:

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 
 from conveyor.autoscale import Autoscaler, AutoscaleSettings
 from conveyor.children import ExitReports
+from conveyor.data import PIDFILE, left_over
 from conveyor.embedded import free_port, start_redis
 from conveyor.placement import (
     Group,
@@ -93,7 +94,8 @@ class Supervisor:
     drain_s: float = 10.0
     children: list[tuple[str, Process]] = field(default_factory=list)  # gateways, workers
     redis: Process | None = None
-    redis_dir: Path | None = None  # the embedded Redis's files, removed once it stopped
+    redis_dir: Path | None = None  # an ephemeral Redis's files, removed once it stopped
+    data_dir: Path | None = None  # the embedded Redis's data folder (None: --ephemeral)
     autoscaler: Autoscaler | None = None
     interval_s: float = 1.0  # between the autoscaler's ticks
     placed: dict[int, Placed] = field(default_factory=dict)  # by pid
@@ -109,21 +111,38 @@ class Supervisor:
         self.crashes = CrashLoop(self.restart)
 
     def start_redis(self) -> None:
-        """An embedded redis-server on a free port, unless ``CONVEYOR_REDIS_URL`` is set."""
+        """An embedded redis-server on a free port, unless ``CONVEYOR_REDIS_URL`` is set:
+        on :attr:`data_dir`'s files (its append-only file), or keeping nothing."""
         if self.env.get("CONVEYOR_REDIS_URL"):
             return
         self.redis_port = port = free_port()
         self._run_redis()
         url = self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+        kept = (
+            f"its data in {self.data_dir} (append-only file: what it accepted is kept "
+            "across a stop, a kill or a restart)"
+            if self.data_dir is not None
+            else "in memory: nothing kept at stop (--ephemeral)"
+        )
         say(
-            f"embedded redis on 127.0.0.1:{port} (in memory: nothing kept at stop); "
+            f"embedded redis on 127.0.0.1:{port}, {kept}; "
             f"`CONVEYOR_REDIS_URL={url} conveyor status` reads it"
         )
 
     def _run_redis(self) -> None:
-        # It persists nothing, so its folder is needed only while it starts (its log says
-        # why it failed to): removed at once, nothing is left behind even when up is
-        # killed and can remove nothing.
+        if self.data_dir is not None:
+            self.redis = start_redis(
+                self.redis_port,
+                self.data_dir,
+                appendonly=True,
+                fsync="everysec",  # see conveyor/data.py
+                pidfile=self.data_dir / PIDFILE,
+                bound=True,
+            )
+            return
+        # --ephemeral: it persists nothing, so its folder is needed only while it starts
+        # (its log says why it failed to): removed at once, nothing is left behind even
+        # when up is killed and can remove nothing.
         workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
         try:
             self.redis = start_redis(self.redis_port, workdir, bound=True)
@@ -334,14 +353,20 @@ class Supervisor:
             say(f"could not record in redis that {','.join(stages)} is parked: {exc}")
 
     def _redis_exited(self) -> str | None:
-        """Start the embedded Redis again (what it held is gone: it keeps nothing; the
-        workers re-create their groups); why to stop if it cannot be kept running."""
+        """Start the embedded Redis again (it reloads what it held from its append-only
+        file; with ``--ephemeral`` that is gone and the workers re-create their groups);
+        why to stop if it cannot be kept running."""
         assert self.redis is not None
         code = self.redis.returncode
         now = time.monotonic()
         if self.crashes.crashed("redis-server", now) is None:
             return self.crashes.looping("redis-server", code)
-        say(f"redis-server {exited(code)}; starting it again (what it held is lost)")
+        held = (
+            f"it reloads what it held from {self.data_dir}"
+            if self.data_dir is not None
+            else "what it held is lost: --ephemeral"
+        )
+        say(f"redis-server {exited(code)}; starting it again ({held})")
         try:
             self._run_redis()
         except ConfigError as exc:
@@ -386,13 +411,27 @@ class Supervisor:
         started = [(n, p) for n, p in self.children if not _is_gateway(n)]
         return started + (self.autoscaler.processes() if self.autoscaler else [])
 
-    def stop(self) -> None:
+    def stop(self, stages: list[str] | None = None) -> None:
         """Stop in order: every gateway (it drains: the workers still answer what is in
         flight), then the workers, then Redis; each step SIGTERM (a graceful drain), a
         kill for a process still running after :data:`STOP_GRACE_S` (a gateway: after
-        its drain and that)."""
+        its drain and that).
+
+        Args:
+            stages: the stages served: what they still hold once the workers stopped is
+                said, and whether it is kept.
+        """
         _terminate(self.gateways(), self.drain_s + STOP_GRACE_S)
         _terminate(self.workers())
+        if stages and (self.redis is None or self.redis.poll() is None):
+            if self.redis is None:
+                fate = "kept in the Redis at CONVEYOR_REDIS_URL"
+            elif self.data_dir is not None:
+                fate = f"kept in {self.data_dir}: `conveyor up` there again finishes it"
+            else:
+                fate = "lost with this Redis (--ephemeral)"
+            for line in left_over(self._common(), stages, fate):
+                say(line)
         if self.parked and self.redis is None:  # an outside Redis outlives this up
             stages = [s for g in self.parked if not _is_gateway(g) for s in g.split(",")]
             with contextlib.suppress(*REDIS_DOWN):

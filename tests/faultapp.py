@@ -61,6 +61,31 @@ class Crashy:
         return [{"value": item["value"] * 2} for item in items]
 
 
+class Recorder:
+    """Doubles values, writing each one it ran as a line of the file
+    ``CONVEYOR_TEST_RECORD`` names (appended, so a restarted worker adds to it); first
+    it waits, while the file ``CONVEYOR_TEST_GATE`` names (if set) does not exist, then
+    sleeps ``CONVEYOR_TEST_DELAY_S`` per batch. A negative value kills the process, as
+    :class:`Crashy`'s does, before anything is written."""
+
+    def __init__(self, **options: Any) -> None:
+        self.record = Path(os.environ["CONVEYOR_TEST_RECORD"])
+        gate = os.environ.get("CONVEYOR_TEST_GATE")
+        self.gate = Path(gate) if gate else None
+        self.delay_s = float(os.environ.get("CONVEYOR_TEST_DELAY_S", "0"))
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Wait for the gate, sleep, record, double (or die)."""
+        if any(item["value"] < 0 for item in items):
+            os.kill(os.getpid(), signal.SIGKILL)
+        while self.gate is not None and not self.gate.exists():
+            time.sleep(0.05)  # a test opens the gate from another process
+        time.sleep(self.delay_s)
+        with self.record.open("a") as out:
+            out.writelines(f"{item['value']}\n" for item in items)
+        return [{"value": item["value"] * 2} for item in items]
+
+
 class Doomed:
     """A model whose loading always fails: it raises (the worker exits 2, a configuration
     error), or with ``CONVEYOR_TEST_DOOM=kill`` its worker is killed (SIGKILL, as the OOM
@@ -118,7 +143,15 @@ CHAIN = Pipeline(
 """Three function steps, the middle one slow (``CONVEYOR_TEST_STEP_S`` per item; it touches
 the file ``CONVEYOR_TEST_STARTED`` names, if set, as it starts)."""
 
+RECORDED = Stage(
+    "recorded", NumberIn, "tests.faultapp:Recorder", max_batch_size=4, batch_wait_ms=20
+)
+
 pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), single(TEXTS), CHAIN]
+
+kept: list[Pipeline] = [single(RECORDED), single(CRASHY)]
+"""A stage that records every value it ran (:class:`Recorder`) beside the crashing one:
+``--app tests.faultapp:kept``."""
 
 doomed: list[Pipeline] = [single(Stage("doomed", NumberIn, "tests.faultapp:Doomed"))]
 """A pipeline whose worker crashes at every start (``--app tests.faultapp:doomed``)."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -71,11 +74,27 @@ def wait_ready(
     pytest.fail(f"gateway not ready within {limit_s:g} s")
 
 
+_DATA_ROOT: list[Path] = []  # this test run's data folders' parent, made on first use
+
+
+def _fresh_data_dir() -> str:
+    """A data folder of its own for one ``conveyor up`` (removed when the tests end): one
+    left in the checkout (``.conveyor/``, the default) would carry one test's queued
+    work into the next ``up`` started there."""
+    if not _DATA_ROOT:
+        _DATA_ROOT.append(Path(tempfile.mkdtemp(prefix="conveyor-test-data-")))
+        atexit.register(shutil.rmtree, _DATA_ROOT[0], True)
+    return tempfile.mkdtemp(dir=_DATA_ROOT[0])
+
+
 def up_env(**extra: str) -> dict[str, str]:
     """``conveyor up``'s environment for a test: this one without its ``CONVEYOR_*``
-    settings, this checkout's code, offline, plus ``extra``."""
+    settings, this checkout's code, offline, a data folder of its own, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    return env | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **extra}
+    own = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    if "CONVEYOR_DATA_DIR" not in extra and "CONVEYOR_REDIS_URL" not in extra:
+        own["CONVEYOR_DATA_DIR"] = _fresh_data_dir()
+    return env | own | extra
 
 
 def wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes], limit_s: float = 120) -> str:
