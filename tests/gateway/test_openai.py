@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +20,8 @@ from pipelines.errors import ConfigError
 from pipelines.graph import single
 from pipelines.registry import Registry
 from pipelines.stages import BUILTIN, Stage
-from tests.helpers import Harness
+from tests.conveyor.test_cli import CONVEYOR
+from tests.helpers import Harness, up_env
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -177,3 +180,27 @@ def test_names_of_the_routes_are_refused(name: str) -> None:
     with pytest.raises(ConfigError, match=f"pipeline name '{name}' is taken") as refused:
         create_app(GatewaySettings(), Registry([single(taken)]))
     assert "\n" not in str(refused.value)
+
+
+def test_up_refuses_a_pipeline_named_as_a_route_before_anything_starts(tmp_path: Path) -> None:
+    # `up` checks the names itself: before, its gateway process exited with the line after
+    # Redis and the workers had started.
+    (tmp_path / "taken.py").write_text(
+        "from pydantic import BaseModel\n"
+        "from pipelines.stages import Stage\n\n\n"
+        "class In(BaseModel):\n    value: int\n\n\n"
+        "models = Stage('models', In, runner='taken:Nothing')\n"
+    )
+    done = subprocess.run(
+        [CONVEYOR, "up", "--ephemeral", "--port", "0", "--app", "taken:models"],
+        cwd=tmp_path,
+        env=up_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines == ["conveyor: pipeline name 'models' is taken by the OpenAI-compatible "
+                     "routes (/v1/models...); rename the pipeline"], done.stderr  # fmt: skip
+    assert "embedded redis" not in done.stdout, done.stdout
