@@ -87,6 +87,9 @@ class WorkerSettings(CommonSettings):
         hung_grace_s: a model call still running this long past every deadline of its
             batch is hung: the worker logs it and exits (:func:`workers.runner.hung`),
             to be restarted, since the model thread it holds can never be freed.
+        log_summary_s: each stage's INFO summary line comes this often while it works
+            (batches, items, outcomes, mean batch size, items/s; nothing while idle);
+            each batch's own line is DEBUG (``CONVEYOR_LOG_LEVEL``). 0: no summaries.
     """
 
     model_profile: Literal["offline", "hub"] = "offline"
@@ -118,6 +121,7 @@ class WorkerSettings(CommonSettings):
     trim_interval_s: float = Field(default=10.0, gt=0)
     alive_file: str | None = Field(default=None, min_length=1)
     hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
+    log_summary_s: float = Field(default=30.0, ge=0, le=86_400, allow_inf_nan=False)
 
     @field_validator("device")
     @classmethod
