@@ -132,6 +132,10 @@ def configure_logging(**values: str) -> LogSettings:
         handler.setFormatter(logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=settings.level, handlers=[handler], force=True)
     logging.captureWarnings(True)
+    # One line per HTTP request a client makes (up's readiness probes, every second):
+    # DEBUG material, whatever level httpx itself gives it.
+    logging.getLogger("httpx").setLevel(logging.NOTSET if settings.level == "DEBUG" else "WARNING")
+    logging.getLogger("httpcore").setLevel("INFO")  # its DEBUG is each socket operation
     return settings
 
 
