@@ -4,6 +4,7 @@ line, and its share of its stage's periodic INFO summary."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -92,7 +93,9 @@ class Summary:
         self, stage: str, every_s: float, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.stage, self.every_s, self.clock = stage, every_s, clock
-        self.since = clock()
+        # Before the first batch the stage has been idle (its model loading, say): the
+        # first line covers the time since that batch.
+        self.since = -math.inf
         self._clear()
 
     def _clear(self) -> None:

@@ -199,3 +199,7 @@ def test_a_summary_covers_its_interval_and_says_nothing_when_idle(
         clock.now += 600
         summary.tick()  # idle since: nothing more
         assert len(said()) == 1
+        summary.add(batch(6))  # after ten idle minutes: its line covers from here
+        clock.now += 30
+        summary.tick()
+        assert (said()[1]["items"], said()[1]["items_per_s"], said()[1]["span_s"]) == (6, 0.2, 30)
