@@ -239,6 +239,7 @@ class Worker:
         finally:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            self.summary.tick(last=True)
         if self._fatal is not None:
             raise self._fatal
         if self._stopping.is_set():

@@ -116,15 +116,21 @@ class Summary:
         self.outcomes.update(record.outcomes)
         self.tick()
 
-    def tick(self) -> None:
+    def tick(self, *, last: bool = False) -> None:
         """Write the summary if one is due and there is something to say (the loop calls
-        this each time it comes round, idle or not)."""
+        this each time it comes round, idle or not).
+
+        Args:
+            last: the worker is stopping: what is counted is said now, however short
+                its span.
+        """
         if not self.batches:
             return
         now = self.clock()
         span = now - self.since
-        if span < self.every_s:
+        if span < self.every_s and not last:
             return
+        span = max(span, 0.001)
         outcomes = {outcome.value: self.outcomes[outcome] for outcome in Outcome}
         fields = {
             "stage": self.stage,

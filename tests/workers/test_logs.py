@@ -203,3 +203,6 @@ def test_a_summary_covers_its_interval_and_says_nothing_when_idle(
         clock.now += 30
         summary.tick()
         assert (said()[1]["items"], said()[1]["items_per_s"], said()[1]["span_s"]) == (6, 0.2, 30)
+        summary.add(batch(2))
+        summary.tick(last=True)  # a stopping worker says what it counted
+        assert said()[2]["items"] == 2
