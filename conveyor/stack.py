@@ -12,7 +12,6 @@ supervisor: N gateway processes alone.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -32,6 +31,7 @@ from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
 from pipelines.registry import app_dir, load_registry
 from pipelines.settings import CommonSettings, load_settings
+from runtime.logs import configure_logging
 
 __all__ = ["UpOptions", "gateway_count", "gateways", "up"]
 
@@ -114,10 +114,6 @@ def _autoscale_settings(options: UpOptions) -> AutoscaleSettings | None:
         max_workers=options.max_workers,
         target_backlog=options.target_backlog,
     )
-    # The autoscaler logs each decision.
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     return scaling
 
 
@@ -131,7 +127,9 @@ def up(options: UpOptions) -> int:
         options: the command's flags.
     """
     # Every child's settings are checked before any starts: a bad value is one line
-    # here, not a child exiting after Redis and the others have started.
+    # here, not a child exiting after Redis and the others have started. The children
+    # inherit CONVEYOR_LOG_*; up's own lines (the autoscaler's decisions) follow them too.
+    configure_logging()
     flags = {"host": options.host, "port": options.port, "gateways": options.gateways}
     gateway = load_settings(GatewaySettings, **{k: v for k, v in flags.items() if v is not None})
     if gateway.port == 0:  # any free port, the same for every gateway, and known to print
@@ -244,6 +242,7 @@ def gateways(env: dict[str, str]) -> int:
     Args:
         env: their environment (``CONVEYOR_GATEWAYS``, ``CONVEYOR_HOST``, ...).
     """
+    configure_logging()
     settings = load_settings(GatewaySettings)
     supervisor = Supervisor(
         env, None, load_settings(RestartSettings), settings.drain_s, stop_asked=_ASKED

@@ -26,6 +26,7 @@ from gateway.settings import GatewaySettings
 from pipelines.settings import load_settings
 from runtime import tracing
 from runtime.exits import exit_for, exit_on_config_error
+from runtime.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,8 @@ class DrainingServer(uvicorn.Server):
 def main() -> None:
     """Entry point of one gateway process (settings from ``CONVEYOR_*``); a bad setting
     ends it with one line and exit status 2."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     with exit_on_config_error():
+        configure_logging()
         settings = load_settings(GatewaySettings)
         tracing.configure("conveyor-gateway")  # OTEL_* variables; off unless they say
         app = create_app(settings)
@@ -81,7 +80,9 @@ def main() -> None:
         app,
         host=settings.host,
         port=settings.port,
-        log_level="info",
+        # uvicorn's lines go through the root's handler, at its level and in its format
+        # (CONVEYOR_LOG_*), not through a dictConfig of its own.
+        log_config=None,
         access_log=False,
         # Never reached by a request (the drain answers each by then): this bounds only
         # the writing of the last answers.

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import ctypes
 import gc
-import logging
 import os
 import signal
 from collections.abc import MutableMapping
@@ -22,6 +21,7 @@ from pipelines.registry import load_registry
 from pipelines.settings import load_settings
 from runtime import tracing
 from runtime.exits import exit_on_config_error
+from runtime.logs import configure_logging, quiet_model_libraries
 from workers.build import process_threads
 from workers.partitions import partition_workers
 from workers.settings import WorkerSettings
@@ -107,9 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         "stages", type=parse_stages, help="comma-separated stages to serve, e.g. embed"
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # Before any model library is imported (the app's module, a runner's).
+    quiet_model_libraries(os.environ)
+    with exit_on_config_error():
+        configure_logging()
     tracing.configure("conveyor-worker")  # OTEL_* variables; off unless they say
     try:
         with exit_on_config_error():

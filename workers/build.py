@@ -18,6 +18,7 @@ from typing import Any
 from pipelines.errors import ConfigError, one_line
 from pipelines.model import Model
 from pipelines.stages import Stage
+from runtime.logs import adopt_library_loggers
 from workers.models.buckets import Bucketed, CannotCapture, summary
 from workers.settings import WorkerSettings
 from workers.threads import resolved_device, torch_threads
@@ -99,6 +100,7 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
             return a model.
     """
     factory = stage.factory(settings.model_profile)
+    adopt_library_loggers()  # transformers, if the runner's module imported it
     standard: dict[str, Any] = {
         "model": settings.models.get(stage.name, stage.model_for(settings.model_profile)),
         "device": stage.device or settings.device,
@@ -116,6 +118,7 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
         except Exception as exc:
             raise ConfigError(_cannot_build(stage, factory, options, exc)) from exc
         _set_threads(stage, model, standard["device"], settings)
+    adopt_library_loggers()  # or if the runner imported it as it loaded
     if not callable(getattr(model, "predict", None)):
         raise ConfigError(
             f"stage {stage.name!r}: runner built {type(model).__name__}, no predict()"

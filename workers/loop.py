@@ -42,7 +42,7 @@ from workers.lengths import Lengths, account, input_cap
 from workers.partials import Partials
 from workers.publish import Publisher
 from workers.recovery import Recovery
-from workers.report import batch_counts, log_batch, tally
+from workers.report import Summary, batch_counts, log_batch, tally
 from workers.route import Router
 from workers.runner import Runner, overlapped
 from workers.settings import WorkerSettings
@@ -78,6 +78,8 @@ class Worker:
             process (:func:`partition_workers`): the model is loaded once and their
             batches take turns on it.
         consumer: its consumer name (default: the settings', else a fresh one).
+        summary: the stage's periodic INFO summary, shared with its other partitions'
+            workers in this process (default: its own).
 
     Attributes:
         consumer: this worker's consumer name in the stage's group.
@@ -95,6 +97,7 @@ class Worker:
         partition: int = 0,
         runner: Runner | None = None,
         consumer: str | None = None,
+        summary: Summary | None = None,
     ) -> None:
         self.stage, self.settings = stage, settings
         self.keys = settings.keys.at(partition)
@@ -148,6 +151,7 @@ class Worker:
             self.publish,
         )
         self.history: deque[BatchRecord] = deque(maxlen=10_000)
+        self.summary = summary or Summary(stage.name, settings.log_summary_s)
         self._joined = False  # the clock calibrated and the group there
         self._fatal: BaseException | None = None  # a batch's unexpected failure ends run()
 
@@ -217,6 +221,7 @@ class Worker:
                 await slots.acquire()
                 taken = await self.source.next(None if burst else self.settings.block_ms)
                 self.alive.beat()
+                self.summary.tick()
                 if self._fatal is not None:
                     raise self._fatal
                 if not taken.batches:
@@ -241,6 +246,7 @@ class Worker:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             await self.presence.stop(leave=self._stopping.is_set() or burst)
+            self.summary.tick(last=True)
         if self._fatal is not None:
             raise self._fatal
         if self._stopping.is_set():
@@ -322,7 +328,8 @@ class Worker:
             self.window.learn(len(items), units, batch.record.run_s)
 
     async def _publish_batch(self, batch: Batch) -> None:
-        """Publish and ack the batch, count it, and log it in one line."""
+        """Publish and ack the batch, count it, log it (DEBUG) and add it to the stage's
+        summary (INFO)."""
         counts, gauges = batch_counts(batch), self.window.gauges()
         breaches = self.runner.breaches.take()  # logged here, at most one line a minute
         if breaches:
@@ -335,3 +342,4 @@ class Worker:
         if tracing.STATE.enabled:
             record_batch(self.stage.name, batch, self.clock.now(), self.consumer)
         log_batch(self.stage.name, batch)
+        self.summary.add(batch.record)

@@ -14,7 +14,7 @@ def partition_workers(
     stage: Stage, settings: WorkerSettings, registry: Registry | None = None
 ) -> list[Worker]:
     """One :class:`Worker` per partition of ``stage`` (``CONVEYOR_PARTITIONS``), sharing
-    one model runner and one consumer name: the model loads once, the partitions'
+    one model runner, one consumer name and one log summary: the model loads once, the partitions'
     batches take turns on it, and status views count one worker.
 
     ``max_concurrent_batches`` is shared out: each partition gets its share, rounded up
@@ -41,6 +41,7 @@ def partition_workers(
             partition=k,
             runner=first.runner,
             consumer=first.consumer,
+            summary=first.summary,
         )
         for k in range(1, settings.partitions)
     ]

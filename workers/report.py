@@ -1,11 +1,17 @@
-"""What a batch reports once published: its stats increments, its outcomes, its log line."""
+"""What a batch reports once published: its stats increments, its outcomes, its DEBUG log
+line, and its share of its stage's periodic INFO summary."""
 
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
 
 from pipelines.outcomes import Outcome
 from runtime import stats
+from workers.batch import BatchRecord
 from workers.intake import Batch
 from workers.publish import Published
 
@@ -37,17 +43,118 @@ def tally(batch: Batch, published: Published) -> None:
 
 
 def log_batch(stage: str, batch: Batch) -> None:
-    """The one log line of a batch."""
+    """The one DEBUG line of a batch, with its trace ids; its fields also structured
+    (``CONVEYOR_LOG_FORMAT=json``). At INFO, :class:`Summary` says what batches did."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
     record = batch.record
-    logger.info(
+    outcomes = {outcome.value: record.outcomes[outcome] for outcome in Outcome}
+    wait_ms, run_ms = max(batch.waits) * 1000, record.run_s * 1000
+    fields = {
+        "stage": stage,
+        "batch": record.size,
+        **outcomes,
+        "wait_max_ms": round(wait_ms, 1),
+        "run_ms": round(run_ms, 1),
+        "tokens": record.tokens,
+        "padded_tokens": record.padded_tokens,
+        "trace_ids": record.trace_ids,
+    }
+    logger.debug(
         "stage %s batch=%d ok=%d error=%d expired=%d cancelled=%d wait_max=%.1fms "
         "run=%.1fms tokens=%d/%d traces=%s",
         stage,
         record.size,
-        *(record.outcomes[outcome] for outcome in Outcome),
-        max(batch.waits) * 1000,
-        record.run_s * 1000,
+        *outcomes.values(),
+        wait_ms,
+        run_ms,
         record.tokens,
         record.padded_tokens,
         ",".join(record.trace_ids),
+        extra=fields,
     )
+
+
+class Summary:
+    """One INFO line per stage every ``every_s`` seconds while it works: batches, items,
+    outcome counts, mean batch size and items/s over the time it covers; nothing while
+    idle. Shared by the stage's partition loops in a process (one event loop: no lock).
+
+    The time a line covers starts at the previous line, or at the first batch after an
+    idle interval (so a burst after an hour's quiet is not averaged over the hour).
+
+    Args:
+        stage: the stage's name.
+        every_s: the interval (``CONVEYOR_LOG_SUMMARY_S``); 0: no summaries.
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(
+        self, stage: str, every_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.stage, self.every_s, self.clock = stage, every_s, clock
+        # Before the first batch the stage has been idle (its model loading, say): the
+        # first line covers the time since that batch.
+        self.since = -math.inf
+        self._clear()
+
+    def _clear(self) -> None:
+        self.batches = self.items = 0
+        self.run_s = 0.0
+        self.outcomes: Counter[str] = Counter()
+
+    def add(self, record: BatchRecord) -> None:
+        """Count a published batch, then :meth:`tick`."""
+        if not self.every_s:
+            return
+        now = self.clock()
+        if not self.batches and now - self.since >= self.every_s:
+            self.since = now  # the first batch after an idle interval
+        self.batches += 1
+        self.items += record.size
+        self.run_s += record.run_s
+        self.outcomes.update(record.outcomes)
+        self.tick()
+
+    def tick(self, *, last: bool = False) -> None:
+        """Write the summary if one is due and there is something to say (the loop calls
+        this each time it comes round, idle or not).
+
+        Args:
+            last: the worker is stopping: what is counted is said now, however short
+                its span.
+        """
+        if not self.batches:
+            return
+        now = self.clock()
+        span = now - self.since
+        if span < self.every_s and not last:
+            return
+        span = max(span, 0.001)
+        outcomes = {outcome.value: self.outcomes[outcome] for outcome in Outcome}
+        fields = {
+            "stage": self.stage,
+            "summary": True,
+            "batches": self.batches,
+            "items": self.items,
+            **outcomes,
+            "mean_batch": round(self.items / self.batches, 2),
+            "items_per_s": round(self.items / span, 2),
+            "run_ms_mean": round(self.run_s / self.batches * 1000, 1),
+            "span_s": round(span, 1),
+        }
+        logger.info(
+            "stage %s summary: %d batches, %d items (ok=%d error=%d expired=%d "
+            "cancelled=%d), mean batch %.1f, %.1f items/s, run mean %.1f ms, over %.0f s",
+            self.stage,
+            self.batches,
+            self.items,
+            *outcomes.values(),
+            self.items / self.batches,
+            self.items / span,
+            self.run_s / self.batches * 1000,
+            span,
+            extra=fields,
+        )
+        self.since = now
+        self._clear()

@@ -90,6 +90,9 @@ class WorkerSettings(CommonSettings):
         hung_grace_s: a model call still running this long past every deadline of its
             batch is hung: the worker logs it and exits (:func:`workers.runner.hung`),
             to be restarted, since the model thread it holds can never be freed.
+        log_summary_s: each stage's INFO summary line comes this often while it works
+            (batches, items, outcomes, mean batch size, items/s; nothing while idle);
+            each batch's own line is DEBUG (``CONVEYOR_LOG_LEVEL``). 0: no summaries.
     """
 
     model_profile: Literal["offline", "hub"] = "offline"
@@ -122,6 +125,7 @@ class WorkerSettings(CommonSettings):
     alive_file: str | None = Field(default=None, min_length=1)
     alive_stale_s: float = Field(default=30.0, ge=0.3, le=86_400, allow_inf_nan=False)
     hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
+    log_summary_s: float = Field(default=30.0, ge=0, le=86_400, allow_inf_nan=False)
 
     @field_validator("device")
     @classmethod

@@ -114,7 +114,9 @@ async def test_a_worker_killed_mid_batch_loses_and_doubles_nothing_on_a_cluster(
 ) -> None:
     env = settings(nodes, namespace)
     worker_env = slow_worker_env(env, delay_s=0.3)
-    doomed = spawn("workers", "slow", log=tmp_path / "doomed.log", **worker_env)
+    # Its batch lines (DEBUG) say when it has batches in flight.
+    doomed_env = worker_env | {"CONVEYOR_LOG_LEVEL": "DEBUG"}
+    doomed = spawn("workers", "slow", log=tmp_path / "doomed.log", **doomed_env)
     survivor = spawn("workers", "slow", log=tmp_path / "survivor.log", **worker_env)
     admin = cast(aioredis.Redis, RedisCluster.from_url(nodes.url))
     try:

@@ -23,6 +23,7 @@ from conveyor.placement import PlacementSettings
 from gateway.settings import GatewaySettings
 from pipelines.builtin.wikisummary import WikiSettings
 from pipelines.settings import CommonSettings
+from runtime.logs import LogSettings
 from tests.helpers import REPO as ROOT
 from tests.helpers import GatewayProcess
 from workers.settings import WorkerSettings
@@ -35,6 +36,7 @@ SETTINGS: tuple[type[BaseSettings], ...] = (
     PlacementSettings,
     WikiSettings,
     CommonSettings,
+    LogSettings,
 )
 CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
 ASSIGN = re.compile(r"\bCONVEYOR_[A-Z0-9_]+=")

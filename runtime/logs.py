@@ -1,0 +1,171 @@
+"""How every conveyor process logs: its level and format, set once at its entry point.
+
+The worker, the gateway and ``conveyor up`` (with the children it starts, which inherit
+its environment) each call :func:`configure_logging` first, so one pair of variables
+governs them all:
+
+- ``CONVEYOR_LOG_LEVEL``: ``DEBUG``, ``INFO`` (default), ``WARNING``, ``ERROR`` or
+  ``CRITICAL``, any case.
+- ``CONVEYOR_LOG_FORMAT``: ``text`` (default: ``time LEVEL logger: message``) or ``json``:
+  one JSON object a line with ``time``, ``level``, ``logger`` and ``message``, and the
+  structured fields a call passed as ``extra`` (a batch line's stage, size, outcome
+  counts and durations), so a log pipeline reads them without parsing the message.
+
+The model libraries are kept quiet in a worker (:func:`quiet_model_libraries`): their
+progress bars are tty decoration, and in a log they are hundreds of carriage-returned
+lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import MutableMapping
+from types import TracebackType
+from typing import Any
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pipelines.settings import load_settings
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The values ``CONVEYOR_LOG_LEVEL`` takes (any case)."""
+
+FORMATS = ("text", "json")
+"""The values ``CONVEYOR_LOG_FORMAT`` takes."""
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The line of ``CONVEYOR_LOG_FORMAT=text``."""
+
+# What every LogRecord carries; anything else on a record came from a call's ``extra``.
+# ``color_message`` is uvicorn's copy of its message with terminal colours.
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "color_message",
+    "taskName",
+}
+
+
+class LogSettings(BaseSettings):
+    """How a process logs, read from ``CONVEYOR_LOG_*`` variables (every process reads
+    them; the worker's summary interval is :class:`~workers.settings.WorkerSettings`'s).
+
+    Attributes:
+        level: the lowest level written: ``DEBUG`` adds each batch's line with its trace
+            ids; ``INFO`` writes a summary per stage instead.
+        format: ``text`` or ``json`` (one object a line).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_LOG_", extra="ignore")
+
+    level: str = "INFO"
+    format: str = "text"
+
+    @field_validator("level")
+    @classmethod
+    def _level_ok(cls, value: str) -> str:
+        if value.strip().upper() not in LEVELS:
+            raise ValueError(f"must be one of {', '.join(LEVELS)} (any case)")
+        return value.strip().upper()
+
+    @field_validator("format")
+    @classmethod
+    def _format_ok(cls, value: str) -> str:
+        if value.strip().lower() not in FORMATS:
+            raise ValueError(f"must be {' or '.join(FORMATS)}")
+        return value.strip().lower()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``time`` (UTC, ISO 8601, milliseconds), ``level``,
+    ``logger``, ``message``, the record's ``extra`` fields, and ``exc`` (the traceback)
+    when it carries an exception. A value JSON cannot hold is written as its ``str``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
+        fields = {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+        line: dict[str, Any] = {
+            "time": _utc(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            **{k: v for k, v in fields.items() if k not in ("time", "level", "logger")},
+        }
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exc"] = record.exc_text
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(line, default=str, ensure_ascii=False)
+
+
+def _utc(created: float) -> str:
+    whole = int(created)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+    return f"{stamp}.{int((created - whole) * 1000):03d}Z"
+
+
+def configure_logging(**values: str) -> LogSettings:
+    """Set up the root logger as ``CONVEYOR_LOG_LEVEL`` and ``CONVEYOR_LOG_FORMAT`` say
+    (``values`` over them): one handler on stderr; Python's warnings logged through it;
+    in JSON, an uncaught exception's traceback too, so every line stays an object.
+    Called once at each entry point; a second call replaces the first's handler.
+
+    Args:
+        values: ``level`` or ``format`` given otherwise (a test, a flag).
+
+    Raises:
+        ConfigError: a value is not one of those listed, named by its variable.
+    """
+    settings = load_settings(LogSettings, **values)
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.format == "json":
+        handler.setFormatter(JsonFormatter())
+        sys.excepthook = _log_uncaught
+    else:
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=settings.level, handlers=[handler], force=True)
+    logging.captureWarnings(True)
+    # One line per HTTP request a client makes (up's readiness probes, every second):
+    # DEBUG material, whatever level httpx itself gives it.
+    logging.getLogger("httpx").setLevel(logging.NOTSET if settings.level == "DEBUG" else "WARNING")
+    logging.getLogger("httpcore").setLevel("INFO")  # its DEBUG is each socket operation
+    return settings
+
+
+def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, exc, tb)
+        return
+    logging.getLogger("conveyor").critical("uncaught exception", exc_info=(kind, exc, tb))
+
+
+def quiet_model_libraries(environ: MutableMapping[str, str]) -> None:
+    """Keep transformers' and huggingface_hub's progress bars ("Loading weights",
+    downloads) and their INFO chatter out of a worker's log: set before either is
+    imported (``HF_HUB_DISABLE_PROGRESS_BARS``, ``TRANSFORMERS_VERBOSITY``; what
+    ``environ`` sets already wins), then :func:`adopt_library_loggers` once imported."""
+    environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")
+
+
+def adopt_library_loggers() -> None:
+    """If transformers is imported: its progress bars off, its verbosity ``WARNING`` and
+    its lines through conveyor's handler (it installs its own, which writes plain text
+    past the root's format). Not imported: nothing (importing it costs a light worker
+    a second and a half). Idempotent."""
+    if "transformers" not in sys.modules:
+        return
+    from transformers.utils import logging as hf_logging
+
+    if os.environ.get("TRANSFORMERS_VERBOSITY") in (None, "warning"):
+        hf_logging.set_verbosity_warning()  # type: ignore[no-untyped-call]
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
