@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from conveyor.autoscale import AutoscaleSettings
+from conveyor.data import DataSettings
 from conveyor.placement import PlacementSettings
 from gateway.settings import GatewaySettings
 from pipelines.builtin.wikisummary import WikiSettings
@@ -37,6 +38,7 @@ SETTINGS: tuple[type[BaseSettings], ...] = (
     WikiSettings,
     CommonSettings,
     LogSettings,
+    DataSettings,
 )
 CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
 ASSIGN = re.compile(r"\bCONVEYOR_[A-Z0-9_]+=")
