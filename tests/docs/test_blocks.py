@@ -11,14 +11,20 @@ order. What the HTML comment on the line before a block says decides what happen
   in the page's folder on a free port (once: stacks with the same arguments are shared by
   pages, except an ``--app`` one, which belongs to its page), and this and the page's later
   blocks run against it: ``localhost:8000`` / ``127.0.0.1:8000`` in their text become that
-  port.
+  port, and ``CONVEYOR_REDIS_URL`` is set to the stack's Redis, the address ``up`` prints
+  (as a reader pastes it into a second terminal).
+- ``<!-- background: TEXT -->``: the block is a command that serves until stopped, as run
+  in a second terminal: it is started in the page's folder, the page goes on once its
+  output holds ``TEXT``, and it is stopped with SIGINT (and must exit 0) when the page's
+  blocks are done.
 
 Then, by language: ``python`` runs as a script (``python -c``) in the page's folder;
 ``bash`` runs as one ``bash -euo pipefail`` script there, ``curl`` failing on an HTTP error;
 ``console`` runs its ``$ `` lines the same way (the rest is their output, not compared);
 ``text``, ``yaml`` and ``json`` are output or file contents, not commands. A fence with no
 language, or another language, fails: a new kind of block needs a rule here first. A
-command block that needs the port and has no stack fails too.
+command block that needs the port and has no stack fails too; so does a ``background``
+block that is not a command.
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ from tests.helpers import REPO, up_env, wait_for_line
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
-MARKER = re.compile(r"<!--\s*(norun|file|stack):\s*(.*?)\s*-->\s*\Z", re.S)
+MARKER = re.compile(r"<!--\s*(norun|file|stack|background):\s*(.*?)\s*-->\s*\Z", re.S)
 COMMANDS = {"bash", "console"}
 NOT_RUN = {"text", "yaml", "json"}
 PORT = re.compile(r"(?:localhost|127\.0\.0\.1):8000\b")
+REDIS_URL = re.compile(r"`CONVEYOR_REDIS_URL=(redis://\S+) ")
+"""Where ``conveyor up`` prints its embedded Redis (conveyor/supervisor.py)."""
 
 
 @dataclass
@@ -90,14 +98,16 @@ class Stacks:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.running: dict[tuple[str, str], tuple[subprocess.Popen[bytes], int, Path]] = {}
+        self.redis: dict[tuple[str, str], str] = {}
 
-    def start(self, command: str, folder: Path) -> int:
-        """The port of a running ``command`` (``conveyor up ...``), started if need be."""
+    def start(self, command: str, folder: Path) -> tuple[int, str]:
+        """The port and Redis URL of a running ``command`` (``conveyor up ...``), started
+        if need be."""
         argv = shlex.split(command)
         assert argv[:2] == ["conveyor", "up"], f"a stack is a `conveyor up`: {command!r}"
         key = (command, str(folder) if "--app" in argv else "")
         if key in self.running:
-            return self.running[key][1]
+            return self.running[key][1], self.redis[key]
         port = free_port()
         log = self.root / f"up-{len(self.running)}.log"
         with log.open("wb") as out:
@@ -109,8 +119,11 @@ class Stacks:
                 stderr=subprocess.STDOUT,
             )
         self.running[key] = (proc, port, log)
-        wait_for_line(log, "conveyor: ready:", proc, limit_s=400)
-        return port
+        out = wait_for_line(log, "conveyor: ready:", proc, limit_s=400)
+        found = REDIS_URL.search(out)
+        assert found, f"`{command}` printed no Redis address:\n{out}"
+        self.redis[key] = found[1]
+        return port, found[1]
 
     def stop(self) -> None:
         for proc, _, _log in self.running.values():
@@ -154,35 +167,68 @@ def run_page(page: Path, folder: Path, stacks: Stacks) -> int:
     env["CURL_HOME"] = str(curl_home)
     port: int | None = None
     ran = 0
-    for block in blocks(page):
-        known = {"python", *COMMANDS, *NOT_RUN}
-        assert block.lang in known, f"{block.where}: a fence needs one of {sorted(known)}"
-        if block.marker == "norun":
-            assert block.arg, f"{block.where}: `norun:` must say why"
-            continue
-        if block.marker == "file":
-            with (folder / block.arg).open("a", encoding="utf-8") as out:
-                out.write(block.text + "\n\n")
-            continue
-        if block.marker == "stack":
-            port = stacks.start(block.arg, folder)
-        if block.lang in NOT_RUN:
-            continue
-        text = block.text
-        if PORT.search(text):
-            assert port is not None, f"{block.where}: calls a gateway; needs a stack marker"
-            text = PORT.sub(f"127.0.0.1:{port}", text)
-        if block.lang == "python":
-            argv = [sys.executable, "-c", text]
-        else:
-            script = command_script(Block(block.page, block.line, block.lang, text))
-            argv = ["bash", "-euo", "pipefail", "-c", script]
-        done = subprocess.run(
-            argv, cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False
-        )
-        assert done.returncode == 0, f"{block.where} failed:\n{text}\n{done.stdout}{done.stderr}"
-        ran += 1
+    background: list[tuple[subprocess.Popen[bytes], Path, Block]] = []
+    try:
+        for block in blocks(page):
+            known = {"python", *COMMANDS, *NOT_RUN}
+            assert block.lang in known, f"{block.where}: a fence needs one of {sorted(known)}"
+            if block.marker == "norun":
+                assert block.arg, f"{block.where}: `norun:` must say why"
+                continue
+            if block.marker == "file":
+                with (folder / block.arg).open("a", encoding="utf-8") as out:
+                    out.write(block.text + "\n\n")
+                continue
+            if block.marker == "stack":
+                port, env["CONVEYOR_REDIS_URL"] = stacks.start(block.arg, folder)
+            if block.lang in NOT_RUN:
+                continue
+            text = block.text
+            if PORT.search(text):
+                assert port is not None, f"{block.where}: calls a gateway; needs a stack marker"
+                text = PORT.sub(f"127.0.0.1:{port}", text)
+            if block.lang == "python":
+                argv = [sys.executable, "-c", text]
+            else:
+                script = command_script(Block(block.page, block.line, block.lang, text))
+                argv = ["bash", "-euo", "pipefail", "-c", script]
+            if block.marker == "background":
+                assert block.lang in COMMANDS, f"{block.where}: a background block is a command"
+                assert block.arg, f"{block.where}: `background:` must say what output to await"
+                log = folder.with_name(f"{folder.name}-background-{len(background)}.log")
+                with log.open("wb") as out:
+                    proc = subprocess.Popen(
+                        argv, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT
+                    )
+                background.append((proc, log, block))
+                wait_for_line(log, block.arg, proc, limit_s=300)
+                ran += 1
+                continue
+            done = subprocess.run(
+                argv, cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False
+            )
+            assert done.returncode == 0, (
+                f"{block.where} failed:\n{text}\n{done.stdout}{done.stderr}"
+            )
+            ran += 1
+    finally:
+        stop_background(background)
     return ran
+
+
+def stop_background(running: list[tuple[subprocess.Popen[bytes], Path, Block]]) -> None:
+    """Stop the page's background commands as Ctrl-C stops them: each must exit 0."""
+    for proc, _, _ in running:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    for proc, log, block in running:
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"{block.where} did not stop:\n{log.read_text()}") from None
+        assert code == 0, f"{block.where} exited {code}:\n{log.read_text()}"
 
 
 @pytest.mark.timeout(900)
@@ -202,7 +248,10 @@ def test_the_block_rules_catch_what_they_promise(tmp_path: Path) -> None:
         "<!-- norun: serves until stopped -->\n```bash\nmake up\n```\n\n"
         "<!-- file: m.py -->\n```python\nX = 2\n```\n\n"
         "```python\nimport m\nassert m.X == 2\n```\n\n"
-        "```console\n$ python -c 'print(1)'\n1\n```\n"
+        "```console\n$ python -c 'print(1)'\n1\n```\n\n"
+        "<!-- background: serving -->\n```bash\ntrap 'exit 0' INT\ntouch up.flag\n"
+        "echo serving\nwhile true; do sleep 0.1; done\n```\n\n"
+        "```bash\ntest -f up.flag\n```\n"
     )
     found = blocks(page)
     assert [(b.lang, b.marker) for b in found] == [
@@ -210,11 +259,19 @@ def test_the_block_rules_catch_what_they_promise(tmp_path: Path) -> None:
         ("python", "file"),
         ("python", None),
         ("console", None),
+        ("bash", "background"),
+        ("bash", None),
     ]
     folder = tmp_path / "run"
     folder.mkdir()
-    assert run_page(page, folder, Stacks(tmp_path)) == 2
-    for bad in ("```\nls\n```\n", "<!-- norun: -->\n```bash\nls\n```\n", "```bash\nfalse\n```\n"):
+    assert run_page(page, folder, Stacks(tmp_path)) == 4
+    for bad in (
+        "```\nls\n```\n",
+        "<!-- norun: -->\n```bash\nls\n```\n",
+        "```bash\nfalse\n```\n",
+        "<!-- background: x -->\n```python\nprint('x')\n```\n",  # not a command
+        "<!-- background: never -->\n```bash\ntrue\n```\n",  # exits before it says so
+    ):
         page.write_text(bad)
         other = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
         other.mkdir()

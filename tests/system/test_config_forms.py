@@ -1,7 +1,9 @@
 """Every ``CONVEYOR_*`` form the docs show, exactly as written there, starts what it configures.
 
 The forms are read out of README.md and every page of docs/ (every ``CONVEYOR_X=value`` in a
-code span or block), so a newly documented form is covered without touching this file.
+code span or block), so a newly documented form is covered without touching this file. A
+```` ```text ```` block is output (an error message quoting a refused value, a log line), not
+a form to copy, and is not read.
 Gateway forms start a real gateway process that must answer ``/readyz``; worker and
 ``conveyor up`` forms construct the settings class of each process that reads them.
 """
@@ -40,18 +42,20 @@ SETTINGS: tuple[type[BaseSettings], ...] = (
     LogSettings,
     DataSettings,
 )
-CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
+CODE = re.compile(r"```([^\n]*)\n(.*?)```|`([^`\n]+)`", re.S)
 ASSIGN = re.compile(r"\bCONVEYOR_[A-Z0-9_]+=")
 
 
-def documented_forms() -> list[tuple[str, str, str]]:
+def documented_forms(docs: tuple[Path, ...] = DOCS) -> list[tuple[str, str, str]]:
     """``(variable, value, where)`` for every assignment shown in a code span of the docs,
     the value unquoted the way a shell would."""
     forms: dict[tuple[str, str], str] = {}
-    for doc in DOCS:
+    for doc in docs:
         text = doc.read_text(encoding="utf-8")
         for code in CODE.finditer(text):
-            snippet = code.group(1) or code.group(2)
+            if code.group(1) is not None and code.group(1).strip() == "text":
+                continue  # output, not a form
+            snippet = code.group(2) or code.group(3)
             for line in snippet.splitlines():
                 for hit in ASSIGN.finditer(line):
                     try:
@@ -83,6 +87,19 @@ def test_the_docs_show_the_forms_this_test_relies_on() -> None:
     shown = {(name, value) for name, value, _ in FORMS}
     assert ("CONVEYOR_API_KEYS", "k1,k2") in shown
     assert ("CONVEYOR_MODELS", '{"generate": "/models/my-gpt2", "sentiment": "org/model"}') in shown
+
+
+def test_an_output_block_is_not_read_as_forms(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```text\nconveyor: CONVEYOR_APP='mymodule' must look like 'module:attribute'\n```\n"
+        "```bash\nCONVEYOR_LOG_LEVEL=debug conveyor up\n```\n`CONVEYOR_GPUS=4`\n",
+        encoding="utf-8",
+    )
+    assert documented_forms((page,)) == [
+        ("CONVEYOR_GPUS", "4", "page.md:7"),
+        ("CONVEYOR_LOG_LEVEL", "debug", "page.md:4"),
+    ]
 
 
 @pytest.fixture
