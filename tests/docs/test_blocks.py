@@ -119,9 +119,9 @@ class Stacks:
                 stderr=subprocess.STDOUT,
             )
         self.running[key] = (proc, port, log)
-        out = wait_for_line(log, "conveyor: ready:", proc, limit_s=400)
-        found = REDIS_URL.search(out)
-        assert found, f"`{command}` printed no Redis address:\n{out}"
+        said = wait_for_line(log, "conveyor: ready:", proc, limit_s=400)
+        found = REDIS_URL.search(said)
+        assert found, f"`{command}` printed no Redis address:\n{said}"
         self.redis[key] = found[1]
         return port, found[1]
 
