@@ -36,7 +36,7 @@ $(KEDA_CRD)/node_modules/.installed: $(KEDA_CRD)/package.json $(KEDA_CRD)/packag
 	touch $@
 
 keda-crd:
-	@if command -v npm >/dev/null 2>&1; then $(MAKE) --no-print-directory $(KEDA_CRD)/node_modules/.installed; \
+	@if command -v npm >/dev/null 2>&1; then $(MAKE) -s --no-print-directory $(KEDA_CRD)/node_modules/.installed; \
 	else echo "npm not found: KEDA's CRD schema test will be skipped (apt-get install nodejs npm)"; fi
 
 pytest: $(STAMP) keda-crd
