@@ -9,8 +9,9 @@ kept in this repository. ``tests/deploy/keda/validate.cjs`` runs it under node.
 What a CRD schema checks: required fields (a trigger's ``type`` and ``metadata``, the
 ``scaleTargetRef``'s ``name``, a ``secretTargetRef``'s ``parameter``/``name``/``key``), types
 (trigger metadata values are strings, replica counts integers) and the ``apiVersion``/``kind``.
-It does not reject a field it does not know: Kubernetes prunes those from a CRD object, so
-the structural test in ``test_deploy`` still names the fields we may write.
+It does not reject a field it does not know (the schema has no ``additionalProperties``: the
+API server drops such a field, or refuses it under kubectl's strict field validation), so the
+structural test in ``test_deploy`` still names the fields we may write.
 """
 
 from __future__ import annotations
