@@ -1,5 +1,11 @@
 """``POST /v1/embeddings`` (each text one request to a stage marked
-``openai="embeddings"``) and ``GET /v1/models`` (what these routes serve)."""
+``openai="embeddings"``) and ``GET /v1/models`` (what these routes serve).
+
+``usage.prompt_tokens`` is the sum of each text's ``prompt_tokens`` as the stage counted
+them: a stage whose input has a ``usage`` flag (:class:`~pipelines.stages.EmbedIn`) is
+asked for them. Where a result carries no count (a user stage without ``usage``), that text's
+tokens are estimated (:func:`pipelines.tokens.estimate`).
+"""
 
 import base64
 import math
@@ -38,12 +44,11 @@ def add_embedding_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         pipeline = served(gw, body.model, "embeddings")
         inputs = texts(body.input, "input")
         unsupported(dimensions=body.dimensions is not None)
+        ask = {"usage": True} if _counts(pipeline) else {}
+        payloads = [checked(pipeline, {"text": t, **ask}, "input") for t in inputs]
         budget = gw.timeout_for(sent.timeout_s)
         results = await run_all(
-            [
-                gw.call(pipeline, p, budget, sent.trace, http.receive, sent.lane)
-                for p in [checked(pipeline, {"text": t}, "input") for t in inputs]
-            ]
+            [gw.call(pipeline, p, budget, sent.trace, http.receive, sent.lane) for p in payloads]
         )
         as_base64 = body.encoding_format == "base64"
         data = [
@@ -105,6 +110,13 @@ def add_model_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         tags=["openai"],
         responses={**declared(edge), **openai_errors((404,))},
     )
+
+
+def _counts(pipeline: Pipeline) -> bool:
+    """Whether the pipeline's stage counts a text's tokens when asked: its input has a
+    ``usage`` flag (as :class:`~pipelines.stages.EmbedIn`)."""
+    field = pipeline.input_model.model_fields.get("usage")
+    return field is not None and field.annotation is bool
 
 
 def _model(pipeline: Pipeline) -> dict[str, Any]:
