@@ -26,7 +26,7 @@ from conveyor.placement import PlacementSettings, host_placer, worker_groups
 from conveyor.readiness import Readiness, check_port, gateway_url
 from conveyor.restarts import RestartSettings
 from conveyor.supervisor import StopAsked, Supervisor, say
-from gateway.routes.openai import check_names
+from gateway.routes.openai.serving import check_names
 from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
 from pipelines.registry import app_dir, load_registry
