@@ -26,7 +26,6 @@ from conveyor.placement import PlacementSettings, host_placer, worker_groups
 from conveyor.readiness import Readiness, check_port, gateway_url
 from conveyor.restarts import RestartSettings
 from conveyor.supervisor import StopAsked, Supervisor, say
-from gateway.routes.openai import check_names
 from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
 from pipelines.registry import app_dir, load_registry
@@ -136,7 +135,11 @@ def up(options: UpOptions) -> int:
         gateway = gateway.model_copy(update={"port": free_port(gateway.host)})
     env = _child_env(options, gateway)
     registry = load_registry(env.get("CONVEYOR_APP"), env.get("CONVEYOR_PIPELINES"))
-    check_names(registry)  # a pipeline named as an OpenAI route: one line before anything starts
+    # A pipeline named as an OpenAI route: one line before anything starts. Imported here:
+    # the gateway's routes need the serve extra, which the CLI's other commands do not.
+    from gateway.routes.openai.serving import check_names
+
+    check_names(registry)
     scaling = _autoscale_settings(options)
     settings = load_settings(PlacementSettings)  # the workers' settings, and placement's
     groups = worker_groups(registry, options.replicas, settings)

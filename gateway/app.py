@@ -25,15 +25,10 @@ from gateway.headers import CORS_HEADERS
 from gateway.responses import openapi_document, validation_issues
 from gateway.routes import json_response
 from gateway.routes.jobs import add_job_routes
-from gateway.routes.openai import (
-    PATHS,
-    add_openai_routes,
-    check_names,
-    is_openai_path,
-    openai_error,
-    without_422,
-)
-from gateway.routes.openai import error_of as openai_error_of
+from gateway.routes.openai import add_openai_routes
+from gateway.routes.openai.errors import PATHS, is_openai_path, openai_error, without_422
+from gateway.routes.openai.errors import error_of as openai_error_of
+from gateway.routes.openai.serving import check_names
 from gateway.routes.ops import add_ops_routes
 from gateway.routes.pipelines import add_pipeline_routes
 from gateway.service import Gateway
@@ -128,7 +123,8 @@ def create_app(
 
     Raises:
         ConfigError: a pipeline is called ``jobs``: ``/v1/jobs/...`` are the job routes;
-            or as one of the OpenAI-compatible routes (:func:`gateway.routes.openai.check_names`).
+            or as one of the OpenAI-compatible routes
+            (:func:`gateway.routes.openai.serving.check_names`).
     """
     settings = settings or load_settings(GatewaySettings)
     registry = registry or load_registry(settings.app, settings.pipelines)

@@ -26,7 +26,8 @@ Profile = Literal["offline", "hub"]
 
 OpenAIKind = Literal["embeddings", "completions"]
 """Which OpenAI-compatible route serves a stage's one-step pipeline (``gateway.routes.openai``):
-``embeddings`` takes ``{"text"}`` and answers ``{"embedding": [float, ...]}``; ``completions``
+``embeddings`` takes ``{"text"}`` and answers ``{"embedding": [float, ...]}`` (and
+``prompt_tokens`` where its input has ``usage``, as :class:`EmbedIn`); ``completions``
 takes :class:`GenerateIn` and answers ``{"generated_text"}``."""
 
 Kind = Literal["model", "function"]
@@ -40,6 +41,16 @@ class TextIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str = Field(min_length=1, max_length=100_000, description="The input text.")
+
+
+class EmbedIn(TextIn):
+    """Input of ``embed``."""
+
+    usage: bool = Field(
+        default=False,
+        description="Also answer `prompt_tokens`: the text's tokens as the model read it "
+        "(counted by its tokenizer, special tokens included, after truncation).",
+    )
 
 
 class ChatMessage(BaseModel):
@@ -274,7 +285,7 @@ BUILTIN: dict[str, Stage] = {
     for s in (
         Stage(
             "embed",
-            TextIn,
+            EmbedIn,
             "workers.models.hf:Embedder",
             model="minilm",
             hub_model="sentence-transformers/all-MiniLM-L6-v2",

@@ -121,7 +121,7 @@ def test_up_serves_a_module_of_the_current_folder_and_says_where_everything_is(
         )
         assert status.returncode == 0, status.stderr
         row = next(line for line in status.stdout.splitlines() if line.startswith("wordcount "))
-        assert row.split()[4] == "1", status.stdout  # its consumer: up's worker
+        assert row.split()[4] == "1/1", status.stdout  # its consumer, alive: up's worker
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=45)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from pipelines.envelope import LANES
 from pipelines.keys import GROUP, Keys
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
+from tests.deploy.kedacrd import assert_match_keda_crd, crd_problems
 from tests.helpers import REPO, conveyor, wait_ready
 from workers.settings import WorkerSettings
 
@@ -769,7 +770,7 @@ def test_k8s_manifests_match_the_kubernetes_schemas() -> None:
     checked = 0
     for path, doc in k8s_documents():
         if doc["apiVersion"].startswith("keda.sh/"):
-            continue  # CRDs: no schema in the package; see the structural test below
+            continue  # KEDA's CRDs: test_keda_objects_match_kedas_crd_schema
         for version in versions:
             try:
                 kv.validate(doc, version, strict=True)
@@ -778,6 +779,76 @@ def test_k8s_manifests_match_the_kubernetes_schemas() -> None:
                 pytest.fail(f"{path.name} {doc['kind']}/{doc['metadata']['name']}: {where}: {exc}")
         checked += 1
     assert checked >= 15
+
+
+def keda_documents() -> list[tuple[str, dict[str, Any]]]:
+    """The KEDA objects under deploy/k8s, each with its file's name."""
+    return [(p.name, d) for p, d in k8s_documents() if d["apiVersion"].startswith("keda.sh/")]
+
+
+def test_keda_objects_match_kedas_crd_schema() -> None:
+    docs = keda_documents()
+    kinds = [d["kind"] for _, d in docs]
+    assert kinds.count("TriggerAuthentication") == 1
+    assert kinds.count("ScaledObject") == len(by_kind("Deployment")) - 1  # not the gateway
+    assert_match_keda_crd(docs)
+
+
+_DROP = object()
+
+
+def _edit(path: str, value: Any = _DROP) -> Callable[[dict[str, Any]], None]:
+    """A change to a manifest: set the field at dotted ``path`` (list items by index) to
+    ``value``, or drop it when no value is given."""
+
+    def change(doc: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = doc
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node[part]
+        if value is _DROP:
+            del node[last]
+        else:
+            node[last] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("kind", "change", "rejected"),
+    [
+        ("ScaledObject", _edit("spec.triggers.0.type"), "0: must have required property type"),
+        (
+            "ScaledObject",
+            _edit("spec.triggers.0.metadata"),
+            "0: must have required property metadata",
+        ),
+        (
+            "ScaledObject",
+            _edit("spec.triggers.0.metadata.lagCount", 64),
+            "lagCount: must be string",
+        ),
+        (
+            "ScaledObject",
+            _edit("spec.scaleTargetRef.name"),
+            "Ref: must have required property name",
+        ),
+        ("ScaledObject", _edit("spec.fallback.replicas", "1"), "replicas: must be integer"),
+        ("ScaledObject", _edit("kind", "ScaledObjects"), "no KEDA CRD defines"),
+        ("TriggerAuthentication", _edit("spec.secretTargetRef.0.key"), "required property key"),
+    ],
+    ids=["no-type", "no-metadata", "int-metadata", "no-target", "str-replicas", "kind", "no-key"],
+)
+def test_keda_crd_schema_rejects_a_broken_object(
+    kind: str, change: Callable[[dict[str, Any]], None], rejected: str
+) -> None:
+    """The CRD check is not a formality: each break of a shipped object is named."""
+    shipped = next(d for _, d in keda_documents() if d["kind"] == kind)
+    broken = json.loads(json.dumps(shipped))
+    change(broken)
+    fine, problems = crd_problems([shipped, broken])
+    assert fine == []
+    assert any(rejected in p for p in problems), problems
 
 
 def test_keda_objects_are_well_formed() -> None:

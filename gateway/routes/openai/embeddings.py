@@ -1,0 +1,134 @@
+"""``POST /v1/embeddings`` (each text one request to a stage marked
+``openai="embeddings"``) and ``GET /v1/models`` (what these routes serve).
+
+``usage.prompt_tokens`` is the sum of each text's ``prompt_tokens`` as the stage counted
+them: a stage whose input has a ``usage`` flag (:class:`~pipelines.stages.EmbedIn`) is
+asked for them. Where a result carries no count (a user stage without ``usage``), that text's
+tokens are estimated (:func:`pipelines.tokens.estimate`).
+"""
+
+import base64
+import math
+import struct
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Request
+from fastapi.responses import Response
+
+from gateway.headers import Sent, sent_on
+from gateway.responses import declared
+from gateway.routes import json_response
+from gateway.routes.openai.errors import Refused, openai_errors, post_errors
+from gateway.routes.openai.serving import checked, count, openai_kind, run_all, served, usage
+from gateway.routes.openai.wire import EmbeddingsIn, texts, unsupported
+from gateway.service import Gateway
+from pipelines.errors import ItemFailed
+from pipelines.graph import Pipeline
+from pipelines.tokens import estimate
+
+
+def add_embedding_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
+    """Add ``POST /v1/embeddings``.
+
+    Args:
+        app: the application.
+        gw: the gateway that runs their requests.
+        edge: the statuses the edge can answer first.
+    """
+
+    async def embeddings(
+        http: Request,
+        body: Annotated[EmbeddingsIn, Body()],
+        sent: Annotated[Sent, sent_on("call")],
+    ) -> Response:
+        pipeline = served(gw, body.model, "embeddings")
+        inputs = texts(body.input, "input")
+        unsupported(dimensions=body.dimensions is not None)
+        ask = {"usage": True} if _counts(pipeline) else {}
+        payloads = [checked(pipeline, {"text": t, **ask}, "input") for t in inputs]
+        budget = gw.timeout_for(sent.timeout_s)
+        results = await run_all(
+            [gw.call(pipeline, p, budget, sent.trace, http.receive, sent.lane) for p in payloads]
+        )
+        as_base64 = body.encoding_format == "base64"
+        data = [
+            {"object": "embedding", "index": i, "embedding": _vector(r, as_base64)}
+            for i, r in enumerate(results)
+        ]
+        tokens = sum(
+            count(r, "prompt_tokens", estimate({"text": t}))
+            for r, t in zip(results, inputs, strict=True)
+        )
+        answer = {"object": "list", "data": data, "model": body.model, "usage": usage(tokens)}
+        return json_response(answer)
+
+    app.add_api_route(
+        "/v1/embeddings",
+        embeddings,
+        methods=["POST"],
+        summary="Embeddings (OpenAI-compatible)",
+        tags=["openai"],
+        responses=post_errors(edge),
+    )
+
+
+def add_model_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
+    """Add ``GET /v1/models`` and ``GET /v1/models/{name}``: the pipelines these routes
+    serve.
+
+    Args:
+        app: the application.
+        gw: the gateway whose pipelines they list.
+        edge: the statuses the edge can answer first.
+    """
+
+    async def models() -> Response:
+        data = [_model(p) for p in gw.registry.pipelines.values() if openai_kind(p)]
+        return json_response({"object": "list", "data": data})
+
+    async def model(name: str) -> Response:
+        pipeline = gw.registry.pipelines.get(name)
+        if pipeline is None or not openai_kind(pipeline):
+            raise Refused(
+                f"the model {name!r} does not exist here", 404, "model", "model_not_found"
+            )
+        return json_response(_model(pipeline))
+
+    app.add_api_route(
+        "/v1/models",
+        models,
+        methods=["GET"],
+        summary="Models (OpenAI-compatible)",
+        tags=["openai"],
+        responses=declared(edge),
+    )
+    app.add_api_route(
+        "/v1/models/{name}",
+        model,
+        methods=["GET"],
+        summary="A model (OpenAI-compatible)",
+        tags=["openai"],
+        responses={**declared(edge), **openai_errors((404,))},
+    )
+
+
+def _counts(pipeline: Pipeline) -> bool:
+    """Whether the pipeline's stage counts a text's tokens when asked: its input has a
+    ``usage`` flag (as :class:`~pipelines.stages.EmbedIn`)."""
+    field = pipeline.input_model.model_fields.get("usage")
+    return field is not None and field.annotation is bool
+
+
+def _model(pipeline: Pipeline) -> dict[str, Any]:
+    return {"id": pipeline.name, "object": "model", "created": 0, "owned_by": "conveyor"}
+
+
+def _vector(result: dict[str, Any], base64_: bool) -> list[float] | str:
+    vector = result.get("embedding")
+    if not isinstance(vector, list) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in vector
+    ):
+        raise ItemFailed("the stage answered no embedding (a list of numbers)", status=502)
+    if base64_:  # OpenAI's: little-endian float32, base64
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return [float(v) for v in vector]

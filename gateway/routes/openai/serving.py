@@ -1,0 +1,131 @@
+"""Which pipeline serves a ``model``, and how a request's items run through it.
+
+``model`` names a pipeline: a one-step pipeline whose stage declares
+``openai="embeddings"`` or ``openai="completions"`` (:data:`pipelines.stages.OpenAIKind`).
+Each item is validated by the pipeline's input model here (a 400, as ``POST /v1/{name}``
+would answer 422) and becomes one request through
+:meth:`Gateway.call <gateway.service.Gateway.call>`; :func:`run_all` waits for them all.
+"""
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.routes.openai.errors import Refused
+from gateway.routes.pipelines import reply_response
+from gateway.service import Gateway
+from pipelines.envelope import Reply
+from pipelines.errors import ConfigError, ItemFailed
+from pipelines.graph import Pipeline
+from pipelines.outcomes import Outcome
+from pipelines.registry import Registry
+from pipelines.stages import OpenAIKind
+
+RESERVED = ("embeddings", "completions", "chat", "models")
+"""Pipeline names these routes take: ``/v1/{name}`` of a pipeline so named would be theirs."""
+_FIELDS: dict[OpenAIKind, set[str]] = {
+    "embeddings": {"text"},
+    "completions": {"text", "max_new_tokens", "messages", "usage"},
+}
+
+
+def check_names(registry: Registry) -> None:
+    """Refuse, at start, what these routes cannot serve as declared.
+
+    Raises:
+        ConfigError: a pipeline is named as one of these routes (:data:`RESERVED`), or a
+            stage marked ``openai=...`` takes an input without the fields its route sends.
+    """
+    for name in RESERVED:
+        if name in registry.pipelines:
+            raise ConfigError(
+                f"pipeline name {name!r} is taken by the OpenAI-compatible routes "
+                f"(/v1/{name}...); rename the pipeline"
+            )
+    for pipeline in registry.pipelines.values():
+        kind = openai_kind(pipeline)
+        missing = sorted(_FIELDS[kind] - set(pipeline.input_model.model_fields)) if kind else []
+        if missing:
+            raise ConfigError(
+                f"pipeline {pipeline.name!r}: its stage is marked openai={kind!r} but its "
+                f"input has no {', '.join(missing)} (subclass pipelines.stages.GenerateIn)"
+            )
+
+
+def openai_kind(pipeline: Pipeline) -> OpenAIKind | None:
+    """The OpenAI route that serves ``pipeline``: its stage's marker, for a one-step one."""
+    return pipeline.entry.stage.openai if len(pipeline.steps) == 1 else None
+
+
+def served(gw: Gateway, model: str, kind: OpenAIKind) -> Pipeline:
+    """The pipeline named ``model``, which must serve the route ``kind``.
+
+    Raises:
+        Refused: there is none (404, naming what is served), or it serves another route.
+    """
+    pipeline = gw.registry.pipelines.get(model)
+    if pipeline is None:
+        names = ", ".join(p.name for p in gw.registry.pipelines.values() if openai_kind(p))
+        raise Refused(
+            f"the model {model!r} does not exist here; served: {names or 'none'}",
+            404,
+            "model",
+            "model_not_found",
+        )
+    if openai_kind(pipeline) != kind:
+        raise Refused(f"the model {model!r} does not serve /v1/{kind}", 400, "model")
+    return pipeline
+
+
+def checked(pipeline: Pipeline, payload: dict[str, Any], param: str) -> dict[str, Any]:
+    """``payload`` validated by the pipeline's input model, as ``POST /v1/{name}``
+    validates its body: refused here (400, naming the request field ``param``), not by a
+    worker."""
+    try:
+        valid = pipeline.input_model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise Refused(f"{param}: {field}: {first['msg']}", 400, param) from None
+    return valid.model_dump(mode="json", exclude_unset=True)
+
+
+async def run_all(calls: list[Awaitable[tuple[str, Reply]]]) -> list[dict[str, Any]]:
+    """Each call's result, in order; the first failure raised once every call ended (as
+    ``/v1/{name}`` would answer it)."""
+    done = await asyncio.gather(*calls, return_exceptions=True)
+    results = []
+    for item in done:
+        if isinstance(item, BaseException):
+            raise item
+        request_id, reply = item
+        results.append(_result(reply, request_id))
+    return results
+
+
+def _result(reply: Reply, request_id: str) -> dict[str, Any]:
+    if reply.outcome is Outcome.OK and isinstance(reply.result, dict):
+        return reply.result
+    reply_response(reply, request_id)  # raises the error this reply is
+    raise ItemFailed("no result", status=502, request_id=request_id)
+
+
+def usage(prompt_tokens: int, completion_tokens: int | None = None) -> dict[str, int]:
+    """OpenAI's ``usage``: the prompt's tokens, the completion's where there is one, and
+    their total."""
+    answer = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    if completion_tokens is not None:
+        answer |= {"completion_tokens": completion_tokens}
+        answer["total_tokens"] += completion_tokens
+    return answer
+
+
+def count(result: dict[str, Any], name: str, fallback: int) -> int:
+    """A token count the stage's result carries (its tokenizer's), else ``fallback`` (the
+    estimate of :mod:`pipelines.tokens`)."""
+    value = result.get(name)
+    return (
+        value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else fallback
+    )
