@@ -250,7 +250,9 @@ async def test_request_that_would_miss_its_deadline_is_refused_at_once(
     await harness.enqueue("double", [{"value": i} for i in range(20)])
     stream = harness.keys.stage_stream("double")
     await redis.xgroup_create(stream, "workers", id="0")
-    await redis.xreadgroup("workers", "busy-worker", {stream: ">"}, count=1)  # one live worker
+    await redis.xreadgroup("workers", "busy-worker", {stream: ">"}, count=1)
+    seconds, _ = await redis.time()  # one live worker: its heartbeat runs out in a minute
+    await redis.hset(harness.keys.alive("double"), "busy-worker", str((seconds + 60) * 1000))
     # what the workers learned: 0.5 s per batch + 0.1 s per item -> ~3.9 s for this backlog
     await redis.hset(harness.keys.stage_stats("double"), mapping={"cost:a": 0.5, "cost:b": 0.1})
     started = time.perf_counter()
