@@ -301,3 +301,88 @@ async def test_the_page_sums_the_partitions_and_says_so(harness: Harness, tmp_pa
         state = await wait_for(browser, session, "a snapshot", 10, lambda s: s["state"] == "ok")
     assert state["outcomes"]["adder"]["ok"] == "30"
     assert "3 partitions, summed" in state["text"]
+
+
+def count(text: str) -> float:
+    """A number as the page writes it ("1,234.5")."""
+    return float(text.replace(",", ""))
+
+
+RATES = """(() => {
+  const main = document.getElementById("status");
+  if (!main) return JSON.stringify({refreshes: 0});
+  return JSON.stringify({
+    refreshes: Number(main.dataset.refreshes),
+    legend: [...document.querySelectorAll("#legend span")].map((e) => e.textContent),
+    table: Object.fromEntries([...document.querySelectorAll("#stages tr")].map(
+      (tr) => [tr.dataset.stage, tr.querySelector("td:last-child").textContent])),
+  });
+})()"""
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (see above)")
+@pytest.mark.timeout(180)
+async def test_a_stage_working_through_a_backlog_is_never_shown_at_0_per_s(
+    harness: Harness, tmp_path: Path
+) -> None:
+    # BREAK (issue 29, Why 10): the legend showed "0/s" for a stage working through a
+    # backlog: its items/s was the last interval between two polls (1.5 s), and a batch
+    # that takes seconds finishes none in most of them.
+    name = "wiki-summary.fetch"
+    stage = number_stage(name, max_batch_size=32)
+    worker = harness.worker(stage, Doubler(delay_s=3.0))  # a batch every 3 s, 32 at once
+    await worker.start()
+    harness.run(worker)
+    await harness.enqueue(name, [{"value": 1}] * 2_000, deadline_in=600)  # minutes of work
+    base = await harness.http_server([stage])
+    rate = re.compile(rf"{re.escape(name)} ([\d,.]+)/s")
+
+    async with chromium(tmp_path) as browser:
+        sessions = [await open_page(browser, f"{base}/status", width=w) for w in (1400, 1920)]
+
+        async def shown() -> list[tuple[int, float, float]]:
+            """Each page's refresh count, its legend's and its table's items/s."""
+            seen = []
+            for session in sessions:
+                found = await browser.call(
+                    "Runtime.evaluate", session, expression=RATES, returnByValue=True
+                )
+                value = found["result"].get("value")  # none while the page is loading
+                state: dict[str, Any] = json.loads(value) if value else {"refreshes": 0}
+                if not state["refreshes"]:
+                    return []
+                legend = [m[1] for text in state["legend"] if (m := rate.fullmatch(text))]
+                if not legend or name not in state["table"]:
+                    return []
+                seen.append((state["refreshes"], count(legend[0]), count(state["table"][name])))
+            return seen
+
+        # Once each page has seen the first batch done, its every refresh shows it working.
+        async def started() -> bool:
+            seen = await shown()
+            return len(seen) == 2 and all(legend > 0 for _, legend, _ in seen)
+
+        await until(started, limit_s=60)
+        before = int((await harness.stats(name)).get("items:ok", 0))
+        began = time.monotonic()
+        samples: list[tuple[int, float, float]] = []
+        last = [-1, -1]
+        while min(last) < 0 or len(samples) < 16:  # 8 refreshes of each page: 12 s or more
+            for i, seen in enumerate(await shown()):
+                if seen[0] != last[i]:
+                    last[i] = seen[0]
+                    samples.append(seen)
+            await asyncio.sleep(0.2)
+        done = int((await harness.stats(name)).get("items:ok", 0)) - before
+        measured = done / (time.monotonic() - began)
+    async with httpx.AsyncClient(base_url=base, trust_env=False) as http:
+        [row] = (await http.get("/status.json")).json()["stages"]
+    assert row["lag"] > 0, row  # still working through its backlog
+    zeros = [s for s in samples if s[1] == 0 or s[2] == 0]
+    assert zeros == [], samples
+    # Near what it does (within a factor of four either way: the page averages over the
+    # last seconds, the batches are 32 at once).
+    assert all(measured / 4 <= legend <= measured * 4 for _, legend, _ in samples), (
+        measured,
+        samples,
+    )
