@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 INTERVAL_S = 1.0
 """Touch at most this often (a touch is a syscall; the loop comes round far more)."""
 
+STOP_WAIT_S = 5.0
+"""How long :meth:`Presence.stop` waits for a beat in flight before cancelling it."""
+
 
 class AliveFile:
     """Touches ``path`` (when set) at most every :data:`INTERVAL_S`.
@@ -94,6 +97,7 @@ class Presence:
         self.client, self.key, self.consumer = client, keys.alive(stage), consumer
         self.clock, self.stale_s = clock, stale_s
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def beat(self) -> None:
         """Set this worker's beat, and delete the fields that ran out."""
@@ -105,28 +109,38 @@ class Presence:
             await self.client.hdel(self.key, *gone)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 await self.beat()
             except REDIS_DOWN as exc:  # the next beat tries again; the work goes on
                 logger.warning("could not beat in %s: %s", self.key, exc)
             except ResponseError as exc:  # the key forged to another type
                 logger.warning("could not beat in %s: %s", self.key, exc)
-            await asyncio.sleep(self.stale_s / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.stale_s / 3)
 
     def start(self) -> None:
         """Beat now and every third of the stale window until :meth:`stop`."""
         if self._task is None:
+            self._stopping.clear()
             self._task = asyncio.create_task(self._run())
 
     async def stop(self, *, leave: bool) -> None:
         """Stop beating; ``leave``: also delete this worker's field (an orderly stop,
-        so it counts as gone at once)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        so it counts as gone at once).
+
+        The beat is asked to end, not cancelled: a cancel landing inside a Redis command
+        can be swallowed by the client, and the task then beats on with nobody to stop it
+        (a worker run in bursts hung here). One that does not end within
+        :data:`STOP_WAIT_S` (a Redis that does not answer) is cancelled.
+        """
+        task, self._task = self._task, None
+        if task is not None:
+            self._stopping.set()
+            done, _ = await asyncio.wait({task}, timeout=STOP_WAIT_S)
+            if not done:
+                task.cancel()
+                await asyncio.wait({task}, timeout=STOP_WAIT_S)
         if leave:
             try:
                 await self.client.hdel(self.key, self.consumer)
