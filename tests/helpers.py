@@ -399,3 +399,10 @@ async def died_running(
     mark(pipe, keys, entries)
     await pipe.execute()
     return list(got or [])
+
+
+async def beating(redis: aioredis.Redis, keys: Keys, stage: str, consumer: str) -> None:
+    """Give ``consumer`` of ``stage`` a heartbeat good for a minute, as a live worker's
+    (:class:`workers.alive.Presence`): a stand-in worker of a test counts as live."""
+    seconds, _ = await redis.time()
+    await redis.hset(keys.alive(stage), consumer, str((seconds + 60) * 1000))

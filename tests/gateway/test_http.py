@@ -20,7 +20,7 @@ from pipelines.errors import ConfigError
 from pipelines.graph import Pipeline, function, single
 from pipelines.registry import Registry
 from pipelines.stages import AnyIn
-from tests.helpers import Doubler, Harness, number_stage
+from tests.helpers import Doubler, Harness, beating, number_stage
 
 
 async def serving(harness: Harness, **gateway: object) -> httpx.AsyncClient:
@@ -251,8 +251,7 @@ async def test_request_that_would_miss_its_deadline_is_refused_at_once(
     stream = harness.keys.stage_stream("double")
     await redis.xgroup_create(stream, "workers", id="0")
     await redis.xreadgroup("workers", "busy-worker", {stream: ">"}, count=1)
-    seconds, _ = await redis.time()  # one live worker: its heartbeat runs out in a minute
-    await redis.hset(harness.keys.alive("double"), "busy-worker", str((seconds + 60) * 1000))
+    await beating(redis, harness.keys, "double", "busy-worker")  # one live worker
     # what the workers learned: 0.5 s per batch + 0.1 s per item -> ~3.9 s for this backlog
     await redis.hset(harness.keys.stage_stats("double"), mapping={"cost:a": 0.5, "cost:b": 0.1})
     started = time.perf_counter()

@@ -16,7 +16,7 @@ from pipelines.errors import Overloaded
 from pipelines.keys import GROUP
 from pipelines.stages import GenerateIn, Stage
 from runtime.stats import LaneStatus, stage_status
-from tests.helpers import Harness, number_stage
+from tests.helpers import Harness, beating, number_stage
 
 FAST = {"X-Conveyor-Timeout": "0.2"}  # no worker runs: a sync call ends in a 504
 
@@ -116,6 +116,7 @@ async def test_a_worker_in_both_lane_groups_is_one_consumer(
         stream = harness.keys.stage_stream("double", lane)
         await redis.xgroup_create(stream, GROUP, id="0")
         await redis.xreadgroup(GROUP, "w1", {stream: ">"})
+    await beating(redis, harness.keys, "double", "w1")
     status = await stage_status(redis, harness.keys, "double")
     assert [(c.name, c.pending) for c in status.consumers] == [("w1", 3)]
     assert status.workers == 1
@@ -146,7 +147,8 @@ async def test_an_interactive_request_is_predicted_behind_the_interactive_lane_o
     await put(harness, "double", "bulk", 40)
     stream = harness.keys.stage_stream("double")
     await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
-    await redis.xgroup_createconsumer(stream, GROUP, "busy-worker")  # one live worker
+    await redis.xgroup_createconsumer(stream, GROUP, "busy-worker")
+    await beating(redis, harness.keys, "double", "busy-worker")  # one live worker
     # 0.5 s per batch + 0.1 s per item: 40 bulk requests ahead take ~6.5 s
     await redis.hset(harness.keys.stage_stats("double"), mapping={"cost:a": 0.5, "cost:b": 0.1})
     admission = Admission(redis, harness.keys, refresh_s=0.0, retry_after_s=1)
