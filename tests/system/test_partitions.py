@@ -105,7 +105,7 @@ async def test_sync_calls_spread_over_partitions_and_are_each_answered_once(
     shown = await asyncio.to_thread(conveyor, "status")  # the operator's view sums them too
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(f"{PARTITIONS} partitions; each row sums them\n")
-    assert re.search(r"^adder\s+\d+\s+0\s+0\s+1\s", shown.stdout, re.M), shown.stdout
+    assert re.search(r"^adder\s+\d+\s+0\s+0\s+1/1\s", shown.stdout, re.M), shown.stdout
 
 
 async def test_fan_out_join_and_route_within_each_partition(parted: Harness) -> None:

@@ -67,6 +67,7 @@ def test_a_three_step_request_is_one_connected_trace_whose_spans_add_up(
                 CONVEYOR_NAMESPACE=ns,
                 CONVEYOR_PIPELINES="chain3",
                 CONVEYOR_TEST_STEP_S="0.05",
+                CONVEYOR_LOG_LEVEL="DEBUG",  # the batch lines, with their trace ids
                 **otel,
             )
             try:
