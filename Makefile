@@ -9,13 +9,16 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # torch is named in the same pip command as everything that depends on it, so pip
 # takes the CPU build given here instead of resolving a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
+# setuptools prints a note on every editable install of a flat layout of several packages
+# like ours (BuildBackendWarning "Editable installation."); the install hides that one note.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 
 .PHONY: up test lint typecheck pytest keda-crd bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[serve,dev]"
+	$(EDITABLE) $(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[serve,dev]"
 	rm -f $(VENV)/.installed-* && touch $@
 
 up: $(STAMP)
@@ -45,7 +48,7 @@ pytest: $(STAMP) keda-crd
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[serve,dev,bench]"
+	$(EDITABLE) $(VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[serve,dev,bench]"
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m bench $(ARGS)
 
 clean:
