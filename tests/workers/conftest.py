@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.workers.fake_cuda import FakeCuda
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +25,13 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """``torch.cuda``'s device, stream, event, graph and pinned-memory calls recorded by
+    a :class:`~tests.workers.fake_cuda.FakeCuda` for the test (undone after it; imported
+    here, as torch is above)."""
+    from tests.workers.fake_cuda import install
+
+    return install(monkeypatch)

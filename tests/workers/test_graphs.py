@@ -21,6 +21,7 @@ from pipelines.errors import ConfigError
 from pipelines.settings import load_settings
 from pipelines.stages import Stage, TextIn
 from tests.helpers import Harness, until
+from tests.workers.fake_cuda import FakeCuda
 from workers.build import prepare_shapes
 from workers.models import graphs
 from workers.models.buckets import Bucketed, CannotCapture
@@ -155,6 +156,77 @@ def test_a_runner_without_buckets_says_so_once(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.INFO):
         prepare_shapes(object(), stage, WorkerSettings(cuda_graphs=True))  # type: ignore[arg-type]
     assert graph_lines(caplog) == ["stage plain: no CUDA graphs: its runner has no shape buckets"]
+
+
+# --- one capture per weights; warm-up meets every kernel (torch.cuda faked) -------------
+
+
+def test_stages_on_one_copy_of_the_weights_capture_each_shape_once(
+    cache_dir: Path, fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # embed and sentiment on MiniLM: one copy of the weights, so one graph per shape and
+    # one memory pool between them (torch.cuda faked: the capture runs, on the CPU).
+    monkeypatch.setattr(graphs, "unsupported", lambda device, buckets: None)
+    load: dict[str, Any] = {"device": "cpu", "cache_dir": str(cache_dir), "max_length": 32}
+    embed = Embedder(model="minilm", **load)
+    sentiment = AnchorSentiment(**load)
+    assert sentiment.embedder.model is embed.model
+    embed.use_buckets(True, 4, 16)  # 3 batch sizes x 2 lengths
+    sentiment.use_buckets(True, 2, 16)  # 2 x 2, all among embed's
+    assert embed.use_graphs() == 6
+    assert sentiment.use_graphs() == 4
+    assert len(fake_cuda.captures) == 6, "a shape captured again for the same weights"
+    assert fake_cuda.pools == 1
+    assert embed.graphs is not None
+    assert sentiment.embedder.graphs is not None
+    for shape in sentiment.embedder.graphs.shapes:
+        assert sentiment.embedder.graphs._graphs[shape] is embed.graphs._graphs[shape]
+    # Other weights (another dtype) are captured for themselves.
+    half = Embedder(model="minilm", dtype="bfloat16", **load)
+    half.use_buckets(True, 1, 16)
+    assert half.use_graphs() == 2
+    assert (len(fake_cuda.captures), fake_cuda.pools) == (8, 2)
+
+
+def test_warm_up_runs_each_bucket_as_a_served_batch_runs(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every bucket: its host copy through the pinning step, the forward pass padded (a
+    # masked position) and unpadded (none masked: another attention kernel), and the
+    # pooling and the copy back of a served batch.
+    model = Embedder(model="minilm", device="cpu", cache_dir=str(cache_dir), max_length=32)
+    buckets = model.use_buckets(True, 2, 16)
+    assert buckets is not None
+    passes: list[tuple[tuple[int, int], bool]] = []  # (shape, any position masked)
+    fetched: list[tuple[int, ...]] = []
+    pinned: list[tuple[int, int]] = []
+    forward, fetch, pin = model.forward, model.fetch, model.pinned
+
+    def counted_forward(encoding: Any) -> Any:
+        mask = encoding["attention_mask"]
+        passes.append((tuple(mask.shape), bool((mask == 0).any())))
+        return forward(encoding)
+
+    def counted_fetch(tensors: list[torch.Tensor]) -> Any:
+        fetched.extend(tuple(t.shape) for t in tensors)
+        return fetch(tensors)
+
+    def counted_pin(encoding: Any) -> Any:
+        pinned.append(tuple(encoding["input_ids"].shape))
+        return pin(encoding)
+
+    monkeypatch.setattr(model, "forward", counted_forward)
+    monkeypatch.setattr(model, "fetch", counted_fetch)
+    monkeypatch.setattr(model, "pinned", counted_pin)
+    runs = model.warm_up()
+    assert [(r.rows, r.length) for r in runs] == buckets.shapes()
+    hidden = int(model.model.config.hidden_size)
+    for shape in buckets.shapes():
+        assert (shape, True) in passes, f"{shape}: no padded pass"
+        assert (shape, False) in passes, f"{shape}: no unpadded pass"
+        assert pinned.count(shape) >= 2, f"{shape}: host copies not through the pinning step"
+        assert (shape[0], hidden) in fetched, f"{shape}: no pooled rows fetched"
+    assert len(fetched) == len(passes)  # each pass pooled and copied back
 
 
 # --- on a GPU: every bucket captured, answers equal to eager -----------------------------

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from pipelines.errors import InvalidInput
 from pipelines.stages import GenerateIn
+from tests.workers.fake_cuda import FakeCuda
 from workers.models.hf import (
     Embedder,
     ExtractiveSummarizer,
@@ -243,6 +244,32 @@ def test_text_classifier_tiny_sentiment(hf_cache: str) -> None:
         (alone,) = classifier.predict([item])
         assert alone["label"] == result["label"]
         assert alone["score"] == pytest.approx(result["score"], abs=1e-5)
+
+
+def test_a_runner_on_cuda_n_pins_and_waits_on_its_own_device_and_the_wait_sleeps(
+    hf_cache: str, fake_cuda: FakeCuda
+) -> None:
+    # A runner on the second of two GPUs (torch.cuda faked: this machine has none),
+    # called from a thread whose current device is the first, as the worker's host and
+    # model threads are: its page-locked inputs, its event and the stream the event
+    # marks must be its own device's, and waiting for the event must sleep, not spin.
+    classifier = TextClassifier(model="tiny:sentiment", device="cpu", cache_dir=hf_cache)
+    cuda1 = torch.device("cuda:1")
+    classifier.device = cuda1
+    classifier.host_encoding(["I loved this movie", "ok"])
+    assert fake_cuda.pins, "cuda inputs are page-locked"
+    assert set(fake_cuda.pins) == {cuda1}
+    scores, indices = torch.tensor([0.9, 0.6]), torch.tensor([1, 0])
+    fetched = classifier.fetch([scores, indices])
+    (event,) = fake_cuda.events
+    assert event.blocking, "a non-blocking event's wait spins a core"
+    assert event.made_under == cuda1
+    assert event.recorded == [fake_cuda.current_stream(cuda1)]  # where the copies queue
+    assert classifier.finish(fetched) == [
+        {"label": classifier.model.config.id2label[1], "score": pytest.approx(0.9)},
+        {"label": classifier.model.config.id2label[0], "score": pytest.approx(0.6)},
+    ]
+    assert event.waits == 1
 
 
 # --- TokenClassifier ------------------------------------------------------------------

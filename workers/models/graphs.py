@@ -11,10 +11,14 @@ can be captured at load.
 
 How, after torch's recipe (the "CUDA Graphs" notes of torch.cuda): per bucket, static
 input tensors of that shape; a few eager runs on a side stream (the kernels' lazy setup
-happens outside the capture); then the capture, on that same stream, into one memory pool
-shared by all of the runner's graphs. Sharing is safe in any replay order here: every
-graph's static inputs and outputs stay held, so what one graph keeps is never another's
-scratch, and the graphs replay one at a time (the model thread runs one batch at a time).
+happens outside the capture); then the capture, on that same stream, into one memory pool.
+Graphs belong to the weights, not to a runner (:class:`WeightsGraphs`, kept on
+:class:`~workers.models.hf_base.Weights`): the stages on one copy of the weights (embed,
+sentiment and summarize all sit on MiniLM) capture each shape once and share its graph and
+one pool. Sharing is safe in any replay order here: every graph's static inputs and
+outputs stay held, so what one graph keeps is never another's scratch, and the graphs
+replay one at a time (the stages on one copy of the weights share one model thread,
+which runs one batch at a time).
 At run time the batch is copied into its shape's static inputs, the graph replays, and
 its outputs are cloned: the next replay of the shape overwrites the static ones, and a
 caller may hold a result past it.
@@ -33,7 +37,8 @@ line and runs eager (:func:`workers.build.prepare_shapes`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -81,7 +86,8 @@ class ShapeGraph:
 
 
 class BucketGraphs:
-    """A runner's CUDA graphs, one per bucket shape (:func:`capture` builds them).
+    """A runner's CUDA graphs, one per bucket shape (:func:`capture` builds them), shared
+    with the other runners on its weights (:class:`WeightsGraphs`).
 
     Args:
         device: the cuda device they run on.
@@ -137,8 +143,10 @@ def capture(
     device: torch.device,
     buckets: Buckets | None,
     example: Callable[[int, int], Mapping[str, torch.Tensor]],
+    shared: WeightsGraphs,
 ) -> BucketGraphs:
-    """Capture one graph per bucket of ``model``'s forward pass: all of them, or none.
+    """One graph per bucket of ``model``'s forward pass: all of them, or none. A shape
+    already captured on the same weights (by another stage on them) is not captured again.
 
     Args:
         model: called with an encoding's tensors as keywords; returns a model output
@@ -147,6 +155,7 @@ def capture(
         buckets: the shapes to capture.
         example: a batch of a given (rows, tokens) shape on ``device``, as the runner's
             tokenizer makes one (its values serve only the warm runs and the capture).
+        shared: the graphs of ``model``'s weights, which hold the ones captured.
 
     Raises:
         CannotCapture: why not, in one line: ``model`` is not on cuda, there are no
@@ -157,38 +166,66 @@ def capture(
         raise CannotCapture(reason)
     assert buckets is not None  # unsupported() said so
     try:
-        return _capture_all(model, device, buckets, example)
+        return BucketGraphs(device, shared.graphs(model, device, buckets.shapes(), example))
     except Exception as exc:  # any failure leaves the eager path, which still works
         first = next(iter(str(exc).strip().splitlines()), "")
         raise CannotCapture(f"capture failed: {type(exc).__name__}: {first}") from exc
 
 
-def _capture_all(
-    model: Callable[..., Any],
-    device: torch.device,
-    buckets: Buckets,
-    example: Callable[[int, int], Mapping[str, torch.Tensor]],
-) -> BucketGraphs:
-    graphs: dict[Shape, ShapeGraph] = {}
-    with torch.inference_mode(), torch.cuda.device(device):
-        pool = torch.cuda.graph_pool_handle()
-        # One stream for every warm run and capture: a pool shared across captures is
-        # reused best when they run on the same stream (torch.cuda.graph's note). Its
-        # constructor (a __new__) carries no annotations.
-        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        # The largest first: the smaller ones' intermediates then fit in what the pool
-        # already holds.
-        for rows, length in sorted(buckets.shapes(), reverse=True):
-            inputs = {key: value.clone() for key, value in example(rows, length).items()}
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(WARM_RUNS):
-                    model(**inputs)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other model threads of the process may use the device meanwhile.
-            mode = "thread_local"
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
-                outputs = model(**inputs)
-            graphs[rows, length] = ShapeGraph(graph, inputs, outputs)
-    return BucketGraphs(device, graphs)
+class WeightsGraphs:
+    """The CUDA graphs of one copy of weights, one per shape, in one memory pool: each
+    shape captured once, by the first runner on the weights that asks for it (the embed
+    stage's 192 buckets took ~0.4 GB and their capture time once per stage before).
+
+    Kept on :class:`~workers.models.hf_base.Weights`, so the graphs live as long as the
+    weights. Holds no CUDA object until a capture.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[Shape, ShapeGraph] = {}
+        self._pool: Any = None
+        self._stream: Any = None
+        self._lock = threading.Lock()
+
+    def graphs(
+        self,
+        model: Callable[..., Any],
+        device: torch.device,
+        shapes: Collection[Shape],
+        example: Callable[[int, int], Mapping[str, torch.Tensor]],
+    ) -> dict[Shape, ShapeGraph]:
+        """The graph of each of ``shapes``, captured where not yet (see :func:`capture`).
+
+        Raises:
+            Exception: what a capture raised; the shapes captured before it are kept.
+        """
+        with self._lock, torch.inference_mode(), torch.cuda.device(device):
+            if self._stream is None:
+                self._pool = torch.cuda.graph_pool_handle()
+                # One stream for every warm run and capture: a pool shared across
+                # captures is reused best when they run on the same stream
+                # (torch.cuda.graph's note). Its constructor (a __new__) carries no
+                # annotations.
+                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            # The largest first: the smaller ones' intermediates then fit in what the pool
+            # already holds.
+            for rows, length in sorted(set(shapes) - set(self._graphs), reverse=True):
+                inputs = {key: value.clone() for key, value in example(rows, length).items()}
+                self._graphs[rows, length] = self._capture(model, device, inputs)
+            return {shape: self._graphs[shape] for shape in shapes}
+
+    def _capture(
+        self, model: Callable[..., Any], device: torch.device, inputs: dict[str, torch.Tensor]
+    ) -> ShapeGraph:
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARM_RUNS):
+                model(**inputs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other model threads of the process may use the device meanwhile.
+        mode = "thread_local"
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode=mode):
+            outputs = model(**inputs)
+        return ShapeGraph(graph, inputs, outputs)

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, BatchEncoding, PreTrainedModel, PreTrain
 
 from pipelines.model import Item
 from workers.models.buckets import Buckets
+from workers.models.graphs import WeightsGraphs
 from workers.models.tiny import ensure_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -174,10 +175,12 @@ class Weights:
     Attributes:
         key: what it was loaded as.
         model: the ``PreTrainedModel``, on its device, in eval mode.
+        graphs: its CUDA graphs, captured once for all the runners on it (where asked).
     """
 
     def __init__(self, key: WeightsKey, model: PreTrainedModel) -> None:
         self.key, self.model = key, model
+        self.graphs = WeightsGraphs()
 
 
 _WEIGHTS: weakref.WeakValueDictionary[WeightsKey, Weights] = weakref.WeakValueDictionary()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple, TypedDict
 
 import torch
@@ -35,10 +36,11 @@ class Fetched(NamedTuple):
     """Tensors on their way from the device to the host (:meth:`EncoderRunner.fetch`)."""
 
     tensors: list[torch.Tensor]
-    done: Any  # a cuda event, None off a GPU
+    done: Any  # a blocking cuda event, None off a GPU
 
     def ready(self) -> list[torch.Tensor]:
-        """The tensors, once the device has written them: a wait that releases the GIL."""
+        """The tensors, once the device has written them: a wait that sleeps (a blocking
+        event: no core spins) and releases the GIL."""
         if self.done is not None:
             self.done.synchronize()
         return self.tensors
@@ -107,8 +109,15 @@ class EncoderRunner(HFRunner):
                 failed; the forward passes stay eager.
         """
         self.graphs = None
-        self.graphs = capture(self.model, self.device, self.buckets, self._dummy)
+        shared = self.weights.graphs  # captured once for every runner on these weights
+        self.graphs = capture(self.model, self.device, self.buckets, self._dummy, shared)
         return len(self.graphs.shapes)
+
+    def on_device(self) -> AbstractContextManager[Any]:
+        """Where the runner makes a CUDA call: under its own device, not the thread's
+        current one (device 0 unless set), so that ``cuda:N`` gets its streams, events and
+        page-locked memory; nothing off cuda."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def forward(self, encoding: Mapping[str, torch.Tensor]) -> Any:
         """Run the model on one tokenized (and padded) batch: its bucket's CUDA graph
@@ -119,59 +128,85 @@ class EncoderRunner(HFRunner):
             if shape not in self.met:
                 self.met.add(shape)
                 cold_shape()
-        if self.graphs is not None:
-            outputs = self.graphs.run(encoding)
-            if outputs is not None:
-                return outputs
-        return self.model(**encoding)
+        with self.on_device():
+            if self.graphs is not None:
+                outputs = self.graphs.run(encoding)
+                if outputs is not None:
+                    return outputs
+            return self.model(**encoding)
 
     def warm_up(self) -> list[ShapeRun]:
-        """Run every bucket twice, on a dummy batch: the first run pays the shape's cold
-        cost, the second gives its warm cost (both a graph's replays, where captured).
-        Nothing without buckets."""
+        """Run every bucket on dummy batches the way a served batch runs
+        (:meth:`warm_batch`: the page-locked host copy, the forward pass, the head or
+        pooling, the copy back): padded, its cold cost; with no position masked (an
+        unmasked batch can pick another attention kernel); padded again, its warm cost.
+        Graphs replay where captured. Nothing without buckets."""
         if self.buckets is None:
             return []
         runs = []
         for rows, length in self.buckets.shapes():
-            dummy = self._dummy(rows, length)
-            runs.append(ShapeRun(rows, length, self._timed(dummy), self._timed(dummy)))
+            padded = self.pinned(self._host_dummy(rows, length, masked=True))
+            unmasked = self.pinned(self._host_dummy(rows, length, masked=False))
+            first = self._timed(rows, padded)
+            self._timed(rows, unmasked)
+            runs.append(ShapeRun(rows, length, first, self._timed(rows, padded)))
         return runs
 
-    def _dummy(self, rows: int, length: int) -> BatchEncoding:
-        """A batch of ``rows`` rows of ``length`` tokens, on the device: the shortest text,
-        padded (so its attention mask masks some positions, as a bucketed batch's nearly
-        always does: a mask can pick another attention kernel than none)."""
-        dummy = self.tokenizer(["x"], return_tensors="pt")
+    def warm_batch(self, rows: int, encoding: BatchEncoding) -> None:
+        """Run a host batch (``rows`` of it answers) through every kernel a served batch
+        of its shape meets, and wait for the device. Here the forward pass; a staged
+        runner's override runs its ``launch`` and ``finish``."""
+        with torch.inference_mode(), self.on_device():
+            self.forward(encoding.to(self.device, non_blocking=True))
+            if self.device.type == "cuda":  # kernels are queued: wait for them
+                torch.cuda.synchronize(self.device)
+
+    def _host_dummy(self, rows: int, length: int, *, masked: bool) -> BatchEncoding:
+        """A host batch of ``rows`` rows of ``length`` tokens: the shortest text, padded;
+        ``masked``: its attention mask masks the padding, as a bucketed batch's nearly
+        always does, else it masks nothing (a batch of texts all of the bucket's length)."""
+        dummy: BatchEncoding = self.tokenizer(["x"], return_tensors="pt")
         for key in list(dummy.keys()):
             dummy[key] = dummy[key][:, :length]
         fit(dummy, rows, length, int(self.tokenizer.pad_token_id or 0))
-        moved: BatchEncoding = dummy.to(self.device)
+        if not masked:
+            dummy["attention_mask"] = torch.ones_like(dummy["attention_mask"])
+        return dummy
+
+    def _dummy(self, rows: int, length: int) -> BatchEncoding:
+        """A padded batch of ``rows`` rows of ``length`` tokens on the device (what a
+        graph is captured on)."""
+        moved: BatchEncoding = self._host_dummy(rows, length, masked=True).to(self.device)
         return moved
 
     def host_encoding(self, texts: list[str]) -> BatchEncoding:
-        """:meth:`tokenize`, page-locked on cuda so that its copy to the device is
-        asynchronous (:meth:`launch` moves it)."""
-        encoding = self.tokenize(texts)
-        if self.device.type == "cuda":
-            encoding = BatchEncoding({k: v.pin_memory() for k, v in encoding.items()})
-        return encoding
+        """:meth:`tokenize`, :meth:`pinned` (:meth:`launch` moves it)."""
+        return self.pinned(self.tokenize(texts))
+
+    def pinned(self, encoding: BatchEncoding) -> BatchEncoding:
+        """``encoding`` page-locked on cuda (allocated under the runner's device), so
+        that its copy to the device is asynchronous; as it is elsewhere."""
+        if self.device.type != "cuda":
+            return encoding
+        with self.on_device():
+            return BatchEncoding({k: v.pin_memory() for k, v in encoding.items()})
 
     def fetch(self, tensors: list[torch.Tensor]) -> Fetched:
         """Queue the copy of device ``tensors`` back to the host, and mark when they are
-        there (an event on cuda; off a GPU they already are)."""
-        copies = [t.to("cpu", non_blocking=True) for t in tensors]
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record()
+        there: on cuda, an event recorded on the runner's device's current stream (where
+        the copies are queued), blocking, so that waiting for it sleeps; off a GPU they
+        already are."""
+        with self.on_device():
+            copies = [t.to("cpu", non_blocking=True) for t in tensors]
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                done.record(torch.cuda.current_stream(self.device))
         return Fetched(copies, done)
 
-    def _timed(self, encoding: Mapping[str, torch.Tensor]) -> float:
+    def _timed(self, rows: int, encoding: BatchEncoding) -> float:
         started = time.perf_counter()
-        with torch.inference_mode():
-            self.forward(encoding)
-            if self.device.type == "cuda":  # kernels are queued: time them done
-                torch.cuda.synchronize(self.device)
+        self.warm_batch(rows, encoding)
         return time.perf_counter() - started
 
 
@@ -231,6 +266,11 @@ class Embedder(EncoderRunner):
             for row, tokens in zip(rows, launched.tokens, strict=True)
         ]
 
+    def warm_batch(self, rows: int, encoding: BatchEncoding) -> None:
+        """:meth:`launch` and :meth:`finish`'s wait: the copy in, the forward pass, the
+        pooling, the copy back (:meth:`EncoderRunner.warm_batch`)."""
+        self._gather(self._launch(Chunks(list(range(rows)), [(rows, encoding)], [None] * rows)))
+
     def predict(self, items: list[Item]) -> list[Result]:
         """Embed each item's text.
 
@@ -263,7 +303,7 @@ class Embedder(EncoderRunner):
 
     def _launch(self, prepared: Chunks) -> Pooled:
         rows_out = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self.on_device():
             for rows, encoding in prepared.chunks:
                 check_deadline()  # a long call (many chunks) stops once nobody waits
                 on_device = encoding.to(self.device, non_blocking=True)
@@ -364,7 +404,7 @@ class TextClassifier(EncoderRunner):
         """The device phase: each item's best label and its probability, on their way
         back (a bucket's extra rows come last: only the first ones are answers)."""
         rows, encoding = prepared
-        with torch.inference_mode():
+        with torch.inference_mode(), self.on_device():
             logits = self.forward(encoding.to(self.device, non_blocking=True)).logits[:rows]
             scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
         return self.fetch([scores, indices])
@@ -377,6 +417,10 @@ class TextClassifier(EncoderRunner):
             {"label": id2label[index], "score": score}
             for index, score in zip(indices.tolist(), scores.tolist(), strict=True)
         ]
+
+    def warm_batch(self, rows: int, encoding: BatchEncoding) -> None:
+        """:meth:`launch` and :meth:`finish` (:meth:`EncoderRunner.warm_batch`)."""
+        self.finish(self.launch((rows, encoding)))
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Classify each item's text.
