@@ -2,7 +2,9 @@
 
 Without a GPU: the setting reads and refuses as every setting does, and where a runner
 cannot capture (on the CPU, buckets off, a capture that raises) one log line says why and
-its answers are the eager ones, bit for bit; the worker still starts. With one: every
+its answers are the eager ones, bit for bit; the worker still starts; with torch.cuda
+faked (tests/workers/fake_cuda.py), the stages on one copy of the weights capture each
+shape once, in one pool, and warm-up runs a served batch's every kernel. With one: every
 bucket is captured, batches run by the graphs, and their answers equal the eager ones.
 Real models (MiniLM, a tiny random-weight classifier).
 """
