@@ -93,7 +93,8 @@ def served_runner(report: Report) -> Variant | None:
         return report.variant("eager")
     embed = next((r for r in report.rows if r.workload == "embed"), None)
     replayed = embed is not None and embed.graphs.startswith("replayed")
-    return (replayed and report.variant("CUDA graphs")) or report.variant("bucketed")
+    graphs = report.variant("CUDA graphs") if replayed else None
+    return graphs or report.variant("bucketed")
 
 
 def targets(report: Report) -> list[Target]:
