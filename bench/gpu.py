@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--gateways and --max-batch must be at least 1")
     # SIGTERM unwinds like Ctrl-C, so every process this run started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # The tokenizers' thread pool would contend with the runner's host threads, here and in
+    # the served processes (which inherit it), as `conveyor up` sets it for its children.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe
     device: str = default_device() if args.device in (None, "auto") else args.device

@@ -87,10 +87,14 @@ class Report:
 
 def served_runner(report: Report) -> Variant | None:
     """The in-process variant that runs as the served worker does: on cuda bucketed (with
-    graphs where they were measured), on the CPU eager (buckets default off there)."""
+    graphs where the in-process runner captured them and the served embed worker replayed
+    them), on the CPU eager (buckets default off there)."""
     if not report.device.startswith("cuda"):
         return report.variant("eager")
-    return report.variant("CUDA graphs") or report.variant("bucketed")
+    embed = next((r for r in report.rows if r.workload == "embed"), None)
+    replayed = embed is not None and embed.graphs.startswith("replayed")
+    graphs = report.variant("CUDA graphs") if replayed else None
+    return graphs or report.variant("bucketed")
 
 
 def targets(report: Report) -> list[Target]:
@@ -208,21 +212,31 @@ def markdown(report: Report) -> str:
         "as a worker builds it (`build_model`, then `prepare_shapes`: buckets given and "
         "warmed) in this process, timed in sentences/s on the bench's uniform sentences "
         "(4 batches per size cycled, each run once first); cosine against the CPU float32 "
-        f"runner on the same {max(batches, default=0)} texts.",
+        f"runner on the same {max(batches, default=0)} texts. Each rate is the better of a "
+        "serial loop and an overlapped one (batch n+1 prepared in a host thread while n "
+        "runs, as the worker does), the loop column says which, per batch size; GPU busy is "
+        "the device's share of that loop's time from CUDA events around each launch (`-`: "
+        "not cuda). A CUDA graphs row has figures only where its graphs were captured and "
+        "replayed (replays counted); else it says why not.",
         "",
         "| runner | dtype | shapes warmed | prepare s | "
         + " | ".join(f"batch {b}" for b in batches)
-        + " | worst cosine |",
-        "|---|---|---|---|" + "---|" * len(batches) + "---|",
+        + " | worst cosine | loop | GPU busy |",
+        "|---|---|---|---|" + "---|" * len(batches) + "---|---|---|",
     ]
     for v in report.variants:
         if v.skipped:
-            lines.append(f"| {v.name} | {v.skipped} |" + " |" * (len(batches) + 3))
+            lines.append(f"| {v.name} | {v.skipped} |" + " |" * (len(batches) + 5))
             continue
         rates = " | ".join(_num(v.rates.get(b), ",.1f") for b in batches)
+        loops = " / ".join(v.loops.get(b, "-") for b in batches)
+        busy = " / ".join(
+            "-" if b not in v.device_busy else f"{v.device_busy[b]:.0%}" for b in batches
+        )
+        replays = f" ({v.replays:,} replays)" if v.replays else ""
         lines.append(
-            f"| {v.name} | {v.dtype} | {v.shapes} | {v.warm_s:.2f} | {rates} | "
-            f"{_num(v.worst_cosine, '.6f')} |"
+            f"| {v.name}{replays} | {v.dtype} | {v.shapes} | {v.warm_s:.2f} | {rates} | "
+            f"{_num(v.worst_cosine, '.6f')} | {loops} | {busy} |"
         )
     lines += _served(report)
     lines += ["", "## Machine", "", *machine()]
@@ -275,6 +289,10 @@ def _served(report: Report) -> list[str]:
         f"| {r.system} | {r.gateways} | {r.workload} | {r.clients} | {_window_cells(r.steady)} |"
         for r in order
     ]
+    graphs = {(r.system, r.gateways, r.workload): r.graphs for r in order if r.graphs}
+    if graphs:
+        lines += ["", "CUDA graphs in the served workers (from their logs):", ""]
+        lines += [f"- {s} ({g} gw) {w}: {said}" for (s, g, w), said in graphs.items()]
     if report.gateways_note:
         lines += ["", f"Echo with several gateways: {report.gateways_note}."]
     return lines

@@ -11,13 +11,20 @@ Every window reports what the clients saw (throughput, p50, p99, errors), the CP
 per request of all the system's processes (Redis included, from /proc), and how busy the
 stage's model was: its run time over the window's wall time (the gateway's
 ``conveyor_stage_run_seconds_sum``), and on cuda the GPU's own utilization
-(``torch.cuda.utilization``, NVML), sampled through the window, where it answers.
+(``torch.cuda.utilization``, NVML: needs ``pynvml``, the bench extra's ``nvidia-ml-py``),
+sampled through the window, where it answers.
+
+With CUDA graphs asked (:data:`~bench.gpu_model.GRAPHS_ENV` in the workers' environment),
+each row says what its stage's worker did with them, read from the worker's log once it
+has stopped (:func:`graphs_said`): the batches its graphs replayed, or "not captured: <why>"
+(a capture that failed leaves the worker eager, and its rates are eager ones).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -28,9 +35,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import NamedTuple
 
+from bench.gpu_model import GRAPHS_ENV
 from bench.loadgen import closed_loop
 from bench.systems import HOST, ConveyorServer, Options, conveyor, conveyor_items
-from bench.workloads import bodies, stages_of
+from bench.workloads import bodies, stage_of, stages_of
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +118,8 @@ class Served:
         clients: closed-loop clients.
         steady: the measured window.
         first: the first window after ready (only the run that started at ready).
+        graphs: with CUDA graphs asked, what the stage's worker did with them
+            (:func:`graphs_said`); "" where they were not asked.
     """
 
     system: str
@@ -118,6 +128,7 @@ class Served:
     clients: int
     steady: Window
     first: Window | None = None
+    graphs: str = ""
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,7 @@ def serve(sessions: list[Session], timing: Timing, options: Options, workdir: Pa
     top = max(timing.clients)
     for session in sessions:
         logger.info("starting %s, %d gateway(s)", session.system, session.gateways)
+        first_row = len(rows)
         with _started(session, options, workdir) as server:
 
             def measured(workload: str, clients: int, spans: list[float]) -> list[Window]:
@@ -175,7 +187,31 @@ def serve(sessions: list[Session], timing: Timing, options: Options, workdir: Pa
                         rows.append(
                             Served(session.system, session.gateways, workload, clients, window)
                         )
+        if options.env.get(GRAPHS_ENV) == "true":  # stopped: its workers' last lines are in
+            said = server.log.read_text(errors="replace")
+            for row in rows[first_row:]:
+                row.graphs = graphs_said(said, stage_of(row.workload))
     return rows
+
+
+def graphs_said(log: str, stage: str) -> str:
+    """What a served worker of ``stage`` said in its ``log`` of its CUDA graphs: "replayed
+    N batches" where its graphs ran (N > 0), else "not captured: <why>".
+
+    Args:
+        log: the worker's log, read after it stopped (it counts replays as it closes).
+        stage: the stage.
+    """
+    head = rf"stage {re.escape(stage)}: "
+    replays = re.findall(head + r"(\d+) batches replayed CUDA graphs", log)
+    if replays and int(replays[-1]) > 0:
+        return f"replayed {int(replays[-1]):,} batches"
+    why = re.findall(head + r"no CUDA graphs[,:]? ?(.*)", log)
+    if why:
+        return f"not captured: {why[-1].strip()}"
+    if replays:
+        return "not captured: no batch replayed a graph"
+    return "not captured: its worker logged nothing of graphs"
 
 
 @contextmanager

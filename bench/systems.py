@@ -138,6 +138,11 @@ class ConveyorServer(Server):
         self._log = log
 
     @property
+    def log(self) -> Path:
+        """The file its processes log to."""
+        return self._log
+
+    @property
     def redis_url(self) -> str:
         """The URL of its Redis (``redis+cluster://`` where it uses a cluster)."""
         return self._env["CONVEYOR_REDIS_URL"]

@@ -97,6 +97,9 @@ def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
     if options.pipelines:
         env["CONVEYOR_PIPELINES"] = options.pipelines
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # The tokenizers' own thread pool would contend with the worker's host threads (and
+    # warns after a fork); the user's setting, if any, wins.
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
 

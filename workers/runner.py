@@ -316,6 +316,9 @@ class Runner:
         hands the next stage on the same weights a thread already shut down."""
         if not self._closed:
             self._closed = True
+            replays = getattr(getattr(self.model, "graphs", None), "replays", None)
+            if isinstance(replays, int):  # bench.gpu reads it: were the rates graphs'?
+                logger.info("stage %s: %d batches replayed CUDA graphs", self.stage.name, replays)
             self.thread.release()
             self.host.shutdown(wait=False)
 

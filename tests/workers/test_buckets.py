@@ -124,9 +124,9 @@ class Logged(EncoderRunner):
         self.log = ShapeLog()
         super().__init__(**options)
 
-    def forward(self, encoding: Mapping[str, torch.Tensor]) -> Any:
+    def forward(self, encoding: Mapping[str, torch.Tensor], padded: bool) -> Any:
         self.log.note(encoding)
-        return super().forward(encoding)
+        return super().forward(encoding, padded)
 
 
 class LoggedClassifier(Logged, TextClassifier):

@@ -204,18 +204,23 @@ def test_warm_up_runs_each_bucket_as_a_served_batch_runs(
     pinned: list[tuple[int, int]] = []
     forward, fetch, pin = model.forward, model.fetch, model.pinned
 
-    def counted_forward(encoding: Any) -> Any:
+    def counted_forward(encoding: Any, padded: bool) -> Any:
         mask = encoding["attention_mask"]
-        passes.append((tuple(mask.shape), bool((mask == 0).any())))
-        return forward(encoding)
+        masks = bool((mask == 0).any())
+        # Told as the host read it: an unmasked pass takes the mask-free path.
+        assert padded == masks, f"{tuple(mask.shape)}: told padded={padded}"
+        passes.append((tuple(mask.shape), masks))
+        return forward(encoding, padded)
 
     def counted_fetch(tensors: list[torch.Tensor]) -> Any:
         fetched.extend(tuple(t.shape) for t in tensors)
         return fetch(tensors)
 
-    def counted_pin(encoding: Any) -> Any:
-        pinned.append(tuple(encoding["input_ids"].shape))
-        return pin(encoding)
+    def counted_pin(host: Any) -> Any:
+        pinned.append(tuple(host.encoding["input_ids"].shape))
+        kept = pin(host)
+        assert kept.padded == host.padded  # the host's read travels with the copy
+        return kept
 
     monkeypatch.setattr(model, "forward", counted_forward)
     monkeypatch.setattr(model, "fetch", counted_fetch)
@@ -265,9 +270,9 @@ def test_graphed_answers_equal_eager_on_cuda(
     second = graphed.encode(TEXTS[1:3])
     assert first["input_ids"].shape == second["input_ids"].shape
     with torch.inference_mode():
-        kept = graphed.forward(first).last_hidden_state
+        kept = graphed.forward(first, padded=True).last_hidden_state
         copy = kept.clone()
-        graphed.forward(second)
+        graphed.forward(second, padded=True)
         assert torch.equal(kept, copy)
 
 

@@ -256,9 +256,10 @@ def test_a_runner_on_cuda_n_pins_and_waits_on_its_own_device_and_the_wait_sleeps
     classifier = TextClassifier(model="tiny:sentiment", device="cpu", cache_dir=hf_cache)
     cuda1 = torch.device("cuda:1")
     classifier.device = cuda1
-    classifier.host_encoding(["I loved this movie", "ok"])
+    host = classifier.host_encoding(["I loved this movie", "ok"])
     assert fake_cuda.pins, "cuda inputs are page-locked"
     assert set(fake_cuda.pins) == {cuda1}
+    assert (host.rows, host.padded) == (2, True)  # the host's read kept through pinning
     scores, indices = torch.tensor([0.9, 0.6]), torch.tensor([1, 0])
     fetched = classifier.fetch([scores, indices])
     (event,) = fake_cuda.events

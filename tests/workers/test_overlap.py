@@ -9,6 +9,7 @@ how long the test took.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -18,6 +19,7 @@ from pipelines.model import Result, StagedModel
 from pipelines.stages import Stage, TextIn
 from tests.helpers import Harness, until
 from workers.loop import Worker
+from workers.models.hf import TextClassifier
 from workers.models.simulated import OneCall, SimulatedAccelerator, Span
 
 RUNNER = "workers.models.simulated:SimulatedAccelerator"
@@ -44,6 +46,16 @@ def overlapped(spans: list[Span]) -> int:
     )
 
 
+def queued_while_busy(spans: list[Span]) -> int:
+    """How many batches the host queued (ended its launch) while the device ran another."""
+    device = [s for s in spans if s.phase == "device"]
+    return sum(
+        any(d.batch != q.batch and d.start < q.end < d.end for d in device)
+        for q in spans
+        if q.phase == "launch"
+    )
+
+
 def texts(rng: random.Random, count: int, words: tuple[int, int]) -> list[dict[str, str]]:
     return [{"text": " ".join(["word"] * rng.randint(*words))} for _ in range(count)]
 
@@ -66,8 +78,37 @@ async def test_the_next_batch_is_prepared_while_the_device_runs(
         # Batch n+1 tokenized while batch n ran, nearly every time (the first had nothing
         # to overlap; a loaded machine may delay a read past a device run now and then).
         assert overlapped(sim.spans) >= 8, sim.spans
+        assert queued_while_busy(sim.spans) >= 8, sim.spans  # and queued while n ran
     else:  # one call per batch in one thread: the device waits while the host prepares
         assert overlapped(sim.spans) == 0
+        assert queued_while_busy(sim.spans) == 0
+
+
+@pytest.mark.usefixtures("one_thread")  # tests/workers/conftest.py
+@pytest.mark.parametrize("reads", [False, True])
+async def test_a_launch_that_reads_the_device_cannot_queue_behind_the_running_batch(
+    harness: Harness, tmp_path_factory: pytest.TempPathFactory, reads: bool
+) -> None:
+    # The real classifier's launch on a device whose reads wait for it, as a GPU's sync
+    # does. Given the 2D mask (reads: the mask path of transformers 5 before issue 30),
+    # its forward reads the mask once a batch: batch n+1 is queued only once n is done.
+    # Given what lets it skip that read, it queues n+1 while n runs, as a GPU needs.
+    classifier = TextClassifier(
+        model="tiny:sentiment", device="cpu", cache_dir=str(tmp_path_factory.mktemp("hf"))
+    )
+    classifier.given_mask = not reads
+    sim = SimulatedAccelerator(prepare_s=0.0, device_s=0.15, first_call_s=0.0, runner=classifier)
+    rng = random.Random(6)
+    await harness.enqueue("sim", texts(rng, 96, (3, 12)))
+    worker = harness.worker(stage(), sim)
+    assert await worker.run(burst=True) == 12
+    assert sum(r.outcomes["ok"] for r in worker.history) == 96
+    if reads:
+        assert sim.reads == 12  # one a batch (one forward pass each)
+        assert queued_while_busy(sim.spans) == 0, sim.spans
+    else:
+        assert sim.reads == 0
+        assert queued_while_busy(sim.spans) >= 8, sim.spans
 
 
 async def test_a_cold_shape_is_not_a_cost_sample(harness: Harness) -> None:
@@ -142,7 +183,7 @@ class PoisonAtFinish(SimulatedAccelerator):
     """Fails a batch that holds a "poison" text when its device work is fetched (as an
     asynchronous device error surfaces at the wait)."""
 
-    def finish(self, launched: Any) -> list[Result]:
+    def finish(self, launched: Any) -> Sequence[Result | BaseException]:
         if any("poison" in item["text"] for item in launched.items):
             raise RuntimeError("the device failed this batch")
         return super().finish(launched)

@@ -7,11 +7,14 @@ load (:class:`EncoderRunner`, :mod:`workers.models.buckets`); on cuda, where ask
 bucket's forward pass is a CUDA graph (:mod:`workers.models.graphs`). The :class:`Embedder`
 runs a batch in three phases (:class:`~pipelines.model.StagedModel`): tokenized on the
 host, launched on the device, its pooled rows fetched once the device is done, so the
-worker prepares the next batch while the device runs this one.
+worker prepares the next batch while the device runs this one. Nothing in a launch reads
+the device (a host sync): whether a batch is padded is read from its mask on the host, and
+the model is given its mask in the form it takes as given (:meth:`EncoderRunner.forward`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -30,6 +33,37 @@ from pipelines.model import Item, Result, check_deadline, cold_shape
 from workers.models.buckets import BucketLengths, Buckets, ShapeRun, fit
 from workers.models.graphs import BucketGraphs, capture
 from workers.models.hf_base import HFRunner, WeightsKey, item_texts
+
+
+def padded(encoding: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a batch's attention mask masks any position: read on the host, where a
+    look costs nothing, before the batch goes to the device (where it would be a sync)."""
+    mask = encoding.get("attention_mask")
+    return mask is not None and not bool(mask.all())
+
+
+def takes_given_mask(model: Any) -> bool:
+    """Whether ``model`` runs a 4D attention mask as given, with no look at its values.
+
+    Given the tokenizer's 2D mask, transformers 5's ``create_bidirectional_mask``
+    (``masking_utils``) asks ``attention_mask.all()`` to drop an all-ones mask: a Python
+    bool of a device value, so a sync in every forward pass (not under a CUDA graph's
+    capture, which it notices). A 4D mask it returns as is, and no mask it does not read.
+    True for the models built on that function (BERT, DistilBERT, RoBERTa, MPNet, ...)
+    with the ``sdpa`` or ``eager`` attention, which take a 4D mask; others keep the 2D one.
+    """
+    module = sys.modules.get(type(model).__module__)
+    attention = getattr(model.config, "_attn_implementation", None)
+    return attention in ("sdpa", "eager") and hasattr(module, "create_bidirectional_mask")
+
+
+class HostBatch(NamedTuple):
+    """A batch tokenized on the host: its real rows (a bucket's extra rows come after),
+    its encoding, and whether its mask masks a position (:func:`padded`)."""
+
+    rows: int
+    encoding: BatchEncoding
+    padded: bool
 
 
 class Fetched(NamedTuple):
@@ -62,6 +96,7 @@ class EncoderRunner(HFRunner):
     def __init__(self, **load: Any) -> None:
         super().__init__(**load)
         self.met: set[tuple[int, ...]] = set()  # shapes the device has run
+        self.given_mask = takes_given_mask(self.model)
 
     @property
     def accelerated(self) -> bool:
@@ -119,10 +154,19 @@ class EncoderRunner(HFRunner):
         page-locked memory; nothing off cuda."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
-    def forward(self, encoding: Mapping[str, torch.Tensor]) -> Any:
+    def forward(self, encoding: Mapping[str, torch.Tensor], padded: bool) -> Any:
         """Run the model on one tokenized (and padded) batch: its bucket's CUDA graph
         where there is one (:attr:`graphs`), else eagerly. Either way the outputs are
-        the caller's to keep."""
+        the caller's to keep.
+
+        Args:
+            encoding: the batch, on the device, with its 2D attention mask.
+            padded: whether that mask masks a position (:func:`padded`, read on the
+                host). Eagerly, a model that takes a mask as given
+                (:func:`takes_given_mask`) is given none where nothing is masked, else
+                the 4D mask transformers would build from the 2D one (made on the
+                device: no read), so it never reads the mask to choose.
+        """
         if self.accelerated:
             shape = tuple(encoding["input_ids"].shape)
             if shape not in self.met:
@@ -133,7 +177,25 @@ class EncoderRunner(HFRunner):
                 outputs = self.graphs.run(encoding)
                 if outputs is not None:
                     return outputs
-            return self.model(**encoding)
+            return self.model(**self._eager_inputs(encoding, padded))
+
+    def _eager_inputs(
+        self, encoding: Mapping[str, torch.Tensor], padded: bool
+    ) -> dict[str, torch.Tensor]:
+        inputs = dict(encoding)
+        if not self.given_mask or "attention_mask" not in inputs:
+            return inputs
+        mask = inputs.pop("attention_mask")
+        if padded:
+            # As masking_utils' sdpa_mask and eager_mask make it: (rows, 1, query, key),
+            # True (sdpa) or 0 (eager) where a position is read.
+            rows, length = mask.shape
+            keep = mask.bool()[:, None, None, :].expand(rows, 1, length, length)
+            if self.model.config._attn_implementation == "eager":
+                zero = torch.zeros((), device=keep.device, dtype=self.dtype)
+                keep = torch.where(keep, zero, torch.finfo(self.dtype).min)
+            inputs["attention_mask"] = keep
+        return inputs
 
     def warm_up(self) -> list[ShapeRun]:
         """Run every bucket on dummy batches the way a served batch runs
@@ -145,26 +207,33 @@ class EncoderRunner(HFRunner):
             return []
         runs = []
         for rows, length in self.buckets.shapes():
-            padded = self.pinned(self._host_dummy(rows, length, masked=True))
-            unmasked = self.pinned(self._host_dummy(rows, length, masked=False))
-            first = self._timed(rows, padded)
-            self._timed(rows, unmasked)
-            runs.append(ShapeRun(rows, length, first, self._timed(rows, padded)))
+            masked = self._host_batch(rows, length, masked=True)
+            unmasked = self._host_batch(rows, length, masked=False)
+            first = self._timed(masked)
+            self._timed(unmasked)
+            runs.append(ShapeRun(rows, length, first, self._timed(masked)))
         return runs
 
-    def warm_batch(self, rows: int, encoding: BatchEncoding) -> None:
-        """Run a host batch (``rows`` of it answers) through every kernel a served batch
-        of its shape meets, and wait for the device. Here the forward pass; a staged
-        runner's override runs its ``launch`` and ``finish``."""
+    def warm_batch(self, host: HostBatch) -> None:
+        """Run a host batch through every kernel a served batch of its shape meets, and
+        wait for the device. Here the forward pass; a staged runner's override runs its
+        ``launch`` and ``finish``."""
         with torch.inference_mode(), self.on_device():
-            self.forward(encoding.to(self.device, non_blocking=True))
+            self.forward(host.encoding.to(self.device, non_blocking=True), host.padded)
             if self.device.type == "cuda":  # kernels are queued: wait for them
                 torch.cuda.synchronize(self.device)
+
+    def _host_batch(self, rows: int, length: int, *, masked: bool) -> HostBatch:
+        """:meth:`_host_dummy` as :meth:`host_encoding` makes a served batch: whether it
+        is :func:`padded` read from its mask, and :meth:`pinned`."""
+        dummy = self._host_dummy(rows, length, masked=masked)
+        return self.pinned(HostBatch(rows, dummy, padded(dummy)))
 
     def _host_dummy(self, rows: int, length: int, *, masked: bool) -> BatchEncoding:
         """A host batch of ``rows`` rows of ``length`` tokens: the shortest text, padded;
         ``masked``: its attention mask masks the padding, as a bucketed batch's nearly
-        always does, else it masks nothing (a batch of texts all of the bucket's length)."""
+        always does, else it masks nothing (a batch of texts all of the bucket's length:
+        a mask can pick another attention kernel than none)."""
         dummy: BatchEncoding = self.tokenizer(["x"], return_tensors="pt")
         for key in list(dummy.keys()):
             dummy[key] = dummy[key][:, :length]
@@ -179,17 +248,20 @@ class EncoderRunner(HFRunner):
         moved: BatchEncoding = self._host_dummy(rows, length, masked=True).to(self.device)
         return moved
 
-    def host_encoding(self, texts: list[str]) -> BatchEncoding:
-        """:meth:`tokenize`, :meth:`pinned` (:meth:`launch` moves it)."""
-        return self.pinned(self.tokenize(texts))
+    def host_encoding(self, texts: list[str]) -> HostBatch:
+        """:meth:`tokenize`, whether it is :func:`padded` (read here, on the host), and
+        :meth:`pinned` (:meth:`launch` moves it)."""
+        encoding = self.tokenize(texts)
+        return self.pinned(HostBatch(len(texts), encoding, padded(encoding)))
 
-    def pinned(self, encoding: BatchEncoding) -> BatchEncoding:
-        """``encoding`` page-locked on cuda (allocated under the runner's device), so
-        that its copy to the device is asynchronous; as it is elsewhere."""
+    def pinned(self, host: HostBatch) -> HostBatch:
+        """``host`` with its encoding page-locked on cuda (allocated under the runner's
+        device), so that its copy to the device is asynchronous; as it is elsewhere."""
         if self.device.type != "cuda":
-            return encoding
+            return host
         with self.on_device():
-            return BatchEncoding({k: v.pin_memory() for k, v in encoding.items()})
+            encoding = BatchEncoding({k: v.pin_memory() for k, v in host.encoding.items()})
+        return host._replace(encoding=encoding)
 
     def fetch(self, tensors: list[torch.Tensor]) -> Fetched:
         """Queue the copy of device ``tensors`` back to the host, and mark when they are
@@ -204,9 +276,9 @@ class EncoderRunner(HFRunner):
                 done.record(torch.cuda.current_stream(self.device))
         return Fetched(copies, done)
 
-    def _timed(self, rows: int, encoding: BatchEncoding) -> float:
+    def _timed(self, host: HostBatch) -> float:
         started = time.perf_counter()
-        self.warm_batch(rows, encoding)
+        self.warm_batch(host)
         return time.perf_counter() - started
 
 
@@ -266,10 +338,11 @@ class Embedder(EncoderRunner):
             for row, tokens in zip(rows, launched.tokens, strict=True)
         ]
 
-    def warm_batch(self, rows: int, encoding: BatchEncoding) -> None:
+    def warm_batch(self, host: HostBatch) -> None:
         """:meth:`launch` and :meth:`finish`'s wait: the copy in, the forward pass, the
         pooling, the copy back (:meth:`EncoderRunner.warm_batch`)."""
-        self._gather(self._launch(Chunks(list(range(rows)), [(rows, encoding)], [None] * rows)))
+        rows = host.rows
+        self._gather(self._launch(Chunks(list(range(rows)), [host], [None] * rows)))
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Embed each item's text.
@@ -290,24 +363,24 @@ class Embedder(EncoderRunner):
         for start in range(0, len(order), self.batch_size):
             check_deadline()
             rows = order[start : start + self.batch_size]
-            encoding = self.host_encoding([texts[i] for i in rows])
+            host = self.host_encoding([texts[i] for i in rows])
             if counted:
                 # The mask as the model reads it: truncated, and 0 over the padding (a
                 # bucket's too); a bucket's extra rows come after these.
-                real = encoding["attention_mask"][: len(rows)].sum(dim=1).tolist()
+                real = host.encoding["attention_mask"][: len(rows)].sum(dim=1).tolist()
                 for index, length in zip(rows, real, strict=True):
                     if index in counted:
                         tokens[index] = int(length)
-            chunks.append((len(rows), encoding))
+            chunks.append(host)
         return Chunks(order, chunks, tokens)
 
     def _launch(self, prepared: Chunks) -> Pooled:
         rows_out = []
         with torch.inference_mode(), self.on_device():
-            for rows, encoding in prepared.chunks:
+            for rows, encoding, masked in prepared.chunks:
                 check_deadline()  # a long call (many chunks) stops once nobody waits
                 on_device = encoding.to(self.device, non_blocking=True)
-                hidden = self.forward(on_device).last_hidden_state[:rows].float()
+                hidden = self.forward(on_device, masked).last_hidden_state[:rows].float()
                 # Padded positions (a bucket's included) have mask 0: they add nothing.
                 mask = on_device["attention_mask"][:rows].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
@@ -327,11 +400,11 @@ class Embedder(EncoderRunner):
 
 
 class Chunks(NamedTuple):
-    """A batch tokenized on the host: its order by length, its chunks (rows, encoding),
-    and each text's tokens, in input order, where counted (else None)."""
+    """A batch tokenized on the host: its order by length, its chunks, and each text's
+    tokens, in input order, where counted (else None)."""
 
     order: list[int]
-    chunks: list[tuple[int, BatchEncoding]]
+    chunks: list[HostBatch]
     tokens: list[int | None]
 
 
@@ -396,16 +469,17 @@ class TextClassifier(EncoderRunner):
 
     auto_cls = AutoModelForSequenceClassification
 
-    def prepare(self, items: list[Item]) -> tuple[int, BatchEncoding]:
-        """The host phase: the items' texts tokenized (and how many there are)."""
-        return len(items), self.host_encoding(item_texts(items))
+    def prepare(self, items: list[Item]) -> HostBatch:
+        """The host phase: the items' texts tokenized."""
+        return self.host_encoding(item_texts(items))
 
-    def launch(self, prepared: tuple[int, BatchEncoding]) -> Fetched:
+    def launch(self, prepared: HostBatch) -> Fetched:
         """The device phase: each item's best label and its probability, on their way
         back (a bucket's extra rows come last: only the first ones are answers)."""
-        rows, encoding = prepared
+        rows, encoding, masked = prepared
         with torch.inference_mode(), self.on_device():
-            logits = self.forward(encoding.to(self.device, non_blocking=True)).logits[:rows]
+            on_device = encoding.to(self.device, non_blocking=True)
+            logits = self.forward(on_device, masked).logits[:rows]
             scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
         return self.fetch([scores, indices])
 
@@ -418,9 +492,9 @@ class TextClassifier(EncoderRunner):
             for index, score in zip(indices.tolist(), scores.tolist(), strict=True)
         ]
 
-    def warm_batch(self, rows: int, encoding: BatchEncoding) -> None:
+    def warm_batch(self, host: HostBatch) -> None:
         """:meth:`launch` and :meth:`finish` (:meth:`EncoderRunner.warm_batch`)."""
-        self.finish(self.launch((rows, encoding)))
+        self.finish(self.launch(host))
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Classify each item's text.
@@ -569,10 +643,12 @@ class TokenClassifier(EncoderRunner):
         if not items:
             return []
         texts = item_texts(items)
-        encoding = self.encode(texts, return_offsets_mapping=True)
+        encoding = self.tokenize(texts, return_offsets_mapping=True)
         offsets = encoding.pop("offset_mapping").tolist()
+        masked = padded(encoding)
+        encoding = encoding.to(self.device)
         with torch.inference_mode():
-            logits = self.forward(encoding).logits
+            logits = self.forward(encoding, masked).logits
             scores, indices = logits.float().softmax(dim=-1).max(dim=-1)
         id2label = self.model.config.id2label
         results: list[Result] = []

@@ -16,7 +16,11 @@ up to a saturation point (then linear), a first-call cost per new shape, and a d
 runs one batch at a time. It is staged (:class:`~pipelines.model.StagedModel`) and keeps
 what it did (:attr:`SimulatedAccelerator.spans`), so a test can see whether the worker
 prepared one batch while the device ran another, and a benchmark can set its throughput
-against ``1 / max(prepare, device)``.
+against ``1 / max(prepare, device)``. Its launch returns at once, as a GPU's does, unless
+the host reads a device value there (a sync: :mod:`workers.models.reads`): then it waits
+for the device's work in flight first, as a GPU does, and the host cannot queue batch
+n+1 while batch n runs. Given a real staged runner (``runner``), it runs that runner's
+phases as its own, so what counts as a read is what the real runner's launch does.
 
 A stage names them like any runner: ``"workers.models.simulated:SimulatedEmbedder"``.
 """
@@ -26,15 +30,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from pipelines.model import Item, Result, cold_shape
+from pipelines.model import Item, Result, StagedModel, cold_shape
 from pipelines.tokens import estimate
 from workers.models.buckets import batch_sizes
 from workers.models.hf_encode import Embedder
+from workers.models.reads import DeviceReads
 
 Shape = tuple[int, ...]
 
@@ -96,19 +101,26 @@ class SimulatedEmbedder(Embedder):
         """An accelerator, for the buckets' default."""
         return True
 
-    def forward(self, encoding: Mapping[str, torch.Tensor]) -> Any:
+    def forward(self, encoding: Mapping[str, torch.Tensor], padded: bool) -> Any:
         """Charge the device for the batch's shape, then run the real model."""
         self.sim.run(tuple(encoding["input_ids"].shape))
-        return super().forward(encoding)
+        return super().forward(encoding, padded)
 
 
 class Span(NamedTuple):
     """One phase of one batch on the simulated accelerator (``time.monotonic()``)."""
 
     batch: int
-    phase: str  # "prepare" or "device"
+    phase: str  # "prepare", "launch" (the host queuing it) or "device"
     start: float
     end: float
+
+
+class _Prepared(NamedTuple):
+    batch: int
+    items: list[Item]
+    tokens: list[int]
+    host: Any  # the runner's prepared batch, if any
 
 
 class _Launched(NamedTuple):
@@ -116,6 +128,7 @@ class _Launched(NamedTuple):
     items: list[Item]
     tokens: list[int]
     done_at: float
+    queued: Any  # the runner's launched batch, if any
 
 
 def hold_gil(seconds: float) -> None:
@@ -140,13 +153,18 @@ class SimulatedAccelerator:
         saturation_tokens: padded tokens a batch may hold before its cost grows.
         first_call_s: the extra device time of a shape's first call.
         max_rows: the most rows a batch is padded to.
+        runner: a real staged runner (on the CPU) whose phases run as this device's:
+            its prepare after ``prepare_s``, its launch in the launch (each host read of
+            a device value there waits for the device), its finish's results are the
+            batch's. None: the results are ``{"tokens": n}``.
         model: ignored (every runner is given one).
         options: the other options every runner is given (ignored).
 
     Attributes:
-        spans: each batch's prepare and device spans, in order.
+        spans: each batch's prepare, launch and device spans, in order.
         device_busy_s: total device time charged.
         cold: how many batches met a shape for the first time.
+        reads: how many host reads of a device value the launches made.
     """
 
     def __init__(
@@ -157,6 +175,7 @@ class SimulatedAccelerator:
         saturation_tokens: int = 4096,
         first_call_s: float = 0.08,
         max_rows: int = 32,
+        runner: StagedModel | None = None,
         model: str = "",
         **options: Any,
     ) -> None:
@@ -165,6 +184,8 @@ class SimulatedAccelerator:
         self.prepare_s, self.device_s, self.first_call_s = prepare_s, device_s, first_call_s
         self.saturation_tokens = saturation_tokens
         self.rows = batch_sizes(max_rows)
+        self.runner = runner
+        self.reads = 0
         self.spans: list[Span] = []
         self.device_busy_s = 0.0
         self.cold = 0
@@ -178,20 +199,26 @@ class SimulatedAccelerator:
         """An accelerator (a cost flat in tokens is the worker's prior for it)."""
         return True
 
-    def prepare(self, items: list[Item]) -> tuple[int, list[Item], list[int]]:
-        """Host work: the batch's token counts, after ``prepare_s`` holding the GIL."""
+    def prepare(self, items: list[Item]) -> _Prepared:
+        """Host work: the batch's token counts, after ``prepare_s`` holding the GIL (and
+        the runner's prepare)."""
         with self._lock:
             self._batches += 1
             batch = self._batches
         start = time.monotonic()
         tokens = [estimate(item) for item in items]
         hold_gil(self.prepare_s)
+        host = None if self.runner is None else self.runner.prepare(items)
         self._note(Span(batch, "prepare", start, time.monotonic()))
-        return batch, items, tokens
+        return _Prepared(batch, items, tokens, host)
 
-    def launch(self, prepared: tuple[int, list[Item], list[int]]) -> _Launched:
-        """Queue the batch on the device; returns at once."""
-        batch, items, tokens = prepared
+    def launch(self, prepared: _Prepared) -> _Launched:
+        """Queue the batch on the device (the runner's launch first); returns at once,
+        but for the waits of the host's reads of device values."""
+        batch, items, tokens, host = prepared
+        launched_at = time.monotonic()
+        with DeviceReads(on_read=self._drain) as reads:
+            queued = None if self.runner is None else self.runner.launch(host)
         rows = next((r for r in self.rows if r >= len(items)), len(items))
         length = -(-max(tokens, default=1) // 16) * 16
         cost = self.device_s * max(1.0, rows * length / self.saturation_tokens)
@@ -201,18 +228,30 @@ class SimulatedAccelerator:
                 self.cold += 1
                 cost += self.first_call_s
                 cold_shape()
-            start = max(time.monotonic(), self._free_at)
+            now = time.monotonic()
+            start = max(now, self._free_at)
             self._free_at = done_at = start + cost
             self.device_busy_s += cost
+            self.reads += len(reads.seen)
+            self.spans.append(Span(batch, "launch", launched_at, now))
             self.spans.append(Span(batch, "device", start, done_at))
-        return _Launched(batch, items, tokens, done_at)
+        return _Launched(batch, items, tokens, done_at, queued)
 
-    def finish(self, launched: _Launched) -> list[Result]:
+    def finish(self, launched: _Launched) -> Sequence[Result | BaseException]:
         """Wait for the device (sleeping: the GIL is free), then the results."""
         time.sleep(max(0.0, launched.done_at - time.monotonic()))
+        if self.runner is not None:
+            return self.runner.finish(launched.queued)
         return [{"tokens": n} for n in launched.tokens]
 
-    def predict(self, items: list[Item]) -> list[Result]:
+    def _drain(self) -> None:
+        """A host read of a device value: wait (sleeping) until the device has run all
+        it was given, as a GPU's sync does."""
+        with self._lock:
+            free_at = self._free_at
+        time.sleep(max(0.0, free_at - time.monotonic()))
+
+    def predict(self, items: list[Item]) -> Sequence[Result | BaseException]:
         """The three phases in one call."""
         return self.finish(self.launch(self.prepare(items)))
 
@@ -232,6 +271,6 @@ class OneCall:
     def __init__(self, staged: SimulatedAccelerator) -> None:
         self.staged = staged
 
-    def predict(self, items: list[Item]) -> list[Result]:
+    def predict(self, items: list[Item]) -> Sequence[Result | BaseException]:
         """``finish(launch(prepare(items)))`` in the calling thread."""
         return self.staged.predict(items)
