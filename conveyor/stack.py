@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import FrameType
 
@@ -82,6 +83,21 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 def _asked_to_stop(exc: Exception) -> bool:
     """Whether ``exc`` is the stop signal's :class:`StopAsked`, as such or wrapped."""
     return isinstance(exc, StopAsked) or _ASKED.is_set()
+
+
+@contextmanager
+def _until_stop_signal() -> Iterator[None]:
+    """Run the body until Ctrl-C, SIGTERM or SIGHUP: the signal ends it (and only that
+    error is swallowed); from the body's end on, a second signal is ignored, so that it
+    cannot cut the ordered stop that follows short."""
+    _on_stop_signals(_raise_stop)
+    try:
+        yield
+    except Exception as exc:
+        if not _asked_to_stop(exc):
+            raise
+    finally:
+        _on_stop_signals(signal.SIG_IGN)
 
 
 def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
@@ -171,43 +187,37 @@ def up(options: UpOptions) -> int:
         if data is not None:
             data.release()
         raise
-    _on_stop_signals(_raise_stop)
     code = 0
     readiness: Readiness | None = None
     try:
-        supervisor.start_gateways(gateway.gateways)
-        supervisor.start_workers(placed)
-        autoscaled = ""
-        if scaling is not None and scaled:
-            supervisor.start_autoscaler(scaled, registry.stages, scaling)
-            autoscaled = (
-                f"; autoscaling {', '.join(g.name for g in scaled)} "
-                f"({scaling.min_workers} to {scaling.max_workers} workers each)"
+        with _until_stop_signal():
+            supervisor.start_gateways(gateway.gateways)
+            supervisor.start_workers(placed)
+            autoscaled = ""
+            if scaling is not None and scaled:
+                supervisor.start_autoscaler(scaled, registry.stages, scaling)
+                autoscaled = (
+                    f"; autoscaling {', '.join(g.name for g in scaled)} "
+                    f"({scaling.min_workers} to {scaling.max_workers} workers each)"
+                )
+            gateways = "gateway" if gateway.gateways == 1 else f"{gateway.gateways} gateways"
+            base = gateway_url(gateway.host, gateway.port)
+            say(
+                f"{gateways} on http://{gateway.host}:{gateway.port} serving "
+                f"{', '.join(registry.pipelines)}; {len(supervisor.workers())} worker "
+                f"process(es){autoscaled} loading their models; Ctrl-C stops"
             )
-        gateways = "gateway" if gateway.gateways == 1 else f"{gateway.gateways} gateways"
-        base = gateway_url(gateway.host, gateway.port)
-        say(
-            f"{gateways} on http://{gateway.host}:{gateway.port} serving "
-            f"{', '.join(registry.pipelines)}; {len(supervisor.workers())} worker "
-            f"process(es){autoscaled} loading their models; Ctrl-C stops"
-        )
-        say(f"API docs {base}/docs, status page {base}/status, metrics {base}/metrics")
-        readiness = Readiness(
-            CommonSettings(redis_url=env["CONVEYOR_REDIS_URL"]),
-            list(registry.stages),
-            lambda: {p.pid for _, p in supervisor.workers()},
-            say,
-            base,
-        )
-        readiness.start()
-        code = supervisor.supervise()
-    except Exception as exc:
-        if not _asked_to_stop(exc):
-            raise
+            say(f"API docs {base}/docs, status page {base}/status, metrics {base}/metrics")
+            readiness = Readiness(
+                CommonSettings(redis_url=env["CONVEYOR_REDIS_URL"]),
+                list(registry.stages),
+                lambda: {p.pid for _, p in supervisor.workers()},
+                say,
+                base,
+            )
+            readiness.start()
+            code = supervisor.supervise()
     finally:
-        # A second Ctrl-C must not cut the ordered stop short (at most STOP_GRACE_S a
-        # step, plus the gateways' drain).
-        _on_stop_signals(signal.SIG_IGN)
         if readiness is not None:
             readiness.stop()
         say(
@@ -253,17 +263,13 @@ def gateways(env: dict[str, str]) -> int:
     supervisor = Supervisor(
         env, None, load_settings(RestartSettings), settings.drain_s, stop_asked=_ASKED
     )
-    _on_stop_signals(_raise_stop)
     code = 0
     try:
-        supervisor.start_gateways(settings.gateways)
-        say(f"{settings.gateways} gateways on http://{settings.host}:{settings.port}")
-        code = supervisor.supervise()
-    except Exception as exc:
-        if not _asked_to_stop(exc):
-            raise
+        with _until_stop_signal():
+            supervisor.start_gateways(settings.gateways)
+            say(f"{settings.gateways} gateways on http://{settings.host}:{settings.port}")
+            code = supervisor.supervise()
     finally:
-        _on_stop_signals(signal.SIG_IGN)
         supervisor.stop()
     return code
 
