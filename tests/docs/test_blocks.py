@@ -126,16 +126,7 @@ class Stacks:
         return port, found[1]
 
     def stop(self) -> None:
-        for proc, _, _log in self.running.values():
-            proc.send_signal(signal.SIGINT)
-        for proc, _, log in self.running.values():
-            try:
-                code = proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise AssertionError(f"conveyor up did not stop:\n{log.read_text()}") from None
-            assert code == 0, log.read_text()
+        interrupt([(proc, log, f"`{cmd}`") for (cmd, _), (proc, _, log) in self.running.items()])
 
 
 @pytest.fixture(scope="module")
@@ -212,23 +203,24 @@ def run_page(page: Path, folder: Path, stacks: Stacks) -> int:
             )
             ran += 1
     finally:
-        stop_background(background)
+        interrupt([(proc, log, block.where) for proc, log, block in background])
     return ran
 
 
-def stop_background(running: list[tuple[subprocess.Popen[bytes], Path, Block]]) -> None:
-    """Stop the page's background commands as Ctrl-C stops them: each must exit 0."""
+def interrupt(running: list[tuple[subprocess.Popen[bytes], Path, str]]) -> None:
+    """Stop each named process as Ctrl-C stops it: each must exit 0 (its log says why
+    not); one still running after 90 s is killed and fails the test."""
     for proc, _, _ in running:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-    for proc, log, block in running:
+    for proc, log, name in running:
         try:
             code = proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise AssertionError(f"{block.where} did not stop:\n{log.read_text()}") from None
-        assert code == 0, f"{block.where} exited {code}:\n{log.read_text()}"
+            raise AssertionError(f"{name} did not stop:\n{log.read_text()}") from None
+        assert code == 0, f"{name} exited {code}:\n{log.read_text()}"
 
 
 @pytest.mark.timeout(900)

@@ -36,24 +36,25 @@ def stage(max_batch_size: int = 8, max_batch_tokens: int | None = None) -> Stage
     )
 
 
-def overlapped(spans: list[Span]) -> int:
-    """How many batches were prepared (began preparing) while the device ran another."""
+def during_another(spans: list[Span], phase: str, at: str) -> int:
+    """How many ``phase`` spans had their ``at`` moment (``start`` or ``end``) while the
+    device ran another batch."""
     device = [s for s in spans if s.phase == "device"]
     return sum(
-        any(d.batch != p.batch and d.start < p.start < d.end for d in device)
-        for p in spans
-        if p.phase == "prepare"
+        any(d.batch != s.batch and d.start < getattr(s, at) < d.end for d in device)
+        for s in spans
+        if s.phase == phase
     )
+
+
+def overlapped(spans: list[Span]) -> int:
+    """How many batches were prepared (began preparing) while the device ran another."""
+    return during_another(spans, "prepare", "start")
 
 
 def queued_while_busy(spans: list[Span]) -> int:
     """How many batches the host queued (ended its launch) while the device ran another."""
-    device = [s for s in spans if s.phase == "device"]
-    return sum(
-        any(d.batch != q.batch and d.start < q.end < d.end for d in device)
-        for q in spans
-        if q.phase == "launch"
-    )
+    return during_another(spans, "launch", "end")
 
 
 def texts(rng: random.Random, count: int, words: tuple[int, int]) -> list[dict[str, str]]:
