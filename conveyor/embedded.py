@@ -39,12 +39,15 @@ def find_redis_server() -> str:
     )
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+def free_port(host: str = "127.0.0.1", avoid: int = 0) -> int:
+    """A TCP port nothing listens on right now, other than ``avoid`` (a port promised to
+    a process that has not bound it yet: the kernel may hand it out again until then)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port: int = sock.getsockname()[1]
+        if port != avoid:
+            return port
 
 
 def start_redis(

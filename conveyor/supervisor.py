@@ -115,7 +115,9 @@ class Supervisor:
         on :attr:`data_dir`'s files (its append-only file), or keeping nothing."""
         if self.env.get("CONVEYOR_REDIS_URL"):
             return
-        self.redis_port = port = free_port()
+        # Not the gateway's port: it is checked free but bound only once the gateway starts.
+        gateway = int(self.env.get("CONVEYOR_PORT", "0"))
+        self.redis_port = port = free_port(avoid=gateway)
         self._run_redis()
         url = self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
         kept = (

@@ -71,7 +71,8 @@ def wait_ready(
         except httpx.TransportError:
             pass
         time.sleep(0.2)  # other processes are starting; nothing to await here
-    pytest.fail(f"gateway not ready within {limit_s:g} s")
+    logs = "\n".join(f"--- {name}:\n{log_of(name)}" for name in procs)
+    pytest.fail(f"gateway not ready within {limit_s:g} s\n{logs}")
 
 
 _DATA_ROOT: list[Path] = []  # this test run's data folders' parent, made on first use

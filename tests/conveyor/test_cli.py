@@ -175,8 +175,7 @@ def test_a_command_redis_refuses_is_one_line_not_a_traceback(
 
 def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Path) -> None:
     repo = REPO
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env |= {"CONVEYOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(repo)}
+    env = up_env(CONVEYOR_CACHE_DIR=str(cache_dir))  # a data folder of its own, not the repo's
     graph = subprocess.run(
         [CONVEYOR, "graph", "wordcount", "--app", "tests.userapp:pipelines"],
         env=env,
