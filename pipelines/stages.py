@@ -80,6 +80,27 @@ class GenerateIn(TextIn):
         description="Also answer `prompt_tokens` and `completion_tokens` (counted by the "
         "model's tokenizer) and `finish_reason` (`length` or `stop`).",
     )
+    temperature: float | None = Field(
+        default=None,
+        ge=0,
+        le=2,
+        description="Sample at this temperature (0: greedy). Unset: the stage's own "
+        "decoding (greedy for the built-in one).",
+    )
+    top_p: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="When sampling, draw only from the most likely tokens that make up "
+        "this much of the probability.",
+    )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**63 - 1,
+        description="When sampling, the seed of this request's own random source: the "
+        "same request with the same seed gets the same text, whatever else runs beside it.",
+    )
 
 
 class AnyIn(BaseModel):

@@ -18,6 +18,7 @@ import secrets
 import socket
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from pipelines.envelope import LANES
 from pipelines.graph import single
@@ -36,6 +37,7 @@ from runtime.stats import CONTRACT
 from workers.alive import AliveFile, Presence
 from workers.batch import BatchRecord, Entry
 from workers.crashes import mark_now
+from workers.decoding import Decoding
 from workers.intake import Batch, Intake
 from workers.lanes import Lanes
 from workers.lengths import Lengths, account, input_cap
@@ -49,6 +51,9 @@ from workers.settings import WorkerSettings
 from workers.source import Source
 from workers.spans import record_batch
 from workers.window import Window
+
+if TYPE_CHECKING:
+    from workers.models.decoder import Decoder
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +210,9 @@ class Worker:
             self.window.max_batch,
             self.window.wait_s * 1000,
         )
+        decoder = await self.runner.decoder()
+        if decoder is not None:
+            return await self._decode(decoder, max_batches, burst)
         slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
         tasks: set[asyncio.Task[None]] = set()
         # Its own heartbeat says it is alive, idle or not (Redis's idle time cannot).
@@ -252,6 +260,25 @@ class Worker:
         if self._stopping.is_set():
             await self.recovery.leave()
         return batches
+
+    async def _decode(self, decoder: Decoder, max_batches: int | None, burst: bool) -> int:
+        """Serve by continuous decoding (:mod:`workers.decoding`) instead of batches;
+        returns the number of publishes."""
+        logger.info(
+            "stage %s: continuous decoding, up to %d sequences and %d cache positions",
+            self.stage.name,
+            self.window.max_batch,
+            decoder.budget,
+        )
+        self.presence.start()
+        try:
+            published = await Decoding(self, decoder).run(self._stopping, max_batches, burst)
+        finally:
+            await self.presence.stop(leave=self._stopping.is_set() or burst)
+            self.summary.tick(last=True)
+        if self._stopping.is_set():
+            await self.recovery.leave()
+        return published
 
     def _finished(
         self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore

@@ -34,10 +34,11 @@ class Partials:
 
     ``emit`` runs in the model thread and hands over to the event loop; a drain task
     writes only what each client has not seen yet (a retried batch re-emits from the
-    start). Partials are best effort and outside the batch's transaction: the final
-    reply, published with the ack, is what counts. A request cancelled while the batch
-    runs stops getting partials once the drain has seen its marker (:data:`CANCEL_CHECK_S`;
-    the batch's intake had just looked).
+    start; each partial says where its text starts, so the gateway drops what another
+    worker's attempt already streamed). Partials are best effort and outside the batch's
+    transaction: the final reply, published with the ack, is what counts. A request
+    cancelled while the batch runs stops getting partials once the drain has seen its
+    marker (:data:`CANCEL_CHECK_S`; the batch's intake had just looked).
 
     Attributes:
         cancelled: per row, whether its request was found cancelled.
@@ -99,7 +100,8 @@ class Partials:
                 index, text = update
                 if self.cancelled[index]:
                     continue
-                delta = text[self.sent[index] :]
+                at = self.sent[index]
+                delta = text[at:]
                 if not delta:
                     continue
                 self.sent[index] = len(text)
@@ -108,7 +110,9 @@ class Partials:
                     id=req.id,
                     stage=req.stage,
                     outcome="partial",
-                    result={"text": delta},
+                    # Where it starts in the text: a worker that takes over a request
+                    # re-emits from the start, and the gateway skips what it has sent.
+                    result={"text": delta, "at": at},
                     trace_id=req.trace_id,
                 )
                 maxlen = self.settings.reply_maxlen

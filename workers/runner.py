@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from pipelines.errors import DeadlineExceeded
 from pipelines.model import (
@@ -42,6 +42,9 @@ from pipelines.stages import Stage
 from workers.batch import Breaches, contract, noting, run_isolating
 from workers.build import build_model, prepare_shapes
 from workers.settings import WorkerSettings
+
+if TYPE_CHECKING:  # torch is imported by the models that decode, not by every worker
+    from workers.models.decoder import Decoder
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +311,26 @@ class Runner:
         thread.device_done = max(thread.device_done, done)
         self.last_run_s = run_s
         return Ran(results, run_s, launched.cold)
+
+    async def decoder(self) -> Decoder | None:
+        """The model's running batch for continuous decoding (:mod:`workers.decoding`),
+        made in the model thread, where the settings ask for it and the model offers
+        one (a ``continuous_decoder(budget)`` method); else None: it runs in batches."""
+        make = getattr(self.model, "continuous_decoder", None)
+        if self.settings.decoding != "continuous" or not callable(make):
+            return None
+        budget = self.settings.decode_token_budget
+        made = await self._in(self.thread.executor, make, budget)
+        return cast("Decoder | None", made)
+
+    async def in_model(
+        self, phase: str, size: int, deadline: float, fn: Callable[..., T], *args: Any
+    ) -> T:
+        """``fn(*args)`` in the model thread, in a :meth:`turn` of its own, watched like a
+        batch of ``size`` items whose latest deadline is ``deadline``: what a model that
+        is driven step by step (:mod:`workers.decoding`) runs for each step."""
+        async with self.turn():
+            return await self._watched(self.thread.executor, phase, size, deadline, fn, *args)
 
     def close(self) -> None:
         """Let the model thread go, unless another stage still runs in it (a batch still

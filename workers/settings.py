@@ -90,6 +90,13 @@ class WorkerSettings(CommonSettings):
         hung_grace_s: a model call still running this long past every deadline of its
             batch is hung: the worker logs it and exits (:func:`workers.runner.hung`),
             to be restarted, since the model thread it holds can never be freed.
+        decoding: how a stage whose model generates token by token (a causal
+            language model: ``generate``) batches: ``continuous`` (sequences join and
+            leave the running batch between decoding steps: :mod:`workers.decoding`) or
+            ``static`` (a batch generates to its longest request, then the next).
+        decode_token_budget: with continuous decoding, the most token positions the
+            running batch's cache may hold (rows x their longest prompt + max_new_tokens);
+            a request that could never fit is refused (422).
         log_summary_s: each stage's INFO summary line comes this often while it works
             (batches, items, outcomes, mean batch size, items/s; nothing while idle);
             each batch's own line is DEBUG (``CONVEYOR_LOG_LEVEL``). 0: no summaries.
@@ -126,6 +133,8 @@ class WorkerSettings(CommonSettings):
     alive_stale_s: float = Field(default=30.0, ge=0.3, le=86_400, allow_inf_nan=False)
     hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
     log_summary_s: float = Field(default=30.0, ge=0, le=86_400, allow_inf_nan=False)
+    decoding: Literal["continuous", "static"] = "continuous"
+    decode_token_budget: int = Field(default=16_384, ge=2, le=100_000_000)
 
     @field_validator("device")
     @classmethod

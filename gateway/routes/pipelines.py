@@ -245,6 +245,26 @@ class Relay:
     def __init__(self, queue: asyncio.Queue[Reply], budget: float) -> None:
         self.queue, self.budget = queue, budget
         self.finished = False
+        self.sent = 0  # characters of text streamed so far
+
+    def _new_part(self, reply: Reply) -> Reply | None:
+        """What of a partial reply the client has not seen: a worker that took the
+        request over (its first one died) streams again from the start, each partial
+        saying where its text starts (``at``); None when it is all old."""
+        result = reply.result if isinstance(reply.result, dict) else {}
+        text, at = result.get("text"), result.get("at")
+        if not isinstance(text, str):
+            return reply
+        if isinstance(at, bool) or not isinstance(at, int) or at < 0:
+            self.sent += len(text)  # no offset (an older worker): passed on as it is
+            return reply
+        seen = max(0, self.sent - at)
+        if seen >= len(text):
+            return None
+        self.sent = max(self.sent, at + len(text))
+        # The offset is between worker and gateway: the client gets the text alone.
+        kept = {k: v for k, v in result.items() if k != "at"}
+        return reply.model_copy(update={"result": {**kept, "text": text[seen:]}})
 
     async def replies(self) -> AsyncIterator[Reply | None]:
         """Each reply as it arrives (``partial`` ones, then the final one), or None, the
@@ -258,7 +278,9 @@ class Relay:
                 yield None
                 return
             if reply.outcome == "partial":
-                yield reply
+                fresh = self._new_part(reply)
+                if fresh is not None:
+                    yield fresh
                 continue
             self.finished = True
             yield reply

@@ -7,6 +7,8 @@ Same contract as :mod:`workers.models.hf`: built once per worker process with ``
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +22,13 @@ from transformers import (
 
 from pipelines.errors import InvalidInput
 from pipelines.model import Item, Result, check_deadline
+from workers.models.decoder import Decoder, supports
 from workers.models.hf_base import HFRunner, item_texts
+
+logger = logging.getLogger(__name__)
+
+SAMPLING = ("temperature", "top_p", "seed")
+"""An item's own sampling fields (:meth:`Generator.sampling_of`)."""
 
 
 def _check_range(name: str, value: int, low: int, high: tuple[str, int]) -> None:
@@ -189,6 +197,7 @@ class Generator(_GenerateRunner):
         super().__init__(max_new_tokens, **load)
         self.max_new_tokens_limit = max_new_tokens_limit
         self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.do_sample = do_sample
         self.sampling: dict[str, float | bool] = {"do_sample": do_sample}
         if do_sample:
             self.sampling.update(temperature=temperature, top_p=top_p)
@@ -201,6 +210,44 @@ class Generator(_GenerateRunner):
         eos = self.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {i for i in [*eos_ids, self.tokenizer.eos_token_id] if i is not None}
+
+    @property
+    def positions(self) -> int | None:
+        """The model's position table size, where it has one (absolute positions: GPT-2):
+        no sequence may run past it."""
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        return positions if isinstance(positions, int) else None
+
+    def sampling_of(self, item: Item) -> tuple[tuple[float, float] | None, torch.Generator | None]:
+        """How ``item`` picks its tokens: (temperature, top_p) and its own random source,
+        or (None, None) for greedy. The item's ``temperature``, ``top_p`` and ``seed``
+        override the runner's; a temperature of 0 is greedy; without a seed, the source
+        is seeded at random."""
+        temperature = item.get("temperature")
+        if temperature is None:
+            temperature = self.sampling.get("temperature", 1.0) if self.do_sample else 0.0
+        if temperature == 0:
+            return None, None
+        top_p = item.get("top_p")
+        if top_p is None:
+            top_p = self.sampling.get("top_p", 1.0)
+        source = torch.Generator()
+        seed = item.get("seed")
+        if seed is None:
+            source.seed()
+        else:
+            source.manual_seed(int(seed))
+        return (float(temperature), float(top_p)), source
+
+    def continuous_decoder(self, budget: int) -> Decoder | None:
+        """A running batch of this model for continuous batching
+        (:mod:`workers.decoding`) holding at most ``budget`` token positions, or None
+        (one line says why) where its cache is not of the kind that can join and leave."""
+        why = supports(self)
+        if why is not None:
+            logger.warning("model %s decodes in static batches: %s", self.weights_key, why)
+            return None
+        return Decoder(self, budget)
 
     def _limits(self, items: list[Item]) -> list[int]:
         limits = []
@@ -259,6 +306,8 @@ class Generator(_GenerateRunner):
         """
         if not items:
             return []
+        if any(item.get(k) is not None for item in items for k in SAMPLING):
+            return self._decoded(items, on_tokens)
         limits = self._limits(items)
         budget = max(limits)
         prompt_length = self.max_length
@@ -292,6 +341,30 @@ class Generator(_GenerateRunner):
             end = next((i for i, token in enumerate(row) if token in self.eos_ids), len(row))
             results.append(row[:end])
         return results
+
+    def _decoded(
+        self, items: list[Item], on_tokens: Callable[[int, list[int]], None] | None
+    ) -> list[list[int]]:
+        """:meth:`generate_ids` for a batch where an item picks its own sampling
+        (``generate`` takes one setting a batch): the items decoded together, each from
+        its own random source, as continuous batching decodes them."""
+        decoder = Decoder(self, budget=sys.maxsize)
+        sequences = []
+        for opened in decoder.open(items):
+            if isinstance(opened, BaseException):
+                raise opened
+            sequences.append(opened)
+        lengths = [0] * len(sequences)
+        decoder.join(sequences)
+        while True:
+            for index, sequence in enumerate(sequences):
+                if on_tokens is not None and len(sequence.ids) != lengths[index]:
+                    lengths[index] = len(sequence.ids)
+                    on_tokens(index, sequence.ids)
+            if not decoder.rows:
+                return [sequence.ids for sequence in sequences]
+            check_deadline()
+            decoder.step()
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Continue each item's text.

@@ -48,8 +48,13 @@ def add_completion_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
             stop=body.stop is not None,
         )
         limit = body.max_tokens or DEFAULT_MAX_TOKENS
+        sampling = _sampling(body)
         payloads = [
-            checked(pipeline, {"text": p, "max_new_tokens": limit, "usage": True}, "prompt")
+            checked(
+                pipeline,
+                {"text": p, "max_new_tokens": limit, "usage": True, **sampling},
+                "prompt",
+            )
             for p in prompts
         ]
         answer = Answer("text_completion", body.model, chat=False)
@@ -79,7 +84,13 @@ def add_completion_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
         payload = checked(
             pipeline,
-            {"text": text or " ", "messages": messages, "max_new_tokens": limit, "usage": True},
+            {
+                "text": text or " ",
+                "messages": messages,
+                "max_new_tokens": limit,
+                "usage": True,
+                **_sampling(body),
+            },
             "messages",
         )
         answer = Answer("chat.completion", body.model, chat=True)
@@ -101,3 +112,10 @@ def add_completion_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         app.add_api_route(
             path, endpoint, methods=["POST"], summary=summary, tags=["openai"], responses=errors
         )
+
+
+def _sampling(body: CompletionsIn | ChatIn) -> dict[str, float | int]:
+    """The request's ``temperature``, ``top_p`` and ``seed``, those it gives: the generate
+    stage's own fields (unset: the stage's decoding)."""
+    given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed}
+    return {name: value for name, value in given.items() if value is not None}

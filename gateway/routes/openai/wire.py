@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes' request bodies, and how their fields are read.
 
-Fields OpenAI defines that do not change what is answered (``user``, ``seed``, penalties)
-are ignored, so clients that send them by default still work; those that would change
+``temperature``, ``top_p`` and ``seed`` are the generate stage's own. Fields OpenAI
+defines that do not change what is answered (``user``, penalties) are ignored, so
+clients that send them by default still work; those that would change
 the answer's shape are refused by :func:`unsupported`, naming them.
 """
 
@@ -51,7 +52,8 @@ class CompletionsIn(_In):
     prompt: Texts
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = None
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     n: int | None = Field(default=None, ge=1, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -85,7 +87,8 @@ class ChatIn(_In):
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = None
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     n: int | None = Field(default=None, ge=1, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None

@@ -1,0 +1,331 @@
+"""Continuous batching: the worker loop of a stage whose model decodes step by step.
+
+A static batch generates up to its longest request while every other row waits, and a
+request that arrives meanwhile waits for the whole batch. Here the batch is the set of
+sequences in flight (at most the stage's max batch size), and it changes between
+decoding steps (:class:`~workers.models.decoder.Decoder`):
+
+- while the model runs a step, the loop reads what came (XREADGROUP, COUNT = the free
+  slots, without blocking; blocking only when nothing runs), interactive lane first, and
+  opens it (:class:`~workers.intake.Intake`: decoded, admitted, invalid ones answered);
+- after the step, the new requests are prefilled and join, in arrival order, as long as
+  the token budget holds; the rest wait for a slot;
+- a sequence that ends (its ``max_new_tokens``, an end-of-sequence token) is published
+  with its ack at once (one publish call per step for all that ended); one cancelled or
+  past its deadline leaves at the next check (every :data:`CHECK_S`) and frees its slot;
+- each new token reaches a streaming client as it is made (:class:`~workers.partials.Partials`).
+
+Delivery is as for batches: an entry is marked on the model when it joins
+(:mod:`workers.crashes`) and acknowledged when published; a running entry is touched so
+it is not reclaimed (:class:`~workers.heartbeat.Heartbeat`); a worker that dies mid-way
+has its entries reclaimed and generated again from the start (a reclaimed suspect runs
+alone); a streaming client sees each piece of text once (partials carry their offset and
+the gateway skips what it already sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipelines.envelope import Request
+from pipelines.errors import DeadlineExceeded
+from pipelines.records import cancelled_among
+from runtime.redisio import REDIS_DOWN
+from workers.batch import Entry
+from workers.crashes import mark_now
+from workers.heartbeat import Heartbeat
+from workers.intake import Batch
+from workers.partials import Partials
+from workers.report import batch_counts, log_batch, tally
+from workers.route import Outbox
+
+if TYPE_CHECKING:  # torch is the model's import, not every worker's
+    from workers.loop import Worker
+    from workers.models.decoder import Decoder, Sequence
+
+logger = logging.getLogger(__name__)
+
+CHECK_S = 0.1
+"""How often the running sequences are checked for cancellation (one MGET) and expiry."""
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request in the decoding loop, from its read to its publish.
+
+    Attributes:
+        batch: the batch of its one entry (what it publishes with its ack).
+        request: the request.
+        sequence: its generation.
+        heartbeat: keeps its entry claimed while it runs.
+        partials: streams its text (None: it did not ask).
+        interactive: read from the interactive lane (joins before bulk).
+    """
+
+    batch: Batch
+    request: Request
+    sequence: Sequence
+    heartbeat: Heartbeat
+    partials: Partials | None
+    interactive: bool
+
+
+class Decoding:
+    """The loop of a worker whose model decodes continuously.
+
+    Args:
+        worker: the worker (its client, intake, router, recovery, lanes, publisher,
+            runner and settings); this loop runs in place of its batch loop.
+        decoder: the model's running batch.
+    """
+
+    def __init__(self, worker: Worker, decoder: Decoder) -> None:
+        self.worker, self.decoder = worker, decoder
+        self.slots = worker.window.max_batch
+        self.waiting: deque[Flight] = deque()  # read, not yet joined (no room)
+        self.running: dict[int, Flight] = {}  # by id() of its sequence
+        self.suspect: Flight | None = None  # reclaimed from a crash: it runs alone
+        self._checked = 0.0
+        self._device_s = 0.0  # model time since the last publish (charged to it)
+
+    async def run(self, stopping: asyncio.Event, max_batches: int | None, burst: bool) -> int:
+        """Serve until ``stopping`` is set (or ``max_batches`` publishes, or, with
+        ``burst``, nothing is left); returns the number of publishes. Running sequences
+        finish before it returns."""
+        worker, published = self.worker, 0
+        while max_batches is None or published < max_batches:
+            worker.alive.beat()
+            worker.summary.tick()
+            idle = not self.running and not self.waiting
+            if stopping.is_set() and idle:
+                break
+            # The step runs in the model thread while this one reads what came.
+            stepping = asyncio.ensure_future(self._step()) if self.running else None
+            came = True
+            try:
+                free = self.slots - len(self.running) - len(self.waiting)
+                if not stopping.is_set() and self.suspect is None and free > 0:
+                    block = worker.settings.block_ms if idle and not burst else None
+                    came = await self._read(free, block)
+            finally:
+                ended = await stepping if stepping is not None else []
+            if idle and burst and not came and not self.waiting:
+                break
+            ended += await self._join()
+            ended += await self._check()
+            if ended:
+                await self._publish(ended)
+                published += 1
+        return published
+
+    # -- reading -------------------------------------------------------------------
+
+    async def _read(self, free: int, block_ms: int | None) -> bool:
+        """Read and open up to ``free`` entries (reclaimed ones first); whether any came."""
+        worker = self.worker
+        try:
+            due = await worker.recovery.next()
+            if due.settled is not None:  # dead letters: answered, acked, kept
+                await worker.publish(*due.settled)
+                worker.recovery.published(due.settled)
+            if due.suspect is not None:
+                # A crash of its last worker may be its own: it runs alone.
+                await self._open([due.suspect], suspect=True)
+                return True
+            if due.settled is not None:
+                return True
+            entries = list(due.waiting) or await worker.lanes.read(free, block_ms)
+            worker.lanes.assembled()
+        except REDIS_DOWN as exc:
+            logger.warning("stage %s: redis unreachable (%s)", worker.stage.name, exc)
+            await asyncio.sleep(min(1.0, worker.settings.block_ms / 1000))
+            return False
+        if entries:
+            await self._open(entries, suspect=False)
+        return bool(entries)
+
+    async def _open(self, entries: list[Entry], *, suspect: bool) -> None:
+        """Each entry as its own batch: decoded and admitted; what ends here (invalid,
+        expired, unreadable) is published now, the rest wait to join."""
+        worker, now = self.worker, worker_now(self.worker)
+        ended: list[Batch] = []
+        for entry in entries:
+            batch = worker.intake.open([entry], now)
+            if not batch.live:
+                ended.append(batch)
+                continue
+            ((request, item),) = batch.live
+            opened = self.decoder.open([item])[0]
+            if isinstance(opened, BaseException):  # refused: its answer goes now
+                batch.live = []
+                worker.router.finish(batch.out, request, opened, now)
+                ended.append(batch)
+                continue
+            loop = asyncio.get_running_loop()
+            partials = None
+            if request.stream:
+                partials = Partials(worker.client, [request], worker.settings, loop, worker.keys)
+            flight = Flight(
+                batch,
+                request,
+                opened,
+                worker.recovery.heartbeat([entry]),
+                partials,
+                entry.stream == worker.streams[0],
+            )
+            self.waiting.append(flight)
+            if suspect:
+                self.suspect = flight
+        for batch in ended:
+            await self._send(batch)
+
+    # -- the model -----------------------------------------------------------------
+
+    async def _step(self) -> list[Flight]:
+        """One decoding step of every running sequence, in the model thread."""
+        started = time.monotonic()
+        size = len(self.running)
+        ended = await self.worker.runner.in_model(
+            "step", size, self._deadline(self.running.values()), self.decoder.step
+        )
+        self._device_s += time.monotonic() - started
+        self._stream(self.running.values())
+        return [self.running.pop(id(sequence)) for sequence in ended]
+
+    async def _join(self) -> list[Flight]:
+        """Prefill the waiting requests that fit (interactive first, then in arrival
+        order) and add them to the running batch; those that ended at once are returned."""
+        if not self.waiting:
+            return []
+        if self.suspect is not None:
+            # A suspect joins an empty batch, and nothing joins it.
+            ordered = [] if self.running else [self.suspect]
+        else:
+            ordered = sorted(self.waiting, key=lambda f: not f.interactive)  # stable
+        joining: list[Flight] = []
+        reserved = 0
+        for flight in ordered:
+            if len(self.running) + len(joining) >= self.slots:
+                break
+            if not self.decoder.fits(flight.sequence, reserved):
+                break  # in order: a long request is not overtaken for good
+            joining.append(flight)
+            reserved += flight.sequence.reserved
+        if not joining:
+            return []  # room comes as the running ones end (open() refused what never fits)
+        for flight in joining:
+            self.waiting.remove(flight)
+            self.running[id(flight.sequence)] = flight
+        entries = [flight.batch.entries[0] for flight in joining]
+        await mark_now(self.worker.client, self.worker.keys, entries)
+        started = time.monotonic()
+        sequences = [flight.sequence for flight in joining]
+        deadline = self._deadline(joining)
+        ended = await self.worker.runner.in_model(
+            "prefill", len(joining), deadline, self.decoder.join, sequences
+        )
+        self._device_s += time.monotonic() - started
+        self._stream(joining)
+        return [self.running.pop(id(sequence)) for sequence in ended]
+
+    def _stream(self, flights: Iterable[Flight]) -> None:
+        """Hand each streaming flight's text so far to its partials."""
+        for flight in flights:
+            if flight.partials is not None and flight.sequence.ids:
+                flight.partials.emit(0, self.decoder.text(flight.sequence))
+
+    async def _check(self) -> list[Flight]:
+        """Take out the running and waiting requests that are cancelled or past their
+        deadline (every :data:`CHECK_S`); they end as such."""
+        started = time.monotonic()
+        if started - self._checked < CHECK_S:
+            return []
+        self._checked = started
+        flights = [*self.running.values(), *self.waiting]
+        if not flights:
+            return []
+        worker, now = self.worker, worker_now(self.worker)
+        try:
+            ids = [f.request.id for f in flights]
+            cancelled = await cancelled_among(worker.client, worker.keys, ids)
+        except REDIS_DOWN as exc:  # the publish checks each request's marker anyway
+            logger.warning("stage %s: cancellations unread (%s)", worker.stage.name, exc)
+            cancelled = set()
+        leaving = []
+        for flight in flights:
+            if flight.request.id in cancelled:
+                worker.router.cancel(flight.batch.out, flight.request, now)
+            elif flight.request.deadline <= now:
+                flight.batch.results = [DeadlineExceeded("deadline passed while generating")]
+            else:
+                continue
+            leaving.append(flight)
+            flight.batch.live = []  # answered here, not from its result
+        gone = [f.sequence for f in leaving if id(f.sequence) in self.running]
+        if gone:
+            self.decoder.leave(gone)  # between steps: the model thread is idle
+        for flight in leaving:
+            self.running.pop(id(flight.sequence), None)
+            if flight in self.waiting:
+                self.waiting.remove(flight)
+        return leaving
+
+    # -- publishing ----------------------------------------------------------------
+
+    async def _publish(self, flights: list[Flight]) -> None:
+        """Publish the flights that ended, each with its ack, in one call."""
+        worker, now = self.worker, worker_now(self.worker)
+        for flight in flights:
+            await flight.heartbeat.stop()
+            if flight.partials is not None:
+                await flight.partials.close()  # every partial is out before the answer
+            batch = flight.batch
+            if batch.live:
+                result = self.decoder.result(flight.sequence)
+                worker.router.finish(batch.out, flight.request, result, now)
+            elif batch.results:  # expired while generating
+                worker.router.finish(batch.out, flight.request, batch.results[0], now)
+            batch.record.run_s = self._device_s / len(flights)
+            batch.record.ran_at = now
+            if flight is self.suspect:
+                self.suspect = None
+                worker.recovery.suspect_done()
+        self._device_s = 0.0
+        await self._send(*[flight.batch for flight in flights])
+
+    async def _send(self, *batches: Batch) -> None:
+        """Publish ``batches`` and ack their entries in one call, count and log them."""
+        worker = self.worker
+        out = Outbox({marker: e for b in batches for marker, e in b.out.effects.items()})
+        entries = [entry for b in batches for entry in b.entries]
+        counts: dict[str, float] = {}
+        for b in batches:
+            for name, value in batch_counts(b).items():
+                counts[name] = counts.get(name, 0) + value
+        letters = [letter for b in batches for letter in b.letters]
+        dropped = [marker for b in batches for marker in b.dropped]
+        published = await worker.publish(
+            out, entries, counts, letters, worker.window.gauges(), dropped
+        )
+        for b in batches:
+            tally(b, published)
+            worker.history.append(b.record)
+            log_batch(worker.stage.name, b)
+            worker.summary.add(b.record)
+
+    def _deadline(self, flights: Iterable[Flight]) -> float:
+        """``time.monotonic()`` of the latest deadline among ``flights``' requests (on
+        the Redis clock, as deadlines are)."""
+        latest = max((f.request.deadline for f in flights), default=0.0)
+        return time.monotonic() + max(0.0, latest - worker_now(self.worker))
+
+
+def worker_now(worker: Worker) -> float:
+    """The worker's Redis clock, now."""
+    return worker.clock.now()

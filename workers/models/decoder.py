@@ -1,0 +1,342 @@
+"""Continuous batching for a causal language model: sequences join and leave the running
+batch between decoding steps.
+
+:class:`Decoder` holds the running batch: per layer, the key/value cache of every
+sequence in flight, left-padded to one length, and the attention mask that hides the
+padding. :meth:`Decoder.join` prefills new prompts (one forward over them) and appends
+them to the batch; :meth:`Decoder.step` feeds every sequence its last token (one forward
+for the whole batch) and picks the next; a sequence that reaches its ``max_new_tokens``
+or an end-of-sequence token leaves at once (:meth:`Decoder.leave` takes out the cancelled
+and expired ones too), and the columns no sequence uses any more are cut off the left.
+
+Positions come from the mask (the number of real tokens before each one), so padding
+shifts neither absolute-position models (GPT-2) nor rotary ones, and a sequence decodes
+as it would alone: greedy output is the same token ids. Sampling is per sequence, from
+its own ``torch.Generator``: a request that gives a ``seed`` gets the same text whoever
+its batch-mates are.
+
+Memory is bounded by a token budget: the padded cache holds at most ``budget`` token
+positions (rows x longest reservation, each sequence reserving its prompt plus its
+``max_new_tokens``); a sequence that does not fit now waits (:meth:`Decoder.fits`), one
+that could never fit is refused.
+
+All methods run in the model thread, one at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipelines.errors import InvalidInput
+from pipelines.model import Item, Result
+
+if TYPE_CHECKING:
+    from workers.models.hf_text import Generator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's generation: its prompt, the ids made so far, and how it ends.
+
+    Attributes:
+        item: the request's item (what :meth:`Decoder.result` answers from).
+        prompt: the prompt's ids, as the model runs them (truncated).
+        limit: the most new tokens it may have.
+        ids: the new ids so far, without an end-of-sequence token.
+        reason: ``stop`` (an end-of-sequence token), ``length`` (its limit); None while it
+            runs.
+    """
+
+    item: Item
+    prompt: list[int]
+    limit: int
+    sampling: tuple[float, float] | None  # temperature, top_p; None: greedy
+    generator: torch.Generator | None
+    ids: list[int] = field(default_factory=list)
+    reason: str | None = None
+
+    @property
+    def reserved(self) -> int:
+        """Cache positions it may come to hold: its prompt and every new token."""
+        return len(self.prompt) + self.limit
+
+    @property
+    def done(self) -> bool:
+        """Whether it has ended (and left the running batch)."""
+        return self.reason is not None
+
+
+class Decoder:
+    """The running batch of one :class:`~workers.models.hf_text.Generator`'s model.
+
+    Args:
+        runner: the generator whose model, tokenizer, limits and sampling it uses.
+        budget: the most token positions the padded cache may hold (see the module).
+
+    Attributes:
+        rows: the sequences in flight, in batch order.
+    """
+
+    def __init__(self, runner: Generator, budget: int) -> None:
+        self.runner = runner
+        self.model = runner.model
+        self.device = runner.device
+        self.budget = budget
+        self.rows: list[Sequence] = []
+        self._cache: Any = None  # a DynamicCache: per layer, keys/values [rows, heads, T, dim]
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self._next = torch.zeros((0,), dtype=torch.long, device=self.device)
+        # transformers 5.2x names the cache argument and output ``cache``; older ones
+        # (the floor, 4.56) ``past_key_values``.
+        takes = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in takes else "past_key_values"
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
+
+    # -- admission -----------------------------------------------------------------
+
+    def open(self, items: list[Item]) -> list[Sequence | BaseException]:
+        """Each item as a sequence not yet started (its prompt tokenized and truncated,
+        its limit and sampling read), or the error that refuses it: each item alone."""
+        opened: list[Sequence | BaseException] = []
+        for index, item in enumerate(items):
+            try:
+                opened.append(self._open(item))
+            except Exception as exc:  # an invalid item fails alone
+                opened.append(exc if index == 0 else _renumbered(exc, index))
+        return opened
+
+    def _open(self, item: Item) -> Sequence:
+        runner = self.runner
+        limit = runner._limits([item])[0]
+        prompt_length = runner.max_length
+        positions = runner.positions
+        if positions is not None:
+            # As generate_ids: the output gets room by cutting the prompt's start, down to
+            # half the position table; past that it stops at the table's end.
+            prompt_length = min(prompt_length, max(positions - limit, positions // 2))
+        text = runner._prompts([item])[0]
+        prompt = runner.tokenizer(text, truncation=True, max_length=prompt_length)["input_ids"]
+        if not prompt:  # an empty prompt continues from the end-of-sequence token
+            prompt = [runner.tokenizer.eos_token_id]
+        if positions is not None:
+            limit = min(limit, positions - len(prompt))
+        sequence = Sequence(item, list(prompt), limit, *runner.sampling_of(item))
+        if sequence.reserved > self.budget:
+            raise InvalidInput(
+                f"the prompt ({len(prompt)} tokens) and max_new_tokens ({limit}) need "
+                f"{sequence.reserved} cache positions; this stage holds {self.budget} "
+                "(CONVEYOR_DECODE_TOKEN_BUDGET): shorten the prompt or ask for fewer tokens"
+            )
+        return sequence
+
+    def fits(self, sequence: Sequence, also: int = 0) -> bool:
+        """Whether ``sequence`` fits in the budget beside the batch (and ``also`` more
+        positions' worth of sequences admitted with it: see :meth:`free`)."""
+        longest = max([r.reserved for r in self.rows] + [sequence.reserved])
+        return (len(self.rows) + 1) * longest + also <= self.budget
+
+    # -- the batch -----------------------------------------------------------------
+
+    def join(self, sequences: list[Sequence]) -> list[Sequence]:
+        """Prefill ``sequences`` (one forward) and add them to the running batch; each
+        gets its first token. Returns those that ended at once (first token an
+        end-of-sequence, or a limit of 1)."""
+        if not sequences:
+            return []
+        width = max(len(s.prompt) for s in sequences)
+        pad = int(self.runner.tokenizer.pad_token_id or 0)
+        ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, width - len(sequence.prompt) :] = torch.tensor(sequence.prompt)
+            mask[row, width - len(sequence.prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **self._last_only,
+            )
+        chosen = self._choose(out.logits[:, -1, :], sequences)
+        self._append(_cache_of(out), mask, chosen)
+        self.rows.extend(sequences)
+        return self._record(sequences, chosen.tolist())
+
+    def step(self) -> list[Sequence]:
+        """One decoding step for every sequence in flight: each gets its next token.
+        Returns those that ended (they have left the batch)."""
+        if not self.rows:
+            return []
+        ones = torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)
+        positions = self._mask.sum(-1, keepdim=True)  # real tokens before the new one
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=self._next[:, None],
+                attention_mask=self._mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_arg: self._cache},
+            )
+        self._cache = _cache_of(out)
+        chosen = self._choose(out.logits[:, -1, :], self.rows)
+        self._next = chosen
+        ended = self._record(list(self.rows), chosen.tolist())
+        return ended
+
+    def leave(self, sequences: list[Sequence]) -> None:
+        """Take ``sequences`` (cancelled, expired) out of the running batch now."""
+        gone = {id(s) for s in sequences}
+        for sequence in sequences:
+            if sequence.reason is None:
+                sequence.reason = "left"
+        self._keep([i for i, r in enumerate(self.rows) if id(r) not in gone])
+
+    def result(self, sequence: Sequence) -> Result:
+        """The request's answer, as :meth:`~workers.models.hf_text.Generator.predict`
+        gives it."""
+        runner = self.runner
+        result: Result = {
+            "generated_text": runner.tokenizer.decode(sequence.ids, skip_special_tokens=True)
+        }
+        if sequence.item.get("usage") is True:
+            result["prompt_tokens"] = len(sequence.prompt)
+            result["completion_tokens"] = len(sequence.ids)
+            result["finish_reason"] = sequence.reason or "stop"
+        return result
+
+    def text(self, sequence: Sequence) -> str:
+        """Its text so far, for streaming (a trailing half character held back: see
+        :meth:`~workers.models.hf_text.Generator.predict_stream`)."""
+        decoded = self.runner.tokenizer.decode(sequence.ids, skip_special_tokens=True)
+        return str(decoded).rstrip("\ufffd")
+
+    # -- tensors -------------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+        """Each row's next token: greedy, or sampled from its own generator."""
+        chosen = logits.argmax(dim=-1)
+        for row, sequence in enumerate(sequences):
+            if sequence.sampling is None:
+                continue
+            temperature, top_p = sequence.sampling
+            probs = torch.softmax(logits[row].float() / temperature, dim=-1)
+            if top_p < 1.0:
+                ordered, order = probs.sort(descending=True)
+                # Keep the most likely tokens up to top_p of the mass (the first always).
+                cut = ordered.cumsum(-1) - ordered > top_p
+                ordered[cut] = 0.0
+                probs = torch.zeros_like(probs).scatter(0, order, ordered)
+            pick = torch.multinomial(probs.cpu(), 1, generator=sequence.generator)
+            chosen[row] = pick.to(chosen.device)[0]
+        return chosen
+
+    def _record(self, sequences: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Append each sequence's new token; those that end leave the batch."""
+        eos = self.runner.eos_ids
+        ended = []
+        for sequence, token in zip(sequences, tokens, strict=True):
+            if token in eos:
+                sequence.reason = "stop"
+            else:
+                sequence.ids.append(token)
+                if len(sequence.ids) >= sequence.limit:
+                    sequence.reason = "length"
+            if sequence.reason is not None:
+                ended.append(sequence)
+        if ended:
+            gone = {id(s) for s in ended}
+            self._keep([i for i, r in enumerate(self.rows) if id(r) not in gone])
+        return ended
+
+    def _append(self, cache: Any, mask: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Add a prefilled group (its cache, mask and first tokens) under the batch,
+        both left-padded to the longer of the two."""
+        if not self.rows:
+            self._cache, self._mask, self._next = cache, mask, chosen
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        for old, new in zip(self._cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(mask, width)])
+        self._next = torch.cat([self._next, chosen])
+
+    def _keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` of the batch, then cut the columns none of them uses."""
+        self.rows = [self.rows[i] for i in rows]
+        if not rows:
+            self._cache = None
+            self._mask = self._mask[:0, :0]
+            self._next = self._next[:0]
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        mask = self._mask.index_select(0, index)
+        used = mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else mask.shape[1]
+        self._mask = mask[:, start:]
+        self._next = self._next.index_select(0, index)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:, :]
+            layer.values = layer.values.index_select(0, index)[:, :, start:, :]
+
+
+def _cache_of(out: Any) -> Any:
+    """A forward's key/value cache, by either of its names (see :class:`Decoder`)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """``tensor`` (its sequence axis the last of a mask, the third of keys/values) padded
+    with zeros on the left to ``width`` positions."""
+    axis = 1 if tensor.dim() == 2 else 2
+    missing = width - tensor.shape[axis]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[axis] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
+
+
+def _renumbered(exc: Exception, index: int) -> Exception:
+    """``exc``, its message saying ``item {index}`` rather than ``item 0`` (each item is
+    read alone, but the client sent a batch)."""
+    message = str(exc)
+    if message.startswith("item 0:"):
+        return type(exc)(f"item {index}:" + message[len("item 0:") :])
+    return exc
+
+
+def supports(runner: Generator) -> str | None:
+    """Why ``runner``'s model cannot decode continuously (None: it can): its cache must be
+    one key/value tensor pair per layer, as a plain ``DynamicCache`` keeps it."""
+    probe = torch.tensor([[int(runner.tokenizer.eos_token_id or 0)]], device=runner.device)
+    try:
+        with torch.inference_mode():
+            out = runner.model(input_ids=probe, use_cache=True)
+    except Exception as exc:  # a model that takes no plain forward: say so, do not fail
+        return f"its forward failed on a one-token probe ({exc})"
+    cache = _cache_of(out)
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(
+        type(layer).__name__ == "DynamicLayer" and isinstance(layer.keys, torch.Tensor)
+        for layer in layers
+    ):
+        return f"its cache ({type(cache).__name__}) is not one DynamicLayer a layer"
+    return None
+
+
+Emit = Callable[[Sequence], None]
+"""Told of each sequence that got a token in a step (streaming)."""
