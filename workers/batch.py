@@ -1,6 +1,6 @@
-"""The batch contract: n items in, n results out, a failing item fails alone; what a
-batch did (its record) and what its results may hold to be sent. The thread the model
-runs in is :mod:`workers.runner`'s."""
+"""The batch contract: n items in, n results out, a failing item fails alone; a batch
+on its way through the worker, what it did (its record) and what its results may hold
+to be sent. The thread the model runs in is :mod:`workers.runner`'s."""
 
 from __future__ import annotations
 
@@ -10,13 +10,18 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import orjson
 
 from pipelines.envelope import wire_problem
 from pipelines.errors import BatchContractError, DeadlineExceeded, InvalidInput
 from pipelines.model import Item, Model, Result
+
+if TYPE_CHECKING:  # they build on this module's types: named here for the annotations only
+    from pipelines.envelope import Request
+    from workers.recovery import Letter
+    from workers.route import Outbox
 
 
 class Entry(NamedTuple):
@@ -182,6 +187,23 @@ class BatchRecord:
     tokens: int = 0
     padded_tokens: int = 0
     cold: bool = False
+
+
+@dataclass
+class Batch:
+    """One batch on its way through the worker: its entries and what they became.
+
+    Opened by :meth:`workers.intake.Intake.open`, run by :meth:`workers.runner.Runner.run`,
+    routed by :meth:`workers.route.Router.route_all` and published with its ack."""
+
+    entries: list[Entry]
+    record: BatchRecord
+    waits: list[float]  # each entry's time in the queue, in seconds
+    out: Outbox  # what the batch publishes
+    live: list[tuple[Request, Item]] = field(default_factory=list)  # what the model runs
+    results: list[Result | BaseException] = field(default_factory=list)  # the model's
+    letters: list[Letter] = field(default_factory=list)  # of the entries that did not decode
+    dropped: list[str] = field(default_factory=list)  # markers of those left unanswered
 
 
 def plain(value: Any) -> Any:

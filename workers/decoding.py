@@ -37,12 +37,10 @@ from pipelines.envelope import Request
 from pipelines.errors import DeadlineExceeded
 from pipelines.records import cancelled_among
 from runtime.redisio import REDIS_DOWN
-from workers.batch import Entry
+from workers.batch import Batch, Entry
 from workers.crashes import mark_now
 from workers.heartbeat import Heartbeat
-from workers.intake import Batch
 from workers.partials import Partials
-from workers.report import batch_counts, log_batch, tally
 from workers.route import Outbox
 
 if TYPE_CHECKING:  # torch is the model's import, not every worker's
@@ -164,7 +162,7 @@ class Decoding:
             opened = self.decoder.open([item])[0]
             if isinstance(opened, BaseException):  # refused: its answer goes now
                 batch.live = []
-                worker.router.finish(batch.out, request, opened, now)
+                worker.router.route(batch.out, request, opened, now)
                 ended.append(batch)
                 continue
             loop = asyncio.get_running_loop()
@@ -288,9 +286,9 @@ class Decoding:
             batch = flight.batch
             if batch.live:
                 result = self.decoder.result(flight.sequence)
-                worker.router.finish(batch.out, flight.request, result, now)
+                worker.router.route(batch.out, flight.request, result, now)
             elif batch.results:  # expired while generating
-                worker.router.finish(batch.out, flight.request, batch.results[0], now)
+                worker.router.route(batch.out, flight.request, batch.results[0], now)
             batch.record.run_s = self._device_s / len(flights)
             batch.record.ran_at = now
             if flight is self.suspect:
@@ -305,19 +303,16 @@ class Decoding:
         out = Outbox({marker: e for b in batches for marker, e in b.out.effects.items()})
         entries = [entry for b in batches for entry in b.entries]
         counts: dict[str, float] = {}
+        gauges = None
         for b in batches:
-            for name, value in batch_counts(b).items():
+            counted, gauges = worker.report.counts(b)
+            for name, value in counted.items():
                 counts[name] = counts.get(name, 0) + value
         letters = [letter for b in batches for letter in b.letters]
         dropped = [marker for b in batches for marker in b.dropped]
-        published = await worker.publish(
-            out, entries, counts, letters, worker.window.gauges(), dropped
-        )
+        published = await worker.publish(out, entries, counts, letters, gauges, dropped)
         for b in batches:
-            tally(b, published)
-            worker.history.append(b.record)
-            log_batch(worker.stage.name, b)
-            worker.summary.add(b.record)
+            worker.report.published(b, published)
 
     def _deadline(self, flights: Iterable[Flight]) -> float:
         """``time.monotonic()`` of the latest deadline among ``flights``' requests (on

@@ -11,38 +11,23 @@ left are the batch's live items, in entry order.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from pipelines.envelope import Request, decode_request
 from pipelines.errors import EnvelopeError
-from pipelines.model import Item, Result
+from pipelines.model import Item
 from pipelines.outcomes import Outcome
 from pipelines.records import cancelled_among
 from pipelines.stages import Stage
 from runtime.redisio import REDIS_DOWN, IdsAhead, arrival, on_live_connection, written_at
 from workers import crashes
-from workers.batch import BatchRecord, Entry
-from workers.recovery import Letter, Recovery
+from workers.batch import Batch, BatchRecord, Entry
+from workers.recovery import Recovery
 from workers.route import LATE_S, Outbox, Router
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Batch:
-    """One batch on its way through the worker: its entries and what they became."""
-
-    entries: list[Entry]
-    record: BatchRecord
-    waits: list[float]  # each entry's time in the queue, in seconds
-    out: Outbox = field(default_factory=Outbox)
-    live: list[tuple[Request, Item]] = field(default_factory=list)  # what the model runs
-    results: list[Result | BaseException] = field(default_factory=list)  # the model's
-    letters: list[Letter] = field(default_factory=list)  # of the entries that did not decode
-    dropped: list[str] = field(default_factory=list)  # markers of those left unanswered
 
 
 class Intake:
@@ -72,7 +57,7 @@ class Intake:
             self.ahead.check(entry.stream, entry.id, now)
         oldest_ms = int(arrival(entries[0].id, now) * 1000)
         record = BatchRecord(size=len(entries), oldest_ms=oldest_ms, closed_at=now)
-        batch = Batch(entries, record, [now - arrival(e.id, now) for e in entries])
+        batch = Batch(entries, record, [now - arrival(e.id, now) for e in entries], Outbox())
         seen: set[str] = set()
         for eid, fields, _ in entries:
             try:

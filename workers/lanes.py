@@ -45,7 +45,7 @@ import redis.asyncio as aioredis
 from pipelines.keys import GROUP
 from runtime.redisio import text
 from workers.batch import Entry
-from workers.runner import Runner
+from workers.load import Load
 
 BUSY_BLOCK_MS = 20
 """The longest a read waits for a busy model to free before it returns (empty)."""
@@ -68,7 +68,7 @@ class Lanes:
         consumer: this worker's consumer name.
         max_batch: the stage's batch bound.
         bulk_every: bulk's reserve is one slot in this many of each batch.
-        runner: the model thread (while it is busy, bulk waits).
+        load: the model's load (while it is busy, bulk waits).
     """
 
     def __init__(
@@ -78,10 +78,10 @@ class Lanes:
         consumer: str,
         max_batch: int,
         bulk_every: int,
-        runner: Runner,
+        load: Load,
     ) -> None:
         self.client = client
-        self.runner = runner
+        self.load = load
         self.interactive, self.bulk = streams
         self.streams = tuple(streams)
         self.consumer = consumer
@@ -108,7 +108,7 @@ class Lanes:
         taken, self._carry = self._carry[:count], self._carry[count:]
         # Bulk waits for a busy model beyond its reserve, but not in a read that may not
         # wait (burst mode's, where an empty answer means "nothing left").
-        busy = bool(self.runner.busy) and block_ms is not None
+        busy = bool(self.load.busy) and block_ms is not None
         if self._empty and not busy and not taken and block_ms is not None:
             # Every lane was empty at the last look: one blocking read over them all (it
             # answers at once if something came meanwhile) instead of a look at each first.
@@ -119,8 +119,8 @@ class Lanes:
             if busy:
                 # Nothing read now could run before the model frees: wait for that (an
                 # event, not a BLOCK that could outlast it), then look once more.
-                await self.runner.freed(min(block_ms, BUSY_BLOCK_MS) / 1000)
-                if not self.runner.busy:
+                await self.load.freed(min(block_ms, BUSY_BLOCK_MS) / 1000)
+                if not self.load.busy:
                     taken = await self._look(count, False)
                     self._empty = not taken
             else:

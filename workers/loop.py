@@ -5,8 +5,9 @@ so starting another worker is all scaling out takes; it reads every lane's strea
 stage, interactive first (:mod:`workers.lanes`). When a batch closes is the window's
 to say (:mod:`workers.window`); the model runs in a thread, one batch at a time, while
 the loop assembles the next (:class:`workers.runner.Runner`). Each batch's replies, its
-XACK and its stats increments go in one atomic script call (:mod:`workers.publish`).
-Entries a worker left behind are :mod:`workers.recovery`'s.
+XACK and its stats increments go in one atomic script call (:mod:`workers.publish`);
+then one observer reports it (:class:`workers.report.Reporter`). Entries a worker left
+behind are :mod:`workers.recovery`'s.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ import logging
 import os
 import secrets
 import socket
-import time
-from collections import deque
 from typing import TYPE_CHECKING
+
+from redis.exceptions import ResponseError
 
 from pipelines.envelope import LANES
 from pipelines.graph import single
 from pipelines.model import Model
 from pipelines.registry import Registry
 from pipelines.stages import Stage
-from runtime import tracing
 from runtime.redisio import (
     REDIS_DOWN,
     RedisClock,
@@ -33,23 +33,19 @@ from runtime.redisio import (
     connect,
     until_reachable,
 )
-from runtime.stats import CONTRACT
 from workers.alive import AliveFile, Presence
-from workers.batch import BatchRecord, Entry
-from workers.crashes import mark_now
+from workers.batch import Batch, Entry
 from workers.decoding import Decoding
-from workers.intake import Batch, Intake
+from workers.intake import Intake
 from workers.lanes import Lanes
-from workers.lengths import Lengths, account, input_cap
-from workers.partials import Partials
+from workers.lengths import Lengths, input_cap
 from workers.publish import Publisher
-from workers.recovery import Recovery
-from workers.report import Summary, batch_counts, log_batch, tally
+from workers.recovery import Recovery, Settled
+from workers.report import Reporter, Summary
 from workers.route import Router
-from workers.runner import Runner, overlapped
+from workers.runner import Runner, Seat
 from workers.settings import WorkerSettings
 from workers.source import Source
-from workers.spans import record_batch
 from workers.window import Window
 
 if TYPE_CHECKING:
@@ -67,10 +63,11 @@ class Worker:
     """Serves one stage until stopped.
 
     Each batch goes: source (:class:`Source`: a reclaimed suspect alone, else what the
-    :class:`Window` closed, cut by length) → intake (:class:`Intake`: decoded, admitted)
-    → run (:class:`Runner`: prepared on the host, launched in its turn once the requests
-    cancelled meanwhile are withdrawn, finished after it) → route (:meth:`Router.finish`)
-    → publish with its ack (:class:`Publisher`).
+    :class:`Window` closed, cut by length; dead letters recovery ended are published
+    first) → intake (:class:`Intake`: decoded, admitted) → run (:meth:`Runner.run`:
+    prepared on the host, launched in its turn once the requests cancelled meanwhile are
+    withdrawn, finished after it, its cost learned) → route (:meth:`Router.route_all`)
+    → publish with its ack (:class:`Publisher`) → report (:class:`Reporter`).
 
     Args:
         stage: the stage to serve.
@@ -105,63 +102,45 @@ class Worker:
         summary: Summary | None = None,
     ) -> None:
         self.stage, self.settings = stage, settings
-        self.keys = settings.keys.at(partition)
-        self.streams = [self.keys.stage_stream(stage.name, lane) for lane in LANES]
-        self.consumer = consumer or settings.consumer_name or consumer_name()
-        self.client = connect(settings, block_ms=settings.block_ms)
-        self.clock = RedisClock()
-        self.router = Router(registry or Registry([single(stage)]), self.keys, stage.name)
+        self.keys = keys = settings.keys.at(partition)
+        self.streams = streams = [keys.stage_stream(stage.name, lane) for lane in LANES]
+        self.consumer = me = consumer or settings.consumer_name or consumer_name()
+        self.client = client = connect(settings, block_ms=settings.block_ms)
+        self.clock = clock = RedisClock()
+        self.router = router = Router(registry or Registry([single(stage)]), keys, stage.name)
         self._owns_runner = runner is None
-        self.runner = runner or Runner(stage, settings, model)
+        self.runner = runner = runner or Runner(stage, settings, model)
         max_batch = settings.max_batch_size or stage.max_batch_size
-        self.lanes = Lanes(
-            self.client, self.streams, self.consumer, max_batch, settings.bulk_every, self.runner
-        )
+        self.lanes = Lanes(client, streams, me, max_batch, settings.bulk_every, runner)
         self._stopping = asyncio.Event()
         self.alive = AliveFile(settings.alive_file)
-        self.presence = Presence(
-            self.client, self.keys, stage.name, self.consumer, self.clock, settings.alive_stale_s
-        )
-        self.window = Window(
-            stage, settings, self.lanes.read, self.clock, self.runner, self._stopping
-        )
-        self.recovery = Recovery(
-            self.client,
-            self.streams,
-            self.consumer,
-            settings,
-            self.router,
-            self.clock,
-            claim_count=max_batch,
-        )
-        self.publish = Publisher(self.client, self.router, self.consumer, settings)
-        self.intake = Intake(self.client, stage, self.router, self.recovery)
+        self.presence = Presence(client, keys, stage.name, me, clock, settings.alive_stale_s)
+        self.window = Window(stage, settings, self.lanes.read, clock, runner, self._stopping)
+        args = (client, streams, me, settings, router, clock)
+        self.recovery = Recovery(*args, claim_count=max_batch)
+        self.publish = Publisher(client, router, me, settings)
+        self.intake = Intake(client, stage, router, self.recovery)
         max_tokens = settings.max_batch_tokens
         if max_tokens is None:
             max_tokens = stage.max_batch_tokens
         self.lengths = (
-            Lengths(max_tokens, self.window.overhead_tokens, lambda: input_cap(self.runner.model))
+            Lengths(max_tokens, self.window.overhead_tokens, lambda: input_cap(runner.model))
             if max_tokens
             else None
         )
-        self.source = Source(
-            self.client,
-            self.keys,
-            stage.name,
-            self.streams,
-            self.window,
-            self.lanes,
-            self.recovery,
-            self.lengths,
-            self.publish,
-        )
-        self.history: deque[BatchRecord] = deque(maxlen=10_000)
-        self.summary = summary or Summary(stage.name, settings.log_summary_s)
+        parts = (self.window, self.lanes, self.recovery, self.lengths)
+        self.source = Source(client, keys, stage.name, streams, *parts)
+        aware = self.lengths is not None
+        self.seat = Seat(client, keys, settings, clock, self.intake, self.window, aware)
+        self.summary = summary = summary or Summary(stage.name, settings.log_summary_s)
+        gauges = self.window.gauges
+        self.report = Reporter(stage.name, me, clock, summary, runner.breaches, gauges)
+        self.history = self.report.history
         self._joined = False  # the clock calibrated and the group there
         self._fatal: BaseException | None = None  # a batch's unexpected failure ends run()
 
     def stop(self) -> None:
-        """Ask the loop to finish its in-flight batches and return."""
+        """Ask the loop to see its in-flight batches through and return."""
         self._stopping.set()
 
     async def start(self) -> None:
@@ -222,7 +201,7 @@ class Worker:
         def spawn(entries: list[Entry], suspect: bool) -> None:
             task = asyncio.create_task(self._process(entries, suspect))
             tasks.add(task)
-            task.add_done_callback(lambda t: self._finished(t, tasks, slots))
+            task.add_done_callback(lambda t: self._batch_ended(t, tasks, slots))
 
         try:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):
@@ -232,9 +211,11 @@ class Worker:
                 self.summary.tick()
                 if self._fatal is not None:
                     raise self._fatal
+                if taken.settled is not None:
+                    await self._settle(taken.settled)
                 if not taken.batches:
                     slots.release()
-                    if burst:
+                    if burst and taken.settled is None:
                         break
                     continue
                 if taken.suspect and tasks:
@@ -280,7 +261,7 @@ class Worker:
             await self.recovery.leave()
         return published
 
-    def _finished(
+    def _batch_ended(
         self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore
     ) -> None:
         tasks.discard(task)
@@ -296,77 +277,34 @@ class Worker:
             self._fatal = exc
             self._stopping.set()
 
+    async def _settle(self, settled: Settled) -> None:
+        """Publish the dead letters recovery ended (answered, acked, kept); a publish that
+        fails is the source's to wait out, as a failed read."""
+        try:
+            await self.publish(*settled)
+        except (*REDIS_DOWN, ResponseError) as exc:
+            await self.source.failed(exc)
+            return
+        self.recovery.published(settled)
+
     async def _process(self, entries: list[Entry], suspect: bool) -> None:
         # Its entries are kept fresh until they are published: a batch whose publish
         # waits out Redis is not reclaimed from a worker that is alive.
         heartbeat = self.recovery.heartbeat(entries)
         try:
             batch = self.intake.open(entries, self.clock.now())
-            if batch.live:
-                await self._run_model(batch)
-                done = self.clock.now()
-                for (req, _), result in zip(batch.live, batch.results, strict=True):
-                    self.router.finish(batch.out, req, result, done)
-            await self._publish_batch(batch)
+            await self.runner.run(batch, self.seat)
+            self.router.route_all(batch, self.clock.now())
+            await self._publish(batch)
         finally:
             await heartbeat.stop()
             if suspect:
                 self.recovery.suspect_done()
 
-    async def _run_model(self, batch: Batch) -> None:
-        """Run the live items on the model, streaming partial output as it comes.
-
-        A staged model prepares the batch before its turn, beside the batch on the
-        device (:class:`~workers.runner.Runner`). Once the model is the batch's (its
-        turn), the requests cancelled while it waited are withdrawn and never run (one
-        round trip, which also marks its entries on the model: workers/crashes.py); its
-        results are made after the turn, while the next batch launches."""
-        partials: Partials | None = None
-        deadline = time.monotonic() + max(r.deadline for r, _ in batch.live) - self.clock.now()
-        try:
-            staged = overlapped(self.runner.model)
-            if staged:  # its host phase runs user code before its turn
-                await mark_now(self.client, self.keys, batch.entries)
-            prepared = await self.runner.prepare([item for _, item in batch.live], deadline)
-            async with self.runner.turn():
-                # Marked on the model (workers/crashes.py) in the same round trip.
-                await self.intake.withdraw_cancelled(batch, self.clock.now(), mark=not staged)
-                if not batch.live:
-                    return
-                requests = [req for req, _ in batch.live]
-                loop = asyncio.get_running_loop()
-                partials = Partials(self.client, requests, self.settings, loop, self.keys)
-                items = [item for _, item in batch.live]
-                emit = partials.emit if partials.wanted else None
-                launched = await self.runner.launch(items, emit, deadline, prepared)
-            ran = await self.runner.finish(launched)
-            batch.results, batch.record.run_s = ran.results, ran.run_s
-            for result in ran.results:  # said and counted, then failed alone (route.py)
-                if not isinstance(result, dict | BaseException):
-                    self.runner.breaches.note(f"a result is {type(result).__name__}")
-            batch.record.cold = ran.cold
-            batch.record.ran_at = self.clock.now()
-        finally:
-            if partials is not None:
-                await partials.close()  # every partial is out before the final reply
-        padded = account(batch.record, items, input_cap(self.runner.model))
-        if ran.sample:  # a cold shape's first call is not the model's cost
-            units = padded if self.lengths is not None else len(items)
-            self.window.learn(len(items), units, batch.record.run_s)
-
-    async def _publish_batch(self, batch: Batch) -> None:
-        """Publish and ack the batch, count it, log it (DEBUG) and add it to the stage's
-        summary (INFO)."""
-        counts, gauges = batch_counts(batch), self.window.gauges()
-        breaches = self.runner.breaches.take()  # logged here, at most one line a minute
-        if breaches:
-            counts[CONTRACT] = breaches
+    async def _publish(self, batch: Batch) -> None:
+        """Publish and ack the batch with its stats increments, then report it."""
+        counts, gauges = self.report.counts(batch)
         published = await self.publish(
             batch.out, batch.entries, counts, batch.letters, gauges, batch.dropped
         )
-        tally(batch, published)
-        self.history.append(batch.record)
-        if tracing.STATE.enabled:
-            record_batch(self.stage.name, batch, self.clock.now(), self.consumer)
-        log_batch(self.stage.name, batch)
-        self.summary.add(batch.record)
+        self.report.published(batch, published)

@@ -1,19 +1,22 @@
 """What a batch reports once published: its stats increments, its outcomes, its DEBUG log
-line, and its share of its stage's periodic INFO summary."""
+line, its spans, its record in the worker's history and its share of its stage's
+periodic INFO summary. After the publish, one observer does it all (:class:`Reporter`)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 from pipelines.outcomes import Outcome
-from runtime import stats
-from workers.batch import BatchRecord
-from workers.intake import Batch
+from runtime import stats, tracing
+from runtime.redisio import RedisClock
+from runtime.stats import CONTRACT
+from workers.batch import Batch, BatchRecord, Breaches
 from workers.publish import Published
+from workers.spans import record_batch
 
 logger = logging.getLogger(__name__)
 
@@ -158,3 +161,54 @@ class Summary:
         )
         self.since = now
         self._clear()
+
+
+class Reporter:
+    """What a batch reports: its stats increments, with its publish (:meth:`counts`);
+    then, the one observer of the published batch, its outcomes counted in its record as the
+    publish counted them (:func:`tally`), the record kept in :attr:`history`, its spans
+    (when tracing is on: :mod:`workers.spans`), its DEBUG line (:func:`log_batch`) and
+    its share of the stage's summary (:class:`Summary`), in that order.
+
+    Args:
+        stage: the stage's name.
+        consumer: the worker's consumer name (on the batch's span).
+        clock: the server's clock (when the batch was published).
+        summary: the stage's periodic INFO summary.
+        breaches: the stage's model's contract breaches (counted with a publish).
+        gauges: the learned cost model, published with each batch (None: none learned).
+
+    Attributes:
+        history: what the recent batches did (tests, introspection).
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        consumer: str,
+        clock: RedisClock,
+        summary: Summary,
+        breaches: Breaches,
+        gauges: Callable[[], dict[str, float] | None],
+    ) -> None:
+        self.stage, self.consumer, self.clock, self.summary = stage, consumer, clock, summary
+        self.breaches, self.gauges = breaches, gauges
+        self.history: deque[BatchRecord] = deque(maxlen=10_000)
+
+    def counts(self, batch: Batch) -> tuple[dict[str, float], dict[str, float] | None]:
+        """What ``batch``'s publish adds to its stage's stats (:func:`batch_counts` and
+        the contract breaches noted since the last publish), and the gauges it sets."""
+        counts, gauges = batch_counts(batch), self.gauges()
+        breaches = self.breaches.take()  # logged here, at most one line a minute
+        if breaches:
+            counts[CONTRACT] = breaches
+        return counts, gauges
+
+    def published(self, batch: Batch, published: Published) -> None:
+        """``batch`` is published (``published`` says what the publish counted)."""
+        tally(batch, published)
+        self.history.append(batch.record)
+        if tracing.STATE.enabled:
+            record_batch(self.stage, batch, self.clock.now(), self.consumer)
+        log_batch(self.stage, batch)
+        self.summary.add(batch.record)

@@ -34,7 +34,7 @@ from pipelines.model import Result
 from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
 from pipelines.settings import MAX_DEADLINE_S
-from workers.batch import checked
+from workers.batch import Batch, checked
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,13 @@ class Router:
             )
         return True
 
-    def finish(self, out: Outbox, req: Request, result: Result | BaseException, now: float) -> None:
+    def route_all(self, batch: Batch, now: float) -> None:
+        """Route each of ``batch``'s live requests with its result (:meth:`route`), into
+        its outbox, the model having finished at ``now``."""
+        for (req, _), result in zip(batch.live, batch.results, strict=True):
+            self.route(batch.out, req, result, now)
+
+    def route(self, out: Outbox, req: Request, result: Result | BaseException, now: float) -> None:
         """End ``req``'s step with the model's ``result``: expired if it came late, its
         error if it failed or cannot be sent (:func:`workers.batch.checked`), else on."""
         if self.late(out, req, now):

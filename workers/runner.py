@@ -1,5 +1,9 @@
 """The stage's model, the thread it runs in, and the phases a batch goes through on it.
 
+The run step of a batch is :meth:`Runner.run`'s, the worker's one call: prepared, its
+turn taken, the requests cancelled meanwhile withdrawn, launched (partial output streamed
+as it comes), finished, and what it cost learned by the window.
+
 A batch runs on the model in its turn (:meth:`Runner.turn`), one batch at a time. A
 :class:`~pipelines.model.StagedModel` (a model for an accelerator) splits its call so the
 device never waits on the host: :meth:`Runner.prepare` tokenizes batch n+1 in a host
@@ -28,7 +32,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
+import redis.asyncio as aioredis
+
 from pipelines.errors import DeadlineExceeded
+from pipelines.keys import Keys
 from pipelines.model import (
     Item,
     Model,
@@ -39,9 +46,15 @@ from pipelines.model import (
     watching_cold,
 )
 from pipelines.stages import Stage
-from workers.batch import Breaches, contract, noting, run_isolating
+from runtime.redisio import RedisClock
+from workers.batch import Batch, Breaches, contract, noting, run_isolating
 from workers.build import build_model, prepare_shapes
+from workers.crashes import mark_now
+from workers.intake import Intake
+from workers.lengths import account, input_cap
+from workers.partials import Partials
 from workers.settings import WorkerSettings
+from workers.window import Window
 
 if TYPE_CHECKING:  # torch is imported by the models that decode, not by every worker
     from workers.models.decoder import Decoder
@@ -111,6 +124,31 @@ class Ran:
     def sample(self) -> bool:
         """Whether the batch's time is what the model costs (what the window learns)."""
         return self.costed and not self.cold
+
+
+@dataclass
+class Seat:
+    """One worker's place at its stage's runner (the workers of a stage's partitions share
+    one, :func:`workers.partitions.partition_workers`): what :meth:`Runner.run` needs of
+    that worker.
+
+    Attributes:
+        client: its Redis client.
+        keys: its partition's key names.
+        settings: its settings (partials' reply stream cap).
+        clock: the server's clock.
+        intake: withdraws the requests cancelled before the batch's turn.
+        window: learns what a batch costs.
+        length_aware: the stage batches by length (its cost is learned on padded tokens).
+    """
+
+    client: aioredis.Redis
+    keys: Keys
+    settings: WorkerSettings
+    clock: RedisClock
+    intake: Intake
+    window: Window
+    length_aware: bool
 
 
 class ModelThread:
@@ -203,6 +241,11 @@ class Runner:
         """Batches waiting for the model or in it (its sharers' included)."""
         return self.thread.busy
 
+    @property
+    def accelerated(self) -> bool:
+        """Whether its model runs on an accelerator (it says ``accelerated``)."""
+        return bool(getattr(self.model, "accelerated", False))
+
     async def load(self) -> None:
         """Build the stage's model (in the model thread) unless there is one; then move
         to the thread of its weights' other stages, if any, and there give it its shape
@@ -248,6 +291,57 @@ class Runner:
             async with asyncio.timeout(timeout_s):
                 await self.thread.free.wait()
 
+    async def run(self, batch: Batch, seat: Seat) -> None:
+        """Run ``batch``'s live items on the model (its results and model time in it),
+        streaming partial output as it comes.
+
+        A staged model prepares the batch before its turn, beside the batch on the
+        device. Once the model is the batch's (its turn), the requests cancelled while it
+        waited are withdrawn and never run (one round trip, which also marks its entries
+        on the model: workers/crashes.py); its results are made after the turn, while the
+        next batch launches. Its tokens are noted in its record and, unless it met a cold
+        shape or was cut short, its cost is learned by the window.
+
+        Args:
+            batch: the batch opened by :meth:`workers.intake.Intake.open`.
+            seat: the worker's place at this runner.
+        """
+        if not batch.live:
+            return
+        partials: Partials | None = None
+        clock = seat.clock
+        deadline = time.monotonic() + max(r.deadline for r, _ in batch.live) - clock.now()
+        try:
+            staged = overlapped(self.model)
+            if staged:  # its host phase runs user code before its turn
+                await mark_now(seat.client, seat.keys, batch.entries)
+            prepared = await self.prepare([item for _, item in batch.live], deadline)
+            async with self.turn():
+                # Marked on the model (workers/crashes.py) in the same round trip.
+                await seat.intake.withdraw_cancelled(batch, clock.now(), mark=not staged)
+                if not batch.live:
+                    return
+                requests = [req for req, _ in batch.live]
+                loop = asyncio.get_running_loop()
+                partials = Partials(seat.client, requests, seat.settings, loop, seat.keys)
+                items = [item for _, item in batch.live]
+                emit = partials.emit if partials.wanted else None
+                launched = await self.launch(items, emit, deadline, prepared)
+            ran = await self.finish(launched)
+            batch.results, batch.record.run_s = ran.results, ran.run_s
+            for result in ran.results:  # said and counted, then failed alone (route.py)
+                if not isinstance(result, dict | BaseException):
+                    self.breaches.note(f"a result is {type(result).__name__}")
+            batch.record.cold = ran.cold
+            batch.record.ran_at = clock.now()
+        finally:
+            if partials is not None:
+                await partials.close()  # every partial is out before the final reply
+        padded = account(batch.record, items, input_cap(self.model))
+        if ran.sample:  # a cold shape's first call is not the model's cost
+            units = padded if seat.length_aware else len(items)
+            seat.window.learn(len(items), units, batch.record.run_s)
+
     async def prepare(self, items: list[Item], deadline: float) -> Prepared | None:
         """A staged model's host phase for ``items``, in a host thread (before the
         batch's turn, beside the device's work on another); None for any other model.
@@ -291,7 +385,7 @@ class Runner:
         model = self.model
         assert isinstance(model, StagedModel)
         items, deadline = launched.items, launched.deadline
-        args = (_finish, deadline, model.finish, launched.value, items)
+        args = (_results, deadline, model.finish, launched.value, items)
         got = await self._watched(self.host, "finish", len(items), deadline, _caught, *args)
         if isinstance(got, Raised):
             if isinstance(got.exc, DeadlineExceeded):
@@ -432,7 +526,7 @@ def _within(deadline: float, fn: Callable[[Any], T], arg: Any) -> T:
         return fn(arg)
 
 
-def _finish(
+def _results(
     deadline: float, fn: Callable[[Any], object], arg: Any, items: list[Item]
 ) -> tuple[Results, float]:
     """:func:`_within`, its results held to the batch contract, and when it returned

@@ -3,8 +3,9 @@ batch, cut by length where the stage is length-aware; and what a failed read doe
 
 Before each read, :class:`~workers.recovery.Recovery` does its duties that are due: it
 may hand over a reclaimed entry to run alone (a suspect) and entries it dead-lettered,
-which are published here, before anything new is read. A read that fails waits Redis
-out, or re-creates the stage's group if Redis lost it.
+which go to the loop to publish (:attr:`Taken.settled`) before anything new is read: the
+read is the next call's. A read that fails (or a publish of dead letters, :meth:`Source.failed`)
+waits Redis out, or re-creates the stage's group if Redis lost it.
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ from runtime.redisio import REDIS_DOWN, Backoff, ensure_group, group_missing
 from workers.batch import Entry
 from workers.lanes import Lanes
 from workers.lengths import Lengths
-from workers.publish import Publisher
-from workers.recovery import Recovery
+from workers.recovery import Recovery, Settled
 from workers.window import Window
 
 logger = logging.getLogger(__name__)
 
 
 class Taken(NamedTuple):
-    """What one read gave: batches to run back to back (none: nothing came), and whether
-    the one batch is a suspect."""
+    """What one read gave: batches to run back to back (none: nothing came), whether the
+    one batch is a suspect, and dead letters recovery ended, to publish before the batches
+    (None: none)."""
 
     batches: list[list[Entry]]
     suspect: bool = False
+    settled: Settled | None = None
 
 
 class Source:
@@ -47,7 +49,6 @@ class Source:
         lanes: reads the lanes.
         recovery: the worker's recovery duties.
         lengths: cuts a window by length (None: item-count batching).
-        publish: publishes what recovery ended.
     """
 
     def __init__(
@@ -60,16 +61,17 @@ class Source:
         lanes: Lanes,
         recovery: Recovery,
         lengths: Lengths | None,
-        publish: Publisher,
     ) -> None:
         self.client, self.keys, self.stage, self.streams = client, keys, stage, streams
         self.window, self.lanes, self.recovery = window, lanes, recovery
-        self.lengths, self.publish = lengths, publish
+        self.lengths = lengths
         self._backoff = Backoff()
+        self._settling = False  # dead letters handed out: the next call reads
 
     async def next(self, block_ms: int | None) -> Taken:
         """The next batches: a suspect alone, else what the window closed (nothing when
-        nothing came within ``block_ms``, or the read failed and was waited out).
+        nothing came within ``block_ms``, or the read failed and was waited out); or dead
+        letters to publish first (then the window is read at the next call).
 
         Raises:
             ResponseError: Redis refused the read for another reason than a lost group.
@@ -77,9 +79,10 @@ class Source:
         try:
             taken = await self._take(block_ms)
         except (*REDIS_DOWN, ResponseError) as exc:
-            await self._read_failed(exc)
+            await self.failed(exc)
             return Taken([])
-        self._backoff.reset()
+        if taken.settled is None:  # reset once its dead letters are out, too
+            self._backoff.reset()
         return taken
 
     async def ensure_stream(self) -> None:
@@ -89,27 +92,40 @@ class Source:
         await self.client.sadd(self.keys.stages_set(), self.stage)
 
     async def _take(self, block_ms: int | None) -> Taken:
+        if self._settling:  # recovery's duties were done: its dead letters are out
+            self._settling = False
+            return await self._read(block_ms)
         due = await self.recovery.next()
-        if due.settled is not None:  # dead letters: answered, acked, kept
-            await self.publish(*due.settled)
-            self.recovery.published(due.settled)
+        if due.settled is not None:  # dead letters: answered, acked, kept (by the loop)
+            self._settling = not due.waiting
+            return Taken(self._cut(list(due.waiting)) if due.waiting else [], settled=due.settled)
         if due.suspect is not None:
             return Taken([[due.suspect]], suspect=True)
         if due.waiting:  # taken back, not on the model when their worker died
-            return self._cut(list(due.waiting))
+            return Taken(self._cut(list(due.waiting)))
+        return await self._read(block_ms)
+
+    async def _read(self, block_ms: int | None) -> Taken:
         entries = await self.window.assemble(block_ms)
         if not entries:
             return Taken([])
         self.lanes.assembled()
-        return self._cut(entries)
+        return Taken(self._cut(entries))
 
-    def _cut(self, entries: list[Entry]) -> Taken:
+    def _cut(self, entries: list[Entry]) -> list[list[Entry]]:
         # A length-aware stage runs the window's entries as batches of similar length,
         # back to back (workers/lengths.py).
-        return Taken([entries] if self.lengths is None else self.lengths.split(entries))
+        return [entries] if self.lengths is None else self.lengths.split(entries)
 
-    async def _read_failed(self, exc: BaseException) -> None:
-        """Wait out a failed read (Redis unreachable) or re-create a lost group."""
+    async def failed(self, exc: BaseException) -> None:
+        """Wait out a failed read, or a failed publish of the dead letters it handed out
+        (Redis unreachable: the next call goes to recovery again), or re-create a lost
+        group.
+
+        Raises:
+            ResponseError: ``exc``, when Redis refused for another reason than a lost group.
+        """
+        self._settling = False
         if isinstance(exc, REDIS_DOWN) or not isinstance(exc, ResponseError):
             logger.warning(
                 "stage %s: redis unreachable (%s); retry in %.1fs",

@@ -18,8 +18,8 @@ from pipelines.stages import Stage
 from runtime.redisio import REDIS_DOWN, RedisClock, arrival
 from runtime.stats import COST_A, COST_B
 from workers.batch import Entry
+from workers.load import Load
 from workers.policy import FLAT_OVERHEAD_TOKENS, OVERHEAD_PRIOR_TOKENS, BatchPolicy
-from workers.runner import Runner
 from workers.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class Window:
         settings: the worker's settings.
         read: how new entries are read.
         clock: the server's clock (arrival times are on it).
-        runner: the model thread (whether it is busy, how long a batch took).
+        load: the model's load (whether it is busy, how long a batch took).
         stopping: set when the worker stops: a batch being assembled goes as it is.
 
     Attributes:
@@ -51,7 +51,7 @@ class Window:
         settings: WorkerSettings,
         read: Read,
         clock: RedisClock,
-        runner: Runner,
+        load: Load,
         stopping: asyncio.Event,
     ) -> None:
         self.max_batch = settings.max_batch_size or stage.max_batch_size
@@ -61,12 +61,12 @@ class Window:
         self._stage = stage.name
         self._read = read
         self._clock = clock
-        self._runner = runner
+        self._load = load
         self._stopping = stopping
 
     async def assemble(self, block_ms: int | None) -> list[Entry]:
         """The next batch; empty when nothing new came within ``block_ms``."""
-        waited_on_model = bool(self._runner.busy)  # a read while it is busy holds bulk back
+        waited_on_model = bool(self._load.busy)  # a read while it is busy holds bulk back
         entries = await self._take(self.max_batch, block_ms)
         if not entries:
             return []
@@ -75,19 +75,19 @@ class Window:
         close_at = arrival(entries[0].id, self._clock.now()) + self.wait_s
         while len(entries) < self.max_batch and not self._stopping.is_set():
             now = self._clock.now()
-            if self.policy and not self._runner.busy and self.policy.go_now(len(entries), now):
+            if self.policy and not self._load.busy and self.policy.go_now(len(entries), now):
                 break  # waiting longer would not pay (see workers/policy.py)
             remaining_ms = int((close_at - now) * 1000)
             if remaining_ms < 1:
-                if not self._runner.busy:
+                if not self._load.busy:
                     break
                 waited_on_model = True
-                remaining_ms = max(1, min(20, int(self._runner.last_run_s * 250)))
+                remaining_ms = max(1, min(20, int(self._load.last_run_s * 250)))
             more = await self._more(self.max_batch - len(entries), remaining_ms)
             if more is None:
                 return entries
             entries += more
-        if waited_on_model and len(entries) < self.max_batch and not self._runner.busy:
+        if waited_on_model and len(entries) < self.max_batch and not self._load.busy:
             # The model is free now: what reads held back while it was busy (bulk, see
             # workers/lanes.py) fills the batch, without waiting.
             entries += await self._more(self.max_batch - len(entries), None) or []
@@ -113,8 +113,7 @@ class Window:
         """A batch's learned fixed cost in tokens (:mod:`workers.lengths` splits by it)."""
         # The prior is the device's: on an accelerator a batch's cost is nearly flat in
         # its tokens until saturation (a split would only add batches); on a CPU, not.
-        accelerated = bool(getattr(self._runner.model, "accelerated", False))
-        prior = FLAT_OVERHEAD_TOKENS if accelerated else OVERHEAD_PRIOR_TOKENS
+        prior = FLAT_OVERHEAD_TOKENS if self._load.accelerated else OVERHEAD_PRIOR_TOKENS
         return self.policy.batch_overhead_tokens(prior) if self.policy else prior
 
     def gauges(self) -> dict[str, float] | None:

@@ -67,7 +67,7 @@ async def test_job_with_numpy_float_result_completes_and_worker_survives(
     # orjson.dumps(reply.result) on the raw result, and orjson refuses numpy.float64
     # ("Type is not JSON serializable"), although workers/batch.py checked() let it
     # through (wire_problem: isinstance(x, float)). The TypeError escapes Worker._process, the
-    # batch task's exception is not REDIS_DOWN, so Worker._finished sets _fatal and the
+    # batch task's exception is not REDIS_DOWN, so Worker._batch_ended sets _fatal and the
     # worker stops.
     # Observed: job stays "queued" forever, the worker task dies with TypeError, and a
     # later sync request to the stage gets 504. Expected: the job is "done" with the same
@@ -474,7 +474,7 @@ async def test_a_huge_client_timeout_does_not_kill_the_worker(harness: Harness) 
     # asks). The deadline is now + 1e300; the worker runs the item and its publish script
     # sets the done marker with "SET marker 1 EX <int(deadline - now) + 60>" (workers/
     # route.py Router._ttl): Redis refuses the 301-digit EX ("value is not an integer or
-    # out of range"), the ResponseError escapes Worker._process, Worker._finished sets _fatal
+    # out of range"), the ResponseError escapes Worker._process, Worker._batch_ended sets _fatal
     # and the worker exits. The entry stays pending and kills each worker that reclaims
     # it until it is dead-lettered: one remote request takes the stage down.
     # Expected: the deadline (or the marker's TTL) is clamped; the worker answers and
