@@ -173,6 +173,8 @@ class BatchRecord:
         tokens: the estimated tokens of the items the model ran (:mod:`workers.lengths`).
         padded_tokens: those items times the longest of them: what the model padded to.
         cold: the model met a shape it had not run before (its time is no cost sample).
+        generated: the new tokens its sequence had when it left the running batch
+            (continuous decoding, :mod:`workers.decoding`; 0 otherwise).
     """
 
     size: int
@@ -187,6 +189,7 @@ class BatchRecord:
     tokens: int = 0
     padded_tokens: int = 0
     cold: bool = False
+    generated: int = 0
 
 
 @dataclass

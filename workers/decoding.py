@@ -138,8 +138,13 @@ class Decoding:
                 return True
             if due.settled is not None:
                 return True
-            entries = list(due.waiting) or await worker.lanes.read(free, block_ms)
-            worker.lanes.assembled()
+            if due.waiting:
+                entries = list(due.waiting)
+            else:
+                held = [*self.running.values(), *self.waiting]
+                interactive = sum(f.interactive for f in held)
+                worker.lanes.seated(interactive, len(held) - interactive)
+                entries = await worker.lanes.read(free, block_ms)
         except REDIS_DOWN as exc:
             logger.warning("stage %s: redis unreachable (%s)", worker.stage.name, exc)
             await asyncio.sleep(min(1.0, worker.settings.block_ms / 1000))
@@ -289,6 +294,7 @@ class Decoding:
                 worker.router.route(batch.out, flight.request, result, now)
             elif batch.results:  # expired while generating
                 worker.router.route(batch.out, flight.request, batch.results[0], now)
+            batch.record.generated = len(flight.sequence.ids)
             batch.record.run_s = self._device_s / len(flights)
             batch.record.ran_at = now
             if flight is self.suspect:

@@ -97,6 +97,13 @@ class Lanes:
         """A batch has been assembled: the next one starts with its slots free."""
         self._interactive_taken = self._bulk_taken = 0
 
+    def seated(self, interactive: int, bulk: int) -> None:
+        """The slots each lane holds now, where the batch is not assembled but running
+        (continuous decoding: :mod:`workers.decoding`): the next read takes each lane's
+        share of what is left, so bulk holds no more than its reserve while interactive
+        work comes."""
+        self._interactive_taken, self._bulk_taken = interactive, bulk
+
     def release(self) -> list[Entry]:
         """The entries delivered here but not handed out yet (a drain runs them)."""
         held, self._carry = self._carry, []

@@ -1,0 +1,284 @@
+"""Continuous batching in the generate stage (workers/decoding.py, workers/models/decoder.py):
+sequences join and leave the running batch between decoding steps. Real Redis, real HTTP
+through the gateway, the built-in tiny GPT-2, a real worker process killed mid-generation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from pipelines.builtin import BUILTIN
+from pipelines.outcomes import Outcome
+from tests.helpers import REPO, Harness, until
+from workers.loop import Worker
+from workers.models.decoder import Decoder
+from workers.models.hf import Generator
+
+GENERATE = BUILTIN["generate"]
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into"]
+
+
+@pytest.fixture(scope="module")
+def generator(cache_dir: Path) -> Generator:
+    return Generator(model="tiny:generate", device="cpu", cache_dir=str(cache_dir))
+
+
+def prompts(count: int, seed: int) -> list[str]:
+    pick = random.Random(seed)
+    return [" ".join(pick.choices(WORDS, k=pick.randint(1, 30))) for _ in range(count)]
+
+
+def test_greedy_output_is_the_prompt_decoded_alone_whoever_joins_and_leaves(
+    generator: Generator,
+) -> None:
+    pick = random.Random(3)
+    texts = prompts(16, seed=3)
+    limits = [pick.choice([1, 3, 8, 40, 150]) for _ in texts]
+    items = [{"text": t, "max_new_tokens": n} for t, n in zip(texts, limits, strict=True)]
+    alone = [generator.generate_ids([item])[0] for item in items]
+    decoder = Decoder(generator, budget=100_000)
+    sequences = [s for s in decoder.open(items) if not isinstance(s, BaseException)]
+    waiting, steps, widest = list(sequences), 0, 0
+    while waiting or decoder.rows:
+        if waiting and steps % 4 == 0:  # a few join every fourth step; others end
+            count = pick.randint(1, 3)
+            joining, waiting = waiting[:count], waiting[count:]
+            decoder.join(joining)
+        decoder.step()
+        widest = max(widest, len(decoder.rows))
+        steps += 1
+    assert widest > 1  # they did run side by side
+    assert [s.ids for s in sequences] == alone
+    assert all(s.reason in {"stop", "length"} for s in sequences)
+
+
+def test_a_seeded_request_samples_the_same_text_beside_any_others(generator: Generator) -> None:
+    asked = {"text": "the cat", "max_new_tokens": 30, "temperature": 0.9, "seed": 11}
+    runs = []
+    for company in (0, 3, 7):
+        decoder = Decoder(generator, budget=100_000)
+        others = [
+            {"text": t, "max_new_tokens": 20, "temperature": 1.0} for t in prompts(company, 5)
+        ]
+        opened = decoder.open([*others, asked])
+        decoder.join([s for s in opened if not isinstance(s, BaseException)])
+        while decoder.rows:
+            decoder.step()
+        mine = opened[-1]
+        assert not isinstance(mine, BaseException)
+        runs.append(mine.ids)
+    assert runs[0] == runs[1] == runs[2]
+    other_seed = Decoder(generator, budget=100_000)
+    (differs,) = other_seed.open([{**asked, "seed": 12}])
+    assert not isinstance(differs, BaseException)
+    other_seed.join([differs])
+    while other_seed.rows:
+        other_seed.step()
+    assert differs.ids != runs[0]
+
+
+def test_a_request_that_can_never_fit_the_budget_is_refused_naming_the_setting(
+    generator: Generator,
+) -> None:
+    decoder = Decoder(generator, budget=64)
+    fits, never = decoder.open(
+        [{"text": "a", "max_new_tokens": 10}, {"text": "a b c", "max_new_tokens": 100}]
+    )
+    assert not isinstance(fits, BaseException)
+    assert isinstance(never, Exception)
+    assert "CONVEYOR_DECODE_TOKEN_BUDGET" in str(never)
+    assert str(never).startswith("item 1:") or "max_new_tokens" in str(never)
+
+
+async def sse(resp: httpx.Response, on_token: Callable[[], None] = lambda: None) -> list[Any]:
+    """The events of an SSE response: (event, data) pairs."""
+    events: list[Any] = []
+    event = ""
+    async for line in resp.aiter_lines():
+        if line.startswith("event: "):
+            event = line[len("event: ") :]
+        elif line.startswith("data: "):
+            events.append((event, orjson.loads(line[len("data: ") :])))
+            if event == "token":
+                on_token()
+    return events
+
+
+async def served(harness: Harness, **settings: Any) -> tuple[Worker, str]:
+    worker = harness.worker(GENERATE, device="cpu", **settings)
+    await worker.start()
+    harness.run(worker)
+    return worker, await harness.http_server([GENERATE])
+
+
+@pytest.mark.parametrize("decoding", ["continuous", "static"])
+async def test_a_short_request_sent_while_a_long_one_generates_is_answered_first(
+    harness: Harness, decoding: str
+) -> None:
+    _, base = await served(harness, decoding=decoding)
+    order: list[str] = []
+    started = asyncio.Event()
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+
+        async def long() -> None:
+            body = {"text": "once", "max_new_tokens": 400}
+            async with http.stream("POST", "/v1/generate/stream", json=body) as resp:
+                events = await sse(resp, started.set)
+            assert events[-1][0] == "done"
+            order.append("long")
+
+        async def short() -> None:
+            await started.wait()  # the long one is generating
+            resp = await http.post("/v1/generate", json={"text": "hi", "max_new_tokens": 4})
+            assert resp.status_code == 200, resp.text
+            order.append("short")
+
+        await asyncio.gather(long(), short())
+    # Static batching makes it wait for the long batch; continuous joins it at once.
+    assert order == (["short", "long"] if decoding == "continuous" else ["long", "short"])
+
+
+async def test_a_client_that_goes_away_mid_stream_frees_its_slot(harness: Harness) -> None:
+    worker, base = await served(harness, max_batch_size=1)
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        tokens = 0
+        body = {"text": "once", "max_new_tokens": 400}
+        async with http.stream("POST", "/v1/generate/stream", json=body) as resp:
+            async for line in resp.aiter_lines():
+                tokens += line.startswith("event: token")
+                if tokens == 3:
+                    break  # the client leaves: its request is cancelled
+        # One slot: the next request runs only once the cancelled one has left it.
+        resp = await http.post("/v1/generate", json={"text": "hi", "max_new_tokens": 4})
+        assert resp.status_code == 200, resp.text
+
+    async def counted() -> bool:
+        return sum(r.outcomes[Outcome.CANCELLED] for r in worker.history) == 1
+
+    await until(counted, 30)
+    left = next(r for r in worker.history if r.outcomes[Outcome.CANCELLED])
+    assert 3 <= left.generated < 400  # it left the running batch mid-way
+
+
+async def test_a_request_past_its_deadline_leaves_the_batch_with_504(harness: Harness) -> None:
+    worker, base = await served(harness)
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        await http.post("/v1/generate", json={"text": "warm", "max_new_tokens": 2})
+        headers = {"X-Conveyor-Timeout": "0.3"}
+        body = {"text": "once", "max_new_tokens": 400}
+        slow = asyncio.create_task(http.post("/v1/generate", json=body, headers=headers))
+        # Beside it, a request with time: it is not held up by the expiring one.
+        fine = await http.post("/v1/generate", json={"text": "hi", "max_new_tokens": 300})
+        late = await slow
+    assert fine.status_code == 200, fine.text
+    assert late.status_code == 504, late.text
+
+    async def counted() -> bool:
+        return sum(r.outcomes[Outcome.EXPIRED] for r in worker.history) == 1
+
+    await until(counted, 30)
+    left = next(r for r in worker.history if r.outcomes[Outcome.EXPIRED])
+    assert left.generated < 400  # it left the running batch mid-way
+
+
+async def test_interactive_requests_take_a_free_slot_before_bulk(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # Two slots; bulk's reserve is one of them (CONVEYOR_BULK_EVERY): a bulk request
+    # holds it, an interactive one the other. Queued meanwhile: bulk, then interactive.
+    # When the interactive slot frees, the queued interactive request takes it, and the
+    # queued bulk one waits for the bulk slot.
+    _, base = await served(harness, max_batch_size=2)
+    order: list[str] = []
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+
+        async def call(lane: str, tokens: int, name: str = "", started: Any = None) -> None:
+            headers = {"X-Conveyor-Priority": lane}
+            body = {"text": lane, "max_new_tokens": tokens}
+            stream = http.stream("POST", "/v1/generate/stream", json=body, headers=headers)
+            async with stream as resp:
+                events = await sse(resp, started.set if started else lambda: None)
+            assert events[-1][0] == "done", events[-1]
+            order.append(name or lane)
+
+        held = [asyncio.Event(), asyncio.Event()]
+        running = [
+            asyncio.create_task(call("bulk", 450, "long bulk", held[0])),
+            asyncio.create_task(call("interactive", 150, "long interactive", held[1])),
+        ]
+        await asyncio.gather(*(e.wait() for e in held))  # both slots taken
+        queued_bulk = asyncio.create_task(call("bulk", 2))
+        bulk_stream = harness.keys.stage_stream(GENERATE.name, "bulk")
+
+        async def queued() -> bool:  # the long bulk request's entry, and this one's
+            return int(await redis.xlen(bulk_stream)) == 2
+
+        await until(queued, 30)
+        queued_interactive = asyncio.create_task(call("interactive", 2))
+        await asyncio.gather(queued_interactive, queued_bulk, *running)
+    assert order.index("interactive") < order.index("bulk"), order
+
+
+def worker_process(log: Path, **env: str) -> subprocess.Popen[bytes]:
+    full = dict(os.environ) | {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"} | env
+    with log.open("ab") as out:
+        argv = [sys.executable, "-m", "workers", "generate"]
+        return subprocess.Popen(argv, env=full, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+
+
+async def test_a_worker_killed_mid_generation_its_stream_goes_on_each_token_once(
+    harness: Harness, redis: aioredis.Redis, tmp_path: Path, generator: Generator
+) -> None:
+    fast = {
+        "CONVEYOR_MIN_IDLE_MS": "500",
+        "CONVEYOR_RECLAIM_INTERVAL_MS": "50",
+        "CONVEYOR_BLOCK_MS": "100",
+        "CONVEYOR_DEVICE": "cpu",
+    }
+    log = tmp_path / "workers.log"
+    base = await harness.http_server([GENERATE])
+    first = worker_process(log, **fast)
+    second: subprocess.Popen[bytes] | None = None
+    body = {"text": "once upon a time", "max_new_tokens": 400}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            ready = await http.post("/v1/generate", json={"text": "warm", "max_new_tokens": 2})
+            assert ready.status_code == 200, ready.text
+            tokens = 0
+
+            def kill_after_some() -> None:
+                nonlocal second
+                nonlocal tokens
+                tokens += 1
+                if tokens == 5:
+                    first.send_signal(signal.SIGKILL)
+                    second = worker_process(log, **fast)
+
+            headers = {"X-Conveyor-Timeout": "110"}  # a new worker starts meanwhile
+            stream = http.stream("POST", "/v1/generate/stream", json=body, headers=headers)
+            async with stream as resp:
+                events = await sse(resp, kill_after_some)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    assert first.returncode == -signal.SIGKILL, log.read_text()
+    *streamed, (last, final) = events
+    assert last == "done", (events[-3:], log.read_text()[-2000:])
+    text = "".join(data["text"] for kind, data in streamed if kind == "token")
+    assert text == final["generated_text"]  # each token once, though generated twice
+    ids = generator.generate_ids([body])[0]
+    assert final["generated_text"] == generator.tokenizer.decode(ids, skip_special_tokens=True)
