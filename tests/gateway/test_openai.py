@@ -148,6 +148,33 @@ async def test_completions_and_their_stream(harness: Harness) -> None:
         assert [c.index for c in several.choices] == [0, 1]
 
 
+@pytest.mark.parametrize("decoding", ["continuous", "static"])
+async def test_completions_sample_with_the_requests_temperature_and_seed(
+    harness: Harness, decoding: str
+) -> None:
+    stage = BUILTIN["generate"]
+    worker = harness.worker(stage, device="cpu", threads=1, decoding=decoding)
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([stage])
+    async with _client(base) as client:
+
+        async def text(**options: Any) -> str:
+            done = await client.completions.create(
+                model="generate", prompt="Once upon", max_tokens=12, **options
+            )
+            return done.choices[0].text
+
+        greedy = await text()
+        seeded = await text(temperature=1.0, seed=5)
+        assert await text(temperature=1.0, seed=5) == seeded  # the same seed, the same text
+        assert seeded != greedy  # applied, not accepted and dropped
+        assert await text(temperature=1.0, seed=6) != seeded
+        assert await text(temperature=0) == greedy
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            await text(top_p=1.5)
+
+
 async def test_chat_needs_a_chat_template(harness: Harness) -> None:
     base = await _serve(harness, [BUILTIN["generate"], CHAT])
     async with _client(base) as client:

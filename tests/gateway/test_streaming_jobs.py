@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
-import pytest
 import orjson
+import pytest
 
 from pipelines.graph import single
 from pipelines.model import Item, Result
