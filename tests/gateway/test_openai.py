@@ -163,7 +163,7 @@ async def test_completions_sample_with_the_requests_temperature_and_seed(
             done = await client.completions.create(
                 model="generate", prompt="Once upon", max_tokens=12, **options
             )
-            return done.choices[0].text
+            return str(done.choices[0].text)
 
         greedy = await text()
         seeded = await text(temperature=1.0, seed=5)

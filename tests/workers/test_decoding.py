@@ -19,8 +19,8 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from pipelines.builtin import BUILTIN
 from pipelines.outcomes import Outcome
+from pipelines.stages import BUILTIN
 from tests.helpers import REPO, Harness, until
 from workers.loop import Worker
 from workers.models.decoder import Decoder
