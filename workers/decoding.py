@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from redis.exceptions import ResponseError
+
 from pipelines.envelope import Request
 from pipelines.errors import DeadlineExceeded
 from pipelines.records import cancelled_among
@@ -85,6 +87,7 @@ class Decoding:
 
     def __init__(self, worker: Worker, decoder: Decoder) -> None:
         self.worker, self.decoder = worker, decoder
+        self.name = worker.stage.name
         self.slots = worker.window.max_batch
         self.waiting: deque[Flight] = deque()  # read, not yet joined (no room)
         self.running: dict[int, Flight] = {}  # by id() of its sequence
@@ -145,9 +148,8 @@ class Decoding:
                 interactive = sum(f.interactive for f in held)
                 worker.lanes.seated(interactive, len(held) - interactive)
                 entries = await worker.lanes.read(free, block_ms)
-        except REDIS_DOWN as exc:
-            logger.warning("stage %s: redis unreachable (%s)", worker.stage.name, exc)
-            await asyncio.sleep(min(1.0, worker.settings.block_ms / 1000))
+        except (*REDIS_DOWN, ResponseError) as exc:
+            await worker.source.failed(exc)  # waited out, or the group made again
             return False
         if entries:
             await self._open(entries, suspect=False)
@@ -226,7 +228,12 @@ class Decoding:
             self.waiting.remove(flight)
             self.running[id(flight.sequence)] = flight
         entries = [flight.batch.entries[0] for flight in joining]
-        await mark_now(self.worker.client, self.worker.keys, entries)
+        try:
+            await mark_now(self.worker.client, self.worker.keys, entries)
+        except REDIS_DOWN as exc:
+            # Unmarked, a crash while they run is charged to nobody: they are reclaimed
+            # as waiting ones, and the delivery cap does not count it (as a batch's).
+            logger.warning("stage %s: entries not marked on the model (%s)", self.name, exc)
         started = time.monotonic()
         sequences = [flight.sequence for flight in joining]
         deadline = self._deadline(joining)
@@ -316,7 +323,17 @@ class Decoding:
                 counts[name] = counts.get(name, 0) + value
         letters = [letter for b in batches for letter in b.letters]
         dropped = [marker for b in batches for marker in b.dropped]
-        published = await worker.publish(out, entries, counts, letters, gauges, dropped)
+        try:
+            published = await worker.publish(out, entries, counts, letters, gauges, dropped)
+        except REDIS_DOWN as exc:
+            # Their entries stay pending in the group: reclaimed once idle, not lost.
+            logger.warning(
+                "stage %s: could not publish %d requests, redis unreachable: %s",
+                self.name,
+                len(entries),
+                exc,
+            )
+            return
         for b in batches:
             worker.report.published(b, published)
 

@@ -18,6 +18,8 @@ import httpx
 import orjson
 import pytest
 import redis.asyncio as aioredis
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.outcomes import Outcome
 from pipelines.stages import BUILTIN
@@ -62,6 +64,59 @@ def test_greedy_output_is_the_prompt_decoded_alone_whoever_joins_and_leaves(
     assert widest > 1  # they did run side by side
     assert [s.ids for s in sequences] == alone
     assert all(s.reason in {"stop", "length"} for s in sequences)
+
+
+def test_a_rotary_model_decodes_as_alone_too(generator: Generator, tmp_path: Path) -> None:
+    # A tiny Llama (rotary positions, grouped-query attention), random weights, saved
+    # beside the tiny GPT-2's tokenizer and loaded as any user's model folder is.
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=generator.model.config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # Weights large enough that attention, and so the rotary positions, decide tokens.
+        initializer_range=0.5,
+        bos_token_id=generator.tokenizer.bos_token_id,
+        eos_token_id=generator.tokenizer.eos_token_id,
+        pad_token_id=generator.tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    generator.tokenizer.save_pretrained(tmp_path)
+    llama = Generator(model=str(tmp_path), device="cpu", cache_dir=str(tmp_path))
+    items = [{"text": t, "max_new_tokens": 25} for t in prompts(6, seed=9)]
+    alone = [llama.generate_ids([item])[0] for item in items]
+    decoder = llama.continuous_decoder(100_000)
+    assert decoder is not None
+    sequences = [s for s in decoder.open(items) if not isinstance(s, BaseException)]
+    decoder.join(sequences[:2])
+    for step in range(200):
+        if step in (3, 7) and len(sequences) > 2:  # two join mid-way, one at a time
+            decoder.join([sequences[2 + (step == 7)]])
+        if step == 11:
+            decoder.join(sequences[4:])
+        if not decoder.rows and step > 11:
+            break
+        decoder.step()
+    assert [s.ids for s in sequences] == alone
+
+
+def test_the_budget_bounds_rows_times_the_longest_reservation(generator: Generator) -> None:
+    decoder = Decoder(generator, budget=120)
+    first, second, third = decoder.open([{"text": "a b", "max_new_tokens": 30}] * 3)
+    assert not isinstance(first, BaseException)
+    assert not isinstance(second, BaseException)
+    assert not isinstance(third, BaseException)
+    reserved = first.reserved  # its prompt's tokens and its 30 new ones
+    assert decoder.fits(first)
+    decoder.join([first])
+    assert decoder.fits(second) == (2 * reserved <= 120)
+    decoder.join([second])
+    assert not decoder.fits(third) or 3 * reserved <= 120
+    assert decoder.fits(third) == (3 * reserved <= 120)
 
 
 def test_a_seeded_request_samples_the_same_text_beside_any_others(generator: Generator) -> None:
@@ -282,3 +337,52 @@ async def test_a_worker_killed_mid_generation_its_stream_goes_on_each_token_once
     assert text == final["generated_text"]  # each token once, though generated twice
     ids = generator.generate_ids([body])[0]
     assert final["generated_text"] == generator.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def test_a_long_generation_keeps_its_entry_from_another_worker(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # Entries idle 0.1 s are reclaimed: a 400-token generation takes longer. Its worker
+    # touches its entry while it runs, so the other worker never takes it over.
+    fast = {"min_idle_ms": 100, "reclaim_interval_ms": 20, "device": "cpu"}
+    first, other = harness.worker(GENERATE, **fast), harness.worker(GENERATE, **fast)
+    tasks = []
+    for worker in (first, other):
+        await worker.start()
+        tasks.append(harness.run(worker))
+    base = await harness.http_server([GENERATE])
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        body = {"text": "once", "max_new_tokens": 400}
+        resp = await http.post("/v1/generate", json=body)
+    assert resp.status_code == 200, resp.text
+    for worker in (first, other):  # each finishes what it runs, then stops
+        worker.stop()
+    await asyncio.gather(*tasks)
+    ran = [w for w in (first, other) if any(r.generated for r in w.history)]
+    assert len(ran) == 1, [list(w.history) for w in (first, other)]
+    assert [r.generated for r in ran[0].history] == [400]
+
+
+async def test_redis_paused_mid_generation_the_request_is_still_answered(
+    own_redis: subprocess.Popen[bytes], harness: Harness
+) -> None:
+    _, base = await served(harness, redis_timeout_s=0.5)
+    async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+        body = {"text": "once", "max_new_tokens": 400}
+        headers = {"X-Conveyor-Timeout": "60"}
+        paused = False
+
+        def pause_once() -> None:
+            nonlocal paused
+            if not paused:
+                paused = True
+                own_redis.send_signal(signal.SIGSTOP)
+                asyncio.get_running_loop().call_later(2, own_redis.send_signal, signal.SIGCONT)
+
+        stream = http.stream("POST", "/v1/generate/stream", json=body, headers=headers)
+        async with stream as resp:
+            events = await sse(resp, pause_once)
+    assert paused
+    *streamed, (last, final) = events
+    assert last == "done", events[-3:]
+    assert "".join(data["text"] for _, data in streamed) == final["generated_text"]
