@@ -344,7 +344,7 @@ async def test_a_long_generation_keeps_its_entry_from_another_worker(
 ) -> None:
     # Entries idle 0.1 s are reclaimed: a 400-token generation takes longer. Its worker
     # touches its entry while it runs, so the other worker never takes it over.
-    fast = {"min_idle_ms": 100, "reclaim_interval_ms": 20, "device": "cpu"}
+    fast: dict[str, Any] = {"min_idle_ms": 100, "reclaim_interval_ms": 20, "device": "cpu"}
     first, other = harness.worker(GENERATE, **fast), harness.worker(GENERATE, **fast)
     tasks = []
     for worker in (first, other):
