@@ -97,21 +97,23 @@ class Decoding:
 
     async def run(self, stopping: asyncio.Event, max_batches: int | None, burst: bool) -> int:
         """Serve until ``stopping`` is set (or ``max_batches`` publishes, or, with
-        ``burst``, nothing is left); returns the number of publishes. Running sequences
-        finish before it returns."""
+        ``burst``, nothing is left); returns the number of publishes. What it has read
+        runs to its end before it returns."""
         worker, published = self.worker, 0
-        while max_batches is None or published < max_batches:
+        while True:
             worker.alive.beat()
             worker.summary.tick()
             idle = not self.running and not self.waiting
-            if stopping.is_set() and idle:
+            enough = max_batches is not None and published >= max_batches
+            reading = not stopping.is_set() and not enough
+            if not reading and idle:
                 break
             # The step runs in the model thread while this one reads what came.
             stepping = asyncio.ensure_future(self._step()) if self.running else None
             came = True
             try:
                 free = self.slots - len(self.running) - len(self.waiting)
-                if not stopping.is_set() and self.suspect is None and free > 0:
+                if reading and self.suspect is None and free > 0:
                     block = worker.settings.block_ms if idle and not burst else None
                     came = await self._read(free, block)
             finally:
