@@ -7,9 +7,10 @@ drives each over real HTTP at every rate of ``--rates`` (requests/s). Requests a
 Poisson process (exponential gaps) for ``--duration`` seconds, each asking for a
 long-tailed ``max_new_tokens``: log-uniform over ``--tokens`` (8..400: the median about
 57, one in ten above 270), so most answers are short and a few are long. Both modes get
-the same requests at the same offsets (drawn from ``--seed`` and the rate), and the two
-are measured in alternation, rate by rate, so that their ratio is taken in the same
-minutes.
+the same requests at the same offsets (drawn from ``--seed``, the round and the rate), and
+the two are measured in alternation, rate by rate, for ``--rounds`` rounds (pooled; odd
+rounds run the modes in the other order), so that their ratio is taken in the same
+minutes: on a shared 2-core machine the speed drifts by more than what is measured.
 
 Every request streams (``POST /v1/generate/stream``, Server-Sent Events: ``token`` events,
 then ``done``) with ``usage`` on, so that:
@@ -162,13 +163,13 @@ async def stream_one(http: httpx.AsyncClient, arrival: Arrival, sent_at: float) 
 
 @dataclass
 class Run:
-    """One mode at one rate.
+    """One mode at one rate, over every round.
 
     Attributes:
         mode: ``static`` or ``continuous``.
         rate: the offered load, requests/s.
-        seconds: wall time from the first arrival to the last answer.
-        answers: one per request, in arrival order.
+        seconds: wall time from the first arrival to the last answer, summed over rounds.
+        answers: one per request, in arrival order, round after round.
     """
 
     mode: str
@@ -278,8 +279,10 @@ def report(runs: Sequence[Run], args: argparse.Namespace, command: str) -> str:
         f"`{command}`",
         "",
         f"Built-in `generate` (tiny GPT-2, CPU), max batch {args.max_batch}, {said}. Poisson "
-        f"arrivals for {args.duration:g} s per rate, `max_new_tokens` log-uniform in "
-        f"{low}..{high} (seed {args.seed}, the same requests for both modes), streamed (SSE); "
+        f"arrivals for {args.duration:g} s per rate and round, {args.rounds} round(s) pooled "
+        "(modes alternating which goes first), `max_new_tokens` log-uniform in "
+        f"{low}..{high} (seed {args.seed} + round, the same requests for both modes), "
+        "streamed (SSE); "
         "completion tokens from each result's `usage`; times from the scheduled arrival.",
         "",
         *table(runs),
@@ -290,22 +293,33 @@ def report(runs: Sequence[Run], args: argparse.Namespace, command: str) -> str:
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> list[Run]:
-    """Start one conveyor per mode, then drive them in alternation, rate by rate."""
-    runs: list[Run] = []
+    """Start one conveyor per mode, then drive them in alternation, rate by rate, for
+    ``args.rounds`` rounds; each mode's rounds at a rate are pooled into one :class:`Run`.
+
+    Round r draws its requests from seed ``args.seed + r`` (the same for every mode) and
+    takes the modes in reverse order on odd rounds, so that neither mode always runs
+    first: on a shared machine the speed drifts by more than what is measured.
+    """
+    pooled = {(mode, rate): Run(mode, rate, 0.0) for rate in args.rates for mode in args.modes}
     with ExitStack() as stack:
         servers = {mode: stack.enter_context(_stack(mode, args, workdir)) for mode in args.modes}
-        for rate in args.rates:
-            requests = arrivals(rate, args.duration, args.seed, args.tokens)
-            for mode, server in servers.items():
-                run = asyncio.run(drive(f"http://{HOST}:{server.port}", requests, mode, rate))
-                failed = [a.detail for a in run.answers if not a.ok][:3]
-                print(
-                    f"{mode} at {rate:g}/s: {len(run.answers)} requests, {run.errors} errors "
-                    f"{failed}, {run.tokens_per_s:,.0f} tokens/s",
-                    file=sys.stderr,
-                )
-                runs.append(run)
-    return runs
+        for round_ in range(args.rounds):
+            for rate in args.rates:
+                requests = arrivals(rate, args.duration, args.seed + round_, args.tokens)
+                order = list(servers.items())
+                for mode, server in order if round_ % 2 == 0 else reversed(order):
+                    run = asyncio.run(drive(f"http://{HOST}:{server.port}", requests, mode, rate))
+                    failed = [a.detail for a in run.answers if not a.ok][:3]
+                    print(
+                        f"round {round_ + 1}: {mode} at {rate:g}/s: {len(run.answers)} "
+                        f"requests, {run.errors} errors {failed}, {run.tokens_per_s:,.0f} "
+                        "tokens/s",
+                        file=sys.stderr,
+                    )
+                    into = pooled[mode, rate]
+                    into.seconds += run.seconds
+                    into.answers.extend(run.answers)
+    return list(pooled.values())
 
 
 def _stack(
@@ -350,15 +364,17 @@ class Preset:
     Attributes:
         rates: requests/s, one measurement each per mode.
         duration: seconds of arrivals per measurement.
+        rounds: measurements per mode and rate, pooled.
     """
 
     rates: tuple[float, ...]
     duration: float
+    rounds: int
 
 
-QUICK = Preset((1.0, 2.0), 3.0)
+QUICK = Preset((1.0, 2.0), 3.0, 1)
 """The smoke run (CI): light enough that neither mode queues much on a busy 2-core box."""
-FULL = Preset((1.5, 3.0), 30.0)
+FULL = Preset((1.5, 3.0), 20.0, 2)
 """Moderate and heavy for static decoding of the tiny GPT-2 on 2 CPU cores: at 1.5/s its
 batches rarely fill; at 3/s it runs close to what it can carry (at 4/s its queue grew
 through the run and the gateway refused some requests, 503)."""
@@ -386,6 +402,7 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         help=f"seconds of arrivals per rate (default {FULL.duration:g})",
     )
+    add("--rounds", type=int, help=f"rounds, pooled (default {FULL.rounds})")
     add("--seed", type=int, default=31, help="fixes the requests (default 31)")
     add("--tokens", type=_tokens, default=(8, 400), help="max_new_tokens range (default 8,400)")
     add("--modes", type=_modes, default=list(MODES), help="static,continuous (default both)")
@@ -410,6 +427,9 @@ def main(argv: list[str] | None = None) -> None:
     preset = QUICK if args.quick else FULL
     args.rates = args.rates or list(preset.rates)
     args.duration = preset.duration if args.duration is None else args.duration
+    args.rounds = preset.rounds if args.rounds is None else args.rounds
+    if args.rounds < 1:
+        parser().error("--rounds must be at least 1")
     if args.duration <= 0:
         parser().error("--duration must be positive")
     if args.max_batch < 1:
