@@ -1,16 +1,16 @@
 """Static against continuous decoding in the generate stage, under Poisson arrivals.
 
-``python -m bench.generate`` starts two conveyors side by side (each: redis-server, the
-gateway, one ``generate`` worker: the built-in tiny GPT-2, offline), one with the worker
+``python -m bench.generate`` starts a conveyor per mode, one at a time (each: redis-server,
+the gateway, one ``generate`` worker: the built-in tiny GPT-2, offline), one with the worker
 setting ``CONVEYOR_DECODING=static`` and one with ``CONVEYOR_DECODING=continuous``, and
 drives each over real HTTP at every rate of ``--rates`` (requests/s). Requests arrive as a
 Poisson process (exponential gaps) for ``--duration`` seconds, each asking for a
 long-tailed ``max_new_tokens``: log-uniform over ``--tokens`` (8..400: the median about
 57, one in ten above 270), so most answers are short and a few are long. Both modes get
 the same requests at the same offsets (drawn from ``--seed``, the round and the rate), and
-the two are measured in alternation, rate by rate, for ``--rounds`` rounds (pooled; odd
-rounds run the modes in the other order), so that their ratio is taken in the same
-minutes: on a shared 2-core machine the speed drifts by more than what is measured.
+the two are measured in alternation for ``--rounds`` rounds (pooled; odd rounds run the
+modes in the other order), so that their ratio is taken in the same minutes: on a shared
+2-core machine the speed drifts by more than what is measured.
 
 Every request streams (``POST /v1/generate/stream``, Server-Sent Events: ``token`` events,
 then ``done``) with ``usage`` on, so that:
@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,7 +148,7 @@ async def stream_one(http: httpx.AsyncClient, arrival: Arrival, sent_at: float) 
                 elif line.startswith("data: ") and event in ("done", "error"):
                     elapsed = time.perf_counter() - sent_at
                     data = orjson.loads(line.removeprefix("data: "))
-                    if event == "error":
+                    if event == "error" or not isinstance(data, dict):
                         return Answer(False, elapsed, elapsed, detail=str(data))
                     tokens = data.get("completion_tokens")
                     if not isinstance(tokens, int):
@@ -280,7 +280,8 @@ def report(runs: Sequence[Run], args: argparse.Namespace, command: str) -> str:
         "",
         f"Built-in `generate` (tiny GPT-2, CPU), max batch {args.max_batch}, {said}. Poisson "
         f"arrivals for {args.duration:g} s per rate and round, {args.rounds} round(s) pooled "
-        "(modes alternating which goes first), `max_new_tokens` log-uniform in "
+        "(a fresh stack per mode and round, modes alternating which goes first), "
+        "`max_new_tokens` log-uniform in "
         f"{low}..{high} (seed {args.seed} + round, the same requests for both modes), "
         "streamed (SSE); "
         "completion tokens from each result's `usage`; times from the scheduled arrival.",
@@ -293,21 +294,22 @@ def report(runs: Sequence[Run], args: argparse.Namespace, command: str) -> str:
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> list[Run]:
-    """Start one conveyor per mode, then drive them in alternation, rate by rate, for
-    ``args.rounds`` rounds; each mode's rounds at a rate are pooled into one :class:`Run`.
+    """Each round, start one conveyor per mode in turn, drive it at every rate and stop it;
+    each mode's rounds at a rate are pooled into one :class:`Run`.
 
     Round r draws its requests from seed ``args.seed + r`` (the same for every mode) and
-    takes the modes in reverse order on odd rounds, so that neither mode always runs
-    first: on a shared machine the speed drifts by more than what is measured.
+    takes the modes in reverse order on odd rounds: on a shared machine the speed drifts
+    by more than what is measured, and with both stacks up side by side the one started
+    second came out slower whatever its mode (up to 3.7x in TTFT p50, static against
+    static), so only one stack runs at a time.
     """
     pooled = {(mode, rate): Run(mode, rate, 0.0) for rate in args.rates for mode in args.modes}
-    with ExitStack() as stack:
-        servers = {mode: stack.enter_context(_stack(mode, args, workdir)) for mode in args.modes}
-        for round_ in range(args.rounds):
-            for rate in args.rates:
-                requests = arrivals(rate, args.duration, args.seed + round_, args.tokens)
-                order = list(servers.items())
-                for mode, server in order if round_ % 2 == 0 else reversed(order):
+    for round_ in range(args.rounds):
+        order = args.modes if round_ % 2 == 0 else args.modes[::-1]
+        for mode in order:
+            with _stack(mode, args, workdir, round_) as server:
+                for rate in args.rates:
+                    requests = arrivals(rate, args.duration, args.seed + round_, args.tokens)
                     run = asyncio.run(drive(f"http://{HOST}:{server.port}", requests, mode, rate))
                     failed = [a.detail for a in run.answers if not a.ok][:3]
                     print(
@@ -323,11 +325,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> list[Run]:
 
 
 def _stack(
-    mode: str, args: argparse.Namespace, workdir: Path
+    mode: str, args: argparse.Namespace, workdir: Path, round_: int
 ) -> AbstractContextManager[ConveyorServer]:
     """A conveyor serving ``generate`` whose worker decodes in ``mode``."""
     options = Options(max_batch=args.max_batch, env={"CONVEYOR_DECODING": mode})
-    return conveyor([STAGE], options, workdir, log_name=f"generate-{mode}", name=mode, app=APP)
+    log = f"generate-{mode}-{round_ + 1}"
+    return conveyor([STAGE], options, workdir, log_name=log, name=mode, app=APP)
 
 
 def _floats(value: str) -> list[float]:
