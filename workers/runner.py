@@ -414,7 +414,11 @@ class Runner:
         if self.settings.decoding != "continuous" or not callable(make):
             return None
         budget = self.settings.decode_token_budget
-        made = await self._in(self.thread.executor, make, budget)
+        try:
+            made = await self._in(self.thread.executor, make, budget)
+        except Exception:  # batches still serve it: said, not fatal
+            logger.exception("stage %s: no continuous decoding; batches serve it", self.stage.name)
+            return None
         return cast("Decoder | None", made)
 
     async def in_model(

@@ -243,9 +243,16 @@ class Generator(_GenerateRunner):
         """A running batch of this model for continuous batching
         (:mod:`workers.decoding`) holding at most ``budget`` token positions, or None
         (one line says why) where its cache is not of the kind that can join and leave."""
-        why = supports(self)
+        overridden = [
+            name
+            for name in ("predict", "predict_stream", "generate_ids")
+            if getattr(type(self), name) is not getattr(Generator, name)
+        ]
+        # A subclass that decodes its own way keeps it: the decoder would bypass it.
+        why = f"it overrides {', '.join(overridden)}" if overridden else supports(self)
         if why is not None:
-            logger.warning("model %s decodes in static batches: %s", self.weights_key, why)
+            name = getattr(self, "weights_key", type(self).__name__)
+            logger.warning("model %s decodes in static batches: %s", name, why)
             return None
         return Decoder(self, budget)
 
