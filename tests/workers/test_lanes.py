@@ -225,3 +225,23 @@ async def test_trim_trims_both_lanes(harness: Harness, redis: aioredis.Redis) ->
         return all(n <= 4 for n in lengths)
 
     await until(trimmed, 30)
+
+
+async def test_slots_held_by_running_sequences_count_against_each_lanes_share(
+    harness: Harness,
+) -> None:
+    # Continuous decoding (workers/decoding.py) reads into a running batch, not a new one:
+    # the bulk work already running holds bulk's reserve, so while interactive work comes
+    # a read takes no more bulk, however many slots are free.
+    stage = number_stage(max_batch_size=4)
+    worker = harness.worker(stage, Doubler(), bulk_every=4)  # reserve: one slot of four
+    await worker.source.ensure_stream()
+    await send(harness, "interactive", [101])
+    await send(harness, "bulk", [1, 2, 3])
+    lanes = worker.lanes
+    lanes.seated(0, 0)
+    first = await lanes.read(2, None)  # the interactive request, and bulk's reserve
+    assert sorted(e.stream for e in first) == sorted(streams(harness).values())
+    lanes.assembled()  # not a batch: what the read took now runs beside the next read's
+    lanes.seated(1, 1)  # both run: bulk holds its reserve
+    assert await lanes.read(2, None) == []  # interactive is active: no more bulk
