@@ -2,7 +2,7 @@
 
 A static batch generates up to its longest request while every other row waits, and a
 request that arrives meanwhile waits for the whole batch. Here the batch is the set of
-sequences in flight (at most the stage's max batch size), and it changes between
+generations in flight (at most the stage's max batch size), and it changes between
 decoding steps (:class:`~workers.models.decoder.Decoder`):
 
 - while the model runs a step, the loop reads what came (XREADGROUP, COUNT = the free
@@ -10,7 +10,7 @@ decoding steps (:class:`~workers.models.decoder.Decoder`):
   opens it (:class:`~workers.intake.Intake`: decoded, admitted, invalid ones answered);
 - after the step, the new requests are prefilled and join, in arrival order, as long as
   the token budget holds; the rest wait for a slot;
-- a sequence that ends (its ``max_new_tokens``, an end-of-sequence token) is published
+- a generation that ends (its ``max_new_tokens``, an end-of-sequence token) is published
   with its ack at once (one publish call per step for all that ended); one cancelled or
   past its deadline leaves at the next check (every :data:`CHECK_S`) and frees its slot;
 - each new token reaches a streaming client as it is made (:class:`~workers.partials.Partials`).
@@ -47,12 +47,12 @@ from workers.route import Outbox
 
 if TYPE_CHECKING:  # torch is the model's import, not every worker's
     from workers.loop import Worker
-    from workers.models.decoder import Decoder, Sequence
+    from workers.models.decoder import Decoder, Generation
 
 logger = logging.getLogger(__name__)
 
 CHECK_S = 0.1
-"""How often the running sequences are checked for cancellation (one MGET) and expiry."""
+"""How often the running generations are checked for cancellation (one MGET) and expiry."""
 
 
 @dataclass(eq=False)
@@ -62,7 +62,7 @@ class Flight:
     Attributes:
         batch: the batch of its one entry (what it publishes with its ack).
         request: the request.
-        sequence: its generation.
+        generation: its generation.
         heartbeat: keeps its entry claimed while it runs.
         partials: streams its text (None: it did not ask).
         interactive: read from the interactive lane (joins before bulk).
@@ -70,7 +70,7 @@ class Flight:
 
     batch: Batch
     request: Request
-    sequence: Sequence
+    generation: Generation
     heartbeat: Heartbeat
     partials: Partials | None
     interactive: bool
@@ -90,7 +90,7 @@ class Decoding:
         self.name = worker.stage.name
         self.slots = worker.window.max_batch
         self.waiting: deque[Flight] = deque()  # read, not yet joined (no room)
-        self.running: dict[int, Flight] = {}  # by id() of its sequence
+        self.running: dict[int, Flight] = {}  # by id() of its generation
         self.suspect: Flight | None = None  # reclaimed from a crash: it runs alone
         self._checked = 0.0
         self._device_s = 0.0  # model time since the last publish (charged to it)
@@ -99,6 +99,16 @@ class Decoding:
         """Serve until ``stopping`` is set (or ``max_batches`` publishes, or, with
         ``burst``, nothing is left); returns the number of publishes. What it has read
         runs to its end before it returns."""
+        try:
+            return await self._serve(stopping, max_batches, burst)
+        finally:
+            # Whatever ends the loop, no flight's heartbeat or stream is left running.
+            for flight in [*self.running.values(), *self.waiting]:
+                await flight.heartbeat.stop()
+                if flight.partials is not None:
+                    await flight.partials.close()
+
+    async def _serve(self, stopping: asyncio.Event, max_batches: int | None, burst: bool) -> int:
         worker, published = self.worker, 0
         while True:
             worker.alive.beat()
@@ -141,15 +151,16 @@ class Decoding:
                 # A crash of its last worker may be its own: it runs alone.
                 await self._open([due.suspect], suspect=True)
                 return True
-            if due.settled is not None:
-                return True
-            if due.waiting:
+            if due.waiting:  # taken back, not on the model when their worker died
                 entries = list(due.waiting)
             else:
                 held = [*self.running.values(), *self.waiting]
                 interactive = sum(f.interactive for f in held)
                 worker.lanes.seated(interactive, len(held) - interactive)
                 entries = await worker.lanes.read(free, block_ms)
+            # What a blocking read delivered past its count (one COUNT per lane) is
+            # opened now too: it waits for a slot with its entry touched, not untouched.
+            entries += worker.lanes.release()
         except (*REDIS_DOWN, ResponseError) as exc:
             await worker.source.failed(exc)  # waited out, or the group made again
             return False
@@ -168,7 +179,7 @@ class Decoding:
                 ended.append(batch)
                 continue
             ((request, item),) = batch.live
-            opened = self.decoder.open([item])[0]
+            opened = self.decoder.open([item], [request.id])[0]
             if isinstance(opened, BaseException):  # refused: its answer goes now
                 batch.live = []
                 worker.router.route(batch.out, request, opened, now)
@@ -184,26 +195,35 @@ class Decoding:
                 opened,
                 worker.recovery.heartbeat([entry]),
                 partials,
-                entry.stream == worker.streams[0],
+                entry.stream == worker.lanes.interactive,
             )
             self.waiting.append(flight)
             if suspect:
                 self.suspect = flight
         for batch in ended:
             await self._send(batch)
+        if suspect and self.suspect is None:  # it ended here: recovery goes on
+            worker.recovery.suspect_done()
 
     # -- the model -----------------------------------------------------------------
 
     async def _step(self) -> list[Flight]:
-        """One decoding step of every running sequence, in the model thread."""
+        """One decoding step of every running generation, in the model thread."""
         started = time.monotonic()
-        size = len(self.running)
-        ended = await self.worker.runner.in_model(
-            "step", size, self._deadline(self.running.values()), self.decoder.step
-        )
-        self._device_s += time.monotonic() - started
+        flights = list(self.running.values())
+        try:
+            ended = await self.worker.runner.in_model(
+                "step", len(flights), self._deadline(flights), self.decoder.step
+            )
+        except Exception as exc:  # the model failed the step (OOM, a bad kernel)
+            # One forward ran them all: they fail together, and the batch starts afresh.
+            logger.exception("stage %s: a decoding step failed", self.name)
+            await self._leave([f.generation for f in flights])
+            return self._failed(flights, exc)
+        finally:
+            self._device_s += time.monotonic() - started
         self._stream(self.running.values())
-        return [self.running.pop(id(sequence)) for sequence in ended]
+        return [self.running.pop(id(generation)) for generation in ended]
 
     async def _join(self) -> list[Flight]:
         """Prefill the waiting requests that fit (interactive first, then in arrival
@@ -216,19 +236,17 @@ class Decoding:
         else:
             ordered = sorted(self.waiting, key=lambda f: not f.interactive)  # stable
         joining: list[Flight] = []
-        reserved = 0
         for flight in ordered:
             if len(self.running) + len(joining) >= self.slots:
                 break
-            if not self.decoder.fits(flight.sequence, reserved):
+            if not self.decoder.fits(flight.generation, [f.generation for f in joining]):
                 break  # in order: a long request is not overtaken for good
             joining.append(flight)
-            reserved += flight.sequence.reserved
         if not joining:
             return []  # room comes as the running ones end (open() refused what never fits)
         for flight in joining:
             self.waiting.remove(flight)
-            self.running[id(flight.sequence)] = flight
+            self.running[id(flight.generation)] = flight
         entries = [flight.batch.entries[0] for flight in joining]
         try:
             await mark_now(self.worker.client, self.worker.keys, entries)
@@ -237,20 +255,40 @@ class Decoding:
             # as waiting ones, and the delivery cap does not count it (as a batch's).
             logger.warning("stage %s: entries not marked on the model (%s)", self.name, exc)
         started = time.monotonic()
-        sequences = [flight.sequence for flight in joining]
+        generations = [flight.generation for flight in joining]
         deadline = self._deadline(joining)
-        ended = await self.worker.runner.in_model(
-            "prefill", len(joining), deadline, self.decoder.join, sequences
-        )
-        self._device_s += time.monotonic() - started
+        try:
+            ended = await self.worker.runner.in_model(
+                "prefill", len(joining), deadline, self.decoder.join, generations
+            )
+        except Exception as exc:  # the batch is as it was: only these fail
+            logger.exception("stage %s: a prefill failed", self.name)
+            return self._failed(joining, exc)
+        finally:
+            self._device_s += time.monotonic() - started
         self._stream(joining)
-        return [self.running.pop(id(sequence)) for sequence in ended]
+        return [self.running.pop(id(generation)) for generation in ended]
+
+    def _failed(self, flights: list[Flight], exc: Exception) -> list[Flight]:
+        """``flights`` end with ``exc`` (answered as a failed step), out of the batch."""
+        for flight in flights:
+            self.running.pop(id(flight.generation), None)
+            flight.batch.live, flight.batch.results = [], [exc]
+        return flights
+
+    async def _leave(self, generations: list[Generation]) -> None:
+        """Take ``generations`` out of the running batch, in the model thread."""
+        if generations:
+            size, deadline = len(generations), time.monotonic()
+            await self.worker.runner.in_model(
+                "leave", size, deadline, self.decoder.leave, generations
+            )
 
     def _stream(self, flights: Iterable[Flight]) -> None:
         """Hand each streaming flight's text so far to its partials."""
         for flight in flights:
-            if flight.partials is not None and flight.sequence.ids:
-                flight.partials.emit(0, self.decoder.text(flight.sequence))
+            if flight.partials is not None and flight.generation.ids:
+                flight.partials.emit(0, self.decoder.text(flight.generation))
 
     async def _check(self) -> list[Flight]:
         """Take out the running and waiting requests that are cancelled or past their
@@ -274,16 +312,15 @@ class Decoding:
             if flight.request.id in cancelled:
                 worker.router.cancel(flight.batch.out, flight.request, now)
             elif flight.request.deadline <= now:
-                flight.batch.results = [DeadlineExceeded("deadline passed while generating")]
+                when = "while generating" if flight.generation.ids else "before it could start"
+                flight.batch.results = [DeadlineExceeded(f"deadline passed {when}")]
             else:
                 continue
             leaving.append(flight)
             flight.batch.live = []  # answered here, not from its result
-        gone = [f.sequence for f in leaving if id(f.sequence) in self.running]
-        if gone:
-            self.decoder.leave(gone)  # between steps: the model thread is idle
+        await self._leave([f.generation for f in leaving if id(f.generation) in self.running])
         for flight in leaving:
-            self.running.pop(id(flight.sequence), None)
+            self.running.pop(id(flight.generation), None)
             if flight in self.waiting:
                 self.waiting.remove(flight)
         return leaving
@@ -299,11 +336,11 @@ class Decoding:
                 await flight.partials.close()  # every partial is out before the answer
             batch = flight.batch
             if batch.live:
-                result = self.decoder.result(flight.sequence)
+                result = self.decoder.result(flight.generation)
                 worker.router.route(batch.out, flight.request, result, now)
-            elif batch.results:  # expired while generating
+            elif batch.results:  # expired, or the model failed it
                 worker.router.route(batch.out, flight.request, batch.results[0], now)
-            batch.record.generated = len(flight.sequence.ids)
+            batch.record.generated = len(flight.generation.ids)
             batch.record.run_s = self._device_s / len(flights)
             batch.record.ran_at = now
             if flight is self.suspect:

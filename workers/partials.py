@@ -59,6 +59,7 @@ class Partials:
         self.loop = loop
         self.wanted = any(r.stream for r in requests)
         self.sent = [0] * len(requests)
+        self.latest = [""] * len(requests)  # each row's text, as last emitted
         self.cancelled = [False] * len(requests)
         self._checked_at = time.monotonic()
         self.queue: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
@@ -80,10 +81,14 @@ class Partials:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, text))
 
     async def close(self) -> None:
-        """Wait until everything emitted so far is written."""
+        """Wait until everything emitted so far is written (what a Redis outage kept
+        back is tried once more here)."""
         if self.task is not None:
             self.queue.put_nowait(None)
             await self.task
+            behind = [(i, t) for i, t in enumerate(self.latest) if len(t) > self.sent[i]]
+            if behind:
+                await self._write(behind)
 
     async def _drain(self) -> None:
         finished = False
@@ -92,40 +97,50 @@ class Partials:
             while not self.queue.empty():
                 batch.append(self.queue.get_nowait())
             await self._check_cancelled()
-            pipe = self.client.pipeline(transaction=False)
+            updates = []
             for update in batch:
                 if update is None:
                     finished = True
-                    continue
-                index, text = update
-                if self.cancelled[index]:
-                    continue
-                at = self.sent[index]
-                delta = text[at:]
-                if not delta:
-                    continue
-                self.sent[index] = len(text)
-                req = self.requests[index]
-                partial = Reply(
-                    id=req.id,
-                    stage=req.stage,
-                    outcome="partial",
-                    # Where it starts in the text: a worker that takes over a request
-                    # re-emits from the start, and the gateway skips what it has sent.
-                    result={"text": delta, "at": at},
-                    trace_id=req.trace_id,
-                )
-                maxlen = self.settings.reply_maxlen
-                pipe.xadd(req.reply_to, encode(partial), maxlen=maxlen, approximate=True)
-            try:
-                written = await pipe.execute(raise_on_error=False)
-            except REDIS_DOWN as exc:
-                logger.warning("could not stream partial output: %s", exc)
+                else:
+                    self.latest[update[0]] = update[1]
+                    updates.append(update)
+            await self._write(updates)
+
+    async def _write(self, updates: list[tuple[int, str]]) -> None:
+        """Write each row's text past what its client has: one pipeline. Should Redis be
+        unreachable, nothing counts as sent, so the next write carries it too."""
+        pipe = self.client.pipeline(transaction=False)
+        before = list(self.sent)
+        for index, text in updates:
+            if self.cancelled[index]:
                 continue
-            # One reply key refusing its XADD (it holds another type: something else SET
-            # it) loses that request's partials only; its final reply is the publish's.
-            for failure in {str(w) for w in written if isinstance(w, Exception)}:
-                logger.warning("could not stream partial output: %s", failure)
+            at = self.sent[index]
+            delta = text[at:]
+            if not delta:
+                continue
+            self.sent[index] = len(text)
+            req = self.requests[index]
+            partial = Reply(
+                id=req.id,
+                stage=req.stage,
+                outcome="partial",
+                # Where it starts in the text: a worker that takes over a request
+                # re-emits from the start, and the gateway skips what it has sent.
+                result={"text": delta, "at": at},
+                trace_id=req.trace_id,
+            )
+            maxlen = self.settings.reply_maxlen
+            pipe.xadd(req.reply_to, encode(partial), maxlen=maxlen, approximate=True)
+        try:
+            written = await pipe.execute(raise_on_error=False)
+        except REDIS_DOWN as exc:
+            self.sent = before
+            logger.warning("could not stream partial output: %s", exc)
+            return
+        # One reply key refusing its XADD (it holds another type: something else SET
+        # it) loses that request's partials only; its final reply is the publish's.
+        for failure in {str(w) for w in written if isinstance(w, Exception)}:
+            logger.warning("could not stream partial output: %s", failure)
 
     async def _check_cancelled(self) -> None:
         """Mark the streaming rows whose requests are cancelled, if it is time to ask."""

@@ -231,6 +231,12 @@ def _sse(event: str, data: Any) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
+def _without_offset(reply: Reply, result: dict[str, Any], text: str) -> Reply:
+    """``reply`` with ``text``, without its offset: that is between worker and gateway."""
+    kept = {k: v for k, v in result.items() if k != "at"}
+    return reply.model_copy(update={"result": {**kept, "text": text}})
+
+
 class Relay:
     """A streamed request's replies, read until the last: :meth:`events` as conveyor's
     events, or :meth:`replies` for a route of another shape (the OpenAI routes);
@@ -245,26 +251,29 @@ class Relay:
     def __init__(self, queue: asyncio.Queue[Reply], budget: float) -> None:
         self.queue, self.budget = queue, budget
         self.finished = False
-        self.sent = 0  # characters of text streamed so far
+        self.sent: dict[str, int] = {}  # characters streamed so far, by the stage's
 
     def _new_part(self, reply: Reply) -> Reply | None:
         """What of a partial reply the client has not seen: a worker that took the
         request over (its first one died) streams again from the start, each partial
-        saying where its text starts (``at``); None when it is all old."""
+        saying where its text starts (``at``); None when it is all old. Each stage of a
+        pipeline streams its own text, so each has its own count."""
         result = reply.result if isinstance(reply.result, dict) else {}
         text, at = result.get("text"), result.get("at")
         if not isinstance(text, str):
             return reply
-        if isinstance(at, bool) or not isinstance(at, int) or at < 0:
-            self.sent += len(text)  # no offset (an older worker): passed on as it is
-            return reply
-        seen = max(0, self.sent - at)
+        sent = self.sent.get(reply.stage, 0)
+        if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= sent:
+            # No offset (an older worker), or past what was sent (a partial lost on its
+            # way, or forged): passed on whole, counted from what was sent, never skipped
+            # ahead, so no later text can be taken for seen.
+            self.sent[reply.stage] = sent + len(text)
+            return _without_offset(reply, result, text)
+        seen = sent - at
         if seen >= len(text):
             return None
-        self.sent = max(self.sent, at + len(text))
-        # The offset is between worker and gateway: the client gets the text alone.
-        kept = {k: v for k, v in result.items() if k != "at"}
-        return reply.model_copy(update={"result": {**kept, "text": text[seen:]}})
+        self.sent[reply.stage] = at + len(text)
+        return _without_offset(reply, result, text[seen:])
 
     async def replies(self) -> AsyncIterator[Reply | None]:
         """Each reply as it arrives (``partial`` ones, then the final one), or None, the

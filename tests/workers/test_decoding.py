@@ -1,5 +1,5 @@
 """Continuous batching in the generate stage (workers/decoding.py, workers/models/decoder.py):
-sequences join and leave the running batch between decoding steps. Real Redis, real HTTP
+generations join and leave the running batch between decoding steps. Real Redis, real HTTP
 through the gateway, the built-in tiny GPT-2, a real worker process killed mid-generation."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.outcomes import Outcome
 from pipelines.stages import BUILTIN
-from tests.helpers import REPO, Harness, until
+from tests.helpers import REPO, Harness, beating, died_running, until
 from workers.loop import Worker
-from workers.models.decoder import Decoder
+from workers.models.decoder import Decoder, Generation
 from workers.models.hf import Generator
 
 GENERATE = BUILTIN["generate"]
@@ -51,8 +51,8 @@ def test_greedy_output_is_the_prompt_decoded_alone_whoever_joins_and_leaves(
     items = [{"text": t, "max_new_tokens": n} for t, n in zip(texts, limits, strict=True)]
     alone = [generator.generate_ids([item])[0] for item in items]
     decoder = Decoder(generator, budget=100_000)
-    sequences = [s for s in decoder.open(items) if not isinstance(s, BaseException)]
-    waiting, steps, widest = list(sequences), 0, 0
+    generations = [s for s in decoder.open(items) if not isinstance(s, BaseException)]
+    waiting, steps, widest = list(generations), 0, 0
     while waiting or decoder.rows:
         if waiting and steps % 4 == 0:  # a few join every fourth step; others end
             count = pick.randint(1, 3)
@@ -62,8 +62,8 @@ def test_greedy_output_is_the_prompt_decoded_alone_whoever_joins_and_leaves(
         widest = max(widest, len(decoder.rows))
         steps += 1
     assert widest > 1  # they did run side by side
-    assert [s.ids for s in sequences] == alone
-    assert all(s.reason in {"stop", "length"} for s in sequences)
+    assert [s.ids for s in generations] == alone
+    assert all(s.reason in {"stop", "length"} for s in generations)
 
 
 def test_a_rotary_model_decodes_as_alone_too(generator: Generator, tmp_path: Path) -> None:
@@ -91,17 +91,17 @@ def test_a_rotary_model_decodes_as_alone_too(generator: Generator, tmp_path: Pat
     alone = [llama.generate_ids([item])[0] for item in items]
     decoder = llama.continuous_decoder(100_000)
     assert decoder is not None
-    sequences = [s for s in decoder.open(items) if not isinstance(s, BaseException)]
-    decoder.join(sequences[:2])
+    generations = [s for s in decoder.open(items) if not isinstance(s, BaseException)]
+    decoder.join(generations[:2])
     for step in range(200):
-        if step in (3, 7) and len(sequences) > 2:  # two join mid-way, one at a time
-            decoder.join([sequences[2 + (step == 7)]])
+        if step in (3, 7) and len(generations) > 2:  # two join mid-way, one at a time
+            decoder.join([generations[2 + (step == 7)]])
         if step == 11:
-            decoder.join(sequences[4:])
+            decoder.join(generations[4:])
         if not decoder.rows and step > 11:
             break
         decoder.step()
-    assert [s.ids for s in sequences] == alone
+    assert [s.ids for s in generations] == alone
 
 
 def test_the_budget_bounds_rows_times_the_longest_reservation(generator: Generator) -> None:
@@ -386,3 +386,73 @@ async def test_redis_paused_mid_generation_the_request_is_still_answered(
     *streamed, (last, final) = events
     assert last == "done", events[-3:]
     assert "".join(data["text"] for _, data in streamed) == final["generated_text"]
+
+
+async def test_a_suspect_that_ends_before_it_runs_lets_the_worker_go_on(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # A worker died running a request (its entry marked on the model); by the time another
+    # takes it back, its deadline has passed: it is answered without running, and the
+    # new worker must go on reading (a suspect that never ran must not hold recovery).
+    stream = harness.keys.stage_stream(GENERATE.name)
+    await harness.worker(GENERATE, device="cpu").source.ensure_stream()
+    (late,) = await harness.enqueue(GENERATE.name, [{"text": "x"}], deadline_in=0.3)
+    await died_running(redis, harness.keys, stream)
+    await asyncio.sleep(0.5)  # past its deadline (no event marks a deadline passing)
+    worker, base = await served(harness, min_idle_ms=100, reclaim_interval_ms=20)
+    await beating(redis, harness.keys, GENERATE.name, "crashed-worker")
+
+    async def answered_late() -> bool:
+        return any(late.id in r.request_ids for r in worker.history)
+
+    await until(answered_late, 30)
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        resp = await http.post("/v1/generate", json={"text": "hi", "max_new_tokens": 3})
+    assert resp.status_code == 200, resp.text
+
+
+class FailsOnBoom(Generator):
+    """The tiny GPT-2, whose decoding step raises while a prompt holds "boom"."""
+
+    def continuous_decoder(self, budget: int) -> Decoder | None:
+        return Booming(self, budget)
+
+
+class Booming(Decoder):
+    def step(self) -> list[Generation]:
+        if any("boom" in str(g.item.get("text")) for g in self.rows):
+            raise RuntimeError("the device fell over")
+        return super().step()
+
+
+async def test_a_failing_step_fails_its_batch_and_the_worker_serves_on(
+    harness: Harness, cache_dir: Path
+) -> None:
+    model = FailsOnBoom(model="tiny:generate", device="cpu", cache_dir=str(cache_dir))
+    worker = harness.worker(GENERATE, model)
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([GENERATE])
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        boom = await http.post("/v1/generate", json={"text": "boom", "max_new_tokens": 20})
+        assert boom.status_code == 500, boom.text
+        assert "RuntimeError" in boom.json()["detail"]
+        # A temperature that overflows the softmax samples nothing: greedy, not a crash.
+        tiny = {"text": "hi", "max_new_tokens": 5, "temperature": 5e-324}
+        resp = await http.post("/v1/generate", json=tiny)
+        assert resp.status_code == 200, resp.text
+        greedy = await http.post("/v1/generate", json={"text": "hi", "max_new_tokens": 5})
+        assert resp.json() == greedy.json()
+
+
+def test_joiners_count_each_other_against_the_budget(generator: Generator) -> None:
+    decoder = Decoder(generator, budget=1000)
+    short, long, longer = decoder.open(
+        [{"text": "a", "max_new_tokens": 90}, {"text": "a", "max_new_tokens": 390}] * 1
+        + [{"text": "a", "max_new_tokens": 390}]
+    )
+    assert not isinstance(short, BaseException)
+    assert not isinstance(long, BaseException)
+    assert not isinstance(longer, BaseException)
+    assert decoder.fits(long, [short])  # 2 rows x ~392 positions
+    assert not decoder.fits(longer, [short, long])  # 3 x ~392: past 1000, though 90+390+390 is not

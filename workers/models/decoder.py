@@ -1,33 +1,35 @@
-"""Continuous batching for a causal language model: sequences join and leave the running
+"""Continuous batching for a causal language model: generations join and leave the running
 batch between decoding steps.
 
 :class:`Decoder` holds the running batch: per layer, the key/value cache of every
-sequence in flight, left-padded to one length, and the attention mask that hides the
+generation in flight, left-padded to one length, and the attention mask that hides the
 padding. :meth:`Decoder.join` prefills new prompts (one forward over them) and appends
-them to the batch; :meth:`Decoder.step` feeds every sequence its last token (one forward
-for the whole batch) and picks the next; a sequence that reaches its ``max_new_tokens``
+them to the batch; :meth:`Decoder.step` feeds every generation its last token (one forward
+for the whole batch) and picks the next; a generation that reaches its ``max_new_tokens``
 or an end-of-sequence token leaves at once (:meth:`Decoder.leave` takes out the cancelled
-and expired ones too), and the columns no sequence uses any more are cut off the left.
+and expired ones too), and the columns no generation uses any more are cut off the left.
 
 Positions come from the mask (the number of real tokens before each one), so padding
-shifts neither absolute-position models (GPT-2) nor rotary ones, and a sequence decodes
-as it would alone: greedy output is the same token ids. Sampling is per sequence, from
+shifts neither absolute-position models (GPT-2) nor rotary ones, and a generation decodes
+as it would alone: greedy output is the same token ids. Sampling is per generation, from
 its own ``torch.Generator``: a request that gives a ``seed`` gets the same text whoever
 its batch-mates are.
 
 Memory is bounded by a token budget: the padded cache holds at most ``budget`` token
-positions (rows x longest reservation, each sequence reserving its prompt plus its
-``max_new_tokens``); a sequence that does not fit now waits (:meth:`Decoder.fits`), one
+positions (rows x longest reservation, each generation reserving its prompt plus its
+``max_new_tokens``); a generation that does not fit now waits (:meth:`Decoder.fits`), one
 that could never fit is refused.
 
-All methods run in the model thread, one at a time.
+The methods that touch tensors (:meth:`Decoder.join`, :meth:`Decoder.step`,
+:meth:`Decoder.leave`) run in the model thread, one at a time; :meth:`Decoder.open`
+tokenizes, :meth:`Decoder.result` and :meth:`Decoder.text` decode.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Sequence:
+class Generation:
     """One request's generation: its prompt, the ids made so far, and how it ends.
 
     Attributes:
@@ -51,8 +53,8 @@ class Sequence:
         prompt: the prompt's ids, as the model runs them (truncated).
         limit: the most new tokens it may have.
         ids: the new ids so far, without an end-of-sequence token.
-        reason: ``stop`` (an end-of-sequence token), ``length`` (its limit); None while it
-            runs.
+        reason: ``stop`` (an end-of-sequence token), ``length`` (its limit), ``left``
+            (taken out: cancelled, expired, failed); None while it runs.
     """
 
     item: Item
@@ -82,7 +84,7 @@ class Decoder:
         budget: the most token positions the padded cache may hold (see the module).
 
     Attributes:
-        rows: the sequences in flight, in batch order.
+        rows: the generations in flight, in batch order.
     """
 
     def __init__(self, runner: Generator, budget: int) -> None:
@@ -90,7 +92,7 @@ class Decoder:
         self.model = runner.model
         self.device = runner.device
         self.budget = budget
-        self.rows: list[Sequence] = []
+        self.rows: list[Generation] = []
         self._cache: Any = None  # a DynamicCache: per layer, keys/values [rows, heads, T, dim]
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self._next = torch.zeros((0,), dtype=torch.long, device=self.device)
@@ -102,62 +104,71 @@ class Decoder:
 
     # -- admission -----------------------------------------------------------------
 
-    def open(self, items: list[Item]) -> list[Sequence | BaseException]:
-        """Each item as a sequence not yet started (its prompt tokenized and truncated,
-        its limit and sampling read), or the error that refuses it: each item alone."""
-        opened: list[Sequence | BaseException] = []
+    def open(
+        self, items: list[Item], names: list[str] | None = None
+    ) -> list[Generation | BaseException]:
+        """Each item as a generation not yet started (its prompt tokenized and truncated,
+        its limit and sampling read), or the error that refuses it: each item alone.
+
+        Args:
+            items: the requests' items.
+            names: each item's request id: an item that samples without a ``seed`` is
+                seeded from it, so a worker that takes the request over (its first one
+                died mid-stream) makes the same text again (None: seeded at random).
+        """
+        opened: list[Generation | BaseException] = []
         for index, item in enumerate(items):
             try:
-                opened.append(self._open(item))
+                opened.append(self._open(item, None if names is None else names[index]))
             except Exception as exc:  # an invalid item fails alone
                 opened.append(exc if index == 0 else _renumbered(exc, index))
         return opened
 
-    def _open(self, item: Item) -> Sequence:
+    def _open(self, item: Item, name: str | None) -> Generation:
         runner = self.runner
-        limit = runner._limits([item])[0]
+        limit = runner.limits([item])[0]
         prompt_length = runner.max_length
         positions = runner.positions
         if positions is not None:
             # As generate_ids: the output gets room by cutting the prompt's start, down to
             # half the position table; past that it stops at the table's end.
             prompt_length = min(prompt_length, max(positions - limit, positions // 2))
-        text = runner._prompts([item])[0]
+        text = runner.prompts([item])[0]
         prompt = runner.tokenizer(text, truncation=True, max_length=prompt_length)["input_ids"]
         if not prompt:  # an empty prompt continues from the end-of-sequence token
             prompt = [runner.tokenizer.eos_token_id]
         if positions is not None:
             limit = min(limit, positions - len(prompt))
-        sequence = Sequence(item, list(prompt), limit, *runner.sampling_of(item))
-        if sequence.reserved > self.budget:
+        generation = Generation(item, list(prompt), limit, *runner.sampling_of(item, name))
+        if generation.reserved > self.budget:
             raise InvalidInput(
                 f"the prompt ({len(prompt)} tokens) and max_new_tokens ({limit}) need "
-                f"{sequence.reserved} cache positions; this stage holds {self.budget} "
+                f"{generation.reserved} cache positions; this stage holds {self.budget} "
                 "(CONVEYOR_DECODE_TOKEN_BUDGET): shorten the prompt or ask for fewer tokens"
             )
-        return sequence
+        return generation
 
-    def fits(self, sequence: Sequence, also: int = 0) -> bool:
-        """Whether ``sequence`` fits in the budget beside the batch (and ``also`` more
-        positions' worth of sequences admitted with it: see :meth:`free`)."""
-        longest = max([r.reserved for r in self.rows] + [sequence.reserved])
-        return (len(self.rows) + 1) * longest + also <= self.budget
+    def fits(self, generation: Generation, joining: Iterable[Generation] = ()) -> bool:
+        """Whether ``generation`` fits in the budget beside the batch and ``joining`` (those
+        admitted with it): every row of the padded cache is as long as the longest."""
+        rows = [*self.rows, *joining, generation]
+        return len(rows) * max(r.reserved for r in rows) <= self.budget
 
     # -- the batch -----------------------------------------------------------------
 
-    def join(self, sequences: list[Sequence]) -> list[Sequence]:
-        """Prefill ``sequences`` (one forward) and add them to the running batch; each
+    def join(self, generations: list[Generation]) -> list[Generation]:
+        """Prefill ``generations`` (one forward) and add them to the running batch; each
         gets its first token. Returns those that ended at once (first token an
         end-of-sequence, or a limit of 1)."""
-        if not sequences:
+        if not generations:
             return []
-        width = max(len(s.prompt) for s in sequences)
+        width = max(len(s.prompt) for s in generations)
         pad = int(self.runner.tokenizer.pad_token_id or 0)
-        ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            ids[row, width - len(sequence.prompt) :] = torch.tensor(sequence.prompt)
-            mask[row, width - len(sequence.prompt) :] = 1
+        ids = torch.full((len(generations), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(generations), width), dtype=torch.long)
+        for row, generation in enumerate(generations):
+            ids[row, width - len(generation.prompt) :] = torch.tensor(generation.prompt)
+            mask[row, width - len(generation.prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
@@ -168,93 +179,97 @@ class Decoder:
                 use_cache=True,
                 **self._last_only,
             )
-        chosen = self._choose(out.logits[:, -1, :], sequences)
+        chosen = self._choose(out.logits[:, -1, :], generations)
         self._append(_cache_of(out), mask, chosen)
-        self.rows.extend(sequences)
-        return self._record(sequences, chosen.tolist())
+        self.rows.extend(generations)
+        return self._record(generations, chosen.tolist())
 
-    def step(self) -> list[Sequence]:
-        """One decoding step for every sequence in flight: each gets its next token.
+    def step(self) -> list[Generation]:
+        """One decoding step for every generation in flight: each gets its next token.
         Returns those that ended (they have left the batch)."""
         if not self.rows:
             return []
         ones = torch.ones((len(self.rows), 1), dtype=torch.long, device=self.device)
         positions = self._mask.sum(-1, keepdim=True)  # real tokens before the new one
-        self._mask = torch.cat([self._mask, ones], dim=1)
+        mask = torch.cat([self._mask, ones], dim=1)
         with torch.inference_mode():
             out = self.model(
                 input_ids=self._next[:, None],
-                attention_mask=self._mask,
+                attention_mask=mask,
                 position_ids=positions,
                 use_cache=True,
                 **{self._cache_arg: self._cache},
             )
-        self._cache = _cache_of(out)
+        self._mask, self._cache = mask, _cache_of(out)
         chosen = self._choose(out.logits[:, -1, :], self.rows)
         self._next = chosen
         ended = self._record(list(self.rows), chosen.tolist())
         return ended
 
-    def leave(self, sequences: list[Sequence]) -> None:
-        """Take ``sequences`` (cancelled, expired) out of the running batch now."""
-        gone = {id(s) for s in sequences}
-        for sequence in sequences:
-            if sequence.reason is None:
-                sequence.reason = "left"
+    def leave(self, generations: list[Generation]) -> None:
+        """Take ``generations`` (cancelled, expired, failed) out of the running batch now.
+        After a step that raised, leaving every row starts the batch afresh (the cache of
+        a failed forward is not trusted)."""
+        gone = {id(s) for s in generations}
+        for generation in generations:
+            if generation.reason is None:
+                generation.reason = "left"
         self._keep([i for i, r in enumerate(self.rows) if id(r) not in gone])
 
-    def result(self, sequence: Sequence) -> Result:
+    def result(self, generation: Generation) -> Result:
         """The request's answer, as :meth:`~workers.models.hf_text.Generator.predict`
         gives it."""
         runner = self.runner
         result: Result = {
-            "generated_text": runner.tokenizer.decode(sequence.ids, skip_special_tokens=True)
+            "generated_text": runner.tokenizer.decode(generation.ids, skip_special_tokens=True)
         }
-        if sequence.item.get("usage") is True:
-            result["prompt_tokens"] = len(sequence.prompt)
-            result["completion_tokens"] = len(sequence.ids)
-            result["finish_reason"] = sequence.reason or "stop"
+        if generation.item.get("usage") is True:
+            result["prompt_tokens"] = len(generation.prompt)
+            result["completion_tokens"] = len(generation.ids)
+            result["finish_reason"] = generation.reason or "stop"
         return result
 
-    def text(self, sequence: Sequence) -> str:
+    def text(self, generation: Generation) -> str:
         """Its text so far, for streaming (a trailing half character held back: see
         :meth:`~workers.models.hf_text.Generator.predict_stream`)."""
-        decoded = self.runner.tokenizer.decode(sequence.ids, skip_special_tokens=True)
+        decoded = self.runner.tokenizer.decode(generation.ids, skip_special_tokens=True)
         return str(decoded).rstrip("\ufffd")
 
     # -- tensors -------------------------------------------------------------------
 
-    def _choose(self, logits: torch.Tensor, sequences: list[Sequence]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, generations: list[Generation]) -> torch.Tensor:
         """Each row's next token: greedy, or sampled from its own generator."""
         chosen = logits.argmax(dim=-1)
-        for row, sequence in enumerate(sequences):
-            if sequence.sampling is None:
+        for row, generation in enumerate(generations):
+            if generation.sampling is None:
                 continue
-            temperature, top_p = sequence.sampling
+            temperature, top_p = generation.sampling
             probs = torch.softmax(logits[row].float() / temperature, dim=-1)
+            if not bool(torch.isfinite(probs).all()):  # logits too wide for it: greedy
+                continue
             if top_p < 1.0:
                 ordered, order = probs.sort(descending=True)
                 # Keep the most likely tokens up to top_p of the mass (the first always).
                 cut = ordered.cumsum(-1) - ordered > top_p
                 ordered[cut] = 0.0
                 probs = torch.zeros_like(probs).scatter(0, order, ordered)
-            pick = torch.multinomial(probs.cpu(), 1, generator=sequence.generator)
+            pick = torch.multinomial(probs.cpu(), 1, generator=generation.generator)
             chosen[row] = pick.to(chosen.device)[0]
         return chosen
 
-    def _record(self, sequences: list[Sequence], tokens: list[int]) -> list[Sequence]:
-        """Append each sequence's new token; those that end leave the batch."""
+    def _record(self, generations: list[Generation], tokens: list[int]) -> list[Generation]:
+        """Append each generation's new token; those that end leave the batch."""
         eos = self.runner.eos_ids
         ended = []
-        for sequence, token in zip(sequences, tokens, strict=True):
+        for generation, token in zip(generations, tokens, strict=True):
             if token in eos:
-                sequence.reason = "stop"
+                generation.reason = "stop"
             else:
-                sequence.ids.append(token)
-                if len(sequence.ids) >= sequence.limit:
-                    sequence.reason = "length"
-            if sequence.reason is not None:
-                ended.append(sequence)
+                generation.ids.append(token)
+                if len(generation.ids) >= generation.limit:
+                    generation.reason = "length"
+            if generation.reason is not None:
+                ended.append(generation)
         if ended:
             gone = {id(s) for s in ended}
             self._keep([i for i, r in enumerate(self.rows) if id(r) not in gone])
@@ -299,7 +314,7 @@ def _cache_of(out: Any) -> Any:
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """``tensor`` (its sequence axis the last of a mask, the third of keys/values) padded
+    """``tensor`` (its generation axis the last of a mask, the third of keys/values) padded
     with zeros on the left to ``width`` positions."""
     axis = 1 if tensor.dim() == 2 else 2
     missing = width - tensor.shape[axis]
@@ -323,10 +338,13 @@ def supports(runner: Generator) -> str | None:
     """Why ``runner``'s model cannot decode continuously (None: it can): its cache must be
     one key/value tensor pair per layer, as a plain ``DynamicCache`` keeps it."""
     probe = torch.tensor([[int(runner.tokenizer.eos_token_id or 0)]], device=runner.device)
+    ones = torch.ones_like(probe)
     try:
-        with torch.inference_mode():
-            out = runner.model(input_ids=probe, use_cache=True)
-    except Exception as exc:  # a model that takes no plain forward: say so, do not fail
+        with torch.inference_mode():  # the call join() makes
+            out = runner.model(
+                input_ids=probe, attention_mask=ones, position_ids=ones - 1, use_cache=True
+            )
+    except Exception as exc:  # a model that takes no such forward: say so, do not fail
         return f"its forward failed on a one-token probe ({exc})"
     cache = _cache_of(out)
     layers = getattr(cache, "layers", None)
@@ -336,7 +354,3 @@ def supports(runner: Generator) -> str | None:
     ):
         return f"its cache ({type(cache).__name__}) is not one DynamicLayer a layer"
     return None
-
-
-Emit = Callable[[Sequence], None]
-"""Told of each sequence that got a token in a step (streaming)."""

@@ -7,6 +7,7 @@ Same contract as :mod:`workers.models.hf`: built once per worker process with ``
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 from collections.abc import Callable
@@ -214,15 +215,18 @@ class Generator(_GenerateRunner):
     @property
     def positions(self) -> int | None:
         """The model's position table size, where it has one (absolute positions: GPT-2):
-        no sequence may run past it."""
+        no generation may run past it."""
         positions = getattr(self.model.config, "max_position_embeddings", None)
         return positions if isinstance(positions, int) else None
 
-    def sampling_of(self, item: Item) -> tuple[tuple[float, float] | None, torch.Generator | None]:
+    def sampling_of(
+        self, item: Item, name: str | None = None
+    ) -> tuple[tuple[float, float] | None, torch.Generator | None]:
         """How ``item`` picks its tokens: (temperature, top_p) and its own random source,
         or (None, None) for greedy. The item's ``temperature``, ``top_p`` and ``seed``
-        override the runner's; a temperature of 0 is greedy; without a seed, the source
-        is seeded at random."""
+        override the runner's; a temperature of 0 is greedy. Without a seed, the source is
+        seeded from ``name`` (the request's id: the same text again if another worker
+        takes the request over), else at random."""
         temperature = item.get("temperature")
         if temperature is None:
             temperature = self.sampling.get("temperature", 1.0) if self.do_sample else 0.0
@@ -233,10 +237,13 @@ class Generator(_GenerateRunner):
             top_p = self.sampling.get("top_p", 1.0)
         source = torch.Generator()
         seed = item.get("seed")
-        if seed is None:
-            source.seed()
-        else:
+        if seed is not None:
             source.manual_seed(int(seed))
+        elif name is not None:
+            digest = hashlib.sha256(name.encode()).digest()
+            source.manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+        else:
+            source.seed()
         return (float(temperature), float(top_p)), source
 
     def continuous_decoder(self, budget: int) -> Decoder | None:
@@ -248,15 +255,48 @@ class Generator(_GenerateRunner):
             for name in ("predict", "predict_stream", "generate_ids")
             if getattr(type(self), name) is not getattr(Generator, name)
         ]
-        # A subclass that decodes its own way keeps it: the decoder would bypass it.
-        why = f"it overrides {', '.join(overridden)}" if overridden else supports(self)
+        # A subclass that decodes its own way keeps it: the decoder would bypass it; so
+        # does a model whose generation config asks for what the decoder does not apply.
+        processors = self._processors()
+        if overridden:
+            why: str | None = f"it overrides {', '.join(overridden)}"
+        elif processors:
+            why = f"its generation config sets {', '.join(processors)}"
+        else:
+            why = supports(self)
         if why is not None:
             name = getattr(self, "weights_key", type(self).__name__)
             logger.warning("model %s decodes in static batches: %s", name, why)
             return None
         return Decoder(self, budget)
 
-    def _limits(self, items: list[Item]) -> list[int]:
+    def _processors(self) -> list[str]:
+        """The fields of the model's generation config that change how tokens are picked
+        beyond temperature and top-p (the decoder applies those two only)."""
+        config = self.model.generation_config
+        plain = {
+            "repetition_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            "encoder_no_repeat_ngram_size": 0,
+            "bad_words_ids": None,
+            "suppress_tokens": None,
+            "begin_suppress_tokens": None,
+            "forced_bos_token_id": None,
+            "forced_eos_token_id": None,
+            "min_new_tokens": None,
+            "num_beams": 1,
+            "typical_p": 1.0,
+            "epsilon_cutoff": 0.0,
+            "eta_cutoff": 0.0,
+            "diversity_penalty": 0.0,
+        }
+        return [
+            name
+            for name, value in plain.items()
+            if getattr(config, name, value) not in (value, None)
+        ]
+
+    def limits(self, items: list[Item]) -> list[int]:
         limits = []
         for index, item in enumerate(items):
             limit = item.get("max_new_tokens", self.max_new_tokens)
@@ -270,7 +310,7 @@ class Generator(_GenerateRunner):
             limits.append(limit)
         return limits
 
-    def _prompts(self, items: list[Item]) -> list[str]:
+    def prompts(self, items: list[Item]) -> list[str]:
         """Each item's prompt: its text, or its ``messages`` through the chat template."""
         texts = item_texts(items)
         for index, item in enumerate(items):
@@ -315,7 +355,7 @@ class Generator(_GenerateRunner):
             return []
         if any(item.get(k) is not None for item in items for k in SAMPLING):
             return self._decoded(items, on_tokens)
-        limits = self._limits(items)
+        limits = self.limits(items)
         budget = max(limits)
         prompt_length = self.max_length
         positions = getattr(self.model.config, "max_position_embeddings", None)
@@ -324,7 +364,7 @@ class Generator(_GenerateRunner):
             # cutting the prompt's start, but the prompt keeps at least half the table;
             # past that, generation stops at the table's end ("at most" max_new_tokens).
             prompt_length = min(prompt_length, max(positions - budget, positions // 2))
-        encoding = self.encode(self._prompts(items), max_length=prompt_length)
+        encoding = self.encode(self.prompts(items), max_length=prompt_length)
         if isinstance(positions, int):
             budget = min(budget, positions - encoding["input_ids"].shape[1])
             limits = [min(limit, budget) for limit in limits]
@@ -356,20 +396,20 @@ class Generator(_GenerateRunner):
         (``generate`` takes one setting a batch): the items decoded together, each from
         its own random source, as continuous batching decodes them."""
         decoder = Decoder(self, budget=sys.maxsize)
-        sequences = []
+        generations = []
         for opened in decoder.open(items):
             if isinstance(opened, BaseException):
                 raise opened
-            sequences.append(opened)
-        lengths = [0] * len(sequences)
-        decoder.join(sequences)
+            generations.append(opened)
+        lengths = [0] * len(generations)
+        decoder.join(generations)
         while True:
-            for index, sequence in enumerate(sequences):
-                if on_tokens is not None and len(sequence.ids) != lengths[index]:
-                    lengths[index] = len(sequence.ids)
-                    on_tokens(index, sequence.ids)
+            for index, generation in enumerate(generations):
+                if on_tokens is not None and len(generation.ids) != lengths[index]:
+                    lengths[index] = len(generation.ids)
+                    on_tokens(index, generation.ids)
             if not decoder.rows:
-                return [sequence.ids for sequence in sequences]
+                return [generation.ids for generation in generations]
             check_deadline()
             decoder.step()
 
@@ -389,9 +429,9 @@ class Generator(_GenerateRunner):
         asked = [i for i, item in enumerate(items) if item.get("usage") is True]
         # Counted again, for the items that ask only: the prompt as the model ran it
         # (truncated as generate_ids truncates it, at most), the new ids as returned.
-        prompts = self._prompts([items[i] for i in asked]) if asked else []
+        prompts = self.prompts([items[i] for i in asked]) if asked else []
         counted = dict(zip(asked, self._prompt_tokens(prompts), strict=True))
-        limits = self._limits(items) if asked else []
+        limits = self.limits(items) if asked else []
         for index, ids in enumerate(rows):
             result: Result = {
                 "generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)
