@@ -202,8 +202,9 @@ class Reply(BaseModel):
         outcome: ``ok``, ``error`` (a step failed on this item), ``expired``,
             ``cancelled`` (see :class:`~pipelines.errors.Cancelled`), or ``partial``
             (streamed output so far; more replies follow).
-        result: the response when ``outcome`` is ``ok``; ``{"text": new_text}`` when
-            ``partial``.
+        result: the response when ``outcome`` is ``ok``; ``{"text": new_text, "at":
+            offset}`` when ``partial`` (``at``: where the text starts in the whole; the
+            gateway skips what it already sent, and never shows ``at`` to the client).
         error: a client-safe message otherwise.
         status: the HTTP status an error maps to: one of
             :data:`~pipelines.errors.ERROR_STATUSES` when ``outcome`` is ``error``, and
