@@ -55,6 +55,33 @@ CHECK_S = 0.1
 """How often the running generations are checked for cancellation (one MGET) and expiry."""
 
 
+async def serve(
+    worker: Worker,
+    decoder: Decoder,
+    stopping: asyncio.Event,
+    max_batches: int | None,
+    burst: bool,
+) -> int:
+    """Serve ``worker``'s stage by continuous decoding instead of batches, with its
+    presence beating, until ``stopping`` (then it leaves its group); returns the number
+    of publishes (see :meth:`Decoding.run`)."""
+    logger.info(
+        "stage %s: continuous decoding, up to %d sequences and %d cache positions",
+        worker.stage.name,
+        worker.window.max_batch,
+        decoder.budget,
+    )
+    worker.presence.start()
+    try:
+        published = await Decoding(worker, decoder).run(stopping, max_batches, burst)
+    finally:
+        await worker.presence.stop(leave=stopping.is_set() or burst)
+        worker.summary.tick(last=True)
+    if stopping.is_set():
+        await worker.recovery.leave()
+    return published
+
+
 @dataclass(eq=False)
 class Flight:
     """One request in the decoding loop, from its read to its publish.

@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import socket
-from typing import TYPE_CHECKING
 
 from redis.exceptions import ResponseError
 
@@ -35,7 +34,7 @@ from runtime.redisio import (
 )
 from workers.alive import AliveFile, Presence
 from workers.batch import Batch, Entry
-from workers.decoding import Decoding
+from workers.decoding import serve
 from workers.intake import Intake
 from workers.lanes import Lanes
 from workers.lengths import Lengths, input_cap
@@ -47,9 +46,6 @@ from workers.runner import Runner, Seat
 from workers.settings import WorkerSettings
 from workers.source import Source
 from workers.window import Window
-
-if TYPE_CHECKING:
-    from workers.models.decoder import Decoder
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +187,7 @@ class Worker:
         )
         decoder = await self.runner.decoder()
         if decoder is not None:
-            return await self._decode(decoder, max_batches, burst)
+            return await serve(self, decoder, self._stopping, max_batches, burst)
         slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
         tasks: set[asyncio.Task[None]] = set()
         # Its own heartbeat says it is alive, idle or not (Redis's idle time cannot).
@@ -241,25 +237,6 @@ class Worker:
         if self._stopping.is_set():
             await self.recovery.leave()
         return batches
-
-    async def _decode(self, decoder: Decoder, max_batches: int | None, burst: bool) -> int:
-        """Serve by continuous decoding (:mod:`workers.decoding`) instead of batches;
-        returns the number of publishes."""
-        logger.info(
-            "stage %s: continuous decoding, up to %d sequences and %d cache positions",
-            self.stage.name,
-            self.window.max_batch,
-            decoder.budget,
-        )
-        self.presence.start()
-        try:
-            published = await Decoding(self, decoder).run(self._stopping, max_batches, burst)
-        finally:
-            await self.presence.stop(leave=self._stopping.is_set() or burst)
-            self.summary.tick(last=True)
-        if self._stopping.is_set():
-            await self.recovery.leave()
-        return published
 
     def _batch_ended(
         self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore
