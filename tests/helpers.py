@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import httpx
+import orjson
 import pytest
 import redis.asyncio as aioredis
 import uvicorn
@@ -407,3 +408,20 @@ async def beating(redis: aioredis.Redis, keys: Keys, stage: str, consumer: str) 
     (:class:`workers.alive.Presence`): a stand-in worker of a test counts as live."""
     seconds, _ = await redis.time()
     await redis.hset(keys.alive(stage), consumer, str((seconds + 60) * 1000))
+
+
+async def read_sse(
+    resp: httpx.Response, on_token: Callable[[], None] = lambda: None
+) -> list[tuple[str, Any]]:
+    """The events of a Server-Sent Events response, as (event, data) pairs, calling
+    ``on_token`` as each ``token`` event arrives."""
+    events: list[tuple[str, Any]] = []
+    event = ""
+    async for line in resp.aiter_lines():
+        if line.startswith("event: "):
+            event = line[len("event: ") :]
+        elif line.startswith("data: "):
+            events.append((event, orjson.loads(line[len("data: ") :])))
+            if event == "token":
+                on_token()
+    return events

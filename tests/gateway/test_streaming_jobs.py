@@ -8,14 +8,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
 from pipelines.graph import single
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from pipelines.stages import BUILTIN, GenerateIn, Stage
-from tests.helpers import Doubler, Harness, number_stage, until
+from tests.helpers import Doubler, Harness, number_stage, read_sse, until
 
 
 class Gated:
@@ -42,19 +41,6 @@ class Gated:
         return self.predict(items)
 
 
-async def read_events(resp: httpx.Response, on_first: Callable[[], None]) -> list[tuple[str, Any]]:
-    events: list[tuple[str, Any]] = []
-    event = ""
-    async for line in resp.aiter_lines():
-        if line.startswith("event: "):
-            event = line[len("event: ") :]
-        elif line.startswith("data: "):
-            events.append((event, orjson.loads(line[len("data: ") :])))
-            if len(events) == 1:
-                on_first()
-    return events
-
-
 async def test_first_token_reaches_the_client_before_generation_ends(harness: Harness) -> None:
     stage = Stage("gated", GenerateIn, runner="unused", streaming=True)
     model = Gated()
@@ -69,7 +55,7 @@ async def test_first_token_reaches_the_client_before_generation_ends(harness: Ha
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         # the model only finishes once the first event has arrived here
-        events = await read_events(resp, model.go.set)
+        events = await read_sse(resp, model.go.set)
     assert events == [
         ("token", {"text": "one"}),
         ("token", {"text": " two"}),
@@ -93,7 +79,7 @@ async def test_batched_generation_streams_each_request_its_own_tokens(
         async def one(prompt: str) -> list[tuple[str, Any]]:
             body = {"text": prompt, "max_new_tokens": 12}
             async with http.stream("POST", "/v1/generate/stream", json=body) as resp:
-                return await read_events(resp, lambda: None)
+                return await read_sse(resp)
 
         results = await asyncio.gather(*(one(f"story number {i}") for i in range(3)))
 

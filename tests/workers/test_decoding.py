@@ -10,12 +10,10 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 import redis.asyncio as aioredis
 import torch
@@ -23,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.outcomes import Outcome
 from pipelines.stages import BUILTIN
-from tests.helpers import REPO, Harness, beating, died_running, until
+from tests.helpers import REPO, Harness, beating, died_running, read_sse, until
 from workers.loop import Worker
 from workers.models.decoder import Decoder, Generation
 from workers.models.hf import Generator
@@ -157,20 +155,6 @@ def test_a_request_that_can_never_fit_the_budget_is_refused_naming_the_setting(
     assert str(never).startswith("item 1:") or "max_new_tokens" in str(never)
 
 
-async def sse(resp: httpx.Response, on_token: Callable[[], None] = lambda: None) -> list[Any]:
-    """The events of an SSE response: (event, data) pairs."""
-    events: list[Any] = []
-    event = ""
-    async for line in resp.aiter_lines():
-        if line.startswith("event: "):
-            event = line[len("event: ") :]
-        elif line.startswith("data: "):
-            events.append((event, orjson.loads(line[len("data: ") :])))
-            if event == "token":
-                on_token()
-    return events
-
-
 async def served(harness: Harness, **settings: Any) -> tuple[Worker, str]:
     worker = harness.worker(GENERATE, device="cpu", **settings)
     await worker.start()
@@ -190,7 +174,7 @@ async def test_a_short_request_sent_while_a_long_one_generates_is_answered_first
         async def long() -> None:
             body = {"text": "once", "max_new_tokens": 400}
             async with http.stream("POST", "/v1/generate/stream", json=body) as resp:
-                events = await sse(resp, started.set)
+                events = await read_sse(resp, started.set)
             assert events[-1][0] == "done"
             order.append("long")
 
@@ -264,7 +248,7 @@ async def test_interactive_requests_take_a_free_slot_before_bulk(
             body = {"text": lane, "max_new_tokens": tokens}
             stream = http.stream("POST", "/v1/generate/stream", json=body, headers=headers)
             async with stream as resp:
-                events = await sse(resp, started.set if started else lambda: None)
+                events = await read_sse(resp, started.set if started else lambda: None)
             assert events[-1][0] == "done", events[-1]
             order.append(name or lane)
 
@@ -324,7 +308,7 @@ async def test_a_worker_killed_mid_generation_its_stream_goes_on_each_token_once
             headers = {"X-Conveyor-Timeout": "110"}  # a new worker starts meanwhile
             stream = http.stream("POST", "/v1/generate/stream", json=body, headers=headers)
             async with stream as resp:
-                events = await sse(resp, kill_after_some)
+                events = await read_sse(resp, kill_after_some)
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
@@ -381,7 +365,7 @@ async def test_redis_paused_mid_generation_the_request_is_still_answered(
 
         stream = http.stream("POST", "/v1/generate/stream", json=body, headers=headers)
         async with stream as resp:
-            events = await sse(resp, pause_once)
+            events = await read_sse(resp, pause_once)
     assert paused
     *streamed, (last, final) = events
     assert last == "done", events[-3:]
