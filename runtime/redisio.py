@@ -374,6 +374,11 @@ class RedisClock:
         """Seconds since the epoch on the server's clock."""
         return time.time() + self.offset
 
+    def monotonic(self, at: float) -> float:
+        """The ``time.monotonic()`` at which the server's clock reads ``at`` (a deadline,
+        in this process's own timers)."""
+        return time.monotonic() + at - self.now()
+
 
 def text(value: object) -> str:
     """A Redis reply value as ``str`` (redis-py returns bytes unless told otherwise)."""

@@ -172,8 +172,7 @@ class Decoding:
         try:
             due = await worker.recovery.next()
             if due.settled is not None:  # dead letters: answered, acked, kept
-                await worker.publish(*due.settled)
-                worker.recovery.published(due.settled)
+                await worker.settle(due.settled)
             if due.suspect is not None:
                 # A crash of its last worker may be its own: it runs alone.
                 await self._open([due.suspect], suspect=True)
@@ -198,7 +197,8 @@ class Decoding:
     async def _open(self, entries: list[Entry], *, suspect: bool) -> None:
         """Each entry as its own batch: decoded and admitted; what ends here (invalid,
         expired, unreadable) is published now, the rest wait to join."""
-        worker, now = self.worker, worker_now(self.worker)
+        worker = self.worker
+        now = worker.clock.now()
         ended: list[Batch] = []
         for entry in entries:
             batch = worker.intake.open([entry], now)
@@ -327,7 +327,8 @@ class Decoding:
         flights = [*self.running.values(), *self.waiting]
         if not flights:
             return []
-        worker, now = self.worker, worker_now(self.worker)
+        worker = self.worker
+        now = worker.clock.now()
         try:
             ids = [f.request.id for f in flights]
             cancelled = await cancelled_among(worker.client, worker.keys, ids)
@@ -356,7 +357,8 @@ class Decoding:
 
     async def _publish(self, flights: list[Flight]) -> None:
         """Publish the flights that ended, each with its ack, in one call."""
-        worker, now = self.worker, worker_now(self.worker)
+        worker = self.worker
+        now = worker.clock.now()
         for flight in flights:
             await flight.heartbeat.stop()
             if flight.partials is not None:
@@ -404,12 +406,5 @@ class Decoding:
             worker.report.published(b, published)
 
     def _deadline(self, flights: Iterable[Flight]) -> float:
-        """``time.monotonic()`` of the latest deadline among ``flights``' requests (on
-        the Redis clock, as deadlines are)."""
-        latest = max((f.request.deadline for f in flights), default=0.0)
-        return time.monotonic() + max(0.0, latest - worker_now(self.worker))
-
-
-def worker_now(worker: Worker) -> float:
-    """The worker's Redis clock, now."""
-    return worker.clock.now()
+        """``time.monotonic()`` of the latest deadline among ``flights``' requests."""
+        return self.worker.clock.monotonic(max(f.request.deadline for f in flights))

@@ -208,7 +208,7 @@ class Worker:
                 if self._fatal is not None:
                     raise self._fatal
                 if taken.settled is not None:
-                    await self._settle(taken.settled)
+                    await self.settle(taken.settled)
                 if not taken.batches:
                     slots.release()
                     if burst and taken.settled is None:
@@ -254,7 +254,7 @@ class Worker:
             self._fatal = exc
             self._stopping.set()
 
-    async def _settle(self, settled: Settled) -> None:
+    async def settle(self, settled: Settled) -> None:
         """Publish the dead letters recovery ended (answered, acked, kept); a publish that
         fails is the source's to wait out, as a failed read."""
         try:

@@ -310,7 +310,7 @@ class Runner:
             return
         partials: Partials | None = None
         clock = seat.clock
-        deadline = time.monotonic() + max(r.deadline for r, _ in batch.live) - clock.now()
+        deadline = clock.monotonic(max(r.deadline for r, _ in batch.live))
         try:
             staged = overlapped(self.model)
             if staged:  # its host phase runs user code before its turn

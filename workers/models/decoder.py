@@ -210,11 +210,10 @@ class Decoder:
         """Take ``generations`` (cancelled, expired, failed) out of the running batch now.
         After a step that raised, leaving every row starts the batch afresh (the cache of
         a failed forward is not trusted)."""
-        gone = {id(s) for s in generations}
         for generation in generations:
             if generation.reason is None:
                 generation.reason = "left"
-        self._keep([i for i, r in enumerate(self.rows) if id(r) not in gone])
+        self._drop(generations)
 
     def result(self, generation: Generation) -> Result:
         """The request's answer, as :meth:`~workers.models.hf_text.Generator.predict`
@@ -232,8 +231,7 @@ class Decoder:
     def text(self, generation: Generation) -> str:
         """Its text so far, for streaming (a trailing half character held back: see
         :meth:`~workers.models.hf_text.Generator.predict_stream`)."""
-        decoded = self.runner.tokenizer.decode(generation.ids, skip_special_tokens=True)
-        return str(decoded).rstrip("\ufffd")
+        return self.runner.text_so_far(generation.ids)
 
     # -- tensors -------------------------------------------------------------------
 
@@ -271,8 +269,7 @@ class Decoder:
             if generation.reason is not None:
                 ended.append(generation)
         if ended:
-            gone = {id(s) for s in ended}
-            self._keep([i for i, r in enumerate(self.rows) if id(r) not in gone])
+            self._drop(ended)
         return ended
 
     def _append(self, cache: Any, mask: torch.Tensor, chosen: torch.Tensor) -> None:
@@ -287,6 +284,11 @@ class Decoder:
             old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
         self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(mask, width)])
         self._next = torch.cat([self._next, chosen])
+
+    def _drop(self, generations: list[Generation]) -> None:
+        """Take ``generations`` out of the batch's rows and tensors."""
+        gone = {id(g) for g in generations}
+        self._keep([i for i, r in enumerate(self.rows) if id(r) not in gone])
 
     def _keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` of the batch, then cut the columns none of them uses."""
@@ -314,7 +316,7 @@ def _cache_of(out: Any) -> Any:
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """``tensor`` (its generation axis the last of a mask, the third of keys/values) padded
+    """``tensor`` (its sequence axis the last of a mask, the third of keys/values) padded
     with zeros on the left to ``width`` positions."""
     axis = 1 if tensor.dim() == 2 else 2
     missing = width - tensor.shape[axis]

@@ -450,6 +450,11 @@ class Generator(_GenerateRunner):
         encoded = self.tokenizer(prompts, truncation=True, max_length=self.max_length)
         return [len(ids) for ids in encoded["input_ids"]]
 
+    def text_so_far(self, ids: list[int]) -> str:
+        """A row's text, decoded whole from its new ``ids``, for streaming: a trailing
+        U+FFFD (half a character, which the next token completes) held back."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True)).rstrip("\ufffd")
+
     def predict_stream(self, items: list[Item], emit: Callable[[int, str], None]) -> list[Result]:
         """:meth:`predict`, calling ``emit(row, text_so_far)`` as each row grows.
 
@@ -461,7 +466,6 @@ class Generator(_GenerateRunner):
         """
 
         def on_tokens(index: int, ids: list[int]) -> None:
-            text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
-            emit(index, text.rstrip("\ufffd"))
+            emit(index, self.text_so_far(ids))
 
         return self._results(items, self.generate_ids(items, on_tokens))
