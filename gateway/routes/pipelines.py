@@ -263,11 +263,14 @@ class Relay:
         if not isinstance(text, str):
             return reply
         sent = self.sent.get(reply.stage, 0)
-        if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= sent:
-            # No offset (an older worker), or past what was sent (a partial lost on its
-            # way, or forged): passed on whole, counted from what was sent, never skipped
-            # ahead, so no later text can be taken for seen.
+        if isinstance(at, bool) or not isinstance(at, int) or at < 0:
+            # No offset (an older worker): passed on as it is, its text counted.
             self.sent[reply.stage] = sent + len(text)
+            return _without_offset(reply, result, text)
+        if at > sent:
+            # Past what was sent (a partial lost on its way, or forged): passed on whole,
+            # and the count stays: only text that follows on from what was sent moves
+            # it, so nothing later is taken for seen.
             return _without_offset(reply, result, text)
         seen = sent - at
         if seen >= len(text):

@@ -10,8 +10,11 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.routes.pipelines import Relay
+from pipelines.envelope import Reply
 from pipelines.graph import single
 from pipelines.model import Item, Result
+from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
 from pipelines.stages import BUILTIN, GenerateIn, Stage
 from tests.helpers import Doubler, Harness, number_stage, read_sse, until
@@ -148,3 +151,36 @@ async def test_failed_and_unknown_jobs(harness: Harness) -> None:
     resp = await http.get("/v1/jobs/nope")
     assert resp.status_code == 404
     assert (await http.post("/v1/jobs/double", json={"value": "x"})).status_code == 422
+
+
+async def test_the_relay_sends_each_piece_once_and_never_skips_ahead_on_an_offset() -> None:
+    # Partials say where their text starts (``at``). A worker that takes a request over
+    # streams again from the start: what the client has is skipped. An offset past what
+    # was sent (a lost partial, or one forged on the reply stream) is passed on whole and
+    # never moves the count ahead: the text after it still reaches the client. Each stage
+    # of a pipeline counts its own text.
+    def part(text: str, at: int, stage: str = "gen") -> Reply:
+        return Reply(id="r", stage=stage, outcome="partial", result={"text": text, "at": at})
+
+    queue: asyncio.Queue[Reply] = asyncio.Queue()
+    for reply in [
+        part("ab", 0),
+        part("cd", 2),
+        part("abc", 0),  # the new worker's first pieces: all seen
+        part("def", 3),  # half seen
+        part("X", 10**18),  # forged
+        part("gh", 6),
+        part("zz", 0, stage="next"),  # the next stage's own text
+        Reply(id="r", stage="next", outcome=Outcome.OK, result={"done": True}),
+    ]:
+        queue.put_nowait(reply)
+    got = [r.result for r in [r async for r in Relay(queue, 10).replies()] if r is not None]
+    assert got == [
+        {"text": "ab"},
+        {"text": "cd"},
+        {"text": "ef"},
+        {"text": "X"},
+        {"text": "gh"},
+        {"text": "zz"},
+        {"done": True},
+    ]
