@@ -17,6 +17,8 @@ from pipelines.settings import CommonSettings
 from runtime.redisio import connect
 from tests.helpers import Harness
 
+pytest_plugins = ["tests.leaks"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
