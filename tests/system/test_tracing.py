@@ -142,8 +142,19 @@ def test_a_three_step_request_is_one_connected_trace_whose_spans_add_up(
         assert tiles[after].start_ns >= tiles[before].start_ns - 1_000_000, (before, after)
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "trace.txt").write_text(waterfall(spans, root) + "\n")
-    total = sum(tiles[name].ms for name in expected)
-    assert abs(total - root.ms) <= max(0.15 * root.ms, 15), (total, root.ms)
+    # Covered: no time of the root's is unaccounted. Tiles may overlap where one side waits
+    # on the other (the gateway's enqueue returns after the worker has read the entry; a
+    # publish ends after the next stage's entry is written, the last one even after the
+    # answer), and more so under load, so what is checked is the time that no tile covers,
+    # not the sum of their lengths.
+    covered, reach = 0, root.start_ns
+    for tile in sorted((tiles[name] for name in expected), key=lambda s: s.start_ns):
+        assert tile.start_ns >= root.start_ns - 1_000_000, tile.name  # ids: ms resolution
+        start, end = max(tile.start_ns, reach), min(tile.end_ns, root.end_ns)
+        covered += max(0, end - start)
+        reach = max(reach, end)
+    gaps_ms = root.ms - covered / 1e6
+    assert gaps_ms <= max(0.15 * root.ms, 15), (gaps_ms, root.ms)
     (run_b,) = [s for s in spans if s.name == "chain3.b run"]
     assert run_b.ms >= 50  # the step's own 50 ms
     # Both sides' log lines carry the trace id.
