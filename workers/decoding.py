@@ -40,7 +40,6 @@ from pipelines.errors import DeadlineExceeded
 from pipelines.records import cancelled_among
 from runtime.redisio import REDIS_DOWN
 from workers.batch import Batch, Entry
-from workers.crashes import mark_now
 from workers.heartbeat import Heartbeat
 from workers.partials import Partials
 from workers.route import Outbox
@@ -273,14 +272,24 @@ class Decoding:
             return []  # room comes as the running ones end (open() refused what never fits)
         for flight in joining:
             self.waiting.remove(flight)
+        # Marked on the model, and asked whether they were cancelled while they waited, in
+        # one round trip: one cancelled by now never runs (the static batch's promise);
+        # the check every CHECK_S would catch it only after its prefill.
+        worker, now = self.worker, self.worker.clock.now()
+        cancelled = await worker.intake.cancelled(
+            [flight.batch.entries[0] for flight in joining],
+            [flight.request.id for flight in joining],
+            mark=True,
+        )
+        withdrawn = [flight for flight in joining if flight.request.id in cancelled]
+        for flight in withdrawn:
+            worker.router.cancel(flight.batch.out, flight.request, now)
+            flight.batch.live = []  # answered here, not from its result
+        joining = [flight for flight in joining if flight.request.id not in cancelled]
+        if not joining:
+            return withdrawn
+        for flight in joining:
             self.running[id(flight.generation)] = flight
-        entries = [flight.batch.entries[0] for flight in joining]
-        try:
-            await mark_now(self.worker.client, self.worker.keys, entries)
-        except REDIS_DOWN as exc:
-            # Unmarked, a crash while they run is charged to nobody: they are reclaimed
-            # as waiting ones, and the delivery cap does not count it (as a batch's).
-            logger.warning("stage %s: entries not marked on the model (%s)", self.name, exc)
         started = time.monotonic()
         generations = [flight.generation for flight in joining]
         deadline = self._deadline(joining)
@@ -290,11 +299,11 @@ class Decoding:
             )
         except Exception as exc:  # the batch is as it was: only these fail
             logger.exception("stage %s: a prefill failed", self.name)
-            return self._failed(joining, exc)
+            return withdrawn + self._failed(joining, exc)
         finally:
             self._device_s += time.monotonic() - started
         self._stream(joining)
-        return [self.running.pop(id(generation)) for generation in ended]
+        return withdrawn + [self.running.pop(id(generation)) for generation in ended]
 
     def _failed(self, flights: list[Flight], exc: Exception) -> list[Flight]:
         """``flights`` end with ``exc`` (answered as a failed step), out of the batch."""

@@ -4,7 +4,7 @@ An entry that does not decode is dead-lettered and its caller told; one written 
 gateway refused it is dropped (as its id tells: an id ahead of the clock tells no time);
 the same request twice in one batch runs once; a request past its deadline, or whose
 input is invalid, is answered without running; so is one cancelled by the time the model
-is free for its batch (:meth:`Intake.withdraw_cancelled`, one MGET per batch). What is
+is free for its batch (:meth:`Intake.withdraw_cancelled`, one round trip per batch). What is
 left are the batch's live items, in entry order.
 """
 
@@ -104,39 +104,45 @@ class Intake:
 
     async def withdraw_cancelled(self, batch: Batch, now: float, *, mark: bool = False) -> None:
         """End the batch's live requests that are cancelled by ``now`` as ``cancelled``
-        (:meth:`Router.cancel`), so the model never runs them: one MGET, none for a batch
-        with nothing live; with ``mark``, in the same round trip, mark the batch's entries
-        on the model (:mod:`workers.crashes`: what a crash from here on is charged to)."""
+        (:meth:`Router.cancel`), so the model never runs them: one round trip
+        (:meth:`cancelled`), none for a batch with nothing live."""
+        found = await self.cancelled(batch.entries, [req.id for req, _ in batch.live], mark=mark)
+        if not found:
+            return
+        for req, _ in batch.live:
+            if req.id in found:
+                self.router.cancel(batch.out, req, now)
+        batch.live = [(req, item) for req, item in batch.live if req.id not in found]
+
+    async def cancelled(self, entries: list[Entry], ids: list[str], *, mark: bool) -> set[str]:
+        """Which of the requests ``ids`` are cancelled: one MGET; with ``mark``, in the
+        same round trip, ``entries`` are marked on the model (:mod:`workers.crashes`: what
+        a crash from here on is charged to). None when Redis cannot say (logged)."""
+        if not ids:
+            return set()
         keys = self.router.keys
-        ids = [req.id for req, _ in batch.live]
 
         async def ask() -> set[str]:
             if not mark:
                 return await cancelled_among(self.client, keys, ids)
             pipe = self.client.pipeline(transaction=False)
-            crashes.mark(pipe, keys, batch.entries)
+            crashes.mark(pipe, keys, entries)
             for rid in ids:  # a GET each: a cluster client's pipeline takes no MGET
                 pipe.get(keys.cancelled(rid))
-            found = (await pipe.execute())[len(batch.entries) :]
+            found = (await pipe.execute())[len(entries) :]
             return {rid for rid, m in zip(ids, found, strict=True) if m is not None}
 
         # The batch's first command since it was read: after a restart of Redis it may
         # meet a dead pooled connection, which must not leave the batch to a reclaim.
         try:
-            cancelled = await on_live_connection(self.client, ask)
+            return await on_live_connection(self.client, ask)
         except REDIS_DOWN as exc:
             # Only a saving: the publish checks each request's cancellation atomically
             # anyway, and a batch dropped here would wait for a reclaim. (Unmarked, a
             # crash while it runs is charged to nobody: its entries are reclaimed as
             # waiting ones, and the delivery cap does not count it.)
             logger.warning("stage %s: cancellations unread (%s)", self.stage.name, exc)
-            return
-        if not cancelled:
-            return
-        for req, _ in batch.live:
-            if req.id in cancelled:
-                self.router.cancel(batch.out, req, now)
-        batch.live = [(req, item) for req, item in batch.live if req.id not in cancelled]
+            return set()
 
     def _admit(self, out: Outbox, req: Request, now: float) -> Item | None:
         """The item to run for ``req``, or None when it ends here (expired, invalid)."""

@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.outcomes import Outcome
+from pipelines.records import mark_cancelled
 from pipelines.stages import BUILTIN
 from tests.helpers import REPO, Harness, beating, died_running, read_sse, until
 from workers.loop import Worker
@@ -209,6 +211,27 @@ async def test_a_client_that_goes_away_mid_stream_frees_its_slot(harness: Harnes
     await until(counted, 30)
     left = next(r for r in worker.history if r.outcomes[Outcome.CANCELLED])
     assert 3 <= left.generated < 400  # it left the running batch mid-way
+
+
+@pytest.mark.parametrize("decoding", ["continuous", "static"])
+async def test_a_request_cancelled_before_its_turn_never_runs(
+    harness: Harness, decoding: str
+) -> None:
+    # Cancelled while it waited in the stream (a client gone before a slot was free): the
+    # worker reads it, and the model must not start it. Continuous decoding used to prefill
+    # and step it until the next cancellation check (every CHECK_S), as many as had slots.
+    worker = harness.worker(GENERATE, device="cpu", decoding=decoding)
+    await worker.start()
+    (request,) = await harness.enqueue("generate", [{"text": "once", "max_new_tokens": 400}])
+    await mark_cancelled(harness.redis, harness.keys, request.id, request.deadline, time.time())
+    harness.run(worker)
+
+    async def answered() -> bool:
+        return any(r.outcomes[Outcome.CANCELLED] for r in worker.history)
+
+    await until(answered, 30)
+    (record,) = [r for r in worker.history if r.outcomes[Outcome.CANCELLED]]
+    assert (record.generated, record.run_s) == (0, 0.0)  # no prefill, no step: no model time
 
 
 async def test_a_request_past_its_deadline_leaves_the_batch_with_504(harness: Harness) -> None:
