@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 from pipelines.envelope import DEFAULT_LANE, LANES, Lane
 from pipelines.errors import Overloaded
 from pipelines.keys import Keys
-from runtime.redisio import REDIS_DOWN
+from runtime.redisio import REDIS_DOWN, cancel_and_wait
 from runtime.stats import StageStatus, stage_status
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,11 @@ class Admission:
         if latest is None or sum(latest.counted.values()) <= sum(view.counted.values()):
             self._views[stage] = view
         return view
+
+    async def close(self) -> None:
+        """Stop the refreshes under way and wait for them: one left running past its
+        gateway's close would open a connection on the closed client, never to be closed."""
+        await cancel_and_wait(list(self._refreshing.values()))
 
     def _stale(self, view: Reading) -> bool:
         return time.monotonic() - view.at > self.refresh_s

@@ -12,6 +12,8 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
+from runtime.redisio import cancel_and_wait
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,7 +57,4 @@ class Background:
 
     async def cancel(self) -> None:
         """Stop the pending tasks and wait for them to end."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))

@@ -11,7 +11,6 @@ moment.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections import deque
@@ -23,7 +22,7 @@ import redis.asyncio as aioredis
 from pipelines.keys import Keys
 from pipelines.outcomes import Outcome
 from runtime.metrics import BUCKETS, le_label
-from runtime.redisio import REDIS_DOWN, RedisClock
+from runtime.redisio import REDIS_DOWN, RedisClock, cancel_and_wait
 from runtime.stats import read_all_stats
 
 logger = logging.getLogger(__name__)
@@ -115,9 +114,7 @@ class History:
     async def stop(self) -> None:
         """Stop taking readings."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
 
     async def sample(self) -> None:
         """Take one reading (one round trip for every stage and partition)."""

@@ -44,6 +44,7 @@ from runtime.redisio import (
     SATURATED,
     RedisClock,
     agree_on_partitions,
+    cancel_and_wait,
     connect,
     enqueue,
     in_order,
@@ -155,10 +156,10 @@ class Gateway:
             grace = self.settings.reply_block_ms / 1000 + self.settings.redis_timeout_s
             done, _ = await asyncio.wait([self._task], timeout=grace)
             if not done:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+                await cancel_and_wait([self._task])
         if self._calibrating is not None:
-            self._calibrating.cancel()
+            await cancel_and_wait([self._calibrating])
+        await self.admission.close()
         await self.history.stop()
         await self.withdrawals.abandon()
         await self.cancellations.close()

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, ClassVar, TypeVar, cast
 
 import redis.asyncio as aioredis
@@ -212,6 +212,26 @@ async def until_reachable(
             logger.warning("%s: redis unreachable (%s); retry in %.1fs", what, exc, backoff.next_s)
             await backoff.wait(stop)
     return False
+
+
+CANCEL_AGAIN_S = 0.2
+"""How long :func:`cancel_and_wait` lets a cancelled task end before it cancels it again."""
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended.
+
+    On Python 3.11, ``asyncio.wait_for`` (which redis-py puts around each command's send
+    when a socket timeout is set, as ours is) drops a cancel that lands as the send
+    finishes: the task reads the reply and goes on, maybe to another command, on a client
+    that its owner closes meanwhile (a fresh connection, which nothing closes). A task
+    still running :data:`CANCEL_AGAIN_S` after its cancel is cancelled again.
+    """
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=CANCEL_AGAIN_S)
 
 
 def connect(

@@ -36,7 +36,7 @@ from pipelines.model import Item, Model, Result
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
-from runtime.redisio import enqueue
+from runtime.redisio import cancel_and_wait, enqueue
 from runtime.stats import read_stats
 from workers.batch import Entry
 from workers.crashes import mark
@@ -309,9 +309,7 @@ class Harness:
             w.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=10)
-        for task in self._tasks:
-            if not task.done():
-                task.cancel()
+        await cancel_and_wait(self._tasks)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for server, serving in self._servers:
             server.should_exit = True

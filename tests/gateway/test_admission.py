@@ -28,6 +28,19 @@ async def test_a_refusal_is_decided_on_a_fresh_view(
     await admission.admit("double", 3, 30.0, 8)
 
 
+async def test_closing_stops_a_refresh_under_way(harness: Harness, redis: aioredis.Redis) -> None:
+    # A refresh left running past its gateway's close would open a connection on the closed
+    # client, which nothing closes. Its cancel lands as the command's send finishes, which
+    # Python 3.11's wait_for (around redis-py's send) drops: it must be cancelled again.
+    admission = Admission(redis, harness.keys, refresh_s=0.0, retry_after_s=1)
+    await admission.admit("double", 3, 30.0, 8)
+    await redis.client_pause(1500)  # Redis stops answering for 1.5 s
+    await admission.admit("double", 3, 30.0, 8)  # stale: a refresh starts, and waits on Redis
+    (refresh,) = [t for t in asyncio.all_tasks() if "Admission.refresh" in repr(t.get_coro())]
+    await asyncio.wait_for(admission.close(), timeout=1.0)  # not after the pause
+    assert refresh.cancelled()
+
+
 async def test_admitted_requests_do_not_wait_for_a_refresh(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
