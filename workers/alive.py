@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import Keys
-from runtime.redisio import REDIS_DOWN, RedisClock
+from runtime.redisio import REDIS_DOWN, RedisClock, cancel_and_wait
 from runtime.stats import beat_until
 
 logger = logging.getLogger(__name__)
@@ -130,17 +130,16 @@ class Presence:
         so it counts as gone at once).
 
         The beat is asked to end, not cancelled: a cancel landing inside a Redis command
-        can be swallowed by the client, and the task then beats on with nobody to stop it
-        (a worker run in bursts hung here). One that does not end within
-        :data:`STOP_WAIT_S` (a Redis that does not answer) is cancelled.
+        can be dropped (:func:`~runtime.redisio.cancel_and_wait`), and the task then beats
+        on with nobody to stop it (a worker run in bursts hung here). One that does not end
+        within :data:`STOP_WAIT_S` (a Redis that does not answer) is cancelled until it ends.
         """
         task, self._task = self._task, None
         if task is not None:
             self._stopping.set()
             done, _ = await asyncio.wait({task}, timeout=STOP_WAIT_S)
             if not done:
-                task.cancel()
-                await asyncio.wait({task}, timeout=STOP_WAIT_S)
+                await cancel_and_wait([task])
         if leave:
             try:
                 await self.client.hdel(self.key, self.consumer)

@@ -117,7 +117,7 @@ class Intake:
     async def cancelled(self, entries: list[Entry], ids: list[str], *, mark: bool) -> set[str]:
         """Which of the requests ``ids`` are cancelled: one MGET; with ``mark``, in the
         same round trip, ``entries`` are marked on the model (:mod:`workers.crashes`: what
-        a crash from here on is charged to). None when Redis cannot say (logged)."""
+        a crash from here on is charged to). Empty when Redis cannot say (logged)."""
         if not ids:
             return set()
         keys = self.router.keys
