@@ -19,9 +19,10 @@ from urllib.parse import quote
 
 import httpx
 
-from pipelines.envelope import Lane
 from pipelines.errors import retry_after_s
-from pipelines.records import CANCELLED, DONE, EXPIRED, FAILED, JobField
+from pipelines.keys import Lane
+from pipelines.outcomes import CANCELLED, DONE, EXPIRED, FAILED
+from pipelines.records import JobField
 
 MAX_RETRY_WAIT_S = 5.0  # no wait between retries is longer, whatever Retry-After says
 BACKOFF_S = 0.25  # the first wait after a refused connection (or a bare 503); it doubles

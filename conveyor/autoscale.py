@@ -27,7 +27,7 @@ from pipelines.errors import ConfigError
 from pipelines.settings import CommonSettings, load_settings
 from pipelines.stages import Stage
 from runtime.redisio import connect
-from runtime.stats import StageStatus, stage_status
+from runtime.status import StageStatus, stage_status
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def desired(backlog: int, *, target: int, min_n: int, max_n: int) -> int:
     ``[min_n, max_n]``, so at least one whenever anything waits (a stage at zero wakes).
 
     Args:
-        backlog: the stage's :attr:`~runtime.stats.StageStatus.backlog` (undelivered
+        backlog: the stage's :attr:`~runtime.status.StageStatus.backlog` (undelivered
             plus in flight).
         target: backlog one worker should hold.
         min_n: fewest workers.
@@ -126,7 +126,7 @@ class Scaler:
 
         Args:
             current: workers running (draining ones not counted).
-            backlog: the stage's :attr:`~runtime.stats.StageStatus.backlog`.
+            backlog: the stage's :attr:`~runtime.status.StageStatus.backlog`.
             now: monotonic time, seconds.
         """
         want = desired(backlog, target=self.target, min_n=self.min_n, max_n=self.max_n)

@@ -1,5 +1,6 @@
-"""How ``conveyor up`` starts a child process: in a process group of its own, and bound
-to die with ``up``.
+"""How ``conveyor up`` starts a child process (in a process group of its own, and bound
+to die with ``up``) and stops one (:func:`terminate`), and how ``up`` speaks beside them
+on the terminal they share (:func:`say`).
 
 Its own process group: a terminal's Ctrl-C reaches ``up`` alone, which stops its
 children in order (see :mod:`conveyor.supervisor`).
@@ -29,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +38,12 @@ from runtime.exits import EXIT_REPORT_FD, PROGRESS
 
 PR_SET_PDEATHSIG = 1
 """``prctl``'s option: the signal the calling process gets when its parent dies."""
+
+STOP_GRACE_S = 15.0
+"""A process still running this long after SIGTERM is killed (a gateway: this long after
+its drain, ``CONVEYOR_DRAIN_S``)."""
+
+Process = subprocess.Popen[bytes]
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -112,7 +120,7 @@ class ExitReports:
         self._pipes: dict[int, int] = {}  # pid: the read end of its pipe
         self._kept: dict[int, Exit] = {}  # pid: what it said, read before it was asked
 
-    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def start(self, args: list[str], env: dict[str, str]) -> Process:
         """Start ``args`` with ``env`` as a child of ``up`` (:func:`child_options`), a
         report pipe of its own given."""
         read, write = os.pipe()
@@ -129,7 +137,7 @@ class ExitReports:
         self._pipes[proc.pid] = read
         return proc
 
-    def said(self, proc: subprocess.Popen[bytes], *, keep: bool = False) -> Exit:
+    def said(self, proc: Process, *, keep: bool = False) -> Exit:
         """What ``proc`` (exited) said; its pipe is closed. With ``keep``, it is also kept
         for the next call (read early, asked later)."""
         read = self._pipes.pop(proc.pid, None)
@@ -156,3 +164,24 @@ class ExitReports:
         for read in self._pipes.values():
             os.close(read)
         self._pipes.clear()
+
+
+def terminate(procs: list[tuple[str, Process]], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to each of ``procs`` (named) still running; wait for all, killing what is
+    still running after ``grace_s``."""
+    for _, proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for name, proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            say(f"{name} did not stop within {grace_s:g}s; killed")
+            proc.kill()
+            proc.wait()
+
+
+def say(line: str) -> None:
+    """Print one line of ``up``'s own, flushed (its children print to the same terminal)."""
+    print(f"conveyor: {line}", flush=True)

@@ -21,6 +21,7 @@ import os
 import runpy
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -32,12 +33,12 @@ from conveyor.deploy import cli as deploy_files
 from conveyor.dlq import dlq_command
 from conveyor.extras import require_serve
 from conveyor.keda import TriggerOptions, triggers
-from pipelines.envelope import LANES
 from pipelines.errors import ConveyorError
+from pipelines.keys import LANES
 from pipelines.registry import load_registry
 from pipelines.settings import DEFAULT_REDIS_URL, CommonSettings, load_settings, redact_url
 from runtime.redisio import connect
-from runtime.stats import StageStatus, known_stages, stage_status
+from runtime.status import StageStatus, known_stages, stage_status
 
 GATEWAYS_HELP = (
     "gateway processes on the one port (SO_REUSEPORT: the kernel spreads connections); "
@@ -219,20 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         app = use_app(getattr(args, "app", None))
         require_serve(args.command)  # up, gateway, worker: the `serve` extra, or one line
         if args.command == "up":
-            options = stack.UpOptions(
-                host=args.host,
-                port=args.port,
-                app=app,
-                pipelines=args.pipelines,
-                replicas=args.replicas,
-                autoscale=args.autoscale,
-                min_workers=args.min_workers,
-                max_workers=args.max_workers,
-                target_backlog=args.target_backlog,
-                gateways=args.gateways,
-                ephemeral=args.ephemeral,
-            )
-            sys.exit(stack.up(options))
+            # Each of up's flags is named as the option it sets.
+            given = {f.name: getattr(args, f.name) for f in fields(stack.UpOptions)}
+            sys.exit(stack.up(stack.UpOptions(**given | {"app": app})))
         elif args.command == "gateway":
             flags = (
                 ("CONVEYOR_HOST", args.host),

@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 from pipelines.errors import ConfigError
 from pipelines.settings import CommonSettings
 from runtime.redisio import REDIS_DOWN, connect
-from runtime.stats import stage_status
+from runtime.status import stage_status
 
 __all__ = ["DataDir", "DataSettings", "left_over"]
 

@@ -21,7 +21,7 @@ from pipelines.records import DeadLetter
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings, load_settings
 from runtime.redisio import RedisClock, connect, enqueue, in_order, text
-from runtime.stats import known_stages
+from runtime.status import known_stages
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 

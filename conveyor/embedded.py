@@ -1,18 +1,22 @@
-"""An embedded redis-server for ``conveyor up``, the tests and the bench; and a Redis
-Cluster of such servers on loopback (:func:`cluster`: the tests' and the bench's)."""
+"""An embedded redis-server for ``conveyor up`` (:class:`UpRedis`: its data kept or not,
+started again when it exits), the tests and the bench; and a Redis Cluster of such
+servers on loopback (:func:`cluster`: the tests' and the bench's)."""
 
 from __future__ import annotations
 
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conveyor.children import child_options
+from conveyor.children import Process, child_options, say, terminate
+from conveyor.data import PIDFILE
+from conveyor.restarts import exited
 from pipelines.errors import ConfigError
 
 
@@ -127,6 +131,107 @@ def start_redis(
         time.sleep(0.05)  # waiting on another process's start-up; nothing to await
     proc.kill()
     raise ConfigError(f"redis-server did not start on port {port} within 20 s")
+
+
+@dataclass
+class UpRedis:
+    """``conveyor up``'s own redis-server, on a free loopback port: on its data folder's
+    append-only file (:mod:`conveyor.data`), or (``--ephemeral``) keeping nothing.
+
+    Attributes:
+        data_dir: its data folder (None: ``--ephemeral``).
+        port: its port, once started.
+        proc: its process, once started.
+    """
+
+    data_dir: Path | None
+    port: int = 0
+    proc: Process | None = None
+    _logs: Path | None = None  # an ephemeral one's folder, kept for the log of a failed start
+
+    def start(self, avoid: int) -> str:
+        """Start it on a free port other than ``avoid`` (the gateway's: checked free, but
+        bound only once the gateway starts), and say where; its URL.
+
+        Raises:
+            ConfigError: it did not start.
+        """
+        self.port = free_port(avoid=avoid)
+        self._run()
+        url = f"redis://127.0.0.1:{self.port}/0"
+        kept = (
+            f"its data in {self.data_dir} (append-only file: what it accepted is kept "
+            "across a stop, a kill or a restart)"
+            if self.data_dir is not None
+            else "in memory: nothing kept at stop (--ephemeral)"
+        )
+        say(
+            f"embedded redis on 127.0.0.1:{self.port}, {kept}; "
+            f"`CONVEYOR_REDIS_URL={url} conveyor status` reads it"
+        )
+        return url
+
+    def _run(self) -> None:
+        if self.data_dir is not None:
+            self.proc = start_redis(
+                self.port,
+                self.data_dir,
+                appendonly=True,
+                fsync="everysec",  # see conveyor/data.py
+                pidfile=self.data_dir / PIDFILE,
+                bound=True,
+            )
+            return
+        # --ephemeral: it persists nothing, so its folder is needed only while it starts
+        # (its log says why it failed to): removed at once, nothing is left behind even
+        # when up is killed and can remove nothing.
+        workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
+        try:
+            self.proc = start_redis(self.port, workdir, bound=True)
+        except ConfigError:
+            self._logs = workdir  # kept for its log until up stops
+            raise
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def running(self) -> bool:
+        """Whether it was started and has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_status(self) -> int | None:
+        """Its exit status, once it has exited (None: running, or never started)."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def again(self) -> str | None:
+        """Start it again, now that it exited (it reloads what it held from its
+        append-only file; with ``--ephemeral`` that is gone, and the workers create their
+        groups again); why ``up`` must stop, if it cannot."""
+        assert self.proc is not None
+        code = self.proc.returncode
+        held = (
+            f"it reloads what it held from {self.data_dir}"
+            if self.data_dir is not None
+            else "what it held is lost: --ephemeral"
+        )
+        say(f"redis-server {exited(code)}; starting it again ({held})")
+        try:
+            self._run()
+        except ConfigError as exc:
+            return f"redis-server {exited(code)} and could not start again: {exc}"
+        return None
+
+    def fate(self) -> str:
+        """What becomes of what it holds once ``up`` stops."""
+        if self.data_dir is not None:
+            return f"kept in {self.data_dir}: `conveyor up` there again finishes it"
+        return "lost with this Redis (--ephemeral)"
+
+    def stop(self) -> None:
+        """Stop it (SIGTERM, a kill after :data:`~conveyor.children.STOP_GRACE_S`), and
+        remove what an ephemeral one left."""
+        if self.proc is not None:
+            terminate([("redis-server", self.proc)])
+        if self._logs is not None:
+            shutil.rmtree(self._logs, ignore_errors=True)
 
 
 @dataclass

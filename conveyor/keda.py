@@ -21,8 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipelines.envelope import LANES
-from pipelines.keys import GROUP, Keys
+from pipelines.keys import GROUP, LANES, Keys
 
 
 @dataclass(frozen=True)

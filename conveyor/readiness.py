@@ -27,7 +27,7 @@ import httpx
 from pipelines.errors import ConfigError
 from pipelines.settings import CommonSettings
 from runtime.redisio import REDIS_DOWN, connect
-from runtime.stats import stage_status
+from runtime.status import stage_status
 
 POLL_S = 0.25
 """How often the stages are looked at until they are ready."""

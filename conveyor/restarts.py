@@ -1,40 +1,24 @@
-"""``conveyor up`` restarts a process that exits unasked, and parks a crash loop.
+"""``conveyor up``'s restart policy for a process that exits unasked.
 
-A worker killed by one input (a segfault, the OOM killer), or a gateway that died, is
-started again after a backoff that doubles with each crash of that process within
-:attr:`RestartSettings.window_s` (systemd's ``Restart=on-failure`` with a start limit,
-supervisord's ``startretries``). Crashes are counted per process: a replica's slot
-(``worker embed#1``, restarted in place), an autoscaled worker by its pid once it had
-started to serve (its crashes are its own: five workers killed once each are no loop),
-and the autoscaled workers of a stage that die before they serve together (a model that
-cannot start kills every one the same way).
-
-A crash after progress is no loop: a worker that crashes on a poison input is restarted,
-and the next one charges the crash to the inputs that were on the model, runs them alone
-and dead-letters the one that kills (:mod:`workers.crashes`). So a process's count
-starts again when the process that crashed had done some work first (published a batch
-or a dead letter, or charged a crash to its inputs), which it says on its pipe
-(:func:`runtime.exits.progressed`): per process, so one replica that crashes on every
-batch is not kept out of its loop by a healthy sibling. Once a process crashed
-:attr:`RestartSettings.max_crashes` times within the window with no progress between,
-its worker group is **parked**: its processes are stopped, its stages answer 503 with a
-Retry-After naming why (``/status`` and ``/metrics`` show it), and it is started again
-after :attr:`RestartSettings.park_s`, doubling with each park up to
-:attr:`RestartSettings.max_park_s`; a gateway in a loop is parked alone. The other
-stages, the gateways and Redis go on; ``up`` exits only when asked, on a configuration
-error (a status 2 or 3 that the process also said on its pipe,
-:func:`runtime.exits.exit_for`: a bad setting, an app that does not import, a model that
-cannot be built, the port), or when its embedded Redis cannot be kept running.
-
-Each restart is said on ``up``'s output and counted in the stats hash of each stage the
-worker served (:data:`~runtime.stats.RESTARTS`), which ``/metrics``
-(``conveyor_stage_worker_restarts_total``) and ``/status.json`` (``worker_restarts``) read.
+It is started again after a backoff that doubles with each of its crashes within
+:attr:`RestartSettings.window_s` (systemd's ``Restart=on-failure`` with a start limit).
+Crashes are counted per process: a replica's slot (``worker embed#1``), an autoscaled
+worker by its pid once it served (five workers killed once each are no loop), and the
+autoscaled workers of a stage that die before they serve, together. A crash after
+progress starts the count again (the process said so on its pipe,
+:func:`runtime.exits.progressed`: a worker that crashed on a poison input, whose inputs
+the next one runs alone). :attr:`RestartSettings.max_crashes` crashes within the window
+with no progress between are a loop: the process's worker group (a gateway: itself) is
+parked (:mod:`conveyor.parks`) for :attr:`RestartSettings.park_s`, doubling with each
+park up to :attr:`RestartSettings.max_park_s`. A status 2 or 3 that the process also
+said on its pipe (:data:`NOT_RESTARTED`) is a configuration error no restart would
+mend: ``up`` stops. Each restart is counted in the stats of the stages the worker
+served (:data:`~runtime.stats.RESTARTS`).
 """
 
 from __future__ import annotations
 
 import signal
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,7 +26,6 @@ from dataclasses import dataclass, field
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipelines.records import Parked
 from pipelines.settings import CommonSettings
 from runtime.redisio import connect
 from runtime.stats import RESTARTS
@@ -143,27 +126,6 @@ def exited(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited ({code})"
-
-
-async def mark_parked(
-    settings: CommonSettings, stages: Iterable[str], why: str, for_s: float | None
-) -> None:
-    """Say in Redis that ``stages`` are parked for ``for_s`` seconds because ``why``
-    (:class:`~pipelines.records.Parked`), or (``for_s`` None) that they are back.
-
-    Raises:
-        RedisError, OSError: Redis could not be reached (the caller says so and goes on).
-    """
-    client = connect(settings)
-    key = settings.keys.parked()
-    try:
-        for stage in stages:
-            if for_s is None:
-                await client.hdel(key, stage)
-            else:
-                await client.hset(key, stage, Parked(why, time.time() + for_s).encode())
-    finally:
-        await client.aclose()
 
 
 async def count_restart(settings: CommonSettings, stages: Iterable[str]) -> None:

@@ -21,12 +21,13 @@ from dataclasses import dataclass, replace
 from types import FrameType
 
 from conveyor.autoscale import AutoscaleSettings
+from conveyor.children import say
 from conveyor.data import DataDir, DataSettings
 from conveyor.embedded import free_port
 from conveyor.placement import PlacementSettings, host_placer, worker_groups
 from conveyor.readiness import Readiness, check_port, gateway_url
 from conveyor.restarts import RestartSettings
-from conveyor.supervisor import StopAsked, Supervisor, say
+from conveyor.supervisor import StopAsked, Supervisor
 from gateway.settings import GatewaySettings
 from pipelines.errors import ConfigError
 from pipelines.registry import app_dir, load_registry

@@ -1,32 +1,17 @@
-"""``conveyor up``: an embedded redis-server, the gateway(s) and the workers, supervised.
-
-Each runs as its own process, started by module name exactly as a deployment runs it (so
-this module imports neither side); :mod:`conveyor.stack` starts them in order and says
-when they are ready. :class:`Supervisor` looks after them until Ctrl-C, SIGTERM or
-SIGHUP: a gateway or worker that exits unasked is
-restarted after a backoff, a crash loop parks its group alone, the embedded Redis is
-started again if it exits, and only a configuration error stops ``up``
-(:mod:`conveyor.restarts`). Then it stops in order: the gateways first (each
-drains: its port closes, a request on a connection still open gets 503 + Retry-After,
-those in flight are answered, by the workers still running, within
-``CONVEYOR_DRAIN_S``), then the workers (each finishes its batches and leaves its
-groups), then Redis.
-
-Every child runs in its own process group, so the terminal's Ctrl-C reaches ``up`` alone
-and nothing is stopped out of that order (a Redis killed by the same keystroke as the
-workers would leave them unable to leave their groups); and every child dies with ``up``
-even when ``up`` is killed and can run no stop at all (:mod:`conveyor.children`).
+"""The processes of ``conveyor up`` (and of ``conveyor gateway`` with several gateways):
+the gateways and the workers, each started by module name exactly as a deployment runs
+it (so this module imports neither side), and ``up``'s own Redis
+(:class:`~conveyor.embedded.UpRedis`). :class:`Supervisor` looks after them until a stop
+is asked: one that exits unasked is started again (:mod:`conveyor.restarts`), a crash
+loop parks its group (:mod:`conveyor.parks`); then it stops them in order: the gateways
+(each drains), the workers, Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,9 +20,10 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from conveyor.autoscale import Autoscaler, AutoscaleSettings
-from conveyor.children import ExitReports
-from conveyor.data import PIDFILE, left_over
-from conveyor.embedded import free_port, start_redis
+from conveyor.children import STOP_GRACE_S, ExitReports, Process, say, terminate
+from conveyor.data import left_over
+from conveyor.embedded import UpRedis
+from conveyor.parks import Parks
 from conveyor.placement import (
     Group,
     Placed,
@@ -51,24 +37,15 @@ from conveyor.restarts import (
     RestartSettings,
     count_restart,
     exited,
-    mark_parked,
 )
-from pipelines.errors import ConfigError
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
-from runtime.redisio import REDIS_DOWN
 
-__all__ = ["StopAsked", "Supervisor", "say", "worker_groups"]
-
-STOP_GRACE_S = 15.0
-"""A process still running this long after SIGTERM is killed (a gateway: this long after
-its drain, ``CONVEYOR_DRAIN_S``)."""
+__all__ = ["StopAsked", "Supervisor", "worker_groups"]
 
 POLL_S = 0.1
 """How often the processes are looked at (without ``--autoscale``: with it, at each of
 the autoscaler's ticks)."""
-
-Process = subprocess.Popen[bytes]
 
 
 class StopAsked(Exception):
@@ -81,77 +58,50 @@ class StopAsked(Exception):
 class Supervisor:
     """The processes of one ``up``: started one step at a time, stopped together.
 
+    Every child runs in its own process group, so the terminal's Ctrl-C reaches ``up``
+    alone and nothing is stopped out of order (a Redis killed by the same keystroke as
+    the workers would leave them unable to leave their groups); and every child dies
+    with ``up``, even when ``up`` is killed and can run no stop (:mod:`conveyor.children`).
+
     Args:
-        env: every child's environment (``start_redis`` adds ``CONVEYOR_REDIS_URL``).
+        env: every child's environment (:meth:`start_redis` adds ``CONVEYOR_REDIS_URL``).
+        placer: where each worker runs (None: every worker with ``env`` alone).
         restart: how a process that exits unasked is restarted.
         drain_s: the gateways' drain (``CONVEYOR_DRAIN_S``): ``up`` waits that long more
             for a gateway to stop.
+        stop_asked: set by the stop signal.
+        data_dir: the embedded Redis's data folder (None: ``--ephemeral``).
     """
 
     env: dict[str, str]
-    placer: Placer | None = None  # None: every worker with ``env`` alone
+    placer: Placer | None = None
     restart: RestartSettings = field(default_factory=RestartSettings)
     drain_s: float = 10.0
     children: list[tuple[str, Process]] = field(default_factory=list)  # gateways, workers
-    redis: Process | None = None
-    redis_dir: Path | None = None  # an ephemeral Redis's files, removed once it stopped
-    data_dir: Path | None = None  # the embedded Redis's data folder (None: --ephemeral)
+    redis: UpRedis | None = None  # None: the Redis at CONVEYOR_REDIS_URL
+    data_dir: Path | None = None
     autoscaler: Autoscaler | None = None
     interval_s: float = 1.0  # between the autoscaler's ticks
     placed: dict[int, Placed] = field(default_factory=dict)  # by pid
     due: dict[str, float] = field(default_factory=dict)  # restarts waiting: when, by name
     crashes: CrashLoop = field(init=False)
+    parks: Parks = field(init=False)
     groups: dict[str, Group | None] = field(default_factory=dict)  # by child name (None: gateway)
-    parked: dict[str, float] = field(default_factory=dict)  # group name: until (monotonic)
     reports: ExitReports = field(default_factory=ExitReports)
-    redis_port: int = 0
-    stop_asked: threading.Event = field(default_factory=threading.Event)  # set by the stop signal
+    stop_asked: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.crashes = CrashLoop(self.restart)
+        self.parks = Parks(self.crashes)
 
     def start_redis(self) -> None:
-        """An embedded redis-server on a free port, unless ``CONVEYOR_REDIS_URL`` is set:
-        on :attr:`data_dir`'s files (its append-only file), or keeping nothing."""
+        """``up``'s own redis-server (:class:`~conveyor.embedded.UpRedis`) on
+        :attr:`data_dir`, unless ``CONVEYOR_REDIS_URL`` is set."""
         if self.env.get("CONVEYOR_REDIS_URL"):
             return
-        # Not the gateway's port: it is checked free but bound only once the gateway starts.
+        self.redis = UpRedis(self.data_dir)  # what a failed start left is removed at stop
         gateway = int(self.env.get("CONVEYOR_PORT", "0"))
-        self.redis_port = port = free_port(avoid=gateway)
-        self._run_redis()
-        url = self.env["CONVEYOR_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
-        kept = (
-            f"its data in {self.data_dir} (append-only file: what it accepted is kept "
-            "across a stop, a kill or a restart)"
-            if self.data_dir is not None
-            else "in memory: nothing kept at stop (--ephemeral)"
-        )
-        say(
-            f"embedded redis on 127.0.0.1:{port}, {kept}; "
-            f"`CONVEYOR_REDIS_URL={url} conveyor status` reads it"
-        )
-
-    def _run_redis(self) -> None:
-        if self.data_dir is not None:
-            self.redis = start_redis(
-                self.redis_port,
-                self.data_dir,
-                appendonly=True,
-                fsync="everysec",  # see conveyor/data.py
-                pidfile=self.data_dir / PIDFILE,
-                bound=True,
-            )
-            return
-        # --ephemeral: it persists nothing, so its folder is needed only while it starts
-        # (its log says why it failed to): removed at once, nothing is left behind even
-        # when up is killed and can remove nothing.
-        workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
-        try:
-            self.redis = start_redis(self.redis_port, workdir, bound=True)
-        except ConfigError:
-            self.redis_dir = workdir  # kept for its log until up stops
-            raise
-        shutil.rmtree(workdir, ignore_errors=True)
+        self.env["CONVEYOR_REDIS_URL"] = self.redis.start(avoid=gateway)
 
     def _spawn(self, module: str, *argv: str, env: dict[str, str] | None = None) -> Process:
         # Its own process group, bound to die with up (see the module's docstring), and a
@@ -270,18 +220,16 @@ class Supervisor:
         cannot be started). Raises :class:`StopAsked` once :attr:`stop_asked` is set."""
         if self.stop_asked.is_set():
             raise StopAsked
-        redis_gone = self.redis is not None and self.redis.poll() is not None
-        if redis_gone and (why := self._redis_exited()):
+        redis_code = self.redis.exit_status() if self.redis is not None else None
+        if redis_code is not None and (why := self._redis_exited(redis_code)):
             return why
         now = time.monotonic()
-        if redis_gone:  # the new one knows nothing of the parks still on
-            for group, until in self.parked.items():
-                if not _is_gateway(group):
-                    await self._say_parked(group.split(","), "parked", until - now)
+        if redis_code is not None:  # the new one knows nothing of the parks still on
+            await self.parks.remind(self._common(), now)
         await self._unpark(now)
         for i, (name, proc) in enumerate(self.children):
             code = proc.poll()
-            if code is None or self._group_name(name) in self.parked:
+            if code is None or self._group_name(name) in self.parks:
                 continue
             if name not in self.due:
                 if why := self._final(proc):
@@ -313,14 +261,9 @@ class Supervisor:
         return child if group is None else group.name
 
     async def _park(self, group: str, why: str) -> None:
-        """Stop ``group``'s processes and start them again after its park (see
-        :mod:`conveyor.restarts`); its stages answer 503 meanwhile."""
-        for_s = self.crashes.park(group)
-        self.parked[group] = time.monotonic() + for_s
-        say(
-            f"{why}; parking {group} for {for_s:g}s (its requests get 503 + Retry-After; "
-            "everything else goes on serving)"
-        )
+        """Park ``group``: stop its processes, and start them again once its park is over
+        (:mod:`conveyor.parks`); its stages answer 503 meanwhile."""
+        self.parks.park(group, [] if _is_gateway(group) else group.split(","), why)
         members = [(n, p) for n, p in self.children if self._group_name(n) == group]
         for name, proc in members:
             self.due.pop(name, None)
@@ -329,14 +272,12 @@ class Supervisor:
                 proc.send_signal(signal.SIGTERM)
         if self.autoscaler is not None and group in self.autoscaler.scalers:
             self.autoscaler.hold(group)
-        if not _is_gateway(group):
-            await self._say_parked(group.split(","), why, for_s)
+        await self.parks.record(self._common(), group)
 
     async def _unpark(self, now: float) -> None:
         """Start again each parked group whose time has come."""
-        for group in [g for g, until in self.parked.items() if now >= until]:
-            del self.parked[group]
-            say(f"{group}: its park is over; starting it again")
+        for group in self.parks.due(now):
+            stages = self.parks.end(group)
             for i, (name, proc) in enumerate(self.children):
                 if self._group_name(name) == group:
                     if proc.poll() is None:  # still draining, a whole park later
@@ -345,35 +286,15 @@ class Supervisor:
                     self.children[i] = (name, await self._again(name, proc))
             if self.autoscaler is not None and group in self.autoscaler.scalers:
                 self.autoscaler.resume(group)
-            if not _is_gateway(group):
-                await self._say_parked(group.split(","), "", None)
+            await self.parks.back(self._common(), stages)
 
-    async def _say_parked(self, stages: list[str], why: str, for_s: float | None) -> None:
-        try:
-            await mark_parked(self._common(), stages, why, for_s)
-        except RedisError as exc:  # unreachable, or a key of ours forged to another type
-            say(f"could not record in redis that {','.join(stages)} is parked: {exc}")
-
-    def _redis_exited(self) -> str | None:
-        """Start the embedded Redis again (it reloads what it held from its append-only
-        file; with ``--ephemeral`` that is gone and the workers re-create their groups);
-        why to stop if it cannot be kept running."""
+    def _redis_exited(self, code: int) -> str | None:
+        """Start the embedded Redis (exited with ``code``) again, unless it is in a crash
+        loop; why to stop if it cannot be kept running."""
         assert self.redis is not None
-        code = self.redis.returncode
-        now = time.monotonic()
-        if self.crashes.crashed("redis-server", now) is None:
+        if self.crashes.crashed("redis-server", time.monotonic()) is None:
             return self.crashes.looping("redis-server", code)
-        held = (
-            f"it reloads what it held from {self.data_dir}"
-            if self.data_dir is not None
-            else "what it held is lost: --ephemeral"
-        )
-        say(f"redis-server {exited(code)}; starting it again ({held})")
-        try:
-            self._run_redis()
-        except ConfigError as exc:
-            return f"redis-server {exited(code)} and could not start again: {exc}"
-        return None
+        return self.redis.again()
 
     async def _count(self, stages: list[str]) -> None:
         """Count a restart in ``stages``' stats; Redis down is said, not fatal."""
@@ -390,7 +311,7 @@ class Supervisor:
         starts another at its next tick."""
         if why := self._final(proc):
             return f"worker {stage} {exited(proc.returncode)}: {why}"
-        if stage in self.parked:  # stopped by its park (or dying with the others)
+        if stage in self.parks:  # stopped by its park (or dying with the others)
             return None
         stages = stage.split(",")
         # Its crashes are its own once it served (one autoscaled worker is not restarted:
@@ -416,55 +337,25 @@ class Supervisor:
     def stop(self, stages: list[str] | None = None) -> None:
         """Stop in order: every gateway (it drains: the workers still answer what is in
         flight), then the workers, then Redis; each step SIGTERM (a graceful drain), a
-        kill for a process still running after :data:`STOP_GRACE_S` (a gateway: after
-        its drain and that).
+        kill for a process still running after :data:`~conveyor.children.STOP_GRACE_S`
+        (a gateway: after its drain and that).
 
         Args:
             stages: the stages served: what they still hold once the workers stopped is
                 said, and whether it is kept.
         """
-        _terminate(self.gateways(), self.drain_s + STOP_GRACE_S)
-        _terminate(self.workers())
-        if stages and (self.redis is None or self.redis.poll() is None):
-            if self.redis is None:
-                fate = "kept in the Redis at CONVEYOR_REDIS_URL"
-            elif self.data_dir is not None:
-                fate = f"kept in {self.data_dir}: `conveyor up` there again finishes it"
-            else:
-                fate = "lost with this Redis (--ephemeral)"
+        terminate(self.gateways(), self.drain_s + STOP_GRACE_S)
+        terminate(self.workers())
+        if stages and (self.redis is None or self.redis.running()):
+            fate = self.redis.fate() if self.redis else "kept in the Redis at CONVEYOR_REDIS_URL"
             for line in left_over(self._common(), stages, fate):
                 say(line)
-        if self.parked and self.redis is None:  # an outside Redis outlives this up
-            stages = [s for g in self.parked if not _is_gateway(g) for s in g.split(",")]
-            with contextlib.suppress(*REDIS_DOWN):
-                asyncio.run(mark_parked(self._common(), stages, "", None))
-        if self.redis is not None:
-            _terminate([("redis-server", self.redis)])
-        if self.redis_dir is not None:
-            shutil.rmtree(self.redis_dir, ignore_errors=True)
+        if self.redis is None:  # an outside Redis outlives this up
+            self.parks.release(self._common())
+        else:
+            self.redis.stop()
         self.reports.close()
 
 
 def _is_gateway(name: str) -> bool:
     return name == "gateway" or name.startswith("gateway#")
-
-
-def _terminate(procs: list[tuple[str, Process]], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM to each of ``procs`` still running; wait for all, killing what is still
-    running after ``grace_s``."""
-    for _, proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for name, proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            say(f"{name} did not stop within {grace_s:g}s; killed")
-            proc.kill()
-            proc.wait()
-
-
-def say(line: str) -> None:
-    """Print one line of ``up``'s own, flushed (its children print to the same terminal)."""
-    print(f"conveyor: {line}", flush=True)

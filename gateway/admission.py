@@ -3,10 +3,10 @@
 Three tests, on a view of each stage refreshed at most every ``refresh_s``:
 
 - parked: a stage whose workers ``conveyor up`` parked after a crash loop takes nothing
-  until they start again (its :attr:`~runtime.stats.StageStatus.parked`);
+  until they start again (its :attr:`~runtime.status.StageStatus.parked`);
 
 - the backlog bound: a stage holding ``max_backlog`` items (its
-  :attr:`~runtime.stats.StageStatus.backlog`: undelivered + in flight, both lanes)
+  :attr:`~runtime.status.StageStatus.backlog`: undelivered + in flight, both lanes)
   takes no more, in either lane;
 - the deadline: from the backlog ahead of the request, the live workers and their learned
   batch cost (``a + b·n``, published by the workers), the time a new request would wait
@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from pipelines.envelope import DEFAULT_LANE, LANES, Lane
 from pipelines.errors import Overloaded
-from pipelines.keys import Keys
-from runtime.redisio import REDIS_DOWN, cancel_and_wait
-from runtime.stats import StageStatus, stage_status
+from pipelines.keys import DEFAULT_LANE, LANES, Keys, Lane
+from runtime.redisio import REDIS_DOWN
+from runtime.status import StageStatus, stage_status
+from runtime.waiting import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Reading:
         return (measured + since) / rate + state.a + state.b
 
 
+@dataclass(eq=False)  # one per process: compared by identity
 class Admission:
     """Refuses what a stage cannot take (see module doc).
 
@@ -104,22 +105,14 @@ class Admission:
             deadline: the prediction is a mean, and batches' run times jitter.
     """
 
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        keys: Keys,
-        refresh_s: float,
-        retry_after_s: int,
-        headroom: float = 1.0,
-    ) -> None:
-        self.client = client
-        self.headroom = headroom
-        self.keys = keys
-        self.refresh_s = refresh_s
-        self.retry_after_s = retry_after_s
-        self._views: dict[str, Reading] = {}
-        self._admitted: dict[str, Counts] = {}
-        self._refreshing: dict[str, asyncio.Task[Reading]] = {}
+    client: aioredis.Redis
+    keys: Keys
+    refresh_s: float
+    retry_after_s: int
+    headroom: float = 1.0
+    _views: dict[str, Reading] = field(init=False, default_factory=dict)
+    _admitted: dict[str, Counts] = field(init=False, default_factory=dict)
+    _refreshing: dict[str, asyncio.Task[Reading]] = field(init=False, default_factory=dict)
 
     async def view(self, stage: str) -> Reading:
         """The stage's view; the first one is measured now, a stale one is re-measured in

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from runtime.redisio import cancel_and_wait
+from runtime.waiting import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Cancellation at the gateway: a request whose client went away, or whose job is cancelled
-(``DELETE /v1/jobs/{id}``), gets its marker in Redis (:func:`~pipelines.records.mark_cancelled`).
+(``DELETE /v1/jobs/{id}``), gets its marker in Redis (:func:`~runtime.jobs.mark_cancelled`).
 From when Redis has it, no stage starts the request, and a batch already running it
 discards its output (the workers' half).
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,7 +23,9 @@ from gateway.background import Background
 from gateway.enqueue import refusal
 from pipelines.errors import NotFound
 from pipelines.keys import Keys
-from pipelines.records import QUEUED, JobField, JobRecord, job_cancelled, mark_cancelled
+from pipelines.outcomes import QUEUED
+from pipelines.records import JobField, JobRecord, job_cancelled
+from runtime.jobs import mark_cancelled
 from runtime.redisio import (
     REDIS_DOWN,
     RedisClock,
@@ -78,6 +81,7 @@ async def unwatch(task: asyncio.Task[None]) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
+@dataclass(eq=False)  # one per process: compared by identity
 class Cancellations:
     """Writes the cancellation markers of one gateway process.
 
@@ -89,14 +93,14 @@ class Cancellations:
         job_ttl_s: how long a cancelled job's record is kept (as a finished one's).
     """
 
-    def __init__(
-        self, client: aioredis.Redis, keys: Keys, clock: RedisClock, write_s: float, job_ttl_s: int
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self.clock = clock
-        self.write_s = write_s
-        self.job_ttl_s = job_ttl_s
+    client: aioredis.Redis
+    keys: Keys
+    clock: RedisClock
+    write_s: float
+    job_ttl_s: int
+    _pending: Background = field(init=False)
+
+    def __post_init__(self) -> None:
         self._pending = Background("cancellation", MAX_PENDING)
 
     async def mark(self, request_id: str, deadline: float) -> bool:

@@ -9,6 +9,7 @@ standalone script), and ReDoc without Google Fonts: nothing leaves the machine.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from importlib.resources import files
 
 from fastapi import FastAPI, HTTPException
@@ -35,6 +36,13 @@ def _asset(name: str) -> bytes:
     return files("fastapi_offline").joinpath("static", name).read_bytes()
 
 
+def _page(html: bytes) -> Callable[[], Awaitable[HTMLResponse]]:
+    async def page() -> HTMLResponse:
+        return HTMLResponse(html)
+
+    return page
+
+
 def add_docs_routes(app: FastAPI) -> None:
     """Add ``/docs``, ``/redoc`` and their assets to ``app`` (created with ``docs_url``
     and ``redoc_url`` None, so FastAPI adds no CDN-backed pages of its own).
@@ -47,26 +55,24 @@ def add_docs_routes(app: FastAPI) -> None:
     title = f"{app.title}: API docs"
     openapi_url = app.openapi_url or "/openapi.json"
     icon = f"{ASSETS_URL}/favicon.png"
-
-    @app.get(DOCS_URL, include_in_schema=False)
-    async def swagger_ui() -> HTMLResponse:
-        return get_swagger_ui_html(
+    pages = {  # the same at every visit: rendered once
+        DOCS_URL: get_swagger_ui_html(
             openapi_url=openapi_url,
             title=title,
             swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
             swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
             swagger_favicon_url=icon,
-        )
-
-    @app.get(REDOC_URL, include_in_schema=False)
-    async def redoc() -> HTMLResponse:
-        return get_redoc_html(
+        ).body,
+        REDOC_URL: get_redoc_html(
             openapi_url=openapi_url,
             title=title,
             redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
             redoc_favicon_url=icon,
             with_google_fonts=False,
-        )
+        ).body,
+    }
+    for path, html in pages.items():
+        app.add_api_route(path, _page(bytes(html)), include_in_schema=False)
 
     @app.get(ASSETS_URL + "/{name}", include_in_schema=False)
     async def asset(name: str) -> Response:

@@ -1,26 +1,34 @@
-"""The gateway's writes to Redis: requests enqueued in one round trip per loop iteration,
-and what a client is told when Redis cannot take them."""
+"""The gateway's writes of admitted requests to Redis: what a refusal promises (nothing of
+the request takes effect), requests enqueued in one round trip per loop iteration, and
+what a client is told when Redis cannot take them."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.settings import GatewaySettings
+from gateway.withdraw import Withdrawals
 from pipelines.envelope import Request
 from pipelines.errors import ConveyorError, Overloaded, Unavailable
 from pipelines.keys import Keys
+from runtime.jobs import create_job
 from runtime.redisio import (
     REDIS_DOWN,
+    REFUSED,
     SATURATED,
     IdsAhead,
     RedisClock,
     RedisRefused,
     enqueue,
+    in_order,
     on_live_connection,
     request_stream,
 )
@@ -38,6 +46,102 @@ def refusal(exc: BaseException) -> ConveyorError:
         code = getattr(exc, "status_code", None) or "READONLY"
         return Unavailable(f"the queue refuses commands for now ({code}); retry shortly", 1.0)
     return Unavailable("the queue is unreachable; retry shortly", 1.0)
+
+
+@dataclass(eq=False)  # one per process: compared by identity
+class Writer:
+    """Writes admitted requests, so that a refusal is true: a client told 503 is told that
+    nothing of its request takes effect.
+
+    A call's entry goes with the others of its moment (:class:`Enqueuer`); a job's record
+    and its entry go together, so a job id handed out exists. A write Redis refused took
+    no effect; one whose answer was lost (or that ran past ``write_s``) may have landed,
+    so it is settled first (:class:`~gateway.withdraw.Withdrawals`): withdrawn, then
+    refused, or found to have run, then accepted.
+
+    Args:
+        client: the gateway's Redis client.
+        keys: the namespace's key names.
+        clock: the Redis clock (deadlines and ``enqueue_by`` are on it).
+        settings: the gateway's settings (``redis_timeout_s``, ``job_ttl_s``).
+    """
+
+    client: aioredis.Redis
+    keys: Keys
+    clock: RedisClock
+    settings: GatewaySettings
+    enqueuer: Enqueuer = field(init=False)
+    withdrawals: Withdrawals = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.enqueuer = Enqueuer(self.client, self.keys, self.write_s, self.clock)
+        self.withdrawals = Withdrawals(self.client, self.keys, self.clock)
+
+    @property
+    def write_s(self) -> float:
+        """How long one write may take: a wait for a pooled connection, then one for
+        Redis's answer (each ``redis_timeout_s``), a retry included."""
+        return 2 * self.settings.redis_timeout_s
+
+    def enqueue_by(self) -> float:
+        """When, on the Redis clock, an entry written now must have arrived: the end of the
+        write's time, plus the clock's error both ways and a margin."""
+        return self.clock.now() + self.write_s + 2 * self.clock.error + 0.5
+
+    async def write(self, request: Request, timeout_s: float, owner: str | None = None) -> None:
+        """Put ``request`` on its entry stage's stream (with its job record, for a job).
+
+        Args:
+            request: the admitted request.
+            timeout_s: its time budget.
+            owner: a job's owner, its record written with the entry (None: a call,
+                answered on this gateway's reply stream).
+
+        Raises:
+            Overloaded: no pooled connection came free; nothing was sent.
+            Unavailable: Redis refused the write, or its answer was lost and the request
+                is withdrawn (or is being withdrawn: Redis did not answer).
+        """
+        try:
+            # Safe to repeat (see on_live_connection): a request enqueued twice runs once.
+            # The whole write, pool wait and retry included, ends within write_s, so a
+            # write this gateway saw succeed always arrived before the entry's enqueue_by.
+            if owner is not None:
+                async with asyncio.timeout(self.write_s):
+                    await on_live_connection(self.client, lambda: self._job(request, owner))
+            else:  # with the other calls of this moment, in one round trip
+                await self.enqueuer.enqueue(request)
+        except SATURATED as exc:
+            raise refusal(exc) from exc  # no connection came free: nothing was sent
+        except REFUSED as exc:
+            # Redis answered that it did not run the write: answered at once, not settled.
+            # On a cluster a job's record and its entry are two commands, not a
+            # transaction: a record written before the refusal is withdrawn.
+            if owner is not None:
+                self.withdrawals.start(request, timeout_s)
+            raise refusal(exc) from exc
+        except (*REDIS_DOWN, TimeoutError) as exc:
+            # The write may have landed and run (its answer lost, or Redis stalled): a 503
+            # must mean it takes no effect, so its withdrawal is settled first, within the
+            # write's time again; one that ran is answered as accepted.
+            within = min(self.write_s, max(0.0, request.deadline - self.clock.now()))
+            settled = await self.withdrawals.settle(request, timeout_s, within)
+            if settled is not False:
+                if isinstance(exc, TimeoutError):
+                    exc = RedisTimeoutError(f"no answer within {self.write_s:g}s")
+                raise refusal(exc) from exc
+
+    async def _job(self, request: Request, owner: str) -> None:
+        # The record and the request appear together: a job id handed out exists.
+        pipe = in_order(self.client)
+        create_job(pipe, request, owner, self.settings.job_ttl_s)
+        enqueue(pipe, self.keys, request)
+        written = await pipe.execute()
+        self.enqueuer.written(request, written[-1], self.clock.now())
+
+    async def close(self) -> None:
+        """Stop the withdrawals still under way (the process is stopping)."""
+        await self.withdrawals.abandon()
 
 
 class Enqueuer:

@@ -120,7 +120,9 @@ class SyncCalls:
         if payload is None:
             await self.app(scope, replay(messages, receive), send)
             return
-        await self._call(pipeline, payload, sent, scope, receive, send)
+        response = await self._answer(pipeline, payload, sent, receive)
+        self.answered += 1
+        await response(scope, receive, send)
 
     @staticmethod
     def _validated(pipeline: Pipeline, raw: bytes) -> dict[str, Any] | None:
@@ -134,28 +136,13 @@ class SyncCalls:
             # meets it again and answers it its own way.
             return None
 
-    async def _call(
-        self,
-        pipeline: Pipeline,
-        payload: dict[str, Any],
-        sent: Sent,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-    ) -> None:
-        gw = self.gateway
+    async def _answer(
+        self, pipeline: Pipeline, payload: dict[str, Any], sent: Sent, receive: Receive
+    ) -> Response:
+        """The call's answer, as the route would give it (a refusal included)."""
         try:
             # The body is read: what receive says next is the client going away.
-            request_id, reply = await gw.call(
-                pipeline,
-                payload,
-                gw.timeout_for(sent.timeout_s),
-                sent.trace,
-                receive,
-                sent.lane,
-            )
-            response = reply_response(reply, request_id)
+            request_id, reply = await self.gateway.call(pipeline, payload, sent, receive)
+            return reply_response(reply, request_id)
         except ConveyorError as exc:
-            response = self.error_response(exc)
-        self.answered += 1
-        await response(scope, receive, send)
+            return self.error_response(exc)

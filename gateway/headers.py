@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, Header
 from pydantic import WithJsonSchema
 
-from pipelines.envelope import DEFAULT_LANE, LANES, Lane
+from pipelines.keys import DEFAULT_LANE, LANES, Lane
 from runtime import tracing
 
 RouteKind = Literal["call", "stream", "job"]

@@ -22,8 +22,9 @@ import redis.asyncio as aioredis
 from pipelines.keys import Keys
 from pipelines.outcomes import Outcome
 from runtime.metrics import BUCKETS, le_label
-from runtime.redisio import REDIS_DOWN, RedisClock, cancel_and_wait
+from runtime.redisio import REDIS_DOWN, RedisClock
 from runtime.stats import read_all_stats
+from runtime.waiting import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

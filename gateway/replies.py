@@ -29,7 +29,8 @@ from pipelines.envelope import Reply, decode_reply, replier
 from pipelines.errors import BadReply, EnvelopeError
 from pipelines.outcomes import Outcome
 from runtime import tracing
-from runtime.redisio import REDIS_DOWN, Backoff, entry_ms
+from runtime.redisio import REDIS_DOWN, entry_ms
+from runtime.waiting import Backoff
 
 logger = logging.getLogger(__name__)
 

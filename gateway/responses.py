@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from pipelines.records import JobStatus
+from pipelines.outcomes import JobStatus
 
 SCHEMAS = "#/components/schemas/"
 

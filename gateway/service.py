@@ -12,7 +12,6 @@ import socket
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.types import Receive
 
 from gateway import traces
@@ -20,12 +19,12 @@ from gateway.admission import Admission
 from gateway.body import problem_detail
 from gateway.cancel import Cancellations, ClientGone, unwatch, watch
 from gateway.edge import ANONYMOUS, RequestMetrics
-from gateway.enqueue import Enqueuer, refusal
+from gateway.enqueue import Writer, refusal
+from gateway.headers import Sent
 from gateway.history import History
 from gateway.replies import Abandoned, ReplyDispatcher
 from gateway.settings import GatewaySettings
-from gateway.withdraw import Withdrawals
-from pipelines.envelope import DEFAULT_LANE, Lane, Reply, Request, new_request_id, wire_problem
+from pipelines.envelope import Reply, Request, new_request_id, wire_problem
 from pipelines.errors import (
     Cancelled,
     ConfigError,
@@ -35,21 +34,19 @@ from pipelines.errors import (
     Unavailable,
 )
 from pipelines.graph import Pipeline
-from pipelines.records import JobRecord, create_job
+from pipelines.keys import Lane
+from pipelines.records import JobRecord
 from pipelines.registry import Registry
-from runtime import tracing
+from pipelines.stages import Stage
 from runtime.redisio import (
     REDIS_DOWN,
-    REFUSED,
     SATURATED,
     RedisClock,
     agree_on_partitions,
-    cancel_and_wait,
     connect,
-    enqueue,
-    in_order,
     on_live_connection,
 )
+from runtime.waiting import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +83,11 @@ class Gateway:
             settings.admission_headroom,
         )
         self._task: asyncio.Task[None] | None = None
-        self.withdrawals = Withdrawals(self.client, self.keys, self.clock)
         self._calibrating: asyncio.Task[None] | None = None
         self.misconfigured: str | None = None  # why it cannot serve (a late-found mismatch)
-        # An enqueue's write: a wait for a pooled connection, then one for Redis's answer.
-        self.write_s = 2 * settings.redis_timeout_s
-        self.enqueuer = Enqueuer(self.client, self.keys, self.write_s, self.clock)
+        self.writer = Writer(self.client, self.keys, self.clock, settings)
         self.cancellations = Cancellations(
-            self.client, self.keys, self.clock, self.write_s, settings.job_ttl_s
+            self.client, self.keys, self.clock, self.writer.write_s, settings.job_ttl_s
         )
         self.history = History(self.client, self.keys, registry.stages, self.clock)
         self.draining = False  # set by drain(): no new request is taken
@@ -161,7 +155,7 @@ class Gateway:
             await cancel_and_wait([self._calibrating])
         await self.admission.close()
         await self.history.stop()
-        await self.withdrawals.abandon()
+        await self.writer.close()
         await self.cancellations.close()
         try:  # nobody will read them again; without this they linger until their TTL
             for stream in self.reply_streams:  # one at a time: each in its own slot
@@ -195,28 +189,24 @@ class Gateway:
         self,
         pipeline: Pipeline,
         payload: dict[str, Any],
-        timeout_s: float,
-        trace_id: str | None,
+        sent: Sent,
         *,
         request_id: str | None = None,
         stream: bool = False,
         job: bool = False,
         owner: str = ANONYMOUS,
-        lane: Lane = DEFAULT_LANE,
     ) -> Request:
         """Admit a request and put it on its entry step's stream.
 
         Args:
             pipeline: the pipeline called.
             payload: the validated request.
-            timeout_s: the request's time budget.
-            trace_id: the caller's trace id, if any.
+            sent: its headers (time budget, trace id, lane).
             request_id: the id to use (default: a fresh one).
             stream: ask the worker for partial output as it is produced.
             job: an async job: its record is created with the request, and the result is
                 stored there instead of sent to this gateway.
             owner: who submits it (the API key's identity): only they can read the job.
-            lane: its priority lane (the stream of the entry stage it goes to).
 
         Raises:
             InvalidInput: the payload holds what an envelope cannot carry (see
@@ -226,6 +216,36 @@ class Gateway:
             Unavailable: Redis cannot be reached, or this gateway is draining
                 (:meth:`drain`); nothing was enqueued.
         """
+        self._check(payload)
+        timeout_s = self.timeout_for(sent.timeout_s, job=job)
+        spans = traces.Enqueueing(self.clock)
+        await self._admit(pipeline.entry.stage, timeout_s, sent.lane)
+        spans.admission(pipeline.name, sent.lane, job=job, stream=stream)
+        request_id = request_id or new_request_id()
+        keys = self.keys.of(request_id)  # the partition of everything it touches
+        ctx = {"input": payload}
+        request = Request(
+            id=request_id,
+            pipeline=pipeline.name,
+            stage=pipeline.entry.stage.name,
+            step=pipeline.entry.name,
+            payload=pipeline.input_of(pipeline.entry, ctx, None),
+            state=ctx,
+            deadline=self.clock.now() + timeout_s,
+            reply_to=keys.job(request_id) if job else self.reply_streams[keys.partition],
+            trace_id=spans.trace_id(sent.trace) or new_request_id(),
+            stream=stream,
+            enqueue_by=self.writer.enqueue_by(),
+            lane=sent.lane,
+            traceparent=spans.traceparent(),
+        )
+        await self.writer.write(request, timeout_s, owner if job else None)
+        spans.enqueued(request)
+        return request
+
+    def _check(self, payload: dict[str, Any]) -> None:
+        """Refuse a request before anything else: this gateway is draining, or its payload
+        holds what an envelope cannot carry."""
         if self.draining:
             raise Unavailable("this gateway is stopping; retry", self.settings.retry_after_s)
         problem = wire_problem(payload)
@@ -233,92 +253,16 @@ class Gateway:
             # What the body parser let through can still be changed by validation (a
             # float field reads the string "inf"): the payload as it would be sent decides.
             raise InvalidInput(f"invalid request: {problem.msg}", [problem_detail(problem)])
-        entry = pipeline.entry
-        bound = self.settings.max_backlog or entry.stage.max_backlog
-        root = traces.current()  # None unless tracing is on
-        started = self.clock.now() if root is not None else 0.0
+
+    async def _admit(self, stage: Stage, timeout_s: float, lane: Lane) -> None:
+        """Admit a request to ``stage`` (:class:`~gateway.admission.Admission`), on a
+        calibrated clock."""
+        bound = self.settings.max_backlog or stage.max_backlog
         try:
             await self._calibrated()
-            await self.admission.admit(
-                entry.stage.name, bound, timeout_s, entry.stage.max_batch_size, lane
-            )
+            await self.admission.admit(stage.name, bound, timeout_s, stage.max_batch_size, lane)
         except REDIS_DOWN as exc:
             raise refusal(exc) from exc
-        ctx = {"input": payload}
-        request_id = request_id or new_request_id()
-        admitted = 0.0
-        if root is not None:
-            # FastAPI names the span after the route that answered; the hot path has none.
-            route = f"/v1/jobs/{pipeline.name}" if job else f"/v1/{pipeline.name}"
-            route += "/stream" if stream else ""
-            root.update_name(f"POST {route}")
-            root.set_attribute("http.route", route)
-            admitted = self.clock.now()
-            traces.child(root, "admission", started, admitted, **{"conveyor.lane": lane})
-            trace_id = trace_id or tracing.trace_id_of(root)
-        keys = self.keys.of(request_id)  # the partition of everything it touches
-        reply_to = keys.job(request_id) if job else self.reply_streams[keys.partition]
-        request = Request(
-            id=request_id,
-            pipeline=pipeline.name,
-            stage=entry.stage.name,
-            step=entry.name,
-            payload=pipeline.input_of(entry, ctx, None),
-            state=ctx,
-            deadline=self.clock.now() + timeout_s,
-            reply_to=reply_to,
-            trace_id=trace_id or new_request_id(),
-            stream=stream,
-            enqueue_by=self._enqueue_by(),
-            lane=lane,
-            traceparent=tracing.traceparent_of(root) if root is not None else None,
-        )
-
-        async def write_job() -> None:
-            # The record and the request appear together: a job id handed out exists.
-            pipe = in_order(self.client)
-            create_job(pipe, request, owner, self.settings.job_ttl_s)
-            enqueue(pipe, self.keys, request)
-            written = await pipe.execute()
-            self.enqueuer.written(request, written[-1], self.clock.now())
-
-        try:
-            # Safe to repeat (see on_live_connection): a request enqueued twice runs once.
-            # The whole write, pool wait and retry included, ends within write_s, so a
-            # write this gateway saw succeed always arrived before the entry's enqueue_by.
-            if job:
-                async with asyncio.timeout(self.write_s):
-                    await on_live_connection(self.client, write_job)
-            else:  # with the other calls of this moment, in one round trip
-                await self.enqueuer.enqueue(request)
-        except SATURATED as exc:
-            raise refusal(exc) from exc  # no connection came free: nothing was sent
-        except REFUSED as exc:
-            # Redis answered that it did not run the write: answered at once, not settled.
-            # On a cluster a job's record and its entry are two commands, not a
-            # transaction: a record written before the refusal is withdrawn.
-            if job:
-                self.withdrawals.start(request, timeout_s)
-            raise refusal(exc) from exc
-        except (*REDIS_DOWN, TimeoutError) as exc:
-            # The write may have landed and run (its answer lost, or Redis stalled): a 503
-            # must mean it takes no effect, so its withdrawal is settled first, within the
-            # write's time again; one that ran is answered as accepted.
-            within = min(self.write_s, max(0.0, request.deadline - self.clock.now()))
-            settled = await self.withdrawals.settle(request, timeout_s, within)
-            if settled is not False:
-                if isinstance(exc, TimeoutError):
-                    exc = RedisTimeoutError(f"no answer within {self.write_s:g}s")
-                raise refusal(exc) from exc
-        if root is not None:
-            attributes = {"conveyor.request_id": request.id, "conveyor.stage": entry.stage.name}
-            traces.child(root, "enqueue", admitted, self.clock.now(), **attributes)
-        return request
-
-    def _enqueue_by(self) -> float:
-        """When, on the Redis clock, an entry written now must have arrived: the end of the
-        write's time, plus the clock's error both ways and a margin."""
-        return self.clock.now() + self.write_s + 2 * self.clock.error + 0.5
 
     async def _calibrated(self) -> None:
         """Measure the Redis clock now if it never was (Redis was down at start): deadlines
@@ -347,24 +291,16 @@ class Gateway:
             raise Unavailable(self.misconfigured, self.settings.retry_after_s) from None
 
     async def call(
-        self,
-        pipeline: Pipeline,
-        payload: dict[str, Any],
-        timeout_s: float,
-        trace_id: str | None,
-        receive: Receive | None = None,
-        lane: Lane = DEFAULT_LANE,
+        self, pipeline: Pipeline, payload: dict[str, Any], sent: Sent, receive: Receive
     ) -> tuple[str, Reply]:
         """Run one request through ``pipeline`` and wait for its reply.
 
         Args:
             pipeline: the pipeline called.
             payload: the validated request.
-            timeout_s: the request's time budget.
-            trace_id: the caller's trace id, if any.
+            sent: its headers (time budget, trace id, lane).
             receive: the HTTP request's ASGI receive, its body read: if the client
                 disconnects while the reply is awaited, the request is cancelled.
-            lane: its priority lane.
 
         Returns:
             The request id and the reply.
@@ -372,7 +308,7 @@ class Gateway:
         Raises:
             Overloaded: the entry stage's backlog is at its bound (nothing was enqueued).
             Unavailable: Redis cannot be reached.
-            DeadlineExceeded: no reply within ``timeout_s``, or within the drain
+            DeadlineExceeded: no reply within its time budget, or within the drain
                 (:meth:`drain`).
             Cancelled: the client went away first (nobody reads the answer).
         """
@@ -380,11 +316,9 @@ class Gateway:
         future = self.replies.expect(request_id)
         watcher = None
         try:
-            request = await self.enqueue(
-                pipeline, payload, timeout_s, trace_id, request_id=request_id, lane=lane
-            )
-            if receive is not None:
-                watcher = watch(receive, future, request_id)
+            request = await self.enqueue(pipeline, payload, sent, request_id=request_id)
+            watcher = watch(receive, future, request_id)
+            timeout_s = self.timeout_for(sent.timeout_s)
             # Awaited directly (no wait_for task hop, no timeout scope to cancel and
             # uncancel this task): the reply wakes this handler in the loop iteration after
             # it is dispatched, and the deadline fails the future itself.

@@ -30,19 +30,13 @@ from redis.exceptions import ResponseError
 
 from gateway.history import Latency
 from gateway.service import Gateway
-from pipelines.envelope import LANES
 from pipelines.graph import Pipeline
+from pipelines.keys import LANES
 from pipelines.outcomes import Outcome
 from runtime.metrics import BUCKETS, le_label
 from runtime.redisio import REDIS_DOWN
-from runtime.stats import (
-    ALIVE_STALE_MS,
-    CONTRACT,
-    RESTARTS,
-    StageStatus,
-    read_stats,
-    stage_status,
-)
+from runtime.stats import CONTRACT, RESTARTS, read_stats
+from runtime.status import ALIVE_STALE_MS, StageStatus, stage_status
 
 PIPELINES_MARK = "<!--pipelines-->"
 
@@ -57,7 +51,7 @@ class ConsumerRow(TypedDict):
 
 
 class LaneRow(TypedDict):
-    """One priority lane of a stage: its :class:`~runtime.stats.LaneStatus`."""
+    """One priority lane of a stage: its :class:`~runtime.status.LaneStatus`."""
 
     lag: int
     pending: int
@@ -85,7 +79,7 @@ class ParkedRow(TypedDict):
 
 
 class StageRow(TypedDict):
-    """One stage's row of ``/status.json``: its :class:`~runtime.stats.StageStatus`
+    """One stage's row of ``/status.json``: its :class:`~runtime.status.StageStatus`
     (the queue part) and its counters."""
 
     stage: str

@@ -22,7 +22,10 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipelines.envelope import Request
+from pipelines.keys import Lane
 from runtime import tracing
+from runtime.redisio import RedisClock
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,49 @@ def current() -> Span | None:
 def child(root: Span, name: str, start_s: float, end_s: float, **attributes: object) -> None:
     """Record the finished span ``name`` under ``root`` (times on the Redis clock)."""
     tracing.span(name, tracing.under_span(root), start_s, end_s, attributes)
+
+
+class Enqueueing:
+    """The ``admission`` and ``enqueue`` spans of one request under its root span, timed
+    on ``clock``; nothing is recorded when tracing is off (no root span).
+
+    Args:
+        clock: the Redis clock.
+    """
+
+    def __init__(self, clock: RedisClock) -> None:
+        self.clock = clock
+        self.root = current()
+        self.started = clock.now() if self.root is not None else 0.0
+        self.admitted = 0.0
+
+    def admission(self, pipeline: str, lane: Lane, *, job: bool, stream: bool) -> None:
+        """The request to ``pipeline`` was admitted: its ``admission`` span ends now."""
+        if self.root is None:
+            return
+        # FastAPI names the span after the route that answered; the hot path has none.
+        route = f"/v1/jobs/{pipeline}" if job else f"/v1/{pipeline}"
+        route += "/stream" if stream else ""
+        self.root.update_name(f"POST {route}")
+        self.root.set_attribute("http.route", route)
+        self.admitted = self.clock.now()
+        child(self.root, "admission", self.started, self.admitted, **{"conveyor.lane": lane})
+
+    def trace_id(self, sent: str | None) -> str | None:
+        """The request's trace id: the caller's, else the root span's (None: neither)."""
+        if self.root is None:
+            return sent
+        return sent or tracing.trace_id_of(self.root)
+
+    def traceparent(self) -> str | None:
+        """The ``traceparent`` the request carries on to the workers (None: not traced)."""
+        return tracing.traceparent_of(self.root) if self.root is not None else None
+
+    def enqueued(self, request: Request) -> None:
+        """``request`` was written: its ``enqueue`` span ends now."""
+        if self.root is not None:
+            attributes = {"conveyor.request_id": request.id, "conveyor.stage": request.stage}
+            child(self.root, "enqueue", self.admitted, self.clock.now(), **attributes)
 
 
 class TraceHeaders:

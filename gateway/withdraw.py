@@ -1,18 +1,13 @@
 """Settling a request whose write went unanswered, and withdrawing it.
 
-The write may have landed (the answer was lost: a node killed after applying it, a
-connection cut; or Redis stalled, not gone). A worker drops an entry that arrives after its
-``enqueue_by``; one that arrived before it can run, and publish. Its entry step's "done"
-marker decides between the two: the worker's publish sets it and publishes only if it was
-absent (workers/publish.py), and the gateway sets it (``withdrawn``) only if absent, reading
-it back in the same round trip. So before the client is answered, :meth:`Withdrawals.settle`
-learns which came first: withdrawn (nothing of the request will take effect, and its job
-record is deleted: a 503 is true) or published (it ran: the client gets its answer).
-
-Only when Redis does not answer within the write's time (the node that took the write is
-down) is the client told 503 unsettled, and the withdrawal goes on in the background until
-Redis answers (at most until the request's deadline has long passed): a worker that reads
-the entry when the node is back can still publish it first (deploy/README.md says how rare).
+The write may have landed (its answer lost, or Redis stalled, not gone). Its entry
+step's done marker decides what came first: a worker's publish sets it only if absent,
+and so does a withdrawal (``withdrawn``), which reads it back in the same round trip. So
+before the client is answered, :meth:`Withdrawals.settle` learns whether the request is
+withdrawn (nothing of it takes effect, its job record is deleted: a 503 is true) or ran
+(the client gets its answer). Only when Redis does not answer within the write's time
+is the client told 503 unsettled, and the withdrawal goes on in the background until
+Redis answers (deploy/README.md says how rare a publish that still comes first is).
 """
 
 from __future__ import annotations

@@ -26,23 +26,16 @@ from pipelines.errors import (
     ERROR_STATUSES,
     RETRY_AFTER_MAX_S,
     EnvelopeError,
+    bounded_detail,
 )
+from pipelines.keys import DEFAULT_LANE, Lane
 from pipelines.outcomes import Outcome
-from pipelines.records import bounded_detail
 from pipelines.tokens import COST, estimate
 
 FIELD = b"e"
 """The stream-entry field that holds the encoded envelope."""
 BRANCH = b"b:"
 """Prefix of the fields carrying branch outputs into a join step."""
-
-Lane = Literal["interactive", "bulk"]
-"""A request's priority lane. Each stage has a stream per lane; its workers take
-``interactive`` work first and give ``bulk`` a guaranteed share of batches."""
-LANES: tuple[Lane, ...] = ("interactive", "bulk")
-DEFAULT_LANE: Lane = "interactive"
-"""The lane of a request that names none (a job's default is the gateway's:
-:mod:`gateway.headers`)."""
 
 MAX_DEPTH = 64
 """The most nested arrays and objects a payload or a step's output may have. The envelope
@@ -162,7 +155,8 @@ class Request(BaseModel):
         enqueue_by: when the gateway stops waiting for its write (Redis clock): an entry
             that arrived later (its stream id says when) was refused to its client with a
             503 and must never take effect.
-        lane: its priority lane (:data:`Lane`), kept at every step of its pipeline.
+        lane: its priority lane (:data:`~pipelines.keys.Lane`), kept at every step of
+            its pipeline.
         traceparent: the W3C trace context of its root span at the gateway, when tracing
             is on (:mod:`runtime.tracing`); kept at every step, so each process's spans
             join the one trace.
@@ -256,7 +250,7 @@ class Reply(BaseModel):
         if self.outcome in (Outcome.OK, "partial"):
             if self.result is None:
                 raise ValueError(f"an {self.outcome!r} reply has no result")
-            # What a worker checks before it publishes (workers/batch.py: checked): the
+            # What a worker checks before it publishes (workers/contract.py: checked): the
             # JSON parser reads what the encoder cannot write back (NaN, 2**64). A type
             # that is not JSON's comes only from a worker's own result (decoding makes
             # none), which checked() let through as one the encoder writes (numpy's).

@@ -83,6 +83,18 @@ class ConfigError(ConveyorError):
     """A setting, stage or model spec is wrong; the message names it."""
 
 
+DETAIL_MAX = 4096
+"""The most characters of an error message read from Redis (a reply's, a job record's)
+that a client is served; the rest is cut, and the cut said (:func:`bounded_detail`)."""
+
+
+def bounded_detail(text: str, limit: int = DETAIL_MAX) -> str:
+    """``text``, cut to its first ``limit`` characters, with how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [cut: {len(text) - limit} more characters]"
+
+
 def one_line(exc: BaseException, limit: int = 400) -> str:
     """``exc`` as one line of a message: its type, its text with the line breaks folded,
     and where it was raised (``file:line``: the innermost frame in neither an installed

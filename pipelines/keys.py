@@ -16,10 +16,17 @@ from __future__ import annotations
 
 import re
 import zlib
+from typing import Literal
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from pipelines.envelope import DEFAULT_LANE
+Lane = Literal["interactive", "bulk"]
+"""A request's priority lane. Each stage has a stream per lane; its workers take
+``interactive`` work first and give ``bulk`` a guaranteed share of batches."""
+LANES: tuple[Lane, ...] = ("interactive", "bulk")
+DEFAULT_LANE: Lane = "interactive"
+"""The lane of a request that names none (a job's default is the gateway's:
+:mod:`gateway.headers`)."""
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -150,7 +157,7 @@ class Keys:
     def on_model(self, stream: str, entry_id: str) -> str:
         """Marks that an entry of ``stream`` (one of this partition's stage streams) is in
         its model's hands, or queued to run alone after a crash: what a crash of its
-        worker is charged to (:mod:`workers.crashes`; deleted when its batch publishes,
+        worker is charged to (:mod:`workers.claims`; deleted when its batch publishes,
         expires)."""
         return f"{self.prefix}:on-model:{stream.removeprefix(self.prefix + ':')}:{entry_id}"
 

@@ -84,7 +84,7 @@ class StagedModel(Model, Protocol):
     its phases then run as one call, since its host work would only contend with its
     compute for the same cores. ``predict(items)`` must equal
     ``finish(launch(prepare(items)))``; the worker falls back
-    to ``predict`` (split in halves, :func:`workers.batch.run_isolating`) when a phase
+    to ``predict`` (split in halves, :func:`workers.contract.run_isolating`) when a phase
     raises, so a failing item still fails alone.
     """
 

@@ -2,17 +2,29 @@
 
 An :class:`Outcome` is what a final reply says (``Reply.outcome`` on the wire), and it
 knows the three things the rest of conveyor derives from it: the HTTP status the request
-is answered with, the status its async job's record takes, and the stats-hash field that
-counts it (``items:<outcome>``, read by ``/metrics``, ``/status`` and the history). Nobody
-spells those by hand.
+is answered with, the status its async job's record takes (:data:`JobStatus`, also
+here), and the stats-hash field that counts it (``items:<outcome>``, read by
+``/metrics``, ``/status`` and the history). Nobody spells those by hand.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Final, Literal
 
 from pipelines.errors import Cancelled, DeadlineExceeded
-from pipelines.records import CANCELLED, DONE, EXPIRED, FAILED, JobStatus
+
+JobStatus = Literal["queued", "done", "failed", "expired", "cancelled"]
+"""Where an async job is: ``queued`` until its request finishes, then ``done`` (with its
+result), ``failed``, ``expired`` or ``cancelled`` (with its error and HTTP status)."""
+QUEUED: Final = "queued"
+DONE: Final = "done"
+FAILED: Final = "failed"
+EXPIRED: Final = "expired"
+CANCELLED: Final = "cancelled"
+
+STATUSES: Final = frozenset({QUEUED, DONE, FAILED, EXPIRED, CANCELLED})
+"""Every :data:`JobStatus`."""
 
 
 class Outcome(StrEnum):

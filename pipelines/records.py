@@ -1,16 +1,17 @@
 """The records gateway and workers both keep in Redis, each with its one schema.
 
-An async job's record is the hash at ``Keys.job(id)``. The gateway creates it with the
-job's request (:func:`create_job`), the worker that answers the request finishes it
-(:func:`job_finished`, written by the publish script), and the gateway reads it back
-(:meth:`JobRecord.parse`) and serves it as JSON (:meth:`JobRecord.view`), which is what
-conveyor's client reads. The hash's fields and the JSON's keys are the same names
-(:class:`JobField`), and so are the statuses (:data:`JobStatus`).
+An async job's record is the hash at ``Keys.job(id)``: its fields and the JSON keys the
+gateway serves it under are the same names (:class:`JobField`), its statuses are
+:data:`~pipelines.outcomes.JobStatus`. What each writer sets is built here
+(:func:`job_created`, :func:`job_finished`, :func:`job_cancelled`; the commands that
+write them are :mod:`runtime.jobs` and the publish script), and what is read back is
+parsed and served here (:meth:`JobRecord.parse`, :meth:`JobRecord.view`, which is what
+conveyor's client reads).
 
 A dead letter is an entry of ``Keys.dead_letters(stage)``: a stage entry's fields (the
 envelope untouched, so it can be replayed) plus what :class:`DeadLetter` adds: where it
 came from, how often it was delivered and why it stopped. A worker writes it,
-``conveyor dlq`` reads it.
+``conveyor dlq`` reads it. Why a stage's workers are parked is :class:`Parked`.
 
 This module imports nothing heavy: conveyor's client (an SDK) reads the job JSON with it.
 """
@@ -20,41 +21,24 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import orjson
 
-from pipelines.errors import ERROR_STATUSES, BadReply, Cancelled, DeadlineExceeded
+from pipelines.errors import ERROR_STATUSES, BadReply, Cancelled, DeadlineExceeded, bounded_detail
+from pipelines.outcomes import CANCELLED, DONE, EXPIRED, FAILED, QUEUED, STATUSES
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
     from redis.typing import EncodableT, FieldT
 
     from pipelines.envelope import Reply, Request
-    from pipelines.keys import Keys
-
-JobStatus = Literal["queued", "done", "failed", "expired", "cancelled"]
-"""Where an async job is: ``queued`` until its request finishes, then ``done`` (with its
-result), ``failed``, ``expired`` or ``cancelled`` (with its error and HTTP status)."""
-QUEUED: Final = "queued"
-DONE: Final = "done"
-FAILED: Final = "failed"
-EXPIRED: Final = "expired"
-CANCELLED: Final = "cancelled"
 
 logger = logging.getLogger(__name__)
 
-STATUSES: Final = frozenset({QUEUED, DONE, FAILED, EXPIRED, CANCELLED})
-"""Every :data:`JobStatus`."""
-
 INVALID_ERROR = "the job's record could not be read"
 """The error of a job whose record holds what no worker writes (see :meth:`JobRecord.view`)."""
-
-CANCEL_GRACE_S = 120
-"""A cancellation marker outlives its request's deadline by this long: past anything a
-worker could still start or publish for it."""
 
 EXPIRED_ERROR = "deadline passed before the job finished"
 """The error of a job still queued when its deadline passed (see :meth:`JobRecord.view`)."""
@@ -67,7 +51,7 @@ class JobField:
     ID: Final = "id"
     """JSON only: the job's id (the hash's key holds it)."""
     STATUS: Final = "status"
-    """A :data:`JobStatus`."""
+    """A :data:`~pipelines.outcomes.JobStatus`."""
     PIPELINE: Final = "pipeline"
     """The pipeline the job was submitted to."""
     OWNER: Final = "owner"
@@ -82,33 +66,24 @@ class JobField:
     """Once finished: the status the synchronous call would have answered."""
 
 
-def create_job(pipe: aioredis.Redis, request: Request, owner: str, ttl_s: int) -> None:
-    """Queue on ``pipe`` the commands that create the record of the job ``request`` runs
-    (at its ``reply_to``), ``queued``; ``pipe`` is a MULTI that also enqueues the request,
-    so a job id handed out always exists.
-
-    The status is set only where there is none: a repeated write (a retry after a lost
-    answer) must not turn a job a worker has finished since back to queued.
+def job_created(request: Request, owner: str) -> dict[FieldT, EncodableT]:
+    """A new job record's fields but its status (``queued``, written only where there is
+    none: :func:`runtime.jobs.create_job`).
 
     Args:
-        pipe: the transaction to add the commands to.
-        request: the job's request.
+        request: the job's request (its ``reply_to`` is the record's key).
         owner: who submits the job (the API key's identity).
-        ttl_s: how long the record is kept.
     """
-    created: dict[FieldT, EncodableT] = {
+    return {
         JobField.OWNER: owner,
         JobField.PIPELINE: request.pipeline,
         JobField.DEADLINE: repr(request.deadline),
     }
-    pipe.hsetnx(request.reply_to, JobField.STATUS, QUEUED)
-    pipe.hset(request.reply_to, mapping=created)
-    pipe.expire(request.reply_to, ttl_s)
 
 
 def job_finished(reply: Reply) -> dict[FieldT, EncodableT]:
     """A job record's fields once its request has finished with ``reply`` (set over the
-    fields :func:`create_job` wrote)."""
+    fields :func:`job_created` wrote)."""
     code = str(reply.http_status)
     # A job never streams; a partial reply (which no worker sends one) would not finish it.
     status = FAILED if reply.outcome == "partial" else reply.outcome.job_status
@@ -126,50 +101,6 @@ def job_cancelled() -> dict[FieldT, EncodableT]:
     """A job record's fields once it is cancelled before it finished."""
     code = str(Cancelled.status)
     return {JobField.STATUS: CANCELLED, JobField.ERROR: CANCELLED_ERROR, JobField.HTTP_STATUS: code}
-
-
-def mark_cancelled(
-    redis: aioredis.Redis | aioredis.client.Pipeline,
-    keys: Keys,
-    request_id: str,
-    deadline: float,
-    now: float,
-) -> Any:
-    """Set ``request_id``'s cancellation marker (``Keys.cancelled``): from when Redis has
-    it, no step starts the request, and no finished batch publishes its output. It lasts
-    until the request's ``deadline`` (Redis clock, as is ``now``) has long passed.
-
-    Args:
-        redis: a client (the command is returned, to be awaited), or a pipeline.
-        keys: the namespace's key names.
-        request_id: the request.
-        deadline: its deadline.
-        now: the time now.
-    """
-    ttl_s = max(1, int(deadline - now)) + CANCEL_GRACE_S
-    return redis.set(keys.cancelled(request_id), "1", ex=ttl_s)
-
-
-async def cancelled_among(
-    client: aioredis.Redis, keys: Keys, request_ids: Sequence[str]
-) -> set[str]:
-    """Which of ``request_ids`` are cancelled: one MGET (nothing sent for none)."""
-    if not request_ids:
-        return set()
-    found = await client.mget([keys.cancelled(rid) for rid in request_ids])
-    return {rid for rid, mark in zip(request_ids, found, strict=True) if mark is not None}
-
-
-DETAIL_MAX = 4096
-"""The most characters of an error message read from Redis (a reply's, a job record's)
-that a client is served; the rest is cut, and the cut said (:func:`bounded_detail`)."""
-
-
-def bounded_detail(text: str, limit: int = DETAIL_MAX) -> str:
-    """``text``, cut to its first ``limit`` characters, with how many more there were."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... [cut: {len(text) - limit} more characters]"
 
 
 def _str(value: object) -> str:
@@ -330,8 +261,8 @@ class DeadLetter:
 class Parked:
     """Why a stage's workers are parked, and until when: a field of ``Keys.parked()``
     (the stage's name), written by ``conveyor up`` when the stage's worker group crashes
-    in a loop (:mod:`conveyor.supervisor`), read by the gateway (503 + Retry-After),
-    ``/status`` and ``/metrics`` through :class:`~runtime.stats.StageStatus`.
+    in a loop (:mod:`conveyor.parks`), read by the gateway (503 + Retry-After),
+    ``/status`` and ``/metrics`` through :class:`~runtime.status.StageStatus`.
 
     Attributes:
         reason: what happened, in a line.

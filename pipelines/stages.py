@@ -13,6 +13,7 @@ import importlib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -62,6 +63,21 @@ class ChatMessage(BaseModel):
     content: str = Field(max_length=100_000, examples=["Hello!"])
 
 
+# The sampling fields' descriptions (the API docs show them).
+_TEMPERATURE = (
+    "Sample at this temperature (0: greedy). Unset: the stage's own decoding (greedy for "
+    "the built-in one)."
+)
+_TOP_P = (
+    "When sampling, draw only from the most likely tokens that make up this much of the "
+    "probability."
+)
+_SEED = (
+    "When sampling, the seed of this request's own random source: the same request with the "
+    "same seed gets the same text, whatever else runs beside it."
+)
+
+
 class GenerateIn(TextIn):
     """Input of ``generate``."""
 
@@ -80,27 +96,9 @@ class GenerateIn(TextIn):
         description="Also answer `prompt_tokens` and `completion_tokens` (counted by the "
         "model's tokenizer) and `finish_reason` (`length` or `stop`).",
     )
-    temperature: float | None = Field(
-        default=None,
-        ge=0,
-        le=2,
-        description="Sample at this temperature (0: greedy). Unset: the stage's own "
-        "decoding (greedy for the built-in one).",
-    )
-    top_p: float | None = Field(
-        default=None,
-        gt=0,
-        le=1,
-        description="When sampling, draw only from the most likely tokens that make up "
-        "this much of the probability.",
-    )
-    seed: int | None = Field(
-        default=None,
-        ge=0,
-        le=2**63 - 1,
-        description="When sampling, the seed of this request's own random source: the "
-        "same request with the same seed gets the same text, whatever else runs beside it.",
-    )
+    temperature: float | None = Field(default=None, ge=0, le=2, description=_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0, le=1, description=_TOP_P)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description=_SEED)
 
 
 class AnyIn(BaseModel):
@@ -166,7 +164,7 @@ class Stage:
             took into batches of similar length (length-aware batching,
             :mod:`workers.lengths`). None: batches are bounded by items alone.
         max_backlog: the gateway refuses new requests (503) once the stage's backlog
-            (undelivered + in flight, :attr:`runtime.stats.StageStatus.backlog`) is this.
+            (undelivered + in flight, :attr:`runtime.status.StageStatus.backlog`) is this.
         summary: one line for the API docs.
         replicas: worker processes ``conveyor up`` starts for it.
         streaming: its runner can stream output (``/v1/{name}/stream`` is offered).
@@ -301,10 +299,13 @@ MOVED_RUNNERS = {
 names the old module."""
 
 
+_model_stage = partial(Stage, memory_mb=1024)
+"""A built-in stage serving a model: one worker of it holds about 1 GiB."""
+
 BUILTIN: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage(
+        _model_stage(
             "embed",
             EmbedIn,
             "workers.models.hf:Embedder",
@@ -312,11 +313,10 @@ BUILTIN: dict[str, Stage] = {
             hub_model="sentence-transformers/all-MiniLM-L6-v2",
             max_batch_size=32,
             max_batch_tokens=8192,
-            memory_mb=1024,
             openai="embeddings",
             summary="Sentence embedding (mean-pooled, L2-normalised).",
         ),
-        Stage(
+        _model_stage(
             "sentiment",
             TextIn,
             "workers.models.zeroshot:AnchorSentiment",
@@ -324,20 +324,18 @@ BUILTIN: dict[str, Stage] = {
             hub_model="distilbert-base-uncased-finetuned-sst-2-english",
             hub_runner="workers.models.hf:TextClassifier",
             max_batch_tokens=8192,
-            memory_mb=1024,
             summary="Sentiment: POSITIVE or NEGATIVE with a score.",
         ),
-        Stage(
+        _model_stage(
             "ner",
             TextIn,
             "workers.models.hf:TokenClassifier",
             model="tiny:ner",
             hub_model="dslim/bert-base-NER",
             max_batch_tokens=8192,
-            memory_mb=1024,
             summary="Named entities, aggregated over sub-words.",
         ),
-        Stage(
+        _model_stage(
             "summarize",
             TextIn,
             "workers.models.hf:ExtractiveSummarizer",
@@ -345,10 +343,9 @@ BUILTIN: dict[str, Stage] = {
             hub_model="sshleifer/distilbart-cnn-12-6",
             hub_runner="workers.models.hf:Summarizer",
             max_batch_size=8,
-            memory_mb=1024,
             summary="Summary of a text.",
         ),
-        Stage(
+        _model_stage(
             "generate",
             GenerateIn,
             "workers.models.hf:Generator",
@@ -356,7 +353,6 @@ BUILTIN: dict[str, Stage] = {
             hub_model="gpt2",
             max_batch_size=8,
             streaming=True,
-            memory_mb=1024,
             openai="completions",
             summary="Text continuation.",
         ),

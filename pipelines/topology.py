@@ -8,29 +8,58 @@ never by a route that could end the request on the side). A route picks one of
 every branch of a join it names, and a choice that is neither one step nor one join's
 branches fails the request (:func:`check_choice`).
 
-Every function takes the pipeline's steps by name, entry first (``Pipeline.by_name``).
+Every function takes the pipeline's steps by name, entry first (``Pipeline.by_name``),
+each seen as a :class:`Node`: what a step says of its edges.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypeVar
 
 from pipelines.errors import ConfigError
 
-if TYPE_CHECKING:  # graph.py imports this module: the type only, for the checker
-    from pipelines.graph import Step
 
-Steps = Mapping[str, "Step"]
+class Node(Protocol):
+    """A step as the graph's rule sees it (``pipelines.graph.Step`` is one)."""
+
+    @property
+    def name(self) -> str:
+        """Its name, unique within the pipeline."""
+
+    @property
+    def then(self) -> tuple[str, ...]:
+        """The step it hands over to, or several (a fan-out)."""
+
+    @property
+    def route(self) -> Callable[..., object] | None:
+        """What picks its next step(s) instead, if anything."""
+
+    @property
+    def routes_to(self) -> tuple[str, ...]:
+        """Every name its route may pick."""
+
+    @property
+    def join(self) -> tuple[str, ...]:
+        """For a join, the branches it waits for."""
+
+    @property
+    def successors(self) -> tuple[str, ...]:
+        """Every step it may hand over to."""
+
+
+N = TypeVar("N", bound=Node)
+
+Steps = Mapping[str, N]
 """A pipeline's steps by name, entry first."""
 
 
-def join_of(steps: Steps, branch: str) -> Step | None:
+def join_of(steps: Steps[N], branch: str) -> N | None:
     """The join that ``branch`` is a branch of, if any."""
     return next((s for s in steps.values() if branch in s.join), None)
 
 
-def branch_end(steps: Steps, name: str) -> tuple[Step, str] | None:
+def branch_end(steps: Steps[N], name: str) -> tuple[N, str] | None:
     """Where the chain of steps starting at ``name`` meets a join: the join and the branch
     step that feeds it; None when it meets none. A branch may be several steps long
     (``b -> b2 -> join``), each handing over to one step by ``then``."""
@@ -47,7 +76,7 @@ def branch_end(steps: Steps, name: str) -> tuple[Step, str] | None:
     return None
 
 
-def fans_out_to_one_join(steps: Steps, names: tuple[str, ...]) -> bool:
+def fans_out_to_one_join(steps: Steps[Node], names: tuple[str, ...]) -> bool:
     """Whether ``names`` start exactly the branches of one join."""
     ends = [branch_end(steps, n) for n in names]
     if not ends or any(e is None for e in ends):
@@ -57,7 +86,7 @@ def fans_out_to_one_join(steps: Steps, names: tuple[str, ...]) -> bool:
     return join is not None and sorted(e[1] for e in ends if e) == sorted(join.join)
 
 
-def check_choice(where: str, steps: Steps, step: Step, names: tuple[str, ...]) -> None:
+def check_choice(where: str, steps: Steps[Node], step: Node, names: tuple[str, ...]) -> None:
     """Raise :class:`ConfigError` unless ``names``, the choice of ``step``'s route, is
     among its ``routes_to`` and is one step or all the branches of one join."""
     unknown = [n for n in names if n not in step.routes_to]
@@ -74,7 +103,7 @@ def check_choice(where: str, steps: Steps, step: Step, names: tuple[str, ...]) -
         )
 
 
-def validate(where: str, steps: Steps) -> None:
+def validate(where: str, steps: Steps[Node]) -> None:
     """Raise :class:`ConfigError`, naming the step, for an unknown successor, a cycle, a
     join whose branches do not all lead to it (and only to it), a fan-out that is not
     exactly one join's branches, or a step that cannot be reached (see the module doc).
@@ -90,7 +119,7 @@ def validate(where: str, steps: Steps) -> None:
     _check_acyclic_and_reachable(where, steps)
 
 
-def _check_edges(where: str, steps: Steps, step: Step) -> None:
+def _check_edges(where: str, steps: Steps[Node], step: Node) -> None:
     for succ in step.successors:
         if succ not in steps:
             raise ConfigError(f"{where}: step {step.name!r} leads to unknown {succ!r}")
@@ -120,7 +149,7 @@ def _check_edges(where: str, steps: Steps, step: Step) -> None:
         )
 
 
-def _in_a_branch(steps: Steps, name: str) -> bool:
+def _in_a_branch(steps: Steps[Node], name: str) -> bool:
     """Whether ``name`` is a step of some fan-out's branch (reached from a ``then``
     fan-out by single hand-overs; a route fans out to a join's branches only)."""
     for step in steps.values():
@@ -136,7 +165,7 @@ def _in_a_branch(steps: Steps, name: str) -> bool:
     return False
 
 
-def _check_hand_over(where: str, steps: Steps, step: Step) -> None:
+def _check_hand_over(where: str, steps: Steps[Node], step: Node) -> None:
     """A request ends once: a step hands over to one step, or to exactly the branches of
     one join (each of which meets the others there)."""
     if step.route is None:
@@ -167,7 +196,7 @@ def _check_hand_over(where: str, steps: Steps, step: Step) -> None:
             )
 
 
-def _check_acyclic_and_reachable(where: str, steps: Steps) -> None:
+def _check_acyclic_and_reachable(where: str, steps: Steps[Node]) -> None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(name: str, path: list[str]) -> None:

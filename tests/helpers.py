@@ -29,20 +29,21 @@ from pydantic import BaseModel, ConfigDict
 from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
-from pipelines.envelope import Lane, Request, new_request_id
+from pipelines.envelope import Request, new_request_id
 from pipelines.graph import single
-from pipelines.keys import GROUP, Keys
+from pipelines.keys import GROUP, Keys, Lane
 from pipelines.model import Item, Model, Result
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from pipelines.stages import Stage
-from runtime.redisio import cancel_and_wait, enqueue
+from runtime.redisio import enqueue
 from runtime.stats import read_stats
-from workers.batch import Entry
-from workers.crashes import mark
+from runtime.waiting import cancel_and_wait
+from workers.claims import mark
 from workers.loop import Worker
 from workers.partitions import partition_workers
 from workers.settings import WorkerSettings
+from workers.values import Entry
 
 
 async def until(check: Callable[[], Awaitable[bool]], limit_s: float = 60) -> None:
@@ -391,7 +392,7 @@ async def died_running(
     redis: aioredis.Redis, keys: Keys, stream: str, consumer: str = "crashed-worker"
 ) -> list[Any]:
     """Read ``stream``'s new entries as ``consumer`` and mark them on the model, as a
-    worker does just before its model runs them (:mod:`workers.crashes`): what a worker
+    worker does just before its model runs them (:mod:`workers.claims`): what a worker
     that died running them leaves behind. Returns what was read."""
     got = cast(list[Any], await redis.xreadgroup(GROUP, consumer, {stream: ">"}))
     entries = [Entry(eid, fields, stream) for _, read in got or [] for eid, fields in read]

@@ -27,8 +27,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import Keys
-from runtime.redisio import REDIS_DOWN, RedisClock, cancel_and_wait
-from runtime.stats import beat_until
+from runtime.redisio import REDIS_DOWN, RedisClock
+from runtime.status import beat_until
+from runtime.waiting import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class Presence:
         so it counts as gone at once).
 
         The beat is asked to end, not cancelled: a cancel landing inside a Redis command
-        can be dropped (:func:`~runtime.redisio.cancel_and_wait`), and the task then beats
+        can be dropped (:func:`~runtime.waiting.cancel_and_wait`), and the task then beats
         on with nobody to stop it (a worker run in bursts hung here). One that does not end
         within :data:`STOP_WAIT_S` (a Redis that does not answer) is cancelled until it ends.
         """

@@ -1,4 +1,5 @@
-"""Continuous batching: the worker loop of a stage whose model decodes step by step.
+"""Continuous batching: the loop of a stage whose model decodes step by step, on the same
+parts as the batch loop (:class:`~workers.parts.Parts`).
 
 A static batch generates up to its longest request while every other row waits, and a
 request that arrives meanwhile waits for the whole batch. Here the batch is the set of
@@ -16,8 +17,8 @@ decoding steps (:class:`~workers.models.decoder.Decoder`):
 - each new token reaches a streaming client as it is made (:class:`~workers.partials.Partials`).
 
 Delivery is as for batches: an entry is marked on the model when it joins
-(:mod:`workers.crashes`) and acknowledged when published; a running entry is touched so
-it is not reclaimed (:class:`~workers.heartbeat.Heartbeat`); a worker that dies mid-way
+(:mod:`workers.claims`) and acknowledged when published; a running entry is touched so
+it is not reclaimed (its lease); a worker that dies mid-way
 has its entries reclaimed and generated again from the start (a reclaimed suspect runs
 alone); a streaming client sees each piece of text once (partials carry their offset and
 the gateway skips what it already sent).
@@ -37,48 +38,20 @@ from redis.exceptions import ResponseError
 
 from pipelines.envelope import Request
 from pipelines.errors import DeadlineExceeded
-from pipelines.records import cancelled_among
+from runtime.jobs import cancelled_among
 from runtime.redisio import REDIS_DOWN
-from workers.batch import Batch, Entry
-from workers.heartbeat import Heartbeat
+from workers.claims import Lease
 from workers.partials import Partials
-from workers.route import Outbox
+from workers.parts import Parts
+from workers.values import Batch, Entry
 
 if TYPE_CHECKING:  # torch is the model's import, not every worker's
-    from workers.loop import Worker
     from workers.models.decoder import Decoder, Generation
 
 logger = logging.getLogger(__name__)
 
 CHECK_S = 0.1
 """How often the running generations are checked for cancellation (one MGET) and expiry."""
-
-
-async def serve(
-    worker: Worker,
-    decoder: Decoder,
-    stopping: asyncio.Event,
-    max_batches: int | None,
-    burst: bool,
-) -> int:
-    """Serve ``worker``'s stage by continuous decoding instead of batches, with its
-    presence beating, until ``stopping`` (then it leaves its group); returns the number
-    of publishes (see :meth:`Decoding.run`)."""
-    logger.info(
-        "stage %s: continuous decoding, up to %d sequences and %d cache positions",
-        worker.stage.name,
-        worker.window.max_batch,
-        decoder.budget,
-    )
-    worker.presence.start()
-    try:
-        published = await Decoding(worker, decoder).run(stopping, max_batches, burst)
-    finally:
-        await worker.presence.stop(leave=stopping.is_set() or burst)
-        worker.summary.tick(last=True)
-    if stopping.is_set():
-        await worker.recovery.leave()
-    return published
 
 
 @dataclass(eq=False)
@@ -89,7 +62,7 @@ class Flight:
         batch: the batch of its one entry (what it publishes with its ack).
         request: the request.
         generation: its generation.
-        heartbeat: keeps its entry claimed while it runs.
+        lease: keeps its entry claimed while it runs.
         partials: streams its text (None: it did not ask).
         interactive: read from the interactive lane (joins before bulk).
     """
@@ -97,7 +70,7 @@ class Flight:
     batch: Batch
     request: Request
     generation: Generation
-    heartbeat: Heartbeat
+    lease: Lease
     partials: Partials | None
     interactive: bool
 
@@ -106,57 +79,70 @@ class Decoding:
     """The loop of a worker whose model decodes continuously.
 
     Args:
-        worker: the worker (its client, intake, router, recovery, lanes, publisher,
-            runner and settings); this loop runs in place of its batch loop.
+        parts: the worker's parts; this loop runs in place of its batch loop.
         decoder: the model's running batch.
     """
 
-    def __init__(self, worker: Worker, decoder: Decoder) -> None:
-        self.worker, self.decoder = worker, decoder
-        self.name = worker.stage.name
-        self.slots = worker.window.max_batch
+    def __init__(self, parts: Parts, decoder: Decoder) -> None:
+        self.parts, self.decoder = parts, decoder
+        self.name = parts.stage.name
+        self.slots = parts.window.max_batch
         self.waiting: deque[Flight] = deque()  # read, not yet joined (no room)
         self.running: dict[int, Flight] = {}  # by id() of its generation
         self.suspect: Flight | None = None  # reclaimed from a crash: it runs alone
         self._checked = 0.0
         self._device_s = 0.0  # model time since the last publish (charged to it)
 
-    async def run(self, stopping: asyncio.Event, max_batches: int | None, burst: bool) -> int:
+    async def serve(self, stopping: asyncio.Event, max_batches: int | None, burst: bool) -> int:
         """Serve until ``stopping`` is set (or ``max_batches`` publishes, or, with
-        ``burst``, nothing is left); returns the number of publishes. What it has read
-        runs to its end before it returns."""
+        ``burst``, nothing is left), with the worker's presence beating; returns the
+        number of publishes. What it has read runs to its end before it returns; once
+        stopped, it leaves its group."""
+        parts = self.parts
+        logger.info(
+            "stage %s: continuous decoding, up to %d sequences and %d cache positions",
+            self.name,
+            self.slots,
+            self.decoder.budget,
+        )
+        parts.presence.start()
         try:
-            return await self._serve(stopping, max_batches, burst)
+            published = await self._serve(stopping, max_batches, burst)
         finally:
-            # Whatever ends the loop, no flight's heartbeat or stream is left running.
+            # Whatever ends the loop, no flight's lease or stream is left running.
             for flight in [*self.running.values(), *self.waiting]:
-                await flight.heartbeat.stop()
+                await flight.lease.stop()
                 if flight.partials is not None:
                     await flight.partials.close()
+            await parts.presence.stop(leave=stopping.is_set() or burst)
+            parts.summary.tick(last=True)
+        if stopping.is_set():
+            await parts.recovery.leave()
+        return published
 
     async def _serve(self, stopping: asyncio.Event, max_batches: int | None, burst: bool) -> int:
-        worker, published = self.worker, 0
+        parts, published = self.parts, 0
         while True:
-            worker.alive.beat()
-            worker.summary.tick()
+            parts.alive.beat()
+            parts.summary.tick()
             idle = not self.running and not self.waiting
             enough = max_batches is not None and published >= max_batches
             reading = not stopping.is_set() and not enough
             if not reading and idle:
                 break
             # The step runs in the model thread while this one reads what came.
-            stepping = asyncio.ensure_future(self._step()) if self.running else None
+            stepping = asyncio.ensure_future(self._advance()) if self.running else None
             came = True
             try:
                 free = self.slots - len(self.running) - len(self.waiting)
                 if reading and self.suspect is None and free > 0:
-                    block = worker.settings.block_ms if idle and not burst else None
+                    block = parts.settings.block_ms if idle and not burst else None
                     came = await self._read(free, block)
             finally:
                 ended = await stepping if stepping is not None else []
             if idle and burst and not came and not self.waiting:
                 break
-            ended += await self._join()
+            ended += await self._admit()
             ended += await self._check()
             if ended:
                 await self._publish(ended)
@@ -167,11 +153,11 @@ class Decoding:
 
     async def _read(self, free: int, block_ms: int | None) -> bool:
         """Read and open up to ``free`` entries (reclaimed ones first); whether any came."""
-        worker = self.worker
+        parts = self.parts
         try:
-            due = await worker.recovery.next()
+            due = await parts.recovery.next()
             if due.settled is not None:  # dead letters: answered, acked, kept
-                await worker.settle(due.settled)
+                await parts.settle(due.settled)
             if due.suspect is not None:
                 # A crash of its last worker may be its own: it runs alone.
                 await self._open([due.suspect], suspect=True)
@@ -181,13 +167,13 @@ class Decoding:
             else:
                 held = [*self.running.values(), *self.waiting]
                 interactive = sum(f.interactive for f in held)
-                worker.lanes.seated(interactive, len(held) - interactive)
-                entries = await worker.lanes.read(free, block_ms)
+                parts.lanes.seated(interactive, len(held) - interactive)
+                entries = await parts.lanes.read(free, block_ms)
             # What a blocking read delivered past its count (one COUNT per lane) is
             # opened now too: it waits for a slot with its entry touched, not untouched.
-            entries += worker.lanes.release()
+            entries += parts.lanes.release()
         except (*REDIS_DOWN, ResponseError) as exc:
-            await worker.source.failed(exc)  # waited out, or the group made again
+            await parts.source.failed(exc)  # waited out, or the group made again
             return False
         if entries:
             await self._open(entries, suspect=False)
@@ -196,11 +182,11 @@ class Decoding:
     async def _open(self, entries: list[Entry], *, suspect: bool) -> None:
         """Each entry as its own batch: decoded and admitted; what ends here (invalid,
         expired, unreadable) is published now, the rest wait to join."""
-        worker = self.worker
-        now = worker.clock.now()
+        parts = self.parts
+        now = parts.clock.now()
         ended: list[Batch] = []
         for entry in entries:
-            batch = worker.intake.open([entry], now)
+            batch = parts.intake.open([entry], now)
             if not batch.live:
                 ended.append(batch)
                 continue
@@ -208,20 +194,20 @@ class Decoding:
             opened = self.decoder.open([item], [request.id])[0]
             if isinstance(opened, BaseException):  # refused: its answer goes now
                 batch.live = []
-                worker.router.route(batch.out, request, opened, now)
+                parts.router.route(batch.out, request, opened, now)
                 ended.append(batch)
                 continue
             loop = asyncio.get_running_loop()
             partials = None
             if request.stream:
-                partials = Partials(worker.client, [request], worker.settings, loop, worker.keys)
+                partials = Partials(parts.client, [request], parts.settings, loop, parts.keys)
             flight = Flight(
                 batch,
                 request,
                 opened,
-                worker.recovery.heartbeat([entry]),
+                parts.recovery.lease([entry]),
                 partials,
-                entry.stream == worker.lanes.interactive,
+                entry.stream == parts.lanes.interactive,
             )
             self.waiting.append(flight)
             if suspect:
@@ -229,17 +215,17 @@ class Decoding:
         for batch in ended:
             await self._send(batch)
         if suspect and self.suspect is None:  # it ended here: recovery goes on
-            worker.recovery.suspect_done()
+            parts.recovery.suspect_done()
 
     # -- the model -----------------------------------------------------------------
 
-    async def _step(self) -> list[Flight]:
+    async def _advance(self) -> list[Flight]:
         """One decoding step of every running generation, in the model thread."""
         started = time.monotonic()
         flights = list(self.running.values())
         try:
-            ended = await self.worker.runner.in_model(
-                "step", len(flights), self._deadline(flights), self.decoder.step
+            ended = await self.parts.runner.in_model(
+                "step", len(flights), self._deadline(flights), self.decoder.advance
             )
         except Exception as exc:  # the model failed the step (OOM, a bad kernel)
             # One forward ran them all: they fail together, and the batch starts afresh.
@@ -251,7 +237,7 @@ class Decoding:
         self._stream(self.running.values())
         return [self.running.pop(id(generation)) for generation in ended]
 
-    async def _join(self) -> list[Flight]:
+    async def _admit(self) -> list[Flight]:
         """Prefill the waiting requests that fit (interactive first, then in arrival
         order) and add them to the running batch; those that ended at once are returned."""
         if not self.waiting:
@@ -275,15 +261,15 @@ class Decoding:
         # Marked on the model, and asked whether they were cancelled while they waited, in
         # one round trip: one cancelled by now never runs (the static batch's promise);
         # the check every CHECK_S would catch it only after its prefill.
-        worker, now = self.worker, self.worker.clock.now()
-        cancelled = await worker.intake.cancelled(
+        parts, now = self.parts, self.parts.clock.now()
+        cancelled = await parts.intake.cancelled(
             [flight.batch.entries[0] for flight in joining],
             [flight.request.id for flight in joining],
             mark=True,
         )
         withdrawn = [flight for flight in joining if flight.request.id in cancelled]
         for flight in withdrawn:
-            worker.router.cancel(flight.batch.out, flight.request, now)
+            parts.router.cancel(flight.batch.out, flight.request, now)
             flight.batch.live = []  # answered here, not from its result
         joining = [flight for flight in joining if flight.request.id not in cancelled]
         if not joining:
@@ -294,8 +280,8 @@ class Decoding:
         generations = [flight.generation for flight in joining]
         deadline = self._deadline(joining)
         try:
-            ended = await self.worker.runner.in_model(
-                "prefill", len(joining), deadline, self.decoder.join, generations
+            ended = await self.parts.runner.in_model(
+                "prefill", len(joining), deadline, self.decoder.prefill, generations
             )
         except Exception as exc:  # the batch is as it was: only these fail
             logger.exception("stage %s: a prefill failed", self.name)
@@ -316,7 +302,7 @@ class Decoding:
         """Take ``generations`` out of the running batch, in the model thread."""
         if generations:
             size, deadline = len(generations), time.monotonic()
-            await self.worker.runner.in_model(
+            await self.parts.runner.in_model(
                 "leave", size, deadline, self.decoder.leave, generations
             )
 
@@ -336,18 +322,18 @@ class Decoding:
         flights = [*self.running.values(), *self.waiting]
         if not flights:
             return []
-        worker = self.worker
-        now = worker.clock.now()
+        parts = self.parts
+        now = parts.clock.now()
         try:
             ids = [f.request.id for f in flights]
-            cancelled = await cancelled_among(worker.client, worker.keys, ids)
+            cancelled = await cancelled_among(parts.client, parts.keys, ids)
         except REDIS_DOWN as exc:  # the publish checks each request's marker anyway
-            logger.warning("stage %s: cancellations unread (%s)", worker.stage.name, exc)
+            logger.warning("stage %s: cancellations unread (%s)", parts.stage.name, exc)
             cancelled = set()
         leaving = []
         for flight in flights:
             if flight.request.id in cancelled:
-                worker.router.cancel(flight.batch.out, flight.request, now)
+                parts.router.cancel(flight.batch.out, flight.request, now)
             elif flight.request.deadline <= now:
                 when = "while generating" if flight.generation.ids else "before it could start"
                 flight.batch.results = [DeadlineExceeded(f"deadline passed {when}")]
@@ -366,54 +352,31 @@ class Decoding:
 
     async def _publish(self, flights: list[Flight]) -> None:
         """Publish the flights that ended, each with its ack, in one call."""
-        worker = self.worker
-        now = worker.clock.now()
+        parts = self.parts
+        now = parts.clock.now()
         for flight in flights:
-            await flight.heartbeat.stop()
+            await flight.lease.stop()
             if flight.partials is not None:
                 await flight.partials.close()  # every partial is out before the answer
             batch = flight.batch
             if batch.live:
                 result = self.decoder.result(flight.generation)
-                worker.router.route(batch.out, flight.request, result, now)
+                parts.router.route(batch.out, flight.request, result, now)
             elif batch.results:  # expired, or the model failed it
-                worker.router.route(batch.out, flight.request, batch.results[0], now)
+                parts.router.route(batch.out, flight.request, batch.results[0], now)
             batch.record.generated = len(flight.generation.ids)
             batch.record.run_s = self._device_s / len(flights)
             batch.record.ran_at = now
             if flight is self.suspect:
                 self.suspect = None
-                worker.recovery.suspect_done()
+                parts.recovery.suspect_done()
         self._device_s = 0.0
         await self._send(*[flight.batch for flight in flights])
 
     async def _send(self, *batches: Batch) -> None:
         """Publish ``batches`` and ack their entries in one call, count and log them."""
-        worker = self.worker
-        out = Outbox({marker: e for b in batches for marker, e in b.out.effects.items()})
-        entries = [entry for b in batches for entry in b.entries]
-        counts: dict[str, float] = {}
-        gauges = None
-        for b in batches:
-            counted, gauges = worker.report.counts(b)
-            for name, value in counted.items():
-                counts[name] = counts.get(name, 0) + value
-        letters = [letter for b in batches for letter in b.letters]
-        dropped = [marker for b in batches for marker in b.dropped]
-        try:
-            published = await worker.publish(out, entries, counts, letters, gauges, dropped)
-        except REDIS_DOWN as exc:
-            # Their entries stay pending in the group: reclaimed once idle, not lost.
-            logger.warning(
-                "stage %s: could not publish %d requests, redis unreachable: %s",
-                self.name,
-                len(entries),
-                exc,
-            )
-            return
-        for b in batches:
-            worker.report.published(b, published)
+        await self.parts.send(batches)
 
     def _deadline(self, flights: Iterable[Flight]) -> float:
         """``time.monotonic()`` of the latest deadline among ``flights``' requests."""
-        return self.worker.clock.monotonic(max(f.request.deadline for f in flights))
+        return self.parts.deadline(f.request for f in flights)

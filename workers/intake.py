@@ -11,6 +11,7 @@ left are the batch's live items, in entry order.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -19,13 +20,16 @@ from pipelines.envelope import Request, decode_request
 from pipelines.errors import EnvelopeError
 from pipelines.model import Item
 from pipelines.outcomes import Outcome
-from pipelines.records import cancelled_among
 from pipelines.stages import Stage
+from runtime.jobs import cancelled_among
 from runtime.redisio import REDIS_DOWN, IdsAhead, arrival, on_live_connection, written_at
-from workers import crashes
-from workers.batch import Batch, BatchRecord, Entry
-from workers.recovery import Recovery
-from workers.route import LATE_S, Outbox, Router
+from workers import claims
+from workers.route import LATE_S, Router
+from workers.values import Batch, BatchRecord, Entry, Letter, Outbox
+
+Unreadable = Callable[[Outbox, bytes, dict[bytes, bytes], EnvelopeError], tuple[Letter, bool]]
+"""Dead-letters an entry that does not decode, answering its caller in the outbox where
+it can (recovery's decision); returns the letter and whether it was answered."""
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +41,16 @@ class Intake:
         client: Redis client (asks which requests are cancelled).
         stage: the stage served (its input model).
         router: ends the requests that do not run.
-        recovery: dead-letters the entries that do not decode.
+        unreadable: dead-letters the entries that do not decode.
     """
 
     def __init__(
-        self, client: aioredis.Redis, stage: Stage, router: Router, recovery: Recovery
+        self, client: aioredis.Redis, stage: Stage, router: Router, unreadable: Unreadable
     ) -> None:
         self.client = client
         self.stage = stage
         self.router = router
-        self.recovery = recovery
+        self.unreadable = unreadable
         self.ahead = IdsAhead(f"stage {stage.name}")
 
     def open(self, entries: list[Entry], now: float) -> Batch:
@@ -71,7 +75,7 @@ class Intake:
                 # The gateway sends nothing a worker cannot decode (envelope.wire_problem):
                 # this entry is foreign, corrupted or from another version. Acknowledged so
                 # it cannot poison the stage, kept as a dead letter, and its caller told.
-                letter, answered = self.recovery.unreadable(batch.out, eid, fields, exc)
+                letter, answered = self.unreadable(batch.out, eid, fields, exc)
                 batch.letters.append(letter)
                 if not answered:  # an answered one counts its error with its reply
                     batch.dropped.append(keys.dropped(self.stage.name, eid.decode()))
@@ -116,7 +120,7 @@ class Intake:
 
     async def cancelled(self, entries: list[Entry], ids: list[str], *, mark: bool) -> set[str]:
         """Which of the requests ``ids`` are cancelled: one MGET; with ``mark``, in the
-        same round trip, ``entries`` are marked on the model (:mod:`workers.crashes`: what
+        same round trip, ``entries`` are marked on the model (:mod:`workers.claims`: what
         a crash from here on is charged to). Empty when Redis cannot say (logged)."""
         if not ids:
             return set()
@@ -126,7 +130,7 @@ class Intake:
             if not mark:
                 return await cancelled_among(self.client, keys, ids)
             pipe = self.client.pipeline(transaction=False)
-            crashes.mark(pipe, keys, entries)
+            claims.mark(pipe, keys, entries)
             for rid in ids:  # a GET each: a cluster client's pipeline takes no MGET
                 pipe.get(keys.cancelled(rid))
             found = (await pipe.execute())[len(entries) :]

@@ -44,8 +44,8 @@ import redis.asyncio as aioredis
 
 from pipelines.keys import GROUP
 from runtime.redisio import text
-from workers.batch import Entry
 from workers.load import Load
+from workers.values import Entry
 
 BUSY_BLOCK_MS = 20
 """The longest a read waits for a busy model to free before it returns (empty)."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pipelines.envelope import FIELD
 from pipelines.model import Item
 from pipelines.tokens import capped, entry_cost, estimate
-from workers.batch import BatchRecord, Entry
+from workers.values import BatchRecord, Entry
 
 
 def entry_tokens(entry: Entry, max_length: int | None) -> int:

@@ -30,6 +30,11 @@ class Load(Protocol):
         its tokens there, until saturation)."""
         ...
 
+    @property
+    def input_cap(self) -> int | None:
+        """The model's input cap in tokens, where it has one (None: none, or not loaded)."""
+        ...
+
     async def freed(self, timeout_s: float) -> None:
         """Return once no batch holds the model or waits for it, or ``timeout_s`` later."""
         ...

@@ -1,13 +1,9 @@
-"""The batch loop: read entries, close a window's worth into a batch, run it, publish.
+"""The batch loop: one worker serves one stage, a batch at a time through one step.
 
-One worker serves one stage. It reads with XREADGROUP in its stage's consumer group,
-so starting another worker is all scaling out takes; it reads every lane's stream of the
-stage, interactive first (:mod:`workers.lanes`). When a batch closes is the window's
-to say (:mod:`workers.window`); the model runs in a thread, one batch at a time, while
-the loop assembles the next (:class:`workers.runner.Runner`). Each batch's replies, its
-XACK and its stats increments go in one atomic script call (:mod:`workers.publish`);
-then one observer reports it (:class:`workers.report.Reporter`). Entries a worker left
-behind are :mod:`workers.recovery`'s.
+Each batch goes, in :meth:`Worker._process`: lease its entries → open (decode, admit) →
+run on the model → learn its cost → route its results → publish with its ack → report.
+Where batches come from (a reclaimed suspect alone, else the window) is the source's;
+the walk of one batch is drawn in docs/how-it-works.md.
 """
 
 from __future__ import annotations
@@ -18,34 +14,16 @@ import os
 import secrets
 import socket
 
-from redis.exceptions import ResponseError
-
-from pipelines.envelope import LANES
-from pipelines.graph import single
 from pipelines.model import Model
 from pipelines.registry import Registry
 from pipelines.stages import Stage
-from runtime.redisio import (
-    REDIS_DOWN,
-    RedisClock,
-    agree_on_partitions,
-    connect,
-    until_reachable,
-)
-from workers.alive import AliveFile, Presence
-from workers.batch import Batch, Entry
-from workers.decoding import serve
-from workers.intake import Intake
-from workers.lanes import Lanes
-from workers.lengths import Lengths, input_cap
-from workers.publish import Publisher
-from workers.recovery import Recovery, Settled
-from workers.report import Reporter, Summary
-from workers.route import Router
-from workers.runner import Runner, Seat
+from runtime.redisio import REDIS_DOWN, agree_on_partitions, until_reachable
+from workers.decoding import Decoding
+from workers.parts import Parts
+from workers.report import Summary
+from workers.runner import Runner
 from workers.settings import WorkerSettings
-from workers.source import Source
-from workers.window import Window
+from workers.values import Entry
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +35,6 @@ def consumer_name() -> str:
 
 class Worker:
     """Serves one stage until stopped.
-
-    Each batch goes: source (:class:`Source`: a reclaimed suspect alone, else what the
-    :class:`Window` closed, cut by length; dead letters recovery ended are published
-    first) → intake (:class:`Intake`: decoded, admitted) → run (:meth:`Runner.run`:
-    prepared on the host, launched in its turn once the requests cancelled meanwhile are
-    withdrawn, finished after it, its cost learned) → route (:meth:`Router.route_all`)
-    → publish with its ack (:class:`Publisher`) → report (:class:`Reporter`).
 
     Args:
         stage: the stage to serve.
@@ -80,6 +51,7 @@ class Worker:
             workers in this process (default: its own).
 
     Attributes:
+        parts: what it runs with (:class:`~workers.parts.Parts`), built once.
         consumer: this worker's consumer name in the stage's group.
         streams: the stage's stream of each lane (interactive first), all read.
         history: what the recent batches did (tests, introspection).
@@ -98,40 +70,22 @@ class Worker:
         summary: Summary | None = None,
     ) -> None:
         self.stage, self.settings = stage, settings
-        self.keys = keys = settings.keys.at(partition)
-        self.streams = streams = [keys.stage_stream(stage.name, lane) for lane in LANES]
-        self.consumer = me = consumer or settings.consumer_name or consumer_name()
-        self.client = client = connect(settings, block_ms=settings.block_ms)
-        self.clock = clock = RedisClock()
-        self.router = router = Router(registry or Registry([single(stage)]), keys, stage.name)
-        self._owns_runner = runner is None
-        self.runner = runner = runner or Runner(stage, settings, model)
-        max_batch = settings.max_batch_size or stage.max_batch_size
-        self.lanes = Lanes(client, streams, me, max_batch, settings.bulk_every, runner)
+        self.consumer = consumer or settings.consumer_name or consumer_name()
         self._stopping = asyncio.Event()
-        self.alive = AliveFile(settings.alive_file)
-        self.presence = Presence(client, keys, stage.name, me, clock, settings.alive_stale_s)
-        self.window = Window(stage, settings, self.lanes.read, clock, runner, self._stopping)
-        args = (client, streams, me, settings, router, clock)
-        self.recovery = Recovery(*args, claim_count=max_batch)
-        self.publish = Publisher(client, router, me, settings)
-        self.intake = Intake(client, stage, router, self.recovery)
-        max_tokens = settings.max_batch_tokens
-        if max_tokens is None:
-            max_tokens = stage.max_batch_tokens
-        self.lengths = (
-            Lengths(max_tokens, self.window.overhead_tokens, lambda: input_cap(runner.model))
-            if max_tokens
-            else None
+        self._owns_runner = runner is None
+        self.parts = parts = Parts(
+            stage,
+            settings,
+            model,
+            registry,
+            partition=partition,
+            runner=runner,
+            consumer=self.consumer,
+            summary=summary,
+            stopping=self._stopping,
         )
-        parts = (self.window, self.lanes, self.recovery, self.lengths)
-        self.source = Source(client, keys, stage.name, streams, *parts)
-        aware = self.lengths is not None
-        self.seat = Seat(client, keys, settings, clock, self.intake, self.window, aware)
-        self.summary = summary = summary or Summary(stage.name, settings.log_summary_s)
-        gauges = self.window.gauges
-        self.report = Reporter(stage.name, me, clock, summary, runner.breaches, gauges)
-        self.history = self.report.history
+        self.streams, self.runner, self.summary = parts.streams, parts.runner, parts.summary
+        self.history = parts.report.history
         self._joined = False  # the clock calibrated and the group there
         self._fatal: BaseException | None = None  # a batch's unexpected failure ends run()
 
@@ -156,14 +110,15 @@ class Worker:
             await until_reachable(self._join, f"stage {self.stage.name}", self._stopping)
 
     async def _join(self) -> None:
-        await self.clock.calibrate(self.client)
-        await agree_on_partitions(self.client, self.settings.keys)
-        await self.source.ensure_stream()
+        parts = self.parts
+        await parts.clock.calibrate(parts.client)
+        await agree_on_partitions(parts.client, self.settings.keys)
+        await parts.source.ensure_stream()
         self._joined = True
 
     async def close(self) -> None:
         """Release the connection and the model thread (if it is this worker's)."""
-        await self.client.aclose()
+        await self.parts.client.aclose()
         if self._owns_runner:
             self.runner.close()
 
@@ -177,21 +132,22 @@ class Worker:
         await self.start()
         if not self._joined:  # stopped while waiting for Redis
             return 0
+        parts = self.parts
         logger.info(
             "stage %s: consumer %s reading %s (batch<=%d, wait %.1f ms)",
             self.stage.name,
             self.consumer,
             ", ".join(self.streams),
-            self.window.max_batch,
-            self.window.wait_s * 1000,
+            parts.window.max_batch,
+            parts.window.wait_s * 1000,
         )
         decoder = await self.runner.decoder()
         if decoder is not None:
-            return await serve(self, decoder, self._stopping, max_batches, burst)
+            return await Decoding(parts, decoder).serve(self._stopping, max_batches, burst)
         slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
         tasks: set[asyncio.Task[None]] = set()
         # Its own heartbeat says it is alive, idle or not (Redis's idle time cannot).
-        self.presence.start()
+        parts.presence.start()
         batches = 0
 
         def spawn(entries: list[Entry], suspect: bool) -> None:
@@ -202,13 +158,13 @@ class Worker:
         try:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):
                 await slots.acquire()
-                taken = await self.source.next(None if burst else self.settings.block_ms)
-                self.alive.beat()
-                self.summary.tick()
+                taken = await parts.source.next(None if burst else self.settings.block_ms)
+                parts.alive.beat()
+                parts.summary.tick()
                 if self._fatal is not None:
                     raise self._fatal
                 if taken.settled is not None:
-                    await self.settle(taken.settled)
+                    await parts.settle(taken.settled)
                 if not taken.batches:
                     slots.release()
                     if burst and taken.settled is None:
@@ -223,19 +179,19 @@ class Worker:
                     await slots.acquire()
                     spawn(group, False)
                 batches += len(taken.batches)
-            held = self.lanes.release() if self._stopping.is_set() else []
+            held = parts.lanes.release() if self._stopping.is_set() else []
             if held:  # delivered here past a batch's bound (rare): run, not left pending
                 await slots.acquire()
                 spawn(held, False)
         finally:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-            await self.presence.stop(leave=self._stopping.is_set() or burst)
-            self.summary.tick(last=True)
+            await parts.presence.stop(leave=self._stopping.is_set() or burst)
+            parts.summary.tick(last=True)
         if self._fatal is not None:
             raise self._fatal
         if self._stopping.is_set():
-            await self.recovery.leave()
+            await parts.recovery.leave()
         return batches
 
     def _batch_ended(
@@ -254,34 +210,23 @@ class Worker:
             self._fatal = exc
             self._stopping.set()
 
-    async def settle(self, settled: Settled) -> None:
-        """Publish the dead letters recovery ended (answered, acked, kept); a publish that
-        fails is the source's to wait out, as a failed read."""
-        try:
-            await self.publish(*settled)
-        except (*REDIS_DOWN, ResponseError) as exc:
-            await self.source.failed(exc)
-            return
-        self.recovery.published(settled)
-
     async def _process(self, entries: list[Entry], suspect: bool) -> None:
-        # Its entries are kept fresh until they are published: a batch whose publish
-        # waits out Redis is not reclaimed from a worker that is alive.
-        heartbeat = self.recovery.heartbeat(entries)
+        """One batch, from its entries to its report: the worker's step."""
+        parts = self.parts
+        # Held until published: a batch whose publish waits Redis out is not reclaimed
+        # from a worker that is alive.
+        lease = parts.recovery.lease(entries)
         try:
-            batch = self.intake.open(entries, self.clock.now())
-            await self.runner.run(batch, self.seat)
-            self.router.route_all(batch, self.clock.now())
-            await self._publish(batch)
+            batch = parts.intake.open(entries, parts.clock.now())
+            if batch.live:
+                deadline = parts.deadline(req for req, _ in batch.live)
+                ran = await parts.runner.run(batch, parts, deadline)
+                if ran is not None:
+                    batch.took(ran, parts.clock.now())
+                    parts.window.learn(batch, ran)
+                    parts.router.route_all(batch, parts.clock.now())
+            await parts.send([batch])
         finally:
-            await heartbeat.stop()
+            await lease.stop()
             if suspect:
-                self.recovery.suspect_done()
-
-    async def _publish(self, batch: Batch) -> None:
-        """Publish and ack the batch with its stats increments, then report it."""
-        counts, gauges = self.report.counts(batch)
-        published = await self.publish(
-            batch.out, batch.entries, counts, batch.letters, gauges, batch.dropped
-        )
-        self.report.published(batch, published)
+                parts.recovery.suspect_done()

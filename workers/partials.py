@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from pipelines.envelope import Reply, Request, encode
 from pipelines.keys import Keys
-from pipelines.records import cancelled_among
+from runtime.jobs import cancelled_among
 from runtime.redisio import REDIS_DOWN
 from workers.settings import WorkerSettings
 

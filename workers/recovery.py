@@ -1,26 +1,15 @@
-"""Delivery guarantees: reclaiming idle entries, keeping live ones fresh, the delivery
-cap, dead letters, and trimming a stream without losing anything.
+"""Recovery's decisions: when each duty is due, what a reclaimed entry becomes (run with
+its batch-mates, run alone as a suspect, or dead-lettered past the delivery cap), and
+every dead letter a worker writes (past the cap, undecodable, refused by a publish).
 
 - A worker that dies leaves its entries pending; after ``min_idle_ms`` another worker
-  (or the same one, restarted) takes them with XAUTOCLAIM. Those that were on the model
-  when it died are charged the crash and run alone, one at a time ("suspects": one may
-  be what killed its worker); those that were only waiting run in an ordinary batch,
-  beside new entries, uncharged (:mod:`workers.crashes`). A worker restarted under a
-  stable consumer name first takes back its own pending.
-- A worker still running a long batch touches its entries so they never look idle: a
-  slow worker is not robbed (:mod:`workers.heartbeat`).
+  (or the same one, restarted) takes them back (:mod:`workers.claims`). Those that were
+  on the model when it died are charged the crash and run alone ("suspects"); those that
+  were only waiting run in an ordinary batch, uncharged.
 - An entry delivered more than ``max_deliveries`` times (its first read, and each crash
-  it was on the model for) goes to the stage's dead-letter stream instead of running
-  again; its client is told at once. So does an entry that does not decode.
-- The stream is trimmed below the oldest entry still pending or not yet delivered, so
-  trimming never deletes work.
-
-Each duty covers every lane's stream of the stage (:mod:`workers.lanes`): an entry is
-reclaimed, touched, counted and acked on the stream it came from; the stage has one
-dead-letter stream, whose letters keep their envelope (and so their lane).
-
-:class:`Recovery` does these for one worker; trimming and reclaiming are each due on
-their own interval (:class:`Every`), looked at before every read.
+  it was on the model for) is dead-lettered instead of running again; its client is told
+  at once. So is an entry that does not decode, and one whose publish Redis refuses.
+- The stream is trimmed below the oldest entry still pending or not yet delivered.
 """
 
 from __future__ import annotations
@@ -30,8 +19,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -45,90 +33,12 @@ from pipelines.records import DeadLetter
 from runtime.exits import progressed
 from runtime.redisio import REDIS_DOWN, RedisClock, group_missing, text
 from runtime.stats import CHARGED
-from workers.batch import Entry, by_stream
-from workers.crashes import Claimed, claim_idle, own_pending
-from workers.heartbeat import Heartbeat, touch
-from workers.route import Outbox, Router
+from workers.claims import Lease, claim_idle, deliveries, own_pending, touch, trim
+from workers.route import Router
 from workers.settings import WorkerSettings
+from workers.values import Claimed, Due, Entry, Letter, Outbox, Settled, by_stream
 
 logger = logging.getLogger(__name__)
-
-Letter = tuple[str, dict[FieldT, EncodableT]]
-"""A dead letter to add: the stage's dead-letter stream and the entry (see :func:`letter`)."""
-
-
-class Settled(NamedTuple):
-    """Entries recovery ended without running: what the worker publishes for them (their
-    callers' answers, their acks, the stats and their dead letters), in one call."""
-
-    out: Outbox
-    entries: list[Entry]
-    counts: dict[str, float]
-    letters: list[Letter]
-
-
-class Next(NamedTuple):
-    """What recovery hands the worker before a read: a suspect to run alone (None: read
-    new entries), dead letters to publish (None: none), and entries taken back that were
-    not on the model when their worker died, to run as an ordinary batch (none: none)."""
-
-    suspect: Entry | None
-    settled: Settled | None = None
-    waiting: tuple[Entry, ...] = ()
-
-
-async def deliveries(
-    client: aioredis.Redis, stream: str, consumer: str, ids: Sequence[bytes]
-) -> dict[bytes, int]:
-    """How many times each of ``ids`` (owned by ``consumer``) has been delivered."""
-    if not ids:
-        return {}
-    ordered = sorted(ids, key=_id_key)
-    rows = await client.xpending_range(
-        stream,
-        GROUP,
-        min=ordered[0],
-        max=ordered[-1],
-        count=len(ids) * 2 + 16,
-        consumername=consumer,
-    )
-    wanted = set(ids)
-    out: dict[bytes, int] = {}
-    for row in rows:
-        eid = row["message_id"]
-        eid = eid if isinstance(eid, bytes) else str(eid).encode()
-        if eid in wanted:
-            out[eid] = int(row["times_delivered"])
-    return out
-
-
-def _id_key(eid: bytes) -> tuple[int, int]:
-    ms, _, seq = eid.decode().partition("-")
-    return int(ms), int(seq or 0)
-
-
-async def trim(client: aioredis.Redis, stream: str) -> int:
-    """Trim entries below the oldest one still pending or not yet delivered.
-
-    Returns:
-        How many entries the server deleted (approximate trimming deletes whole nodes).
-    """
-    try:
-        groups = await client.xinfo_groups(stream)
-    except ResponseError:
-        return 0
-    group = next((g for g in groups if text(g["name"]) == GROUP), None)
-    if group is None:
-        return 0
-    floor = text(group["last-delivered-id"])
-    if floor in ("0-0", "0"):
-        return 0
-    summary = await client.xpending(stream, GROUP)
-    if summary["pending"]:
-        oldest = text(summary["min"])
-        floor = min(floor, oldest, key=lambda i: _id_key(i.encode()))
-    deleted = await client.xtrim(stream, minid=floor, approximate=True)
-    return int(deleted)
 
 
 def letter(
@@ -206,10 +116,10 @@ class Recovery:
         self._no_suspect_running = asyncio.Event()
         self._no_suspect_running.set()
 
-    async def next(self) -> Next:
+    async def next(self) -> Due:
         """Do the duties now due: trim; when no suspect is queued, reclaim (the first time,
         take back this consumer's own pending first) and sort out what came back
-        (:mod:`workers.crashes`). Then the next suspect, to run alone (its end reported
+        (:mod:`workers.claims`). Then the next suspect, to run alone (its end reported
         with :meth:`suspect_done`), or None: read new entries; with the entries past the
         delivery cap, dead-lettered, for the worker to publish, and the entries taken
         back that were only waiting, to run as an ordinary batch."""
@@ -246,12 +156,12 @@ class Recovery:
             # A suspect only once the dead letters are out (were their publish to fail, a
             # suspect handed out with them would never run, nor report its end) and the
             # entries taken back beside it are handed out (it runs alone: next time).
-            return Next(None, settled, tuple(waiting))
+            return Due(None, settled, tuple(waiting))
         if self._touch.due(now):  # queued, they must not look idle to another worker
             for stream, ids in by_stream(self._suspects).items():
                 await touch(self.client, stream, self.consumer, ids)
         self._no_suspect_running.clear()
-        return Next(self._suspects.popleft(), settled)
+        return Due(self._suspects.popleft(), settled)
 
     def published(self, settled: Settled) -> None:
         """What :meth:`next` dead-lettered is published: count it."""
@@ -261,12 +171,12 @@ class Recovery:
         """The suspect's batch has ended: new entries may be taken again."""
         self._no_suspect_running.set()
 
-    def heartbeat(self, entries: Sequence[Entry]) -> Heartbeat:
+    def lease(self, entries: Sequence[Entry]) -> Lease:
         """Keeps a running batch's entries from being reclaimed until stopped."""
         beat_s = self.settings.min_idle_ms / 3000  # well inside the idle time that reclaims
         # With the suspects queued to run alone after it: they are this worker's too.
         held = by_stream([*entries, *self._suspects])
-        return Heartbeat(self.client, held, self.consumer, beat_s)
+        return Lease(self.client, held, self.consumer, beat_s)
 
     def unreadable(
         self, out: Outbox, eid: bytes, fields: dict[bytes, bytes], exc: EnvelopeError
@@ -373,3 +283,69 @@ class Recovery:
 
     def _letter(self, eid: bytes, fields: dict[bytes, bytes], times: int, error: str) -> Letter:
         return self.router.keys.dead_letters(self.router.stage), letter(eid, fields, times, error)
+
+    def set_aside(
+        self,
+        out: Outbox,
+        entries: Sequence[Entry],
+        refused: Mapping[str, tuple[str, str]],
+        letters: Sequence[Letter],
+    ) -> tuple[list[Letter], list[str]]:
+        """Requests a publish refused (a key of theirs holds another type: the call wrote
+        nothing) are dead-lettered, so their batch-mates publish without them: their
+        effects are taken out of ``out`` (in place), each caller answered instead where
+        its reply address is a safe one (of this namespace, and not a refused key).
+
+        Args:
+                out: the batch's outbox.
+            entries: the batch's entries (each refused request's entries are found by its
+                "done" marker).
+            refused: (key, its type) by "done" marker, as :class:`~workers.publish.Published`
+                says.
+            letters: the dead letters the batch already adds (an entry among them is not
+                added twice).
+
+        Returns:
+            The dead letters to add, and the markers (``Keys.dropped``) of the refused
+            requests left unanswered, each to count one error.
+        """
+        router = self.router
+        keys, stage = router.keys, router.stage
+        refused_keys = {key for key, _ in refused.values()}
+        lettered = {text(fields.get(DeadLetter.ENTRY, b"")) for _, fields in letters}
+        by_marker: dict[str, list[Entry]] = {}
+        for entry in entries:
+            who = sender(entry.fields)
+            if who is not None:
+                by_marker.setdefault(keys.done(who.id, who.step), []).append(entry)
+        added: list[Letter] = []
+        dropped: list[str] = []
+        for marker, (key, kind) in refused.items():
+            del out.effects[marker]
+            message = (
+                f"its result could not be published: Redis key {key!r} holds a {kind}, not "
+                f"what stage {stage!r} writes there; dead-lettered: `conveyor dlq list {stage}`"
+            )
+            culprits = by_marker.get(marker, [])
+            logger.error(
+                "stage %s: %d entr%s dead-lettered (%s): %s",
+                stage,
+                len(culprits),
+                "y" if len(culprits) == 1 else "ies",
+                marker,
+                message,
+            )
+            if not culprits:
+                continue
+            who = sender(culprits[0].fields)
+            if (
+                who is None
+                or who.reply_to in refused_keys
+                or not router.fail_unreadable(out, who, message)
+            ):
+                dropped.append(keys.dropped(stage, text(culprits[0].id)))
+            for entry in culprits:
+                if text(entry.id) not in lettered:
+                    fields = letter(entry.id, entry.fields, 1, message)
+                    added.append((keys.dead_letters(stage), fields))
+        return added, dropped

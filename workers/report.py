@@ -14,9 +14,9 @@ from pipelines.outcomes import Outcome
 from runtime import stats, tracing
 from runtime.redisio import RedisClock
 from runtime.stats import CONTRACT
-from workers.batch import Batch, BatchRecord, Breaches
-from workers.publish import Published
+from workers.contract import Breaches
 from workers.spans import record_batch
+from workers.values import Batch, BatchRecord, Published
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ sets it; a later one is counted at its stage and answers nothing.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -34,7 +33,8 @@ from pipelines.model import Result
 from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
 from pipelines.settings import MAX_DEADLINE_S
-from workers.batch import Batch, checked
+from workers.contract import checked
+from workers.values import Batch, Effects, JoinArrival, Outbox
 
 logger = logging.getLogger(__name__)
 
@@ -45,65 +45,6 @@ LATE_S = JOIN_GRACE_S / 2
 """A result this long past its deadline is dropped unpublished: the marker that would stop
 a second publish of it (another worker already answered) may have expired. Half the grace
 leaves room for the truncated TTL and for clocks."""
-
-
-@dataclass
-class JoinArrival:
-    """A branch output arriving at a join (see :data:`workers.publish.JOIN_SCRIPT`)."""
-
-    key: str
-    stream: str
-    branch: str
-    output: bytes
-    expected: int
-    envelope: bytes
-    ttl_s: int
-
-
-@dataclass
-class Effects:
-    """What finishing one request's step publishes.
-
-    Attributes:
-        marker_ttl_s: how long the "done" marker guarding these effects lives.
-        replies: (reply stream or job key, reply).
-        forwards: (next stage stream, request).
-        joins: branch outputs arriving at joins.
-        failed_joins: (join key, ttl) of joins a failed branch cancels.
-        answer_marker: when set (a failed branch: its join's "done" marker), the replies
-            and failed joins run only if this marker is absent too, and set it, so the
-            branches of one join answer a request once between them.
-        cancel_marker: the request's cancellation marker (``Keys.cancelled``): if it
-            exists when the batch publishes, none of these effects are (the request was
-            cancelled while its step ran) and the request counts as ``cancelled``.
-    """
-
-    marker_ttl_s: int
-    replies: list[tuple[str, Reply]] = field(default_factory=list)
-    forwards: list[tuple[str, Request]] = field(default_factory=list)
-    joins: list[JoinArrival] = field(default_factory=list)
-    failed_joins: list[tuple[str, int]] = field(default_factory=list)
-    answer_marker: str | None = None
-    cancel_marker: str | None = None
-
-    def outcome(self) -> Outcome:
-        """The request's outcome at this step: its failure reply's, else ``ok`` (answered,
-        or handed on to the next step)."""
-        for _, reply in self.replies:
-            if reply.outcome != Outcome.OK and reply.outcome != "partial":
-                return reply.outcome
-        return Outcome.OK
-
-
-@dataclass
-class Outbox:
-    """Everything one batch publishes, by "done" marker key, in one transaction with its ack."""
-
-    effects: dict[str, Effects] = field(default_factory=dict)
-
-    def replies(self) -> list[Reply]:
-        """Every reply of the batch."""
-        return [reply for e in self.effects.values() for _, reply in e.replies]
 
 
 def client_message(exc: BaseException) -> str:
@@ -218,7 +159,7 @@ class Router:
 
     def route(self, out: Outbox, req: Request, result: Result | BaseException, now: float) -> None:
         """End ``req``'s step with the model's ``result``: expired if it came late, its
-        error if it failed or cannot be sent (:func:`workers.batch.checked`), else on."""
+        error if it failed or cannot be sent (:func:`workers.contract.checked`), else on."""
         if self.late(out, req, now):
             return
         result = checked(result)

@@ -80,7 +80,7 @@ class WorkerSettings(CommonSettings):
         reclaim_interval_ms: how often a worker looks for idle entries to reclaim.
         max_deliveries: an entry delivered more often goes to the dead-letter stream (a
             delivery: its first read, and each crash of a worker while it was on the
-            model, :mod:`workers.crashes`).
+            model, :mod:`workers.claims`).
         trim_interval_s: how often a worker trims its stage stream (done work only).
         alive_file: a file the worker's loop touches each time it comes round, for a
             liveness probe (:mod:`workers.alive`); unset: none.

@@ -17,11 +17,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import Keys
-from runtime.redisio import REDIS_DOWN, Backoff, ensure_group, group_missing
-from workers.batch import Entry
+from runtime.redisio import REDIS_DOWN, ensure_group, group_missing
+from runtime.waiting import Backoff
 from workers.lanes import Lanes
 from workers.lengths import Lengths
-from workers.recovery import Recovery, Settled
+from workers.recovery import Recovery
+from workers.values import Entry, Settled
 from workers.window import Window
 
 logger = logging.getLogger(__name__)

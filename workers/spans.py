@@ -15,7 +15,7 @@ own trace), and for each request it ran, under that request's root span (its env
 from __future__ import annotations
 
 from runtime import tracing
-from workers.batch import Batch
+from workers.values import Batch
 
 
 def record_batch(stage: str, batch: Batch, published_s: float, consumer: str) -> None:

@@ -17,10 +17,11 @@ from collections.abc import Awaitable, Callable
 from pipelines.stages import Stage
 from runtime.redisio import REDIS_DOWN, RedisClock, arrival
 from runtime.stats import COST_A, COST_B
-from workers.batch import Entry
+from workers.lengths import account
 from workers.load import Load
 from workers.policy import FLAT_OVERHEAD_TOKENS, OVERHEAD_PRIOR_TOKENS, BatchPolicy
 from workers.settings import WorkerSettings
+from workers.values import Batch, Entry, Ran
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Window:
         wait_ms = stage.batch_wait_ms if settings.batch_wait_ms is None else settings.batch_wait_ms
         self.wait_s = wait_ms / 1000.0
         self.policy = BatchPolicy(self.max_batch) if settings.adaptive_batching else None
+        max_tokens = settings.max_batch_tokens
+        self.max_tokens = stage.max_batch_tokens if max_tokens is None else max_tokens
         self._stage = stage.name
         self._read = read
         self._clock = clock
@@ -103,11 +106,14 @@ class Window:
             logger.warning("stage %s: read refused (%s); the batch closes", self._stage, exc)
             return None
 
-    def learn(self, items: int, units: int, run_s: float) -> None:
-        """A batch of ``items`` took ``run_s`` of model time; ``units`` is what its cost is
-        learned on: ``items`` again, or its padded tokens (a length-aware stage)."""
-        if self.policy is not None:
-            self.policy.observe(items, units, run_s)
+    def learn(self, batch: Batch, ran: Ran) -> None:
+        """``ran`` is what ``batch`` ran: its tokens are noted in its record and, unless it
+        met a cold shape or was cut short, its cost is learned, per item or, on a
+        length-aware stage, per padded token."""
+        padded = account(batch.record, ran.items, self._load.input_cap)
+        if self.policy is not None and ran.sample:
+            units = padded if self.max_tokens else len(ran.items)
+            self.policy.observe(len(ran.items), units, ran.run_s)
 
     def overhead_tokens(self) -> float:
         """A batch's learned fixed cost in tokens (:mod:`workers.lengths` splits by it)."""

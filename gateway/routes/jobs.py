@@ -13,7 +13,8 @@ from gateway.responses import JobAccepted, JobView, declared
 from gateway.routes import BODY_ERRORS, json_response
 from gateway.service import Gateway
 from pipelines.graph import Pipeline
-from pipelines.records import QUEUED, JobField
+from pipelines.outcomes import QUEUED
+from pipelines.records import JobField
 
 JobId = Annotated[str, Path(max_length=128)]
 
@@ -68,11 +69,8 @@ def _add_submit_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[
         http: Request, payload: BaseModel, sent: Annotated[Sent, sent_on("job")]
     ) -> Response:
         data = payload.model_dump(mode="json")
-        budget = gw.timeout_for(sent.timeout_s, job=True)
         owner = principal(http.scope)
-        request = await gw.enqueue(
-            pipeline, data, budget, sent.trace, job=True, owner=owner, lane=sent.lane
-        )
+        request = await gw.enqueue(pipeline, data, sent, job=True, owner=owner)
         location = f"/v1/jobs/{request.id}"
         body = {JobField.ID: request.id, JobField.STATUS: QUEUED, "url": location}
         return json_response(body, 202, {"Location": location, "X-Request-Id": request.id})

@@ -10,7 +10,7 @@ from gateway.routes import json_response
 from gateway.service import Gateway
 from gateway.status import status_router
 from runtime.redisio import REDIS_DOWN
-from runtime.stats import render_stage_metrics
+from runtime.stage_metrics import render_stage_metrics
 
 NOT_READY: dict[int | str, dict[str, Any]] = {
     503: {"model": Readiness, "description": "Redis does not answer."}

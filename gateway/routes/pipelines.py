@@ -65,11 +65,8 @@ def query_field(model: type[BaseModel]) -> str | None:
 def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def run(http: Request, payload: BaseModel, sent: Sent) -> Response:
         data = payload.model_dump(mode="json")
-        budget = gw.timeout_for(sent.timeout_s)
         # The body is read: what receive says next is the client going away.
-        request_id, reply = await gw.call(
-            pipeline, data, budget, sent.trace, http.receive, sent.lane
-        )
+        request_id, reply = await gw.call(pipeline, data, sent, http.receive)
         return reply_response(reply, request_id)
 
     async def post(
@@ -200,24 +197,15 @@ async def open_stream(
     Raises:
         ConveyorError: refused before anything streams (503 and the like).
     """
-    budget = gw.timeout_for(sent.timeout_s)
     request_id = new_request_id()
     queue = gw.replies.expect_stream(request_id)
     try:
         # Refusals (503) happen here, before the stream starts, as plain HTTP errors.
-        request = await gw.enqueue(
-            pipeline,
-            payload,
-            budget,
-            sent.trace,
-            request_id=request_id,
-            stream=True,
-            lane=sent.lane,
-        )
+        request = await gw.enqueue(pipeline, payload, sent, request_id=request_id, stream=True)
     except BaseException:
         gw.replies.forget(request_id)
         raise
-    relay = Relay(queue, budget)
+    relay = Relay(queue, gw.timeout_for(sent.timeout_s))
 
     def ended() -> None:
         gw.replies.forget(request_id)

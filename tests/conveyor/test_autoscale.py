@@ -31,7 +31,7 @@ from pipelines.envelope import Reply, decode_reply
 from pipelines.errors import ConfigError
 from pipelines.keys import Keys
 from pipelines.settings import CommonSettings
-from runtime.stats import StageStatus, stage_status
+from runtime.status import StageStatus, stage_status
 from tests.helpers import REPO, Harness
 from tests.scaleapp import SYNTHETIC
 

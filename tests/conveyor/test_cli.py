@@ -23,7 +23,7 @@ from conveyor.supervisor import worker_groups
 from pipelines.builtin import builtin_pipelines
 from pipelines.keys import Keys
 from pipelines.registry import Registry
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.gateway.test_lanes import put
 from tests.helpers import (
     REPO,

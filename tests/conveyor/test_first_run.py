@@ -238,7 +238,7 @@ def test_a_runner_is_given_only_the_options_its_constructor_takes(cache_dir: Pat
             "embed",
             {"CONVEYOR_MODELS": '{"embed": "/weights/none"}', "CONVEYOR_PIPELINES": "embed"},
             "conveyor: stage 'embed': cannot load model '/weights/none' with "
-            "workers.models.hf_encode:Embedder: OSError: ",
+            "workers.models.hf_embed:Embedder: OSError: ",
         ),
     ],
 )

@@ -8,8 +8,7 @@ from typing import Any
 import yaml
 
 from conveyor.keda import TriggerOptions, triggers
-from pipelines.envelope import LANES
-from pipelines.keys import Keys
+from pipelines.keys import LANES, Keys
 from tests.helpers import REPO, conveyor
 
 

@@ -33,7 +33,7 @@ from pipelines.builtin import builtin_pipelines
 from pipelines.errors import ConfigError
 from pipelines.registry import Registry, load_registry
 from pipelines.stages import BUILTIN, Resources, Stage, TextIn
-from runtime.stats import StageStatus
+from runtime.status import StageStatus
 from tests.helpers import REPO, up_env, wait_for_line
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))

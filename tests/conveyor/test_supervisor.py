@@ -27,7 +27,8 @@ from conveyor.supervisor import StopAsked, Supervisor
 from pipelines.errors import ConfigError
 from pipelines.keys import Keys
 from pipelines.settings import CommonSettings, load_settings
-from runtime.stats import RESTARTS, StageStatus, read_stats
+from runtime.stats import RESTARTS, read_stats
+from runtime.status import StageStatus
 from tests.conveyor.test_cli import CONVEYOR
 from tests.helpers import REPO, until, up_env, wait_for_line, wait_ready
 

@@ -14,8 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from conveyor.embedded import Cluster, cluster
 from pipelines.builtin import builtin_pipelines
-from pipelines.envelope import LANES
-from pipelines.keys import GROUP, Keys
+from pipelines.keys import GROUP, LANES, Keys
 from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from runtime.redisio import connect

@@ -42,8 +42,7 @@ from redis.retry import Retry
 
 from conveyor.embedded import find_redis_server, free_port
 from gateway.settings import GatewaySettings
-from pipelines.envelope import LANES
-from pipelines.keys import GROUP, Keys
+from pipelines.keys import GROUP, LANES, Keys
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings
 from tests.deploy.kedacrd import assert_match_keda_crd, crd_problems

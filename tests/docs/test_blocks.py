@@ -51,7 +51,7 @@ COMMANDS = {"bash", "console"}
 NOT_RUN = {"text", "yaml", "json"}
 PORT = re.compile(r"(?:localhost|127\.0\.0\.1):8000\b")
 REDIS_URL = re.compile(r"`CONVEYOR_REDIS_URL=(redis://\S+) ")
-"""Where ``conveyor up`` prints its embedded Redis (conveyor/supervisor.py)."""
+"""Where ``conveyor up`` prints its embedded Redis (conveyor/embedded.py)."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ from gateway.admission import Admission
 from pipelines.errors import Overloaded
 from pipelines.keys import GROUP
 from runtime.redisio import ensure_group, text
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.helpers import Harness
 
 

@@ -23,9 +23,9 @@ from pipelines.errors import Cancelled
 from pipelines.graph import single
 from pipelines.model import Model
 from pipelines.outcomes import Outcome
-from pipelines.records import CANCEL_GRACE_S
 from pipelines.registry import Registry
 from pipelines.stages import GenerateIn, Stage
+from runtime.jobs import CANCEL_GRACE_S
 from tests.gateway.test_streaming_jobs import Gated
 from tests.helpers import Doubler, Harness, number_stage, until
 

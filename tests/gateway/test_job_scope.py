@@ -6,7 +6,8 @@ import httpx
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from pipelines.records import DONE, QUEUED, JobField
+from pipelines.outcomes import DONE, QUEUED
+from pipelines.records import JobField
 from runtime.redisio import text
 from tests.helpers import Doubler, Harness, number_stage, until
 

@@ -11,11 +11,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.admission import Admission
-from pipelines.envelope import Lane, Request, decode_request
+from pipelines.envelope import Request, decode_request
 from pipelines.errors import Overloaded
-from pipelines.keys import GROUP
+from pipelines.keys import GROUP, Lane
 from pipelines.stages import GenerateIn, Stage
-from runtime.stats import LaneStatus, stage_status
+from runtime.status import LaneStatus, stage_status
 from tests.helpers import Harness, beating, number_stage
 
 FAST = {"X-Conveyor-Timeout": "0.2"}  # no worker runs: a sync call ends in a 504

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.edge import HTTP_FAMILIES
 from runtime.metrics import Exposition
-from runtime.stats import STAGE_FAMILIES
+from runtime.stage_metrics import STAGE_FAMILIES
 from tests.helpers import Doubler, Harness, number_stage
 
 TYPES = {family.name: family.type for family in (*HTTP_FAMILIES, *STAGE_FAMILIES)}

@@ -165,7 +165,8 @@ def test_an_envelope_that_decodes_can_always_be_ended(
     from pipelines.builtin import builtin_pipelines
     from pipelines.registry import Registry
     from pipelines.settings import CommonSettings
-    from workers.route import Outbox, Router
+    from workers.route import Router
+    from workers.values import Outbox
 
     raw = {"deadline": deadline, "enqueue_by": enqueue_by, "attempt": attempt}
     fields = dict(envelope({"value": 1}).model_dump(mode="json"), step="adder")

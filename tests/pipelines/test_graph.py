@@ -21,8 +21,10 @@ from pipelines.registry import Registry
 from pipelines.settings import CommonSettings
 from runtime.redisio import RedisClock, connect, ensure_group
 from tests.helpers import Harness, until
+from workers.plan import Call
 from workers.publish import publish
-from workers.route import Outbox, Router
+from workers.route import Router
+from workers.values import Outbox
 
 
 def builtins(*names: str) -> Registry:
@@ -192,17 +194,9 @@ async def test_join_fires_exactly_once_under_concurrent_arrivals(
         out = Outbox()
         router.succeed(out, req, {"value": 0}, now=0.0)
         assert [len(e.joins) for e in out.effects.values()] == [1]
-        await publish(
-            client,
-            out,
-            stream="unused",
-            entry_ids=[],
-            stats_key="unused-stats",
-            stats={},
-            reply_maxlen=1000,
-            reply_ttl_s=60,
-            token_key=harness.keys.publish_token(uuid.uuid4().hex),
-        )
+        token = harness.keys.publish_token(uuid.uuid4().hex)
+        call = Call(out, {}, "unused-stats", {}, token, reply_maxlen=1000, reply_ttl_s=60)
+        await publish(client, call)
 
     # both branches of each request land at the same moment, over two connections
     await asyncio.gather(*(arrive(r, clients[i % 2]) for i, r in enumerate(requests)))
@@ -401,17 +395,10 @@ async def test_publish_acks_more_entries_than_one_script_command_can_take(
     read: Any = await redis.xreadgroup(GROUP, "c1", {stream: ">"}, count=5000)
     assert len(read[0][1]) == 4096
     stats = harness.keys.stage_stats("big")
-    await publish(
-        redis,
-        Outbox(),
-        stream=stream,
-        entry_ids=ids,
-        stats_key=stats,
-        stats={"batches": 1, "run_seconds:sum": 0.25},
-        reply_maxlen=1000,
-        reply_ttl_s=60,
-        token_key=harness.keys.publish_token("big"),
-    )
+    counts = {"batches": 1, "run_seconds:sum": 0.25}
+    token = harness.keys.publish_token("big")
+    call = Call(Outbox(), {stream: ids}, stats, counts, token, reply_maxlen=1000, reply_ttl_s=60)
+    await publish(redis, call)
     assert (await redis.xpending(stream, GROUP))["pending"] == 0
     assert await redis.hget(stats, "batches") == b"1"
     assert await redis.hget(stats, "run_seconds:sum") == b"0.25"

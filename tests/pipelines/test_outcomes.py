@@ -9,8 +9,8 @@ import pytest
 
 from pipelines.envelope import FIELD, Reply, decode_reply, dumps
 from pipelines.errors import Cancelled, DeadlineExceeded
-from pipelines.outcomes import Outcome
-from pipelines.records import CANCELLED, DONE, EXPIRED, FAILED, JobField, job_finished
+from pipelines.outcomes import CANCELLED, DONE, EXPIRED, FAILED, Outcome
+from pipelines.records import JobField, job_finished
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,20 +11,9 @@ from redis.typing import EncodableT, FieldT
 
 from pipelines.envelope import Reply, Request
 from pipelines.keys import Keys
-from pipelines.outcomes import Outcome
-from pipelines.records import (
-    DONE,
-    EXPIRED,
-    EXPIRED_ERROR,
-    FAILED,
-    QUEUED,
-    DeadLetter,
-    JobField,
-    JobRecord,
-    Parked,
-    create_job,
-    job_finished,
-)
+from pipelines.outcomes import DONE, EXPIRED, FAILED, QUEUED, Outcome
+from pipelines.records import EXPIRED_ERROR, DeadLetter, JobField, JobRecord, Parked, job_finished
+from runtime.jobs import create_job
 from runtime.redisio import enqueue
 
 

@@ -12,7 +12,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from pipelines.keys import Keys
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.helpers import REPO, GatewayProcess, until
 
 CLIENTS = 64

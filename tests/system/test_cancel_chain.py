@@ -9,7 +9,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from pipelines.keys import Keys
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.faultapp import spawn
 from tests.helpers import GatewayProcess, until
 

@@ -19,7 +19,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from conveyor.embedded import Cluster, cluster
 from pipelines.keys import Keys
-from runtime.stats import read_stats, stage_status
+from runtime.stats import read_stats
+from runtime.status import stage_status
 from tests.faultapp import spawn, stop
 from tests.helpers import GatewayProcess, until
 

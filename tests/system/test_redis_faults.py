@@ -19,10 +19,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port, start_redis
-from pipelines.envelope import LANES, Lane, decode_reply
-from pipelines.keys import GROUP
+from pipelines.envelope import decode_reply
+from pipelines.keys import GROUP, LANES, Lane
 from runtime.redisio import text
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.faultapp import SLOW, TEXTS, SlowTexts, spawn, stop
 from tests.helpers import Doubler, Harness, number_stage, until, wait_ready
 

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from pipelines.keys import GROUP
 from runtime.redisio import text
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.faultapp import SLOW, spawn, stop
 from tests.helpers import Harness, conveyor, until
 

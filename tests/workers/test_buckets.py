@@ -1,4 +1,4 @@
-"""Shape buckets, warmed before ready (issue 24, item 1), proven on a simulated device.
+"""Shape buckets, warmed before ready, proven on a simulated device.
 
 Real models (MiniLM, tiny random-weight ones), a real redis-server, a real worker. The
 simulated accelerator (:mod:`workers.models.simulated`) charges the first call of each

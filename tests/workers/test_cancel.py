@@ -22,23 +22,16 @@ from pipelines.errors import Cancelled
 from pipelines.graph import Pipeline, function
 from pipelines.keys import GROUP
 from pipelines.model import Item, Result
-from pipelines.outcomes import Outcome
-from pipelines.records import (
-    CANCELLED,
-    DONE,
-    JobRecord,
-    create_job,
-    job_cancelled,
-    mark_cancelled,
-)
+from pipelines.outcomes import CANCELLED, DONE, Outcome
+from pipelines.records import JobRecord, job_cancelled
 from pipelines.registry import Registry
+from runtime.jobs import create_job, mark_cancelled
 from runtime.redisio import enqueue
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.faultapp import spawn
 from tests.helpers import Doubler, Harness, NumberIn, number_stage, until
 from tests.workers.test_publish import publish_batch, read_batch
-from workers.publish import Published
-from workers.route import Effects, Outbox
+from workers.values import Effects, Outbox, Published
 
 
 async def cancel(redis: aioredis.Redis, harness: Harness, req: Request) -> None:

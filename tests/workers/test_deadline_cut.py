@@ -15,7 +15,7 @@ from pipelines.envelope import decode_reply
 from pipelines.errors import DeadlineExceeded
 from pipelines.model import Item, Result, batch_deadline, check_deadline
 from tests.helpers import Harness, number_stage, until
-from workers.batch import run_isolating
+from workers.contract import run_isolating
 
 
 class Steps:

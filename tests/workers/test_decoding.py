@@ -21,8 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.outcomes import Outcome
-from pipelines.records import mark_cancelled
 from pipelines.stages import BUILTIN
+from runtime.jobs import mark_cancelled
 from tests.helpers import REPO, Harness, beating, died_running, read_sse, until
 from workers.loop import Worker
 from workers.models.decoder import Decoder, Generation
@@ -57,8 +57,8 @@ def test_greedy_output_is_the_prompt_decoded_alone_whoever_joins_and_leaves(
         if waiting and steps % 4 == 0:  # a few join every fourth step; others end
             count = pick.randint(1, 3)
             joining, waiting = waiting[:count], waiting[count:]
-            decoder.join(joining)
-        decoder.step()
+            decoder.prefill(joining)
+        decoder.advance()
         widest = max(widest, len(decoder.rows))
         steps += 1
     assert widest > 1  # they did run side by side
@@ -92,15 +92,15 @@ def test_a_rotary_model_decodes_as_alone_too(generator: Generator, tmp_path: Pat
     decoder = llama.continuous_decoder(100_000)
     assert decoder is not None
     generations = [s for s in decoder.open(items) if not isinstance(s, BaseException)]
-    decoder.join(generations[:2])
+    decoder.prefill(generations[:2])
     for step in range(200):
         if step in (3, 7) and len(generations) > 2:  # two join mid-way, one at a time
-            decoder.join([generations[2 + (step == 7)]])
+            decoder.prefill([generations[2 + (step == 7)]])
         if step == 11:
-            decoder.join(generations[4:])
+            decoder.prefill(generations[4:])
         if not decoder.rows and step > 11:
             break
-        decoder.step()
+        decoder.advance()
     assert [s.ids for s in generations] == alone
 
 
@@ -112,9 +112,9 @@ def test_the_budget_bounds_rows_times_the_longest_reservation(generator: Generat
     assert not isinstance(third, BaseException)
     reserved = first.reserved  # its prompt's tokens and its 30 new ones
     assert decoder.fits(first)
-    decoder.join([first])
+    decoder.prefill([first])
     assert decoder.fits(second) == (2 * reserved <= 120)
-    decoder.join([second])
+    decoder.prefill([second])
     assert not decoder.fits(third) or 3 * reserved <= 120
     assert decoder.fits(third) == (3 * reserved <= 120)
 
@@ -128,9 +128,9 @@ def test_a_seeded_request_samples_the_same_text_beside_any_others(generator: Gen
             {"text": t, "max_new_tokens": 20, "temperature": 1.0} for t in prompts(company, 5)
         ]
         opened = decoder.open([*others, asked])
-        decoder.join([s for s in opened if not isinstance(s, BaseException)])
+        decoder.prefill([s for s in opened if not isinstance(s, BaseException)])
         while decoder.rows:
-            decoder.step()
+            decoder.advance()
         mine = opened[-1]
         assert not isinstance(mine, BaseException)
         runs.append(mine.ids)
@@ -138,9 +138,9 @@ def test_a_seeded_request_samples_the_same_text_beside_any_others(generator: Gen
     other_seed = Decoder(generator, budget=100_000)
     (differs,) = other_seed.open([{**asked, "seed": 12}])
     assert not isinstance(differs, BaseException)
-    other_seed.join([differs])
+    other_seed.prefill([differs])
     while other_seed.rows:
-        other_seed.step()
+        other_seed.advance()
     assert differs.ids != runs[0]
 
 
@@ -402,7 +402,7 @@ async def test_a_suspect_that_ends_before_it_runs_lets_the_worker_go_on(
     # takes it back, its deadline has passed: it is answered without running, and the
     # new worker must go on reading (a suspect that never ran must not hold recovery).
     stream = harness.keys.stage_stream(GENERATE.name)
-    await harness.worker(GENERATE, device="cpu").source.ensure_stream()
+    await harness.worker(GENERATE, device="cpu").parts.source.ensure_stream()
     (late,) = await harness.enqueue(GENERATE.name, [{"text": "x"}], deadline_in=0.3)
     await died_running(redis, harness.keys, stream)
     await asyncio.sleep(0.5)  # past its deadline (no event marks a deadline passing)
@@ -426,10 +426,10 @@ class FailsOnBoom(Generator):
 
 
 class Booming(Decoder):
-    def step(self) -> list[Generation]:
+    def advance(self) -> list[Generation]:
         if any("boom" in str(g.item.get("text")) for g in self.rows):
             raise RuntimeError("the device fell over")
-        return super().step()
+        return super().advance()
 
 
 async def test_a_failing_step_fails_its_batch_and_the_worker_serves_on(

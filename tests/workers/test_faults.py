@@ -25,11 +25,11 @@ from pipelines.envelope import Request, decode_reply, encode
 from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.faultapp import CRASHY, SLOW, spawn
 from tests.helpers import Doubler, Harness, died_running, number_stage, until
+from workers.claims import trim
 from workers.models.toy import Adder
-from workers.recovery import trim
 
 
 async def replies(redis: aioredis.Redis, stream: str) -> list[dict[str, Any]]:
@@ -275,7 +275,7 @@ async def test_dlq_cli_lists_replays_and_purges(harness: Harness, redis: aioredi
 async def _claimed_and_lettered(worker: Any, n: int) -> bool:
     # drive the worker one batch at a time until it has dead-lettered n entries
     await worker.run(max_batches=1, burst=True)
-    return bool(worker.recovery.dead_lettered >= n)
+    return bool(worker.parts.recovery.dead_lettered >= n)
 
 
 async def test_trimming_never_deletes_pending_or_undelivered_work(

@@ -1,5 +1,6 @@
-"""The worker as a flow (issue 30, item 6): lower rooms never import higher ones to ask
-a question, and the source does not publish (read from the modules' own imports)."""
+"""The worker as a flow: lower rooms never import higher ones to ask a question, the
+stages sit side by side, and the values sit below them all (read from the modules' own
+imports)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,28 @@ def test_a_batch_lives_beside_the_other_batch_types() -> None:
         isinstance(node, ast.ClassDef) and node.name == "Batch"
         for node in ast.walk(ast.parse((ROOT / "intake.py").read_text()))
     )
+
+
+STAGES = ("intake", "runner", "publish", "report")
+
+
+def test_the_values_import_nothing_of_the_worker() -> None:
+    assert not any(name.startswith("workers") for name in imported("values"))
+
+
+def test_the_stages_import_neither_each_other_nor_recovery() -> None:
+    for stage in STAGES:
+        names = imported(stage)
+        others = {f"workers.{other}" for other in (*STAGES, "recovery", "loop", "parts")}
+        assert not names & (others - {f"workers.{stage}"}), stage
+
+
+def test_the_runner_learns_nothing_itself() -> None:
+    names = imported("runner")
+    assert not names & {"workers.window", "workers.intake", "workers.claims", "workers.partials"}
+
+
+def test_the_two_loops_share_one_set_of_parts_and_neither_imports_the_other() -> None:
+    assert "workers.loop" not in imported("decoding")
+    assert "workers.parts" in imported("decoding")
+    assert "workers.parts" in imported("loop")

@@ -1,4 +1,4 @@
-"""CUDA graphs per shape bucket (issue 24, item 5), behind ``CONVEYOR_CUDA_GRAPHS``.
+"""CUDA graphs per shape bucket, behind ``CONVEYOR_CUDA_GRAPHS``.
 
 Without a GPU: the setting reads and refuses as every setting does, and where a runner
 cannot capture (on the CPU, buckets off, a capture that raises) one log line says why and

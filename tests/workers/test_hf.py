@@ -572,7 +572,7 @@ def test_empty_batch(factory: Callable[[str], Any], hf_cache: str) -> None:
 def test_extractive_summarizer_ranks_a_bounded_opening(
     extractive: ExtractiveSummarizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Issue 23, break 4: 100k characters of "Go. " (25,000 sentences) held the model
+    # 100k characters of "Go. " (25,000 sentences) used to hold the model
     # thread, shared with embed and sentiment, for 40 s.
     embedded: list[int] = []
     embed = extractive.embedder.embed

@@ -10,10 +10,10 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from pipelines.builtin import ADDER, MULTIPLIER, builtin_pipelines
-from pipelines.envelope import LANES, Lane, Request, decode_reply, decode_request
-from pipelines.keys import GROUP
-from pipelines.records import mark_cancelled
+from pipelines.envelope import Request, decode_reply, decode_request
+from pipelines.keys import GROUP, LANES, Lane
 from pipelines.registry import Registry
+from runtime.jobs import mark_cancelled
 from runtime.redisio import enqueue
 from tests.helpers import Doubler, Harness, conveyor, died_running, number_stage, until
 from workers.loop import Worker
@@ -174,7 +174,7 @@ async def test_a_bulk_entry_delivered_too_often_is_dead_lettered_and_replayed_to
 
     async def lettered() -> bool:
         await worker.run(max_batches=1, burst=True)
-        return worker.recovery.dead_lettered >= 1
+        return worker.parts.recovery.dead_lettered >= 1
 
     await until(lettered, 30)
     assert (await redis.xpending(lanes["bulk"], GROUP))["pending"] == 0  # acked on bulk
@@ -235,10 +235,10 @@ async def test_slots_held_by_running_sequences_count_against_each_lanes_share(
     # a read takes no more bulk, however many slots are free.
     stage = number_stage(max_batch_size=4)
     worker = harness.worker(stage, Doubler(), bulk_every=4)  # reserve: one slot of four
-    await worker.source.ensure_stream()
+    await worker.parts.source.ensure_stream()
     await send(harness, "interactive", [101])
     await send(harness, "bulk", [1, 2, 3])
-    lanes = worker.lanes
+    lanes = worker.parts.lanes
     lanes.seated(0, 0)
     first = await lanes.read(2, None)  # the interactive request, and bulk's reserve
     assert sorted(e.stream for e in first) == sorted(streams(harness).values())

@@ -16,10 +16,10 @@ from pipelines.model import Item, Result
 from pipelines.stages import Stage
 from pipelines.tokens import COST, estimate
 from tests.helpers import Harness
-from workers.batch import Entry
 from workers.lengths import Lengths as Splitter
 from workers.lengths import cuts
 from workers.policy import FLAT_OVERHEAD_TOKENS, OVERHEAD_PRIOR_TOKENS, BatchPolicy
+from workers.values import Entry
 
 
 class TextIn(BaseModel):

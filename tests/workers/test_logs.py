@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from runtime.logs import LogSettings
 from tests.faultapp import stop
 from tests.helpers import REPO, GatewayProcess, Harness, until, wait_for_line
-from workers.batch import BatchRecord
 from workers.report import Summary
+from workers.values import BatchRecord
 
 ITEMS = 40
 SUMMARY_FIELDS = {"stage", "batches", "items", "ok", "error", "expired", "cancelled"}

@@ -126,7 +126,7 @@ async def test_a_cold_shape_is_not_a_cost_sample(harness: Harness) -> None:
     warm = [r for r in worker.history if not r.cold and r.outcomes["ok"]]
     assert len(cold) == sim.cold >= 3
     assert warm, "no warm batch ran"
-    policy = worker.window.policy
+    policy = worker.parts.window.policy
     assert policy is not None
     assert policy.cost.w < len(worker.history)  # the cold ones were left out
     a, b = policy.cost.coefficients()
@@ -200,4 +200,6 @@ async def test_a_batch_failing_at_finish_fails_only_its_bad_item(harness: Harnes
     (record,) = worker.history
     assert record.outcomes["ok"] == 7
     assert record.outcomes["error"] == 1
-    assert not worker.window.policy or not worker.window.policy.cost.known  # no cost sample
+    assert (
+        not worker.parts.window.policy or not worker.parts.window.policy.cost.known
+    )  # no cost sample

@@ -45,7 +45,7 @@ async def test_a_stages_partitions_share_one_model_built_once(
         await asyncio.gather(*(w.start() for w in workers))  # as python -m workers does
         assert Counted.built == 1
         assert all(w.runner is workers[0].runner for w in workers)
-        assert [w.keys.partition for w in workers] == [0, 1, 2]
+        assert [w.parts.keys.partition for w in workers] == [0, 1, 2]
         assert len({s for w in workers for s in w.streams}) == 3 * len(workers[0].streams)
         assert {w.consumer for w in workers} == {workers[0].consumer}  # one worker to see
         # The process's batches in flight are shared out, not multiplied by the partitions.

@@ -8,12 +8,13 @@ import redis.asyncio as aioredis
 
 from pipelines.envelope import Reply
 from pipelines.keys import GROUP, Keys
-from pipelines.outcomes import Outcome
-from pipelines.records import DONE, EXPIRED, FAILED, JobRecord
+from pipelines.outcomes import DONE, EXPIRED, FAILED, Outcome
+from pipelines.records import JobRecord
 from runtime.redisio import ensure_group
 from tests.helpers import Harness
-from workers.publish import Published, publish
-from workers.route import Effects, Outbox
+from workers.plan import Call
+from workers.publish import publish
+from workers.values import Effects, Outbox, Published
 
 
 def outbox(harness: Harness, ids: list[str], outcome: str = "ok") -> Outbox:
@@ -48,11 +49,9 @@ async def publish_batch(
 ) -> Published:
     """Publish ``out`` as one batch of stage ``s`` over the entries ``ids`` (acked), the
     model having run ``model_items``; ``extra``: more of publish()'s arguments."""
-    return await publish(
-        redis,
+    call = Call(
         out,
-        stream=keys.stage_stream("s"),
-        entry_ids=ids,
+        acks={keys.stage_stream("s"): ids},
         stats_key=keys.stage_stats("s"),
         stats={"batches": 1, "model_items": model_items},
         reply_maxlen=100,
@@ -60,6 +59,7 @@ async def publish_batch(
         token_key=keys.publish_token(token),
         **extra,
     )
+    return await publish(redis, call)
 
 
 async def test_a_repeated_call_is_a_complete_no_op(harness: Harness, redis: aioredis.Redis) -> None:

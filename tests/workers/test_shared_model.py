@@ -27,7 +27,7 @@ from tests.helpers import Harness, number_stage
 from workers.build import build_model, process_threads
 from workers.models.extractive import ExtractiveSummarizer
 from workers.models.hf_base import _WEIGHTS
-from workers.models.hf_encode import Embedder
+from workers.models.hf_embed import Embedder
 from workers.models.zeroshot import AnchorSentiment
 from workers.settings import WorkerSettings
 

@@ -23,12 +23,12 @@ from pipelines.errors import DeadlineExceeded
 from pipelines.model import Item, Result, batch_deadline
 from pipelines.registry import Registry
 from pipelines.stages import GenerateIn, Stage
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.faultapp import RAISED, spawn, stop, user_code
 from tests.helpers import Harness, until
-from workers.batch import run_isolating
+from workers.contract import run_isolating
 from workers.models.function import FunctionRunner
-from workers.runner import HUNG_EXIT
+from workers.modelthread import HUNG_EXIT
 from workers.settings import WorkerSettings
 
 APP = "tests.faultapp:user_code"
@@ -149,7 +149,7 @@ async def test_a_sync_step_running_past_its_deadline_and_the_grace_ends_the_work
     await until(exited, 60)
     log = await text_of(worker_log)
     assert proc.returncode == HUNG_EXIT, log
-    assert "ERROR workers.runner: stage raises.run: a batch of 1 hung" in log
+    assert "ERROR workers.modelthread: stage raises.run: a batch of 1 hung" in log
     # Its entry is left pending, for recovery to reclaim.
     assert (await stage_status(redis, harness.keys, "raises.run")).pending == 1
 

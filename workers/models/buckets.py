@@ -2,7 +2,7 @@
 
 An accelerator pays for each input shape the first time it runs it (kernel selection,
 workspace and allocator growth): on an H100, MiniLM's first batch of a new (rows, tokens)
-shape took ~80 ms against 9 ms warm (issue 24), and with 32 batch sizes times every padded
+shape took ~80 ms against 9 ms warm, and with 32 batch sizes times every padded
 length, a worker met cold shapes for minutes. Padding each batch up to a bucket, rows to a
 power of two (up to the stage's max batch) and tokens to a multiple of 16 (or a listed
 length, up to ``max_length``), bounds the shapes a runner ever runs, so all of them can run

@@ -1,13 +1,14 @@
 """Continuous batching for a causal language model: generations join and leave the running
 batch between decoding steps.
 
-:class:`Decoder` holds the running batch: per layer, the key/value cache of every
-generation in flight, left-padded to one length, and the attention mask that hides the
-padding. :meth:`Decoder.join` prefills new prompts (one forward over them) and appends
-them to the batch; :meth:`Decoder.step` feeds every generation its last token (one forward
-for the whole batch) and picks the next; a generation that reaches its ``max_new_tokens``
-or an end-of-sequence token leaves at once (:meth:`Decoder.leave` takes out the cancelled
-and expired ones too), and the columns no generation uses any more are cut off the left.
+:class:`Decoder` holds the running batch of a :class:`Decodable` (what it needs of a
+generator): per layer, the key/value cache of every generation in flight, left-padded to
+one length, and the attention mask that hides the padding. :meth:`Decoder.prefill` runs
+new prompts (one forward over them) and appends them to the batch;
+:meth:`Decoder.advance` feeds every generation its last token (one forward for the whole
+batch) and picks the next; a generation that reaches its ``max_new_tokens`` or an
+end-of-sequence token leaves at once (:meth:`Decoder.leave` takes out the cancelled and
+expired ones too), and the columns no generation uses any more are cut off the left.
 
 Positions come from the mask (the number of real tokens before each one), so padding
 shifts neither absolute-position models (GPT-2) nor rotary ones, and a generation decodes
@@ -20,7 +21,7 @@ positions (rows x longest reservation, each generation reserving its prompt plus
 ``max_new_tokens``); a generation that does not fit now waits (:meth:`Decoder.fits`), one
 that could never fit is refused.
 
-The methods that touch tensors (:meth:`Decoder.join`, :meth:`Decoder.step`,
+The methods that touch tensors (:meth:`Decoder.prefill`, :meth:`Decoder.advance`,
 :meth:`Decoder.leave`) run in the model thread, one at a time; :meth:`Decoder.open`
 tokenizes, :meth:`Decoder.result` and :meth:`Decoder.text` decode.
 """
@@ -31,17 +32,53 @@ import inspect
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from pipelines.errors import InvalidInput
 from pipelines.model import Item, Result
 
-if TYPE_CHECKING:
-    from workers.models.hf_text import Generator
-
 logger = logging.getLogger(__name__)
+
+
+class Decodable(Protocol):
+    """What a :class:`Decoder` needs of its generator
+    (:class:`~workers.models.hf_text.Generator` is one).
+
+    Attributes:
+        model: the causal language model, on :attr:`device`.
+        device: where the model runs.
+        tokenizer: its tokenizer (left padding and truncation).
+        max_length: the most prompt tokens.
+        eos_ids: the token ids that end a generation.
+    """
+
+    model: Any
+    device: torch.device
+    tokenizer: PreTrainedTokenizerBase
+    max_length: int
+    eos_ids: set[int]
+
+    @property
+    def positions(self) -> int | None:
+        """The model's position table size, where it has one."""
+
+    def limits(self, items: list[Item]) -> list[int]:
+        """Each item's most new tokens (refusing one out of range)."""
+
+    def prompts(self, items: list[Item]) -> list[str]:
+        """Each item's prompt text."""
+
+    def sampling_of(
+        self, item: Item, name: str | None = None
+    ) -> tuple[tuple[float, float] | None, torch.Generator | None]:
+        """How ``item`` picks its tokens: (temperature, top_p) and its own random
+        source, or (None, None) for greedy; ``name`` seeds it where the item does not."""
+
+    def text_so_far(self, ids: list[int]) -> str:
+        """A generation's text from its new ``ids``, for streaming."""
 
 
 @dataclass(eq=False)
@@ -77,7 +114,7 @@ class Generation:
 
 
 class Decoder:
-    """The running batch of one :class:`~workers.models.hf_text.Generator`'s model.
+    """The running batch of one :class:`Decodable`'s model.
 
     Args:
         runner: the generator whose model, tokenizer, limits and sampling it uses.
@@ -87,7 +124,7 @@ class Decoder:
         rows: the generations in flight, in batch order.
     """
 
-    def __init__(self, runner: Generator, budget: int) -> None:
+    def __init__(self, runner: Decodable, budget: int) -> None:
         self.runner = runner
         self.model = runner.model
         self.device = runner.device
@@ -156,7 +193,7 @@ class Decoder:
 
     # -- the batch -----------------------------------------------------------------
 
-    def join(self, generations: list[Generation]) -> list[Generation]:
+    def prefill(self, generations: list[Generation]) -> list[Generation]:
         """Prefill ``generations`` (one forward) and add them to the running batch; each
         gets its first token. Returns those that ended at once (first token an
         end-of-sequence, or a limit of 1)."""
@@ -184,7 +221,7 @@ class Decoder:
         self.rows.extend(generations)
         return self._record(generations, chosen.tolist())
 
-    def step(self) -> list[Generation]:
+    def advance(self) -> list[Generation]:
         """One decoding step for every generation in flight: each gets its next token.
         Returns those that ended (they have left the batch)."""
         if not self.rows:
@@ -336,13 +373,13 @@ def _renumbered(exc: Exception, index: int) -> Exception:
     return exc
 
 
-def supports(runner: Generator) -> str | None:
+def supports(runner: Decodable) -> str | None:
     """Why ``runner``'s model cannot decode continuously (None: it can): its cache must be
     one key/value tensor pair per layer, as a plain ``DynamicCache`` keeps it."""
     probe = torch.tensor([[int(runner.tokenizer.eos_token_id or 0)]], device=runner.device)
     ones = torch.ones_like(probe)
     try:
-        with torch.inference_mode():  # the call join() makes
+        with torch.inference_mode():  # the call prefill() makes
             out = runner.model(
                 input_ids=probe, attention_mask=ones, position_ids=ones - 1, use_cache=True
             )

@@ -1,7 +1,7 @@
 """Extractive summaries from a sentence encoder: a document's most central sentences.
 
 No model here writes text: the sentences of each document are ranked by how close their
-embeddings (:func:`~workers.models.hf_encode.sentence_encoder`, MiniLM by default) are to
+embeddings (:func:`~workers.models.hf_embed.sentence_encoder`, MiniLM by default) are to
 the document's mean, so the offline profile summarizes with real weights.
 """
 
@@ -17,7 +17,7 @@ import torch
 from pipelines.model import Item, Result
 from workers.models.buckets import BucketLengths, Buckets
 from workers.models.hf_base import item_texts
-from workers.models.hf_encode import OnSentenceEncoder, sentence_encoder
+from workers.models.hf_embed import OnSentenceEncoder, sentence_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ExtractiveSummarizer(OnSentenceEncoder):
         max_sentences: the most sentences of one text that are ranked (its first).
         batch_size: most sentences per forward pass.
         load: how to load the sentence encoder
-            (:func:`~workers.models.hf_encode.sentence_encoder`); ``max_length`` bounds
+            (:func:`~workers.models.hf_embed.sentence_encoder`); ``max_length`` bounds
             the tokens per sentence.
     """
 

@@ -1,11 +1,11 @@
 """CUDA graphs per shape bucket: each bucket's forward pass captured once at load, then
-replayed for every batch of that shape (issue 24, item 5; ``CONVEYOR_CUDA_GRAPHS``).
+replayed for every batch of that shape (``CONVEYOR_CUDA_GRAPHS``).
 
 An eager forward pass launches each of the model's kernels from Python, one at a time;
-for a small encoder on a fast GPU that host side is much of a batch's time (issue 24: on
-an H100, ~70% of a worker's profile samples were in the attention call's host side). A
-CUDA graph records the kernels of one forward pass at one input shape and launches them
-all with one call. A graph holds one shape, and the shape buckets
+for a small encoder on a fast GPU that host side is much of a batch's time (on an H100,
+~70% of a worker's profile samples were in the attention call's host side). A CUDA graph
+records the kernels of one forward pass at one input shape and launches them all with one
+call. A graph holds one shape, and the shape buckets
 (:mod:`workers.models.buckets`) bound the shapes a runner ever runs, so every one of them
 can be captured at load.
 

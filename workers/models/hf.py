@@ -20,10 +20,12 @@ first use, see :mod:`workers.models.tiny`).
 - :class:`ExtractiveSummarizer` (sentences ranked with :class:`Embedder`): ``{"summary": str}``
 
 The code lives in :mod:`workers.models.hf_base` (settings and loading),
-:mod:`workers.models.hf_encode` (encoder runners), :mod:`workers.models.hf_text` (runners
-that call ``generate``) and :mod:`workers.models.extractive` (the extractive summarizer),
-one file each so none grows past a screenful of concerns; stage definitions name runners
-from here (``"workers.models.hf:Embedder"``).
+:mod:`workers.models.hf_encode` (the encoder runners' base), :mod:`workers.models.hf_embed`
+(embeddings), :mod:`workers.models.hf_classify` (classifiers),
+:mod:`workers.models.hf_generate` (the base of the runners that call ``generate``),
+:mod:`workers.models.hf_text` (those runners) and :mod:`workers.models.extractive` (the
+extractive summarizer), one file each so none grows past a screenful of concerns; stage
+definitions name runners from here (``"workers.models.hf:Embedder"``).
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ from workers.models.hf_base import (
     resolve_dtype,
     resolve_model_path,
 )
-from workers.models.hf_encode import (
-    Embedder,
+from workers.models.hf_classify import (
     Entity,
     TextClassifier,
     TokenClassifier,
     TokenTag,
     aggregate_entities,
 )
+from workers.models.hf_embed import Embedder
 from workers.models.hf_text import Generator, Summarizer
 
 __all__ = [

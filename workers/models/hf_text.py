@@ -14,17 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSeq2SeqLM,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, StoppingCriteriaList
 
 from pipelines.errors import InvalidInput
 from pipelines.model import Item, Result, check_deadline
 from workers.models.decoder import Decoder, supports
-from workers.models.hf_base import HFRunner, item_texts
+from workers.models.hf_base import item_texts
+from workers.models.hf_generate import GenerateRunner, InTime, RowStreamer, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -32,30 +28,7 @@ SAMPLING = ("temperature", "top_p", "seed")
 """An item's own sampling fields (:meth:`Generator.sampling_of`)."""
 
 
-def _check_range(name: str, value: int, low: int, high: tuple[str, int]) -> None:
-    """Refuse option ``name`` outside ``[low, high]``, ``high`` being another option's
-    (name, value), before any weights load."""
-    if not low <= value <= high[1]:
-        raise ValueError(f"{name} must be in [{low}, {high[0]}={high[1]}], got {value}")
-
-
-class _GenerateRunner(HFRunner):
-    """A runner that calls ``generate``, its output bounded by ``max_new_tokens`` alone.
-
-    Hub checkpoints often ship ``max_length``/``min_length`` in their generation config
-    (distilbart: 142 and 56). ``generate`` gives ``max_new_tokens``/``min_new_tokens``
-    precedence anyway, but logs two warnings per batch when both are set, so they are
-    dropped at load.
-    """
-
-    def __init__(self, max_new_tokens: int, **load: Any) -> None:
-        super().__init__(**load)
-        self.max_new_tokens = max_new_tokens
-        self.model.generation_config.max_length = None
-        self.model.generation_config.min_length = None
-
-
-class Summarizer(_GenerateRunner):
+class Summarizer(GenerateRunner):
     """Abstractive summaries from a sequence-to-sequence model (BART, T5, Pegasus, ...).
 
     Transformers 5 has no summarization pipeline, so this calls ``generate`` directly.
@@ -79,7 +52,7 @@ class Summarizer(_GenerateRunner):
                 "max_new_tokens and num_beams must be at least 1, "
                 f"got {max_new_tokens} and {num_beams}"
             )
-        _check_range("min_new_tokens", min_new_tokens, 0, ("max_new_tokens", max_new_tokens))
+        check_range("min_new_tokens", min_new_tokens, 0, ("max_new_tokens", max_new_tokens))
         super().__init__(max_new_tokens, **load)
         self.num_beams = num_beams
         self.min_new_tokens = min_new_tokens
@@ -106,57 +79,13 @@ class Summarizer(_GenerateRunner):
                 min_new_tokens=self.min_new_tokens,
                 num_beams=self.num_beams,
                 do_sample=False,
-                stopping_criteria=StoppingCriteriaList([_InTime()]),
+                stopping_criteria=StoppingCriteriaList([InTime()]),
             )
         summaries = self.tokenizer.batch_decode(output, skip_special_tokens=True)
         return [{"summary": summary.strip()} for summary in summaries]
 
 
-class _InTime(StoppingCriteria):
-    """Between decoding steps: stop (raising) once every request of the batch is past its
-    deadline (:func:`~pipelines.model.check_deadline`)."""
-
-    def __call__(
-        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
-    ) -> torch.BoolTensor:
-        check_deadline()
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        return done  # type: ignore[return-value]
-
-
-class _RowStreamer:
-    """What ``generate(streamer=...)`` feeds: the prompt first, then each step's new token
-    per row. Keeps every row's new ids, cut at its limit and first end-of-sequence."""
-
-    def __init__(
-        self, limits: list[int], eos_ids: set[int], on_tokens: Callable[[int, list[int]], None]
-    ) -> None:
-        self.limits = limits
-        self.eos_ids = eos_ids
-        self.on_tokens = on_tokens
-        self.rows: list[list[int]] = [[] for _ in limits]
-        self.done = [False] * len(limits)
-        self.prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # the first call carries the prompt
-            self.prompt_seen = True
-            return
-        for index, token in enumerate(value.reshape(-1).tolist()):
-            if self.done[index]:
-                continue
-            if token in self.eos_ids:
-                self.done[index] = True
-                continue
-            self.rows[index].append(token)
-            self.done[index] = len(self.rows[index]) >= self.limits[index]
-            self.on_tokens(index, self.rows[index])
-
-    def end(self) -> None:
-        """Generation finished (nothing left to flush: rows are reported as they grow)."""
-
-
-class Generator(_GenerateRunner):
+class Generator(GenerateRunner):
     """Continuations from a decoder-only (causal) language model.
 
     Prompts are left-padded so that every row's last prompt token sits at the end of the
@@ -194,7 +123,7 @@ class Generator(_GenerateRunner):
         **load: Any,
     ) -> None:
         limit = ("max_new_tokens_limit", max_new_tokens_limit)
-        _check_range("max_new_tokens", max_new_tokens, 1, limit)
+        check_range("max_new_tokens", max_new_tokens, 1, limit)
         super().__init__(max_new_tokens, **load)
         self.max_new_tokens_limit = max_new_tokens_limit
         self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -371,14 +300,14 @@ class Generator(_GenerateRunner):
         with torch.inference_mode():
             # generate() derives position ids from the attention mask, so left padding
             # does not shift the positions of absolute-position models such as GPT-2.
-            streamer = None if on_tokens is None else _RowStreamer(limits, self.eos_ids, on_tokens)
+            streamer = None if on_tokens is None else RowStreamer(limits, self.eos_ids, on_tokens)
             output = self.model.generate(
                 input_ids=encoding["input_ids"],
                 attention_mask=encoding["attention_mask"],
                 max_new_tokens=budget,
                 pad_token_id=self.tokenizer.pad_token_id,
                 streamer=streamer,
-                stopping_criteria=StoppingCriteriaList([_InTime()]),
+                stopping_criteria=StoppingCriteriaList([InTime()]),
                 **self.sampling,
             )
         rows: list[list[int]] = output[:, encoding["input_ids"].shape[1] :].tolist()
@@ -402,7 +331,7 @@ class Generator(_GenerateRunner):
                 raise opened
             generations.append(opened)
         lengths = [0] * len(generations)
-        decoder.join(generations)
+        decoder.prefill(generations)
         while True:
             for index, generation in enumerate(generations):
                 if on_tokens is not None and len(generation.ids) != lengths[index]:
@@ -411,7 +340,7 @@ class Generator(_GenerateRunner):
             if not decoder.rows:
                 return [generation.ids for generation in generations]
             check_deadline()
-            decoder.step()
+            decoder.advance()
 
     def predict(self, items: list[Item]) -> list[Result]:
         """Continue each item's text.

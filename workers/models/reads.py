@@ -4,7 +4,7 @@ On an accelerator, kernels are queued and the host goes on; an operation whose a
 host needs (a tensor's truth value, ``.item()``, ``nonzero``'s size) waits until every
 kernel queued before it has run: a sync. A sync inside a staged runner's ``launch`` stops
 the host from queuing batch n+1 while batch n runs, which is the whole of the overlap
-(issue 30: transformers 5.x read ``attention_mask.all()`` in every BERT-family forward).
+(transformers 5.x reads ``attention_mask.all()`` in every BERT-family forward).
 
 :class:`DeviceReads` sees them on any device, the CPU included, where they cost nothing:
 the tests count them (none in a runner's ``launch``), and the simulated accelerator

@@ -1,12 +1,12 @@
 """A simulated accelerator: real runners whose device charges a first call per new shape.
 
-On a GPU each new input shape costs a first call (issue 24: ~80 ms for MiniLM on an H100),
+On a GPU each new input shape costs a first call (~80 ms for MiniLM on an H100),
 and a worker that has not met a shape yet makes a request wait for it. On the CPU that
 cost is a few milliseconds, so tests and benchmarks without a GPU would not see the
 problem, or its fix. :class:`SimulatedDevice` puts it back: the first call of each
 ``(rows, tokens)`` shape sleeps ``first_call_s`` (a sleep releases the GIL, as a device's
 wait does), and it counts the cold shapes it met. :class:`SimulatedEmbedder` is the real
-:class:`~workers.models.hf_encode.Embedder` (real tokenizer, real weights, the same
+:class:`~workers.models.hf_embed.Embedder` (real tokenizer, real weights, the same
 buckets and warm-up) on such a device, which it reports as an accelerator, so its
 buckets are on by default as on a GPU.
 
@@ -38,7 +38,7 @@ import torch
 from pipelines.model import Item, Result, StagedModel, cold_shape
 from pipelines.tokens import estimate
 from workers.models.buckets import batch_sizes
-from workers.models.hf_encode import Embedder
+from workers.models.hf_embed import Embedder
 from workers.models.reads import DeviceReads
 
 Shape = tuple[int, ...]
@@ -81,11 +81,11 @@ class SimulatedDevice:
 
 
 class SimulatedEmbedder(Embedder):
-    """:class:`~workers.models.hf_encode.Embedder` on a :class:`SimulatedDevice`.
+    """:class:`~workers.models.hf_embed.Embedder` on a :class:`SimulatedDevice`.
 
     Args:
         first_call_s: the device's first-call cost per shape.
-        options: the :class:`~workers.models.hf_encode.Embedder`'s (``device`` is where
+        options: the :class:`~workers.models.hf_embed.Embedder`'s (``device`` is where
             the real computation runs, the CPU in tests).
 
     Attributes:

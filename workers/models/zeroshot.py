@@ -15,7 +15,7 @@ import torch
 
 from pipelines.model import Item, Result
 from workers.models.hf_base import item_texts
-from workers.models.hf_encode import OnSentenceEncoder, sentence_encoder
+from workers.models.hf_embed import OnSentenceEncoder, sentence_encoder
 
 POSITIVE_ANCHORS = (
     "This is wonderful, I love it.",
@@ -37,7 +37,7 @@ class AnchorSentiment(OnSentenceEncoder):
     Args:
         temperature: divides the similarities before the softmax (smaller: surer scores).
         load: how to load the sentence encoder
-            (see :func:`~workers.models.hf_encode.sentence_encoder`).
+            (see :func:`~workers.models.hf_embed.sentence_encoder`).
     """
 
     def __init__(self, *, temperature: float = 0.05, **load: Any) -> None:

@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: ``POST /v1/embeddings``, ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models`` (and ``GET /v1/models/{model}``).
+``POST /v1/chat/completions``, ``GET /v1/models`` (and ``GET /v1/models/{name}``).
 
 ``model`` names a pipeline: a one-step pipeline whose stage declares
 ``openai="embeddings"`` or ``openai="completions"`` (:data:`pipelines.stages.OpenAIKind`).
@@ -13,17 +13,24 @@ One module each, imported one way (each only from those listed before it):
 - :mod:`~gateway.routes.openai.errors`: the error shape, and which paths answer in it;
 - :mod:`~gateway.routes.openai.wire`: the request bodies and how their fields are read;
 - :mod:`~gateway.routes.openai.serving`: which pipeline serves a ``model``, the names
-  checked at start, each item validated and run, usage counted;
+  checked at start, a POST route's endpoint, each item validated and run, usage counted;
 - :mod:`~gateway.routes.openai.answers`: a completion's answer, whole or streamed (SSE);
-- :mod:`~gateway.routes.openai.embeddings`: ``/v1/embeddings`` and ``/v1/models``;
-- :mod:`~gateway.routes.openai.completions`: ``/v1/completions`` and
-  ``/v1/chat/completions``.
+- :mod:`~gateway.routes.openai.embeddings`: the answers of ``/v1/embeddings`` and
+  ``/v1/models``;
+- :mod:`~gateway.routes.openai.completions`: the answers of ``/v1/completions`` and
+  ``/v1/chat/completions``;
+
+and every route is added here, from one table (:func:`add_openai_routes`).
 """
 
 from fastapi import FastAPI
 
-from gateway.routes.openai.completions import add_completion_routes
-from gateway.routes.openai.embeddings import add_embedding_routes, add_model_routes
+from gateway.responses import declared
+from gateway.routes.openai.completions import chat, completions
+from gateway.routes.openai.embeddings import embeddings, model_routes
+from gateway.routes.openai.errors import openai_errors, post_errors
+from gateway.routes.openai.serving import posted
+from gateway.routes.openai.wire import ChatIn, CompletionsIn, EmbeddingsIn
 from gateway.service import Gateway
 
 
@@ -35,6 +42,20 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         gw: the gateway that runs their requests.
         edge: the statuses the edge can answer first.
     """
-    add_embedding_routes(app, gw, edge)
-    add_completion_routes(app, gw, edge)
-    add_model_routes(app, gw, edge)
+    sent, listed = post_errors(edge), declared(edge)
+    models, model = model_routes(gw)
+    for method, path, endpoint, summary, responses in (
+        ("POST", "/v1/embeddings", posted(gw, EmbeddingsIn, embeddings), "Embeddings", sent),
+        ("POST", "/v1/completions", posted(gw, CompletionsIn, completions), "Completions", sent),
+        ("POST", "/v1/chat/completions", posted(gw, ChatIn, chat), "Chat completions", sent),
+        ("GET", "/v1/models", models, "Models", listed),
+        ("GET", "/v1/models/{name}", model, "A model", {**listed, **openai_errors((404,))}),
+    ):
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=[method],
+            summary=f"{summary} (OpenAI-compatible)",
+            tags=["openai"],
+            responses=responses,
+        )

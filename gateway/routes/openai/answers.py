@@ -9,14 +9,11 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 
-from gateway.headers import Sent
 from gateway.routes.openai.errors import Refused
-from gateway.routes.openai.serving import count, usage
+from gateway.routes.openai.serving import Asked, count, usage
 from gateway.routes.pipelines import EventStream, Relay, open_stream
-from gateway.service import Gateway
 from pipelines.envelope import new_request_id
 from pipelines.errors import ItemFailed
-from pipelines.graph import Pipeline
 from pipelines.outcomes import Outcome
 from pipelines.tokens import CHARS_PER_TOKEN, estimate
 
@@ -89,30 +86,24 @@ def _finish(result: dict[str, Any]) -> str:
 
 
 async def streamed(
-    gw: Gateway,
-    pipeline: Pipeline,
-    payload: dict[str, Any],
-    sent: Sent,
-    answer: Answer,
-    include_usage: bool,
+    asked: Asked, payload: dict[str, Any], answer: Answer, include_usage: bool
 ) -> Response:
     """``payload`` sent as a streamed request (as ``POST /v1/{name}/stream``), answered as
     OpenAI's chunks (:func:`_chunks`).
 
     Args:
-        gw: the gateway that runs it.
-        pipeline: the pipeline that serves it.
+        asked: the request it is the one item of.
         payload: its one item, validated.
-        sent: the request's headers.
         answer: how its chunks are written.
         include_usage: end with a chunk holding the usage.
 
     Raises:
         Refused: the pipeline's stage does not stream.
     """
+    pipeline = asked.pipeline
     if not pipeline.entry.stage.streaming:
         raise Refused(f"the model {pipeline.name!r} does not stream", 400, "stream")
-    request_id, relay, ended = await open_stream(gw, pipeline, payload, sent)
+    request_id, relay, ended = await open_stream(asked.gw, pipeline, payload, asked.sent)
     headers = {"X-Request-Id": request_id, "Cache-Control": "no-cache"}
     return EventStream(_chunks(relay, answer, payload, include_usage), headers=headers, ended=ended)
 

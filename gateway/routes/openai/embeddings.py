@@ -10,16 +10,13 @@ tokens are estimated (:func:`pipelines.tokens.estimate`).
 import base64
 import math
 import struct
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Body, FastAPI, Request
 from fastapi.responses import Response
 
-from gateway.headers import Sent, sent_on
-from gateway.responses import declared
 from gateway.routes import json_response
-from gateway.routes.openai.errors import Refused, openai_errors, post_errors
-from gateway.routes.openai.serving import checked, count, openai_kind, run_all, served, usage
+from gateway.routes.openai.errors import Refused
+from gateway.routes.openai.serving import Asked, Endpoint, checked, count, openai_kind, usage
 from gateway.routes.openai.wire import EmbeddingsIn, texts, unsupported
 from gateway.service import Gateway
 from pipelines.errors import ItemFailed
@@ -27,59 +24,32 @@ from pipelines.graph import Pipeline
 from pipelines.tokens import estimate
 
 
-def add_embedding_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
-    """Add ``POST /v1/embeddings``.
-
-    Args:
-        app: the application.
-        gw: the gateway that runs their requests.
-        edge: the statuses the edge can answer first.
-    """
-
-    async def embeddings(
-        http: Request,
-        body: Annotated[EmbeddingsIn, Body()],
-        sent: Annotated[Sent, sent_on("call")],
-    ) -> Response:
-        pipeline = served(gw, body.model, "embeddings")
-        inputs = texts(body.input, "input")
-        unsupported(dimensions=body.dimensions is not None)
-        ask = {"usage": True} if _counts(pipeline) else {}
-        payloads = [checked(pipeline, {"text": t, **ask}, "input") for t in inputs]
-        budget = gw.timeout_for(sent.timeout_s)
-        results = await run_all(
-            [gw.call(pipeline, p, budget, sent.trace, http.receive, sent.lane) for p in payloads]
-        )
-        as_base64 = body.encoding_format == "base64"
-        data = [
-            {"object": "embedding", "index": i, "embedding": _vector(r, as_base64)}
-            for i, r in enumerate(results)
-        ]
-        tokens = sum(
-            count(r, "prompt_tokens", estimate({"text": t}))
-            for r, t in zip(results, inputs, strict=True)
-        )
-        answer = {"object": "list", "data": data, "model": body.model, "usage": usage(tokens)}
-        return json_response(answer)
-
-    app.add_api_route(
-        "/v1/embeddings",
-        embeddings,
-        methods=["POST"],
-        summary="Embeddings (OpenAI-compatible)",
-        tags=["openai"],
-        responses=post_errors(edge),
+async def embeddings(asked: Asked, body: EmbeddingsIn) -> Response:
+    """Answer ``POST /v1/embeddings``: each text one request."""
+    inputs = texts(body.input, "input")
+    unsupported(dimensions=body.dimensions is not None)
+    ask = {"usage": True} if _counts(asked.pipeline) else {}
+    payloads = [checked(asked.pipeline, {"text": t, **ask}, "input") for t in inputs]
+    results = await asked.run_all(payloads)
+    as_base64 = body.encoding_format == "base64"
+    data = [
+        {"object": "embedding", "index": i, "embedding": _vector(r, as_base64)}
+        for i, r in enumerate(results)
+    ]
+    tokens = sum(
+        count(r, "prompt_tokens", estimate({"text": t}))
+        for r, t in zip(results, inputs, strict=True)
     )
+    answer = {"object": "list", "data": data, "model": body.model, "usage": usage(tokens)}
+    return json_response(answer)
 
 
-def add_model_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
-    """Add ``GET /v1/models`` and ``GET /v1/models/{name}``: the pipelines these routes
-    serve.
+def model_routes(gw: Gateway) -> tuple[Endpoint, Endpoint]:
+    """The endpoints of ``GET /v1/models`` and ``GET /v1/models/{name}``: the pipelines
+    these routes serve, and one of them.
 
     Args:
-        app: the application.
         gw: the gateway whose pipelines they list.
-        edge: the statuses the edge can answer first.
     """
 
     async def models() -> Response:
@@ -94,22 +64,7 @@ def add_model_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
             )
         return json_response(_model(pipeline))
 
-    app.add_api_route(
-        "/v1/models",
-        models,
-        methods=["GET"],
-        summary="Models (OpenAI-compatible)",
-        tags=["openai"],
-        responses=declared(edge),
-    )
-    app.add_api_route(
-        "/v1/models/{name}",
-        model,
-        methods=["GET"],
-        summary="A model (OpenAI-compatible)",
-        tags=["openai"],
-        responses={**declared(edge), **openai_errors((404,))},
-    )
+    return models, model
 
 
 def _counts(pipeline: Pipeline) -> bool:

@@ -2,18 +2,25 @@
 
 ``model`` names a pipeline: a one-step pipeline whose stage declares
 ``openai="embeddings"`` or ``openai="completions"`` (:data:`pipelines.stages.OpenAIKind`).
-Each item is validated by the pipeline's input model here (a 400, as ``POST /v1/{name}``
-would answer 422) and becomes one request through
-:meth:`Gateway.call <gateway.service.Gateway.call>`; :func:`run_all` waits for them all.
+A POST route's endpoint (:func:`posted`) finds it; each item is validated by its input
+model (a 400, as ``POST /v1/{name}`` would answer 422) and becomes one request through
+:meth:`Gateway.call <gateway.service.Gateway.call>`; :meth:`Asked.run_all` waits for
+them all.
 """
 
 import asyncio
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
 
+from fastapi import Body, Request
+from fastapi.responses import Response
 from pydantic import ValidationError
+from starlette.types import Receive
 
+from gateway.headers import Sent, sent_on
 from gateway.routes.openai.errors import Refused
+from gateway.routes.openai.wire import ModelIn
 from gateway.routes.pipelines import reply_response
 from gateway.service import Gateway
 from pipelines.envelope import Reply
@@ -92,17 +99,63 @@ def checked(pipeline: Pipeline, payload: dict[str, Any], param: str) -> dict[str
     return valid.model_dump(mode="json", exclude_unset=True)
 
 
-async def run_all(calls: list[Awaitable[tuple[str, Reply]]]) -> list[dict[str, Any]]:
-    """Each call's result, in order; the first failure raised once every call ended (as
-    ``/v1/{name}`` would answer it)."""
-    done = await asyncio.gather(*calls, return_exceptions=True)
-    results = []
-    for item in done:
-        if isinstance(item, BaseException):
-            raise item
-        request_id, reply = item
-        results.append(_result(reply, request_id))
-    return results
+@dataclass(frozen=True)
+class Asked:
+    """A request to an OpenAI-compatible POST route, its ``model`` found.
+
+    Attributes:
+        gw: the gateway that runs its items.
+        pipeline: the pipeline its ``model`` names.
+        sent: its headers.
+        receive: its ASGI receive, the body read: the client gone cancels its items.
+    """
+
+    gw: Gateway
+    pipeline: Pipeline
+    sent: Sent
+    receive: Receive
+
+    async def run_all(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each of ``payloads`` one request through the pipeline; their results in order,
+        the first failure raised once every one ended (as ``/v1/{name}`` would answer it)."""
+        calls = (self.gw.call(self.pipeline, p, self.sent, self.receive) for p in payloads)
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        results = []
+        for item in done:
+            if isinstance(item, BaseException):
+                raise item
+            request_id, reply = item
+            results.append(_result(reply, request_id))
+        return results
+
+
+In = TypeVar("In", bound=ModelIn)
+Endpoint = Callable[..., Awaitable[Response]]
+"""A FastAPI endpoint."""
+
+
+def posted(
+    gw: Gateway, wire: type[In], answer: Callable[[Asked, In], Awaitable[Response]]
+) -> Endpoint:
+    """The endpoint of an OpenAI-compatible POST route: its body read as ``wire``, the
+    pipeline its ``model`` names found (:func:`served`), then answered by ``answer``.
+
+    Args:
+        gw: the gateway that runs the requests.
+        wire: the route's request body.
+        answer: what answers it; its name is the route's (in the OpenAPI operation id).
+    """
+
+    async def endpoint(
+        http: Request, body: Any, sent: Annotated[Sent, sent_on("call")]
+    ) -> Response:
+        pipeline = served(gw, body.model, wire.kind)
+        return await answer(Asked(gw, pipeline, sent, http.receive), body)
+
+    # FastAPI reads the body model from the annotation; each route has its own.
+    endpoint.__annotations__["body"] = Annotated[wire, Body()]
+    endpoint.__name__ = answer.__name__
+    return endpoint
 
 
 def _result(reply: Reply, request_id: str) -> dict[str, Any]:

@@ -6,11 +6,12 @@ clients that send them by default still work; those that would change
 the answer's shape are refused by :func:`unsupported`, naming them.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from gateway.routes.openai.errors import Refused
+from pipelines.stages import OpenAIKind
 
 MAX_INPUTS = 2048
 """The most texts one embeddings (or prompts one completions) request may hold, as OpenAI."""
@@ -18,8 +19,12 @@ DEFAULT_MAX_TOKENS = 16
 """A completion's ``max_tokens`` when the request gives none (OpenAI's default)."""
 
 
-class _In(BaseModel):
+class ModelIn(BaseModel):
+    """A request to one of these routes: the ``model`` it asks for."""
+
     model_config = ConfigDict(extra="ignore")
+    kind: ClassVar[OpenAIKind]
+    """The marker of the stages whose pipelines serve this request."""
 
     model: str = Field(min_length=1, max_length=200, description="A pipeline's name.")
 
@@ -38,25 +43,37 @@ Texts = Annotated[Any, _TEXTS]
 400 that says so (a token array included), rather than pydantic's union errors."""
 
 
-class EmbeddingsIn(_In):
+class EmbeddingsIn(ModelIn):
     """``POST /v1/embeddings``."""
 
+    kind = "embeddings"
     input: Texts
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
-class CompletionsIn(_In):
-    """``POST /v1/completions``."""
+class _Decoding(BaseModel):
+    """The decoding options a completions and a chat completions request share. Each
+    request's model names it as its first base: pydantic lists the fields of the last
+    base first, so these follow the request's own input, in OpenAI's order."""
 
-    prompt: Texts
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     n: int | None = Field(default=None, ge=1, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+
+
+class _Prompt(ModelIn):
+    kind = "completions"
+    prompt: Texts
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+
+
+class CompletionsIn(_Decoding, _Prompt):
+    """``POST /v1/completions``."""
+
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = Field(default=None, ge=1, le=1)
@@ -80,18 +97,16 @@ class ChatMessageIn(BaseModel):
     content: str | list[ChatContent] | None = None
 
 
-class ChatIn(_In):
-    """``POST /v1/chat/completions``."""
-
+class _Chat(ModelIn):
+    kind = "completions"
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    n: int | None = Field(default=None, ge=1, le=1)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
+
+
+class ChatIn(_Decoding, _Chat):
+    """``POST /v1/chat/completions``."""
+
     logprobs: bool | None = None
     stop: str | list[str] | None = None
     tools: list[Any] | None = None

@@ -21,7 +21,7 @@ from pipelines.graph import Pipeline, function
 from pipelines.keys import GROUP
 from pipelines.registry import Registry
 from runtime.redisio import entry_ms
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.helpers import (
     Doubler,
     Harness,
@@ -292,7 +292,7 @@ async def test_replaying_a_dead_lettered_join_branch_answers_its_job(
     env = {
         "CONVEYOR_REDIS_URL": redis_url,
         "CONVEYOR_NAMESPACE": namespace,
-        "CONVEYOR_APP": "tests.system.test_adversary2:RJ",
+        "CONVEYOR_APP": "tests.system.test_outages_and_bounds:RJ",
     }  # as the workers are configured
     done = await asyncio.to_thread(conveyor, "dlq", "replay", "rj.left", **env)
     assert done.returncode == 0, done.stderr[-300:]

@@ -1,45 +1,19 @@
-"""The batch contract: n items in, n results out, a failing item fails alone; a batch
-on its way through the worker, what it did (its record) and what its results may hold
-to be sent. The thread the model runs in is :mod:`workers.runner`'s."""
+"""The batch contract: n items in, n results out, each a JSON object an envelope can
+carry; a failing item fails alone; a model that breaks the contract is said and counted."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import orjson
 
 from pipelines.envelope import wire_problem
 from pipelines.errors import BatchContractError, DeadlineExceeded, InvalidInput
 from pipelines.model import Item, Model, Result
-
-if TYPE_CHECKING:  # they build on this module's types: named here for the annotations only
-    from pipelines.envelope import Request
-    from workers.recovery import Letter
-    from workers.route import Outbox
-
-
-class Entry(NamedTuple):
-    """A stream entry as redis-py reads it (its id and its fields), and the stream (the
-    stage's stream of one lane) it was read from: where it is acked, touched, counted."""
-
-    id: bytes
-    fields: dict[bytes, bytes]
-    stream: str
-
-
-def by_stream(entries: Iterable[Entry]) -> dict[str, list[bytes]]:
-    """The ids of ``entries``, grouped by the stream each came from (in entry order)."""
-    out: dict[str, list[bytes]] = {}
-    for entry in entries:
-        out.setdefault(entry.stream, []).append(entry.id)
-    return out
-
 
 logger = logging.getLogger(__name__)
 
@@ -154,59 +128,6 @@ def run_isolating(model: Model, items: list[Item]) -> list[Result | BaseExceptio
             return [exc]
         mid = len(items) // 2
         return run_isolating(model, items[:mid]) + run_isolating(model, items[mid:])
-
-
-@dataclass
-class BatchRecord:
-    """What one batch did (kept in memory for tests and introspection).
-
-    Attributes:
-        size: entries in the batch.
-        oldest_ms: arrival time of its oldest entry (server ms).
-        closed_at: when assembly ended (server clock, seconds).
-        run_s: model time.
-        outcomes: items per outcome.
-        request_ids: ids of the requests, in batch order.
-        trace_ids: their trace ids (logged with the batch).
-        arrivals: when each request arrived (server clock, seconds), as ``request_ids``.
-        ran_at: when the model finished the batch (server clock; 0: it did not run).
-        tokens: the estimated tokens of the items the model ran (:mod:`workers.lengths`).
-        padded_tokens: those items times the longest of them: what the model padded to.
-        cold: the model met a shape it had not run before (its time is no cost sample).
-        generated: the new tokens its sequence had when it left the running batch
-            (continuous decoding, :mod:`workers.decoding`; 0 otherwise).
-    """
-
-    size: int
-    oldest_ms: int
-    closed_at: float
-    run_s: float = 0.0
-    outcomes: Counter[str] = field(default_factory=Counter)
-    request_ids: list[str] = field(default_factory=list)
-    trace_ids: list[str] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)
-    ran_at: float = 0.0
-    tokens: int = 0
-    padded_tokens: int = 0
-    cold: bool = False
-    generated: int = 0
-
-
-@dataclass
-class Batch:
-    """One batch on its way through the worker: its entries and what they became.
-
-    Opened by :meth:`workers.intake.Intake.open`, run by :meth:`workers.runner.Runner.run`,
-    routed by :meth:`workers.route.Router.route_all` and published with its ack."""
-
-    entries: list[Entry]
-    record: BatchRecord
-    waits: list[float]  # each entry's time in the queue, in seconds
-    out: Outbox  # what the batch publishes
-    live: list[tuple[Request, Item]] = field(default_factory=list)  # what the model runs
-    results: list[Result | BaseException] = field(default_factory=list)  # the model's
-    letters: list[Letter] = field(default_factory=list)  # of the entries that did not decode
-    dropped: list[str] = field(default_factory=list)  # markers of those left unanswered
 
 
 def plain(value: Any) -> Any:

@@ -16,8 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from pipelines.envelope import FIELD, decode_request
+from pipelines.errors import DETAIL_MAX
 from pipelines.keys import GROUP
-from pipelines.records import DETAIL_MAX, DeadLetter, JobField
+from pipelines.records import DeadLetter, JobField
 from tests.helpers import Doubler, Harness, number_stage, until
 
 # --------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from pipelines.graph import Pipeline, function
 from pipelines.model import Item, Result
 from pipelines.settings import MAX_DEADLINE_S
 from pipelines.stages import GenerateIn, Stage
-from runtime.stats import stage_status
+from runtime.status import stage_status
 from tests.faultapp import SLOW, spawn
 from tests.helpers import (
     REPO,
@@ -65,7 +65,7 @@ async def test_job_with_numpy_float_result_completes_and_worker_survives(
     # completes". The same model output the sync route answers (200 {"value": 4.0})
     # crashes the worker when the request is a job: pipelines/records.py job_finished() does
     # orjson.dumps(reply.result) on the raw result, and orjson refuses numpy.float64
-    # ("Type is not JSON serializable"), although workers/batch.py checked() let it
+    # ("Type is not JSON serializable"), although workers/contract.py checked() let it
     # through (wire_problem: isinstance(x, float)). The TypeError escapes Worker._process, the
     # batch task's exception is not REDIS_DOWN, so Worker._batch_ended sets _fatal and the
     # worker stops.

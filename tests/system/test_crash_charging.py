@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 
 from pipelines.envelope import decode_reply
 from pipelines.keys import GROUP, Keys
-from runtime.stats import read_stats, stage_status
+from runtime.stats import read_stats
+from runtime.status import stage_status
 from tests.conveyor.test_supervisor import start_ready, stop
 from tests.helpers import Doubler, Harness, number_stage, until, wait_for_line
 from workers.route import LATE_S

@@ -1,0 +1,262 @@
+"""Who holds an entry: the "on the model" marks a crash is charged by, the lease that
+keeps a running batch's entries from looking idle, and taking back idle entries.
+
+A batch's entries are marked on the model (one ``SET`` each, :func:`mark`) before user
+code runs them; its publish deletes the marks with its ack, so a process that dies leaves
+its marks behind. Whoever reclaims its entries reads them (:func:`sort_out`): no mark,
+the entry was only waiting and is taken back uncharged (XAUTOCLAIM ``JUSTID``); a number
+(its batch's size), the crash is charged to it (XCLAIM counts a delivery); :data:`QUEUED`,
+charged by an earlier crash and still waiting for its re-run. What to do with them is
+:mod:`workers.recovery`'s to decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from pipelines.keys import GROUP, Keys
+from runtime.redisio import REDIS_DOWN, group_missing, text
+from workers.values import Claimed, Entry
+
+logger = logging.getLogger(__name__)
+
+MARK_TTL_S = 86_400
+"""A mark outlives any wait for a reclaim (a parked stage's back-off included)."""
+
+QUEUED = b"q"
+"""The mark of an entry charged by an earlier crash, waiting to run alone."""
+
+
+def marks(keys: Keys, entries: Sequence[Entry]) -> list[str]:
+    """The on-model marks of ``entries`` (what their batch's publish deletes)."""
+    return [keys.on_model(e.stream, e.id.decode()) for e in entries]
+
+
+def mark(pipe: Any, keys: Keys, entries: Sequence[Entry], value: bytes | None = None) -> None:
+    """Queue on ``pipe`` (a Redis pipeline) the marks of ``entries``: on the model in a
+    batch of ``len(entries)``, or ``value``."""
+    what = value if value is not None else str(len(entries)).encode()
+    for key in marks(keys, entries):
+        pipe.set(key, what, ex=MARK_TTL_S)
+
+
+async def mark_now(client: aioredis.Redis, keys: Keys, entries: Sequence[Entry]) -> None:
+    """Mark ``entries`` on the model in a round trip of its own (before a staged model's
+    host phase, which runs before the batch's turn)."""
+    pipe = client.pipeline(transaction=False)
+    mark(pipe, keys, entries)
+    await pipe.execute()
+
+
+async def claim_idle(
+    client: aioredis.Redis,
+    keys: Keys,
+    stream: str,
+    consumer: str,
+    min_idle_ms: int,
+    count: int,
+) -> Claimed:
+    """Take up to ``count`` entries of ``stream`` idle for ``min_idle_ms`` from any
+    consumer, charging a delivery only to those its marks say were on the model.
+
+    Entries deleted from the stream while pending are dropped from the group by the
+    server (XAUTOCLAIM's third list); nothing is left to do for them.
+    """
+    ids = await client.xautoclaim(
+        stream, GROUP, consumer, min_idle_ms, "0-0", count=count, justid=True
+    )
+    return await sort_out(client, keys, stream, consumer, [_raw(i) for i in ids])
+
+
+async def own_pending(client: aioredis.Redis, keys: Keys, stream: str, consumer: str) -> Claimed:
+    """The entries ``consumer`` (a restarted worker under a stable name) still holds on
+    ``stream``, sorted by their marks as :func:`claim_idle` does. The consumer joins the
+    group here, before its first read (what ``up`` and ``/status`` see of a worker that
+    has loaded its model and reads, even while nothing arrives)."""
+    await client.xgroup_createconsumer(stream, GROUP, consumer)
+    rows = await client.xpending_range(
+        stream, GROUP, min="-", max="+", count=10_000, consumername=consumer
+    )
+    ids = [_raw(row["message_id"]) for row in rows]
+    return await sort_out(client, keys, stream, consumer, ids)
+
+
+async def sort_out(
+    client: aioredis.Redis, keys: Keys, stream: str, consumer: str, ids: list[bytes]
+) -> Claimed:
+    """Read the marks of ``ids`` (held by ``consumer``), charge one delivery to each
+    that was on the model (XCLAIM), fetch the others' fields without charging them, and
+    mark those to run alone as queued: a crash while one of them runs is charged to it
+    alone."""
+    if not ids:
+        return Claimed()
+    found = await client.mget(marks(keys, [Entry(i, {}, stream) for i in ids]))
+    on_model: list[Any] = [
+        i for i, m in zip(ids, found, strict=True) if m is not None and m != QUEUED
+    ]
+    queued = {i for i, m in zip(ids, found, strict=True) if m == QUEUED}
+    out = Claimed()
+    if on_model:
+        # Queued first: a worker dying between the two leaves them to run alone, never
+        # charged twice for one crash.
+        pipe = client.pipeline(transaction=False)
+        mark(pipe, keys, [Entry(i, {}, stream) for i in on_model], QUEUED)
+        await pipe.execute()
+        taken = cast(list[Any], await client.xclaim(stream, GROUP, consumer, 0, list(on_model)))
+        out.charged = [Entry(_raw(e), f, stream) for e, f in taken if f]
+    others = [i for i in ids if i not in set(on_model)]
+    if others:
+        pipe = client.pipeline(transaction=False)
+        for eid in others:
+            pipe.xrange(stream, eid, eid, count=1)
+        for eid, got in zip(others, await pipe.execute(), strict=True):
+            if got and got[0][1]:
+                entry = Entry(eid, cast(dict[bytes, bytes], got[0][1]), stream)
+                (out.queued if eid in queued else out.waiting).append(entry)
+    return out
+
+
+def _raw(eid: object) -> bytes:
+    return eid if isinstance(eid, bytes) else str(eid).encode()
+
+
+async def deliveries(
+    client: aioredis.Redis, stream: str, consumer: str, ids: Sequence[bytes]
+) -> dict[bytes, int]:
+    """How many times each of ``ids`` (owned by ``consumer``) has been delivered."""
+    if not ids:
+        return {}
+    ordered = sorted(ids, key=_id_key)
+    rows = await client.xpending_range(
+        stream,
+        GROUP,
+        min=ordered[0],
+        max=ordered[-1],
+        count=len(ids) * 2 + 16,
+        consumername=consumer,
+    )
+    wanted = set(ids)
+    out: dict[bytes, int] = {}
+    for row in rows:
+        eid = row["message_id"]
+        eid = eid if isinstance(eid, bytes) else str(eid).encode()
+        if eid in wanted:
+            out[eid] = int(row["times_delivered"])
+    return out
+
+
+def _id_key(eid: bytes) -> tuple[int, int]:
+    ms, _, seq = eid.decode().partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def trim(client: aioredis.Redis, stream: str) -> int:
+    """Trim entries below the oldest one still pending or not yet delivered.
+
+    Returns:
+        How many entries the server deleted (approximate trimming deletes whole nodes).
+    """
+    try:
+        groups = await client.xinfo_groups(stream)
+    except ResponseError:
+        return 0
+    group = next((g for g in groups if text(g["name"]) == GROUP), None)
+    if group is None:
+        return 0
+    floor = text(group["last-delivered-id"])
+    if floor in ("0-0", "0"):
+        return 0
+    summary = await client.xpending(stream, GROUP)
+    if summary["pending"]:
+        oldest = text(summary["min"])
+        floor = min(floor, oldest, key=lambda i: _id_key(i.encode()))
+    deleted = await client.xtrim(stream, minid=floor, approximate=True)
+    return int(deleted)
+
+
+TOUCH_SCRIPT = """
+-- KEYS[1]: stream; ARGV[1]: group, ARGV[2]: consumer, ARGV[3..]: entry ids.
+-- Resets the idle time of the entries this consumer still owns; never takes one back
+-- from a worker that has reclaimed it meanwhile. Returns how many were touched.
+local touched = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    touched = touched + 1
+  end
+end
+return touched
+"""
+
+
+async def touch(client: aioredis.Redis, stream: str, consumer: str, ids: Sequence[bytes]) -> int:
+    """Keep ``ids`` (those ``consumer`` still owns) from looking idle."""
+    if not ids:
+        return 0
+    touched = await client.eval(TOUCH_SCRIPT, 1, stream, GROUP, consumer, *ids)
+    return int(touched)
+
+
+class Lease:
+    """A running batch's hold on its entries: touches them every ``interval_s`` while it
+    runs (see :func:`touch`).
+
+    Nothing runs until the first interval has passed (most batches end well before), and
+    the touching loop is stopped by an event, never cancelled mid-command.
+
+    Args:
+        client: Redis client.
+        acks: the batch's entry ids, by the stream (lane) each came from.
+        consumer: this worker's consumer name.
+        interval_s: seconds between touches (well under the reclaim idle time).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        acks: Mapping[str, Sequence[bytes]],
+        consumer: str,
+        interval_s: float,
+    ) -> None:
+        self.client, self.acks, self.consumer = client, acks, consumer
+        self.interval_s = interval_s
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(interval_s, self._begin)
+
+    def _begin(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                for stream, ids in self.acks.items():
+                    await touch(self.client, stream, self.consumer, ids)
+            except REDIS_DOWN as exc:
+                logger.warning("could not refresh in-flight entries: %s", exc)
+            except ResponseError as exc:
+                if not group_missing(exc):
+                    raise
+                # The group is gone (Redis came back empty): nothing of ours is pending to
+                # keep; the batch still publishes, and the read loop re-creates the group.
+                logger.warning("could not refresh in-flight entries: %s", exc)
+                return
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.interval_s)
+                return
+            except TimeoutError:
+                pass
+
+    async def stop(self) -> None:
+        """Stop touching and wait for the loop to end."""
+        self._timer.cancel()
+        self._stop.set()
+        if self._task is not None:
+            await self._task

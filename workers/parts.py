@@ -1,0 +1,140 @@
+"""One worker's parts, built once, and what both of its loops share: settling recovery's
+dead letters, publishing a batch and reporting it, and the hooks a run calls around the
+model. The static loop (:mod:`workers.loop`) and continuous decoding
+(:mod:`workers.decoding`) take this object; neither reaches into the other."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from redis.exceptions import ResponseError
+
+from pipelines.envelope import Request
+from pipelines.graph import single
+from pipelines.keys import LANES
+from pipelines.model import Model
+from pipelines.registry import Registry
+from pipelines.stages import Stage
+from runtime.redisio import REDIS_DOWN, RedisClock, connect
+from workers import claims
+from workers.alive import AliveFile, Presence
+from workers.intake import Intake
+from workers.lanes import Lanes
+from workers.lengths import Lengths
+from workers.partials import Partials
+from workers.publish import Publisher
+from workers.recovery import Recovery
+from workers.report import Reporter, Summary
+from workers.route import Router
+from workers.runner import Runner
+from workers.settings import WorkerSettings
+from workers.source import Source
+from workers.values import Batch, Emitter, Published, Settled
+from workers.window import Window
+
+logger = logging.getLogger(__name__)
+
+
+class Parts:
+    """Everything one worker of a stage's partition runs with (see :class:`Worker
+    <workers.loop.Worker>` for the arguments)."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        settings: WorkerSettings,
+        model: Model | None,
+        registry: Registry | None,
+        *,
+        partition: int,
+        runner: Runner | None,
+        consumer: str,
+        summary: Summary | None,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.stage, self.settings, self.consumer = stage, settings, consumer
+        self.keys = keys = settings.keys.at(partition)
+        self.streams = streams = [keys.stage_stream(stage.name, lane) for lane in LANES]
+        self.client = client = connect(settings, block_ms=settings.block_ms)
+        self.clock = clock = RedisClock()
+        self.router = router = Router(registry or Registry([single(stage)]), keys, stage.name)
+        self.runner = runner = runner or Runner(stage, settings, model)
+        max_batch = settings.max_batch_size or stage.max_batch_size
+        self.lanes = Lanes(client, streams, consumer, max_batch, settings.bulk_every, runner)
+        self.alive = AliveFile(settings.alive_file)
+        self.presence = Presence(client, keys, stage.name, consumer, clock, settings.alive_stale_s)
+        self.window = Window(stage, settings, self.lanes.read, clock, runner, stopping)
+        args = (client, streams, consumer, settings, router, clock)
+        self.recovery = recovery = Recovery(*args, claim_count=max_batch)
+        self.publisher = Publisher(client, keys, stage.name, consumer, settings, recovery.set_aside)
+        self.intake = Intake(client, stage, router, recovery.unreadable)
+        max_tokens = self.window.max_tokens
+        overhead = self.window.overhead_tokens
+        self.lengths = (
+            Lengths(max_tokens, overhead, lambda: runner.input_cap) if max_tokens else None
+        )
+        parts = (self.window, self.lanes, recovery, self.lengths)
+        self.source = Source(client, keys, stage.name, streams, *parts)
+        self.summary = summary = summary or Summary(stage.name, settings.log_summary_s)
+        gauges = self.window.gauges
+        self.report = Reporter(stage.name, consumer, clock, summary, runner.breaches, gauges)
+
+    async def settle(self, settled: Settled) -> None:
+        """Publish the dead letters recovery ended (answered, acked, kept); a publish that
+        fails is the source's to wait out, as a failed read."""
+        try:
+            await self.publisher(*settled)
+        except (*REDIS_DOWN, ResponseError) as exc:
+            await self.source.failed(exc)
+            return
+        self.recovery.published(settled)
+
+    async def send(self, batches: Iterable[Batch]) -> Published | None:
+        """Publish ``batches`` and ack their entries in one call with their stats, then
+        report each; None when Redis could not be reached (their entries stay pending,
+        reclaimed once idle: nothing is lost)."""
+        batches = list(batches)
+        out, entries, letters, dropped = Batch.merged(batches)
+        counts: dict[str, float] = {}
+        gauges = None
+        for batch in batches:
+            counted, gauges = self.report.counts(batch)
+            for name, value in counted.items():
+                counts[name] = counts.get(name, 0) + value
+        try:
+            published = await self.publisher(out, entries, counts, letters, gauges, dropped)
+        except REDIS_DOWN as exc:
+            logger.warning(
+                "stage %s: could not publish %d entries, redis unreachable: %s",
+                self.stage.name,
+                len(entries),
+                exc,
+            )
+            return None
+        for batch in batches:
+            self.report.published(batch, published)
+        return published
+
+    def deadline(self, requests: Iterable[Request]) -> float:
+        """``time.monotonic()`` of the latest deadline among ``requests``."""
+        return self.clock.monotonic(max(r.deadline for r in requests))
+
+    # -- the hooks a run calls around the model (workers.values.Turn) --------------
+
+    async def before_host(self, batch: Batch) -> None:
+        """Mark ``batch``'s entries on the model in a round trip of its own: a staged
+        model's host phase runs user code before its turn."""
+        await claims.mark_now(self.client, self.keys, batch.entries)
+
+    async def at_turn(self, batch: Batch, *, mark: bool) -> Emitter | None:
+        """The model is ``batch``'s: the requests cancelled meanwhile are withdrawn (one
+        round trip, which with ``mark`` also marks its entries on the model); the
+        partials its streaming requests are sent through."""
+        await self.intake.withdraw_cancelled(batch, self.clock.now(), mark=mark)
+        if not batch.live:
+            return None
+        requests = [req for req, _ in batch.live]
+        loop = asyncio.get_running_loop()
+        return Partials(self.client, requests, self.settings, loop, self.keys)
