@@ -56,7 +56,7 @@ class Gateway:
 
     Args:
         settings: the gateway's settings.
-        stages: the stages it routes, by name.
+        registry: the pipelines it routes, and their stages.
     """
 
     def __init__(self, settings: GatewaySettings, registry: Registry) -> None:

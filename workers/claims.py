@@ -3,11 +3,12 @@ keeps a running batch's entries from looking idle, and taking back idle entries.
 
 A batch's entries are marked on the model (one ``SET`` each, :func:`mark`) before user
 code runs them; its publish deletes the marks with its ack, so a process that dies leaves
-its marks behind. Whoever reclaims its entries reads them (:func:`sort_out`): no mark,
-the entry was only waiting and is taken back uncharged (XAUTOCLAIM ``JUSTID``); a number
-(its batch's size), the crash is charged to it (XCLAIM counts a delivery); :data:`QUEUED`,
-charged by an earlier crash and still waiting for its re-run. What to do with them is
-:mod:`workers.recovery`'s to decide.
+its marks behind. A mark names the batch it was on the model in: its size and its first
+entry's id (``<size>:<id>``). Whoever reclaims the entries reads them (:func:`sort_out`):
+no mark, the entry was only waiting and is taken back uncharged (XAUTOCLAIM ``JUSTID``);
+a batch's mark, the crash is charged to it (XCLAIM counts a delivery); a queued mark
+(``q<size>:<id>``), charged by an earlier crash and still waiting for its re-run. What to
+do with them (run the batch again, halve it, dead-letter) is :mod:`workers.recovery`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +31,20 @@ MARK_TTL_S = 86_400
 """A mark outlives any wait for a reclaim (a parked stage's back-off included)."""
 
 QUEUED = b"q"
-"""The mark of an entry charged by an earlier crash, waiting to run alone."""
+"""The prefix of the mark of an entry charged by an earlier crash, waiting for its re-run."""
+
+
+def batch_mark(entries: Sequence[Entry]) -> bytes:
+    """The mark of ``entries`` on the model as one batch: its size and first entry id."""
+    return b"%d:%s" % (len(entries), entries[0].id if entries else b"")
+
+
+def parse_mark(value: bytes) -> tuple[bool, int, bytes]:
+    """(queued, the size of the batch it crashed in, that batch's first entry id) of a
+    mark; a mark of an older worker (``5``, ``q``) reads as a batch of its own."""
+    queued = value.startswith(QUEUED)
+    size, _, token = value.removeprefix(QUEUED).partition(b":")
+    return queued, int(size) if size.isdigit() and int(size) > 0 else 1, token
 
 
 def marks(keys: Keys, entries: Sequence[Entry]) -> list[str]:
@@ -38,10 +52,10 @@ def marks(keys: Keys, entries: Sequence[Entry]) -> list[str]:
     return [keys.on_model(e.stream, e.id.decode()) for e in entries]
 
 
-def mark(pipe: Any, keys: Keys, entries: Sequence[Entry], value: bytes | None = None) -> None:
-    """Queue on ``pipe`` (a Redis pipeline) the marks of ``entries``: on the model in a
-    batch of ``len(entries)``, or ``value``."""
-    what = value if value is not None else str(len(entries)).encode()
+def mark(pipe: Any, keys: Keys, entries: Sequence[Entry]) -> None:
+    """Queue on ``pipe`` (a Redis pipeline) the marks of ``entries``, on the model as one
+    batch (:func:`batch_mark`)."""
+    what = batch_mark(entries)
     for key in marks(keys, entries):
         pipe.set(key, what, ex=MARK_TTL_S)
 
@@ -91,22 +105,25 @@ async def sort_out(
     client: aioredis.Redis, keys: Keys, stream: str, consumer: str, ids: list[bytes]
 ) -> Claimed:
     """Read the marks of ``ids`` (held by ``consumer``), charge one delivery to each
-    that was on the model (XCLAIM), fetch the others' fields without charging them, and
-    mark those to run alone as queued: a crash while one of them runs is charged to it
-    alone."""
+    that was on the model (XCLAIM) and mark it queued (what it crashed in is kept), and
+    fetch the others' fields without charging them."""
     if not ids:
         return Claimed()
     found = await client.mget(marks(keys, [Entry(i, {}, stream) for i in ids]))
-    on_model: list[Any] = [
-        i for i, m in zip(ids, found, strict=True) if m is not None and m != QUEUED
-    ]
-    queued = {i for i, m in zip(ids, found, strict=True) if m == QUEUED}
     out = Claimed()
+    read = {i: m for i, m in zip(ids, found, strict=True) if isinstance(m, bytes)}
+    for eid, value in read.items():
+        _, size, token = parse_mark(value)
+        out.crashed_in[eid] = (size, token)
+    on_model: list[Any] = [i for i, m in read.items() if not m.startswith(QUEUED)]
+    queued = {i for i, m in read.items() if m.startswith(QUEUED)}
     if on_model:
-        # Queued first: a worker dying between the two leaves them to run alone, never
+        # Queued first: a worker dying between the two leaves them to run again, never
         # charged twice for one crash.
         pipe = client.pipeline(transaction=False)
-        mark(pipe, keys, [Entry(i, {}, stream) for i in on_model], QUEUED)
+        for eid in on_model:
+            key = keys.on_model(stream, eid.decode())
+            pipe.set(key, QUEUED + read[eid], ex=MARK_TTL_S)
         await pipe.execute()
         taken = cast(list[Any], await client.xclaim(stream, GROUP, consumer, 0, list(on_model)))
         out.charged = [Entry(_raw(e), f, stream) for e, f in taken if f]

@@ -19,8 +19,8 @@ decoding steps (:class:`~workers.models.decoder.Decoder`):
 Delivery is as for batches: an entry is marked on the model when it joins
 (:mod:`workers.claims`) and acknowledged when published; a running entry is touched so
 it is not reclaimed (its lease); a worker that dies mid-way
-has its entries reclaimed and generated again from the start (a reclaimed suspect runs
-alone); a streaming client sees each piece of text once (partials carry their offset and
+has its entries reclaimed and generated again from the start (reclaimed suspects run
+by themselves); a streaming client sees each piece of text once (partials carry their offset and
 the gateway skips what it already sent).
 """
 
@@ -89,7 +89,7 @@ class Decoding:
         self.slots = parts.window.max_batch
         self.waiting: deque[Flight] = deque()  # read, not yet joined (no room)
         self.running: dict[int, Flight] = {}  # by id() of its generation
-        self.suspect: Flight | None = None  # reclaimed from a crash: it runs alone
+        self.suspects: list[Flight] = []  # reclaimed from a crash: they run by themselves
         self._checked = 0.0
         self._device_s = 0.0  # model time since the last publish (charged to it)
 
@@ -135,7 +135,7 @@ class Decoding:
             came = True
             try:
                 free = self.slots - len(self.running) - len(self.waiting)
-                if reading and self.suspect is None and free > 0:
+                if reading and not self.suspects and free > 0:
                     block = parts.settings.block_ms if idle and not burst else None
                     came = await self._read(free, block)
             finally:
@@ -158,9 +158,9 @@ class Decoding:
             due = await parts.recovery.next()
             if due.settled is not None:  # dead letters: answered, acked, kept
                 await parts.settle(due.settled)
-            if due.suspect is not None:
-                # A crash of its last worker may be its own: it runs alone.
-                await self._open([due.suspect], suspect=True)
+            if due.suspects:
+                # A crash of their last worker may be theirs: they run by themselves.
+                await self._open(list(due.suspects), suspect=True)
                 return True
             if due.waiting:  # taken back, not on the model when their worker died
                 entries = list(due.waiting)
@@ -211,10 +211,10 @@ class Decoding:
             )
             self.waiting.append(flight)
             if suspect:
-                self.suspect = flight
+                self.suspects.append(flight)
         for batch in ended:
             await self._send(batch)
-        if suspect and self.suspect is None:  # it ended here: recovery goes on
+        if suspect and not self.suspects:  # they ended here: recovery goes on
             parts.recovery.suspect_done()
 
     # -- the model -----------------------------------------------------------------
@@ -242,9 +242,9 @@ class Decoding:
         order) and add them to the running batch; those that ended at once are returned."""
         if not self.waiting:
             return []
-        if self.suspect is not None:
-            # A suspect joins an empty batch, and nothing joins it.
-            ordered = [] if self.running else [self.suspect]
+        if self.suspects:
+            # Suspects join an empty batch, and nothing joins them.
+            ordered = [] if self.running else list(self.suspects)
         else:
             ordered = sorted(self.waiting, key=lambda f: not f.interactive)  # stable
         joining: list[Flight] = []
@@ -367,9 +367,10 @@ class Decoding:
             batch.record.generated = len(flight.generation.ids)
             batch.record.run_s = self._device_s / len(flights)
             batch.record.ran_at = now
-            if flight is self.suspect:
-                self.suspect = None
-                parts.recovery.suspect_done()
+            if flight in self.suspects:
+                self.suspects.remove(flight)
+                if not self.suspects:
+                    parts.recovery.suspect_done()
         self._device_s = 0.0
         await self._send(*[flight.batch for flight in flights])
 

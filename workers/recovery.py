@@ -5,7 +5,8 @@ every dead letter a worker writes (past the cap, undecodable, refused by a publi
 - A worker that dies leaves its entries pending; after ``min_idle_ms`` another worker
   (or the same one, restarted) takes them back (:mod:`workers.claims`). Those that were
   on the model when it died are charged the crash and run alone ("suspects"); those that
-  were only waiting run in an ordinary batch, uncharged.
+  were only waiting run in an ordinary batch, uncharged. A charged batch runs again
+  whole; if it crashes again, each of its entries runs alone.
 - An entry delivered more than ``max_deliveries`` times (its first read, and each crash
   it was on the model for) is dead-lettered instead of running again; its client is told
   at once. So is an entry that does not decode, and one whose publish Redis refuses.
@@ -14,7 +15,6 @@ every dead letter a worker writes (past the cap, undecodable, refused by a publi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -39,6 +39,11 @@ from workers.settings import WorkerSettings
 from workers.values import Claimed, Due, Entry, Letter, Outbox, Settled, by_stream
 
 logger = logging.getLogger(__name__)
+
+
+def _order(eid: bytes) -> tuple[int, int]:
+    ms, _, seq = eid.decode().partition("-")
+    return int(ms) if ms.isdigit() else 0, int(seq) if seq.isdigit() else 0
 
 
 def letter(
@@ -112,20 +117,17 @@ class Recovery:
         self._touch = Every(settings.min_idle_ms / 3000)  # the queued suspects
         self.keys = router.keys
         self.claim_count = claim_count
-        self._suspects: deque[Entry] = deque()
-        self._no_suspect_running = asyncio.Event()
-        self._no_suspect_running.set()
+        self._suspects: deque[list[Entry]] = deque()  # batches to run again, in order
+        self._suspect_running = False
 
     async def next(self) -> Due:
         """Do the duties now due: trim; when no suspect is queued, reclaim (the first time,
         take back this consumer's own pending first) and sort out what came back
-        (:mod:`workers.claims`). Then the next suspect, to run alone (its end reported
-        with :meth:`suspect_done`), or None: read new entries; with the entries past the
-        delivery cap, dead-lettered, for the worker to publish, and the entries taken
-        back that were only waiting, to run as an ordinary batch."""
-        # Nothing new is taken while a suspect runs: were it to kill this process, no
-        # other batch is on the model with it to be charged the crash.
-        await self._no_suspect_running.wait()
+        (:mod:`workers.claims`). Then the next suspects, to run as one batch (its end
+        reported with :meth:`suspect_done`), unless suspects are running: read new
+        entries; with the entries past the delivery cap, dead-lettered, for the worker
+        to publish, and the entries taken back that were only waiting, to run as an
+        ordinary batch."""
         now = time.monotonic()
         if self._trim.due(now):
             for stream in self.streams:
@@ -152,30 +154,31 @@ class Recovery:
                     claimed += got
                     break
             settled, waiting = await self._screen(claimed)
-        if settled is not None or waiting or not self._suspects:
-            # A suspect only once the dead letters are out (were their publish to fail, a
-            # suspect handed out with them would never run, nor report its end) and the
-            # entries taken back beside it are handed out (it runs alone: next time).
-            return Due(None, settled, tuple(waiting))
-        if self._touch.due(now):  # queued, they must not look idle to another worker
-            for stream, ids in by_stream(self._suspects).items():
+        if self._suspects and self._touch.due(now):  # they must not look idle to another
+            for stream, ids in by_stream(e for group in self._suspects for e in group).items():
                 await touch(self.client, stream, self.consumer, ids)
-        self._no_suspect_running.clear()
-        return Due(self._suspects.popleft(), settled)
+        if settled is not None or waiting or not self._suspects or self._suspect_running:
+            # Suspects only once the dead letters are out (were their publish to fail,
+            # suspects handed out with them would never run, nor report their end) and
+            # the entries taken back beside them are handed out; one batch of suspects at
+            # a time, while new entries are read beside it.
+            return Due((), settled, tuple(waiting))
+        self._suspect_running = True
+        return Due(tuple(self._suspects.popleft()), settled)
 
     def published(self, settled: Settled) -> None:
         """What :meth:`next` dead-lettered is published: count it."""
         self.dead_lettered += len(settled.entries)
 
     def suspect_done(self) -> None:
-        """The suspect's batch has ended: new entries may be taken again."""
-        self._no_suspect_running.set()
+        """The suspects' batch has ended: the next may run."""
+        self._suspect_running = False
 
     def lease(self, entries: Sequence[Entry]) -> Lease:
         """Keeps a running batch's entries from being reclaimed until stopped."""
         beat_s = self.settings.min_idle_ms / 3000  # well inside the idle time that reclaims
         # With the suspects queued to run alone after it: they are this worker's too.
-        held = by_stream([*entries, *self._suspects])
+        held = by_stream([*entries, *(e for group in self._suspects for e in group)])
         return Lease(self.client, held, self.consumer, beat_s)
 
     def unreadable(
@@ -212,20 +215,16 @@ class Recovery:
                     raise
 
     async def _screen(self, claimed: Claimed) -> tuple[Settled | None, list[Entry]]:
-        """Queue the charged and queued entries as suspects; those past the delivery cap,
-        dead-lettered, are returned to publish, with the entries that were only waiting."""
+        """Queue the charged and queued entries to run again (:meth:`_rerun`); those past
+        the delivery cap, dead-lettered, are returned to publish, with the entries that
+        were only waiting."""
         if not claimed:
             return None, []
-        entries = claimed.alone + claimed.waiting
+        entries = claimed.suspects + claimed.waiting
         counts: dict[tuple[str, bytes], int] = {}
         for stream, ids in by_stream(entries).items():
             got = await deliveries(self.client, stream, self.consumer, ids)
             counts.update(((stream, eid), n) for eid, n in got.items())
-        cap = self.settings.max_deliveries
-
-        def over(e: Entry) -> bool:
-            return counts.get((e.stream, e.id), 1) > cap
-
         if claimed.charged:
             progressed()  # their crash is on its way to a dead letter: no loop
             stats = self.keys.stage_stats(self.router.stage)
@@ -234,15 +233,44 @@ class Recovery:
             except ResponseError as exc:  # a stats key forged to another type: a count lost
                 logger.error("stage %s: crash charges not counted: %s", self.router.stage, exc)
             logger.warning(
-                "stage %s: %d entr(ies) were on the model when their worker died; each "
-                "runs alone (a crash while one runs is charged to it)",
+                "stage %s: %d entr(ies) were on the model when their worker died; they run "
+                "again as their batch, and each alone if it crashes again",
                 self.router.stage,
                 len(claimed.charged),
             )
-        self._suspects += [e for e in claimed.alone if not over(e)]
-        late = [e for e in entries if over(e)]
+        late, groups = self._rerun(claimed, counts)
+        self._suspects += groups
+        cap = self.settings.max_deliveries
+        late += [e for e in claimed.waiting if counts.get((e.stream, e.id), 1) > cap]
         settled = self._dead_letter(late, counts) if late else None
-        return settled, [e for e in claimed.waiting if not over(e)]
+        return settled, [e for e in claimed.waiting if e not in late]
+
+    def _rerun(
+        self, claimed: Claimed, counts: dict[tuple[str, bytes], int]
+    ) -> tuple[list[Entry], list[list[Entry]]]:
+        """The charged and queued entries past the delivery cap (to dead-letter), and the
+        batches the others run again in: after a batch's first crash, the batch again,
+        whole (unless one more crash would put it past the cap); after a second, each
+        entry alone. A crash that was no input's doing (kill -9, the OOM killer, a
+        drain) thus costs the batch one re-run at batch speed, and an input that kills
+        is alone after one more crash."""
+        cap = self.settings.max_deliveries
+        by_batch: dict[tuple[int, bytes], list[Entry]] = {}
+        late: list[Entry] = []
+        for entry in claimed.suspects:
+            size, token = claimed.crashed_in.get(entry.id, (1, b""))
+            if counts.get((entry.stream, entry.id), 1) > cap:
+                late.append(entry)
+            else:
+                by_batch.setdefault((size, token or entry.id), []).append(entry)
+        groups: list[list[Entry]] = []
+        for (size, _), mates in by_batch.items():
+            times = max(counts.get((e.stream, e.id), 1) for e in mates)
+            # Whole once, if one more crash leaves them within the cap; then alone.
+            part = size if times <= 2 and times < cap else 1
+            mates.sort(key=lambda e: _order(e.id))
+            groups += [mates[i : i + part] for i in range(0, len(mates), part)]
+        return late, groups
 
     def _dead_letter(self, entries: list[Entry], counts: dict[tuple[str, bytes], int]) -> Settled:
         stage = self.router.stage

@@ -1,8 +1,8 @@
-"""Where a worker's batches come from: a reclaimed suspect, alone, else the window's next
+"""Where a worker's batches come from: reclaimed suspects, as one batch, else the window's next
 batch, cut by length where the stage is length-aware; and what a failed read does.
 
 Before each read, :class:`~workers.recovery.Recovery` does its duties that are due: it
-may hand over a reclaimed entry to run alone (a suspect) and entries it dead-lettered,
+may hand over reclaimed entries to run again as one batch (suspects) and entries it dead-lettered,
 which go to the loop to publish (:attr:`Taken.settled`) before anything new is read: the
 read is the next call's. A read that fails (or a publish of dead letters, :meth:`Source.failed`)
 waits Redis out, or re-creates the stage's group if Redis lost it.
@@ -70,7 +70,7 @@ class Source:
         self._settling = False  # dead letters handed out: the next call reads
 
     async def next(self, block_ms: int | None) -> Taken:
-        """The next batches: a suspect alone, else what the window closed (nothing when
+        """The next batches: suspects as one batch, else what the window closed (nothing when
         nothing came within ``block_ms``, or the read failed and was waited out); or dead
         letters to publish first (then the window is read at the next call).
 
@@ -100,8 +100,8 @@ class Source:
         if due.settled is not None:  # dead letters: answered, acked, kept (by the loop)
             self._settling = not due.waiting
             return Taken(self._cut(list(due.waiting)) if due.waiting else [], settled=due.settled)
-        if due.suspect is not None:
-            return Taken([[due.suspect]], suspect=True)
+        if due.suspects:
+            return Taken([list(due.suspects)], suspect=True)
         if due.waiting:  # taken back, not on the model when their worker died
             return Taken(self._cut(list(due.waiting)))
         return await self._read(block_ms)

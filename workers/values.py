@@ -210,18 +210,22 @@ class Claimed:
     """Entries taken back from a worker that stopped reading, sorted by their marks."""
 
     charged: list[Entry] = field(default_factory=list)  # on the model at its crash
-    queued: list[Entry] = field(default_factory=list)  # waiting to run alone
+    queued: list[Entry] = field(default_factory=list)  # waiting for their re-run
     waiting: list[Entry] = field(default_factory=list)  # not on the model
+    # By entry id, of the charged and queued: the size of the batch each crashed in and
+    # that batch's first entry id (its batch-mates share it).
+    crashed_in: dict[bytes, tuple[int, bytes]] = field(default_factory=dict)
 
     def __iadd__(self, other: Claimed) -> Claimed:
         self.charged += other.charged
         self.queued += other.queued
         self.waiting += other.waiting
+        self.crashed_in |= other.crashed_in
         return self
 
     @property
-    def alone(self) -> list[Entry]:
-        """What runs alone, one entry a batch: the charged and the queued."""
+    def suspects(self) -> list[Entry]:
+        """What runs again as a suspect: the charged and the queued."""
         return self.charged + self.queued
 
     def __bool__(self) -> bool:
@@ -239,11 +243,12 @@ class Settled(NamedTuple):
 
 
 class Due(NamedTuple):
-    """What recovery hands the worker before a read: a suspect to run alone (None: read
-    new entries), dead letters to publish (None: none), and entries taken back that were
-    not on the model when their worker died, to run as an ordinary batch."""
+    """What recovery hands the worker before a read: suspects to run as one batch, on a
+    model nothing else of the worker is on (none: read new entries), dead letters to
+    publish (None: none), and entries taken back that were not on the model when their
+    worker died, to run as an ordinary batch."""
 
-    suspect: Entry | None
+    suspects: tuple[Entry, ...] = ()
     settled: Settled | None = None
     waiting: tuple[Entry, ...] = ()
 
@@ -269,3 +274,6 @@ class Turn(Protocol):
     async def at_turn(self, batch: Batch, *, mark: bool) -> Emitter | None:
         """The model is the batch's: withdraw what was cancelled meanwhile (and, with
         ``mark``, mark its entries on the model); where to stream its output."""
+
+    async def withdraw_cancelled(self, batch: Batch) -> None:
+        """Withdraw the batch's requests cancelled by now, while its calls run."""

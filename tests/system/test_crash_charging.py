@@ -21,7 +21,7 @@ from pipelines.keys import GROUP, Keys
 from runtime.stats import read_stats
 from runtime.status import stage_status
 from tests.conveyor.test_supervisor import start_ready, stop
-from tests.helpers import Doubler, Harness, number_stage, until, wait_for_line
+from tests.helpers import Doubler, Harness, died_running, number_stage, until, wait_for_line
 from workers.route import LATE_S
 
 FAST_RECLAIM = {
@@ -211,3 +211,59 @@ async def test_an_entry_read_long_past_its_deadline_is_not_answered_again(
 
 def replies_of(harness: Harness) -> str:
     return harness.keys.reply_stream("test")
+
+
+async def test_a_crashed_batch_runs_again_whole_and_new_work_is_read_beside_it(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # BREAK (round four, 2): after a worker crash, every entry that was on the model ran
+    # alone while nothing new was read: 47 one-item model calls in a row, 131 jobs
+    # unread. A crash that was no input's doing (kill -9, the OOM killer, a drain) now
+    # costs its batch one re-run, whole, and new entries are read beside it.
+    stage = number_stage(max_batch_size=32, batch_wait_ms=0)
+    stream = harness.keys.stage_stream("double")
+    model = Doubler()
+    worker = harness.worker(stage, model, min_idle_ms=10, reclaim_interval_ms=10)
+    await worker.start()
+    await harness.enqueue("double", [{"value": i} for i in range(12)])
+    await died_running(redis, harness.keys, stream)  # all 12 were on the model
+    await harness.enqueue("double", [{"value": 100 + i} for i in range(5)])
+    running = harness.run(worker)
+
+    async def answered() -> bool:
+        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 17)
+
+    await until(answered, 30)
+    worker.stop()
+    await running
+    sizes = [len(b) for b in model.batches]
+    assert 12 in sizes, sizes  # the crashed batch ran again as one batch, not 12 calls
+    assert len(sizes) <= 3, sizes  # and the new ones in a batch of their own (or two)
+    assert await redis.xlen(harness.keys.dead_letters("double")) == 0
+    assert (await stage_status(redis, harness.keys, "double")).pending == 0
+
+
+async def test_a_batch_that_crashes_again_runs_each_entry_alone(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # After a second crash of the same batch an input in it may be what kills: each of
+    # its entries then runs alone, so the next crash is the poison's own.
+    stage = number_stage(max_batch_size=32, batch_wait_ms=0)
+    stream = harness.keys.stage_stream("double")
+    model = Doubler()
+    worker = harness.worker(stage, model, min_idle_ms=10, reclaim_interval_ms=10)
+    await worker.start()
+    await harness.enqueue("double", [{"value": i} for i in range(4)])
+    await died_running(redis, harness.keys, stream, "first")
+    # Taken back and charged once, run again whole, and that worker died too.
+    ids = [entry[0] for entry in cast(list[Any], await redis.xrange(stream))]
+    await redis.xclaim(stream, GROUP, "second", 0, ids)
+    running = harness.run(worker)
+
+    async def answered() -> bool:
+        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 4)
+
+    await until(answered, 30)
+    worker.stop()
+    await running
+    assert [len(b) for b in model.batches] == [1, 1, 1, 1], model.batches
