@@ -211,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
         default=300.0,
         help="deadline of a replayed request, seconds from now",
     )
+    dlq.add_argument(
+        "--force",
+        action="store_true",
+        help="replay even when no worker serves the stage (the letters wait for one)",
+    )
     add_app_argument(dlq)
     deploy_files.add_parser(sub)
     args = parser.parse_args(argv)
@@ -247,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "deploy":
             deploy_files.run(args)
         elif args.command == "dlq":
-            sys.exit(asyncio.run(dlq_command(args.action, args.stage, args.id, args.timeout)))
+            done = dlq_command(args.action, args.stage, args.id, args.timeout, args.force)
+            sys.exit(asyncio.run(done))
         else:
             sys.exit(asyncio.run(_status_async()))
     except ConveyorError as exc:

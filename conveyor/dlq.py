@@ -15,13 +15,13 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from pipelines.envelope import decode_request
-from pipelines.errors import ConfigError, EnvelopeError, UnknownStage
+from pipelines.errors import ConfigError, ConveyorError, EnvelopeError, UnknownStage
 from pipelines.keys import Keys
 from pipelines.records import DeadLetter
 from pipelines.registry import load_registry
 from pipelines.settings import CommonSettings, load_settings
 from runtime.redisio import RedisClock, connect, enqueue, in_order, text
-from runtime.status import known_stages
+from runtime.status import known_stages, live_workers
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 
@@ -39,7 +39,9 @@ def stream_id(raw: str | None) -> str | None:
     return raw
 
 
-async def dlq_command(action: str, stage: str, entry_id: str | None, timeout_s: float) -> int:
+async def dlq_command(
+    action: str, stage: str, entry_id: str | None, timeout_s: float, force: bool = False
+) -> int:
     """Run ``conveyor dlq ACTION STAGE``; returns the exit status.
 
     Args:
@@ -47,6 +49,11 @@ async def dlq_command(action: str, stage: str, entry_id: str | None, timeout_s: 
         stage: the stage whose dead letters these are.
         entry_id: only this dead letter (``--id``), else all of them.
         timeout_s: a replayed request's deadline, seconds from now.
+        force: replay even when no worker serves the stage (``--force``): said on
+            stderr, not refused.
+
+    Raises:
+        ConveyorError: a replay to a stage no live worker serves, without ``force``.
     """
     entry_id = stream_id(entry_id)
     settings = load_settings(CommonSettings)
@@ -57,6 +64,19 @@ async def dlq_command(action: str, stage: str, entry_id: str | None, timeout_s: 
         # A typo would list nothing, as if the stage had no dead letters.
         if stage not in known and not await _has_letters(client, settings.keys, stage):
             raise UnknownStage(f"unknown stage {stage!r}; known: {', '.join(known)}")
+        if action == "replay" and not await live_workers(client, settings.keys, stage):
+            # Its letters would wait on a stream nobody reads, their deadlines running out.
+            unserved = f"no worker serves stage {stage!r} (none has a live heartbeat)"
+            if not force:
+                raise ConveyorError(
+                    f"{unserved}: its replayed requests would wait on a stream nobody "
+                    "reads; start its workers first, or replay anyway with --force"
+                )
+            print(
+                f"conveyor: {unserved}: the replayed requests wait on its stream until one "
+                "starts, within their --timeout",
+                file=sys.stderr,
+            )
         for keys in settings.keys.each():  # each partition has its own dead letters
             dlq = keys.dead_letters(stage)
             raw = await client.xrange(dlq, min=entry_id or "-", max=entry_id or "+") or []

@@ -119,9 +119,7 @@ def check_app_dir(here: str | None = None) -> None:
     ours = Path(__file__).resolve().parents[1]  # the folder conveyor's packages are in
     elsewhere = [p for p in sys.path if p and Path(p).resolve() != folder]
     for name in (*OWN_PACKAGES, *IMPORTED):
-        shadow = next(
-            (f for f in (f"{name}.py", f"{name}/__init__.py") if (folder / f).is_file()), None
-        )
+        shadow = _module_file(folder, name)
         if shadow is None:
             continue
         if name in OWN_PACKAGES:
@@ -138,6 +136,38 @@ def check_app_dir(here: str | None = None) -> None:
         )
 
 
+def _module_file(folder: Path, name: str) -> str | None:
+    """The file of a top-level module ``name`` in ``folder`` (``name.py``, or the package
+    ``name/__init__.py``), relative to it; None when there is none."""
+    return next((f for f in (f"{name}.py", f"{name}/__init__.py") if (folder / f).is_file()), None)
+
+
+def _check_not_hidden(module: Any, module_name: str, here: str) -> None:
+    """Refuse an ``--app`` module of ``here`` that another of its name hid: one imported
+    before it (the standard library's ``http``, ``queue``...), found in its place.
+
+    Raises:
+        ConfigError: the shadowing line of :func:`check_app_dir`: the file, renamed.
+    """
+    top = module_name.split(".")[0]
+    if top in OWN_PACKAGES:
+        return  # check_app_dir's: hidden unless conveyor runs in its own checkout
+    folder = Path(here).resolve()
+    shadow = _module_file(folder, top)
+    found = getattr(sys.modules.get(top, module), "__file__", None)
+    if shadow is None or (found and Path(found).resolve() == (folder / shadow).resolve()):
+        return
+    what = (
+        "a module of Python's standard library"
+        if top in sys.stdlib_module_names
+        else f"another module found first ({found or 'built in'})"
+    )
+    raise ConfigError(
+        f"{folder / shadow.removesuffix('/__init__.py')} is named like {what} "
+        f"({top!r}), which is imported in its place; rename it"
+    )
+
+
 APP_KINDS = "a Pipeline, a Stage, a list of them, or a function returning one"
 """What ``--app module:attr`` may name (:func:`load_app`), as its errors say it."""
 
@@ -149,8 +179,9 @@ def load_app(spec: str) -> list[Pipeline]:
 
     Raises:
         ConfigError: the module or attribute is missing, importing the module or calling
-            the attribute raised (one line naming the error and its line), or it holds
-            neither pipelines nor stages.
+            the attribute raised (one line naming the error and its line), it holds
+            neither pipelines nor stages, or a module of its name imported before it
+            (the standard library's ``http``) hides it.
     """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -159,6 +190,7 @@ def load_app(spec: str) -> list[Pipeline]:
     if here not in sys.path:
         sys.path.insert(0, here)
     module = _import_app(spec, module_name, here)
+    _check_not_hidden(module, module_name, here)
     if not hasattr(module, attr):
         held = sorted(k for k, v in vars(module).items() if _holds_pipelines(v))
         hint = f"; it has {', '.join(held)}" if held else ", nor any Pipeline or Stage"

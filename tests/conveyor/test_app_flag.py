@@ -258,3 +258,22 @@ def test_an_app_may_name_stages_among_its_pipelines(
         assert list(load_registry(f"{module}:made", None).pipelines) == ["wc"]
     finally:
         sys.modules.pop(module, None)
+
+
+@pytest.mark.parametrize("name", ["http.py", "queue.py", "json/__init__.py"])
+def test_an_app_named_like_a_standard_module_is_the_shadowing_line(
+    tmp_path: Path, name: str
+) -> None:
+    # Before: "--app 'http:wc': module 'http' has no 'wc'": Python's own http, imported
+    # before the app, was found in its place; the user's file was never read.
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text(doc_module())
+    module = name.removesuffix(".py").removesuffix("/__init__")
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    done = cli(tmp_path, "graph", "wc", "--app", f"{module}:wc", CONVEYOR_REDIS_URL=unreachable)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    shown = tmp_path.resolve() / name.removesuffix("/__init__.py")
+    assert line.startswith(f"conveyor: {shown} is named like a module of Python's "), line
+    assert f"({module!r})" in line, line
+    assert line.endswith("rename it"), line

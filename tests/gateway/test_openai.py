@@ -32,6 +32,17 @@ TEMPLATE = (
 )
 # The tiny generate model's tokenizer has no chat template; this stage gives it one.
 CHAT = replace(BUILTIN["generate"], name="chatty", options={"chat_template": TEMPLATE})
+# A template that refuses a role, as many models' templates do (transformers' own
+# raise_exception: a jinja2.TemplateError).
+STRICT = replace(
+    BUILTIN["generate"],
+    name="strict",
+    options={
+        "chat_template": "{% for m in messages %}{% if m['role'] not in ('user', 'assistant') %}"
+        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}"
+        "{% endfor %}" + TEMPLATE
+    },
+)
 
 
 async def _serve(harness: Harness, stages: list[Stage], **gateway: Any) -> str:
@@ -264,3 +275,61 @@ def test_up_refuses_a_pipeline_named_as_a_route_before_anything_starts(tmp_path:
     assert lines == ["conveyor: pipeline name 'models' is taken by the OpenAI-compatible "
                      "routes (/v1/models...); rename the pipeline"], done.stderr  # fmt: skip
     assert "embedded redis" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("decoding", ["continuous", "static"])
+async def test_a_role_the_chat_template_refuses_is_a_400_naming_why(
+    harness: Harness, decoding: str
+) -> None:
+    # Before: a 500 (the template's jinja2.TemplateError was no bad input), which the
+    # openai client retries twice.
+    worker = harness.worker(STRICT, device="cpu", threads=1, decoding=decoding)
+    await worker.start()
+    harness.run(worker)
+    base = await harness.http_server([STRICT])
+    async with _client(base) as client:
+        messages: Any = [{"role": "tool", "content": "Hello there"}]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="strict", messages=messages, max_tokens=3)
+        said = refused.value.body["message"]  # type: ignore[index]
+        assert "Only user and assistant roles are supported!" in said, said
+        assert "\n" not in said, said
+        fine: Any = [{"role": "user", "content": "Hello there"}]
+        done = await client.chat.completions.create(model="strict", messages=fine, max_tokens=3)
+        assert done.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [
+        ("/v1/embeddings", "input", {"model": "embed", "input": {"a cat": 1}}),
+        ("/v1/embeddings", "input", {"model": "embed", "input": {}}),
+        ("/v1/completions", "prompt", {"model": "generate", "prompt": {"Once upon": 1}}),
+    ],
+)
+async def test_an_object_as_the_texts_is_refused_naming_the_field(
+    harness: Harness, path: str, field: str, body: dict[str, Any]
+) -> None:
+    # Before: a JSON object was taken as its keys (embedded, or completed).
+    base = await harness.http_server([BUILTIN["embed"], BUILTIN["generate"]])
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        resp = await http.post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field, error
+    assert error["message"].startswith(f"{field} must be a string or a non-empty list"), error
+
+
+async def test_a_chat_too_long_in_all_is_refused_naming_messages(harness: Harness) -> None:
+    # Before: "messages: text: String should have at most 100000 characters": `text` is
+    # no field of the request (the route joins the messages into it).
+    base = await harness.http_server([CHAT])
+    messages: Any = [{"role": "user", "content": "x" * 60_000}] * 2
+    async with _client(base) as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="chatty", messages=messages, max_tokens=3)
+    assert refused.value.body["param"] == "messages"  # type: ignore[index]
+    message = refused.value.body["message"]  # type: ignore[index]
+    assert message.startswith("messages: "), message
+    assert "text" not in message, message
+    assert "100000 characters" in message, message

@@ -264,7 +264,8 @@ async def test_dlq_cli_lists_replays_and_purges(harness: Harness, redis: aioredi
     assert "deliveries=2" in listing
     assert "2 dead letter(s)" in listing
     first = listing.split()[0]
-    assert "replayed 1" in cli("dlq", "replay", "double", "--id", first)
+    # Its worker starts after the replay: --force.
+    assert "replayed 1" in cli("dlq", "replay", "double", "--id", first, "--force")
     await harness.worker(stage, Doubler()).run(burst=True)
     got = await replies(redis, harness.keys.reply_stream("test"))
     assert [r["result"] for r in got if r["outcome"] == "ok"] == [{"value": 2}]

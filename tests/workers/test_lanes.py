@@ -180,7 +180,7 @@ async def test_a_bulk_entry_delivered_too_often_is_dead_lettered_and_replayed_to
     assert (await redis.xpending(lanes["bulk"], GROUP))["pending"] == 0  # acked on bulk
     ((letter_id, letter),) = cast(list[Entry], await redis.xrange(dlq) or [])
     assert decode_request(letter).lane == "bulk"
-    done = conveyor("dlq", "replay", "double")
+    done = conveyor("dlq", "replay", "double", "--force")  # its worker starts after
     assert f"replayed 1 dead letter(s) to {lanes['bulk']}" in done.stdout, done.stderr
     back = cast(list[Entry], await redis.xrange(lanes["bulk"], min=f"({letter_id.decode()}"))
     assert [decode_request(f).id for _, f in back] == [sent.id]

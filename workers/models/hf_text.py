@@ -240,7 +240,12 @@ class Generator(GenerateRunner):
         return limits
 
     def prompts(self, items: list[Item]) -> list[str]:
-        """Each item's prompt: its text, or its ``messages`` through the chat template."""
+        """Each item's prompt: its text, or its ``messages`` through the chat template.
+
+        Raises:
+            InvalidInput: an item has messages and the model no chat template, or its
+                template refuses them (its ``raise_exception``: a role, an order).
+        """
         texts = item_texts(items)
         for index, item in enumerate(items):
             messages = item.get("messages")
@@ -251,12 +256,23 @@ class Generator(GenerateRunner):
                     f"item {index}: this model's tokenizer has no chat template; send a "
                     "plain prompt, or give the runner a chat_template option"
                 )
-            rendered = self.tokenizer.apply_chat_template(
-                messages,
-                chat_template=self.chat_template,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
+            # transformers renders a template with jinja2 (its chat-template extra) and
+            # cannot without it; imported here, plain prompts need none.
+            from jinja2 import TemplateError, TemplateSyntaxError
+
+            try:
+                rendered = self.tokenizer.apply_chat_template(
+                    messages,
+                    chat_template=self.chat_template,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+            except TemplateSyntaxError:
+                raise  # the template itself is broken: the stage's fault, not the chat's
+            except TemplateError as exc:  # it refused these messages (a role, an order)
+                raise InvalidInput(
+                    f"item {index}: the model's chat template refused the messages: {exc}"
+                ) from None
             texts[index] = str(rendered)
         return texts
 

@@ -63,6 +63,7 @@ async def chat(asked: Asked, body: ChatIn) -> Response:
             **_sampling(body),
         },
         "messages",
+        "all of them together (each as 'role: content')",
     )
     answer = Answer("chat.completion", body.model, chat=True)
     if body.stream:

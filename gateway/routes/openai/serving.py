@@ -86,16 +86,29 @@ def served(gw: Gateway, model: str, kind: OpenAIKind) -> Pipeline:
     return pipeline
 
 
-def checked(pipeline: Pipeline, payload: dict[str, Any], param: str) -> dict[str, Any]:
+def checked(
+    pipeline: Pipeline, payload: dict[str, Any], param: str, text_is: str = ""
+) -> dict[str, Any]:
     """``payload`` validated by the pipeline's input model, as ``POST /v1/{name}``
     validates its body: refused here (400, naming the request field ``param``), not by a
-    worker."""
+    worker.
+
+    Args:
+        pipeline: the pipeline the request runs.
+        payload: its input, as the route built it from the request.
+        param: the request field it was built from.
+        text_is: what the payload's ``text`` is, said after ``param`` where it is wrong
+            (none: it is ``param`` itself): the route made it, the client never saw it.
+    """
     try:
         valid = pipeline.input_model.model_validate(payload)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
-        raise Refused(f"{param}: {field}: {first['msg']}", 400, param) from None
+        if field == "text":  # built by the route from `param`: no field of the request
+            field = text_is
+        where = f"{param}: {field}" if field else param
+        raise Refused(f"{where}: {first['msg']}", 400, param) from None
     return valid.model_dump(mode="json", exclude_unset=True)
 
 

@@ -116,11 +116,11 @@ def texts(value: Any, param: str) -> list[str]:
     """``value`` (a :data:`Texts` field named ``param``) as a list of texts.
 
     Raises:
-        Refused: it is not a string or a non-empty list of strings, or holds more than
-            :data:`MAX_INPUTS`.
+        Refused: it is not a string or a non-empty list of strings (an object too: its
+            keys are no texts), or holds more than :data:`MAX_INPUTS`.
     """
     items = [value] if isinstance(value, str) else value
-    if not items or not all(isinstance(v, str) for v in items):
+    if not isinstance(items, list) or not items or not all(isinstance(v, str) for v in items):
         raise Refused(
             f"{param} must be a string or a non-empty list of strings "
             "(token arrays are not supported)",
