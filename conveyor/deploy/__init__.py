@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import Field
 
+from conveyor.deploy.names import VARIANT, WORKER, assign, functions_key
 from conveyor.placement import PlacementSettings, worker_groups
 from pipelines.errors import ConfigError
 from pipelines.registry import Registry, load_registry
@@ -86,8 +87,9 @@ class Worker:
     """A worker service / Deployment.
 
     Attributes:
-        name: ``worker-<stage>`` (dots as dashes) or ``worker-<pipeline>`` for its function
-            stages; ``-gpu`` for a GPU variant.
+        base: its own part of its names (:mod:`conveyor.deploy.names`): read from its
+            stage's name, or its pipeline's for the function stages; a GPU variant shares
+            its CPU worker's.
         stages: the stages it serves.
         targets: each stage's KEDA target, entries per worker (``max_batch_size`` x
             ``max_concurrent_batches``).
@@ -97,9 +99,11 @@ class Worker:
         replicas: processes it keeps at least (its stages' largest ``replicas``).
         light: the function stages' worker.
         variant: "" or "gpu" (an optional GPU copy of a CPU worker).
+        labels: what tells its stages' KEDA triggers apart (a step's name each, for the
+            function stages), empty for one stage.
     """
 
-    name: str
+    base: str
     stages: tuple[str, ...]
     targets: tuple[int, ...]
     gpus: int
@@ -108,6 +112,17 @@ class Worker:
     replicas: int
     light: bool
     variant: str = ""
+    labels: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The compose service and the Kubernetes objects: ``worker-<base>[-gpu]``."""
+        return self.cpu_name + (VARIANT if self.variant else "")
+
+    @property
+    def cpu_name(self) -> str:
+        """The name of the CPU worker (itself, or the one a variant is a copy of)."""
+        return WORKER + self.base
 
     @property
     def spec(self) -> str:
@@ -159,49 +174,64 @@ def _workers(
     registry: Registry, settings: DeploySettings, variants: tuple[str, ...]
 ) -> list[Worker]:
     placed = settings.model_copy(update={"share_models": False})
-    out: list[Worker] = []
+    pipeline_of = {  # a function stage's own pipeline (whose name may hold dots)
+        s.name: p.name
+        for p in registry.pipelines.values()
+        for s in p.stages()
+        if s.kind == "function"
+    }
+    drafts: dict[str, Worker] = {}  # by the key its name is read from; named below
     for group in worker_groups(registry, None, placed):
         stages = [registry.stage(s).with_resources(settings.resources.get(s)) for s in group.stages]
-        by_pipeline: dict[str, list[str]] = {}
+        by_key: dict[str, list[str]] = {}
         for s in stages:  # function stages: one worker per pipeline
-            by_pipeline.setdefault(s.name.partition(".")[0] if group.light else s.name, []).append(
-                s.name
-            )
-        for base, names in by_pipeline.items():
+            key = functions_key(pipeline_of[s.name]) if group.light else s.name
+            by_key.setdefault(key, []).append(s.name)
+        for key, names in by_key.items():
             own = [s for s in stages if s.name in names]
             memory = max((s.memory_mb or 0 for s in own), default=0)
             threads = group.threads or settings.threads or (1 if group.light else 2)
-            gpus = math.ceil(max(s.gpus for s in own))
-            targets = tuple(s.max_batch_size * settings.max_concurrent_batches for s in own)
-            worker = Worker(
-                name="worker-" + _slug(base.replace(".", "-")),
+            drafts[key] = Worker(
+                base="",
                 stages=tuple(names),
-                targets=targets,
-                gpus=gpus,
+                targets=tuple(s.max_batch_size * settings.max_concurrent_batches for s in own),
+                gpus=math.ceil(max(s.gpus for s in own)),
                 threads=threads,
                 memory_mb=memory or (512 if group.light else 1024),
                 replicas=max(s.replicas for s in own),
                 light=group.light,
             )
-            out.append(worker)
+    copied: list[str] = []
     for stage in variants:
-        cpu = next((w for w in out if w.stages == (stage,) and not w.variant), None)
-        if cpu is None:
+        alone = next((k for k, w in drafts.items() if w.stages == (stage,)), None)
+        if alone is None:
             raise ConfigError(f"no worker serves {stage!r} alone to give a GPU variant")
+        copied.append(alone)
+    bases = assign({key: key for key in drafts}, copied)
+    out = [replace(w, base=bases[key], labels=_labels(w, pipeline_of)) for key, w in drafts.items()]
+    for key in copied:
+        cpu = drafts[key]
         out.append(
-            Worker(
-                name=cpu.name + "-gpu",
-                stages=cpu.stages,
-                targets=cpu.targets,
+            replace(
+                cpu,
+                base=bases[key],  # its CPU worker's name, and -gpu
                 gpus=max(1, cpu.gpus),
                 threads=1,  # the GPU does the work; one core feeds it
-                memory_mb=cpu.memory_mb,
-                replicas=cpu.replicas,
                 light=False,
                 variant="gpu",
             )
         )
     return out
+
+
+def _labels(worker: Worker, pipeline_of: dict[str, str]) -> tuple[str, ...]:
+    """Its triggers' labels, read from each function stage's step name."""
+    if len(worker.stages) < 2:
+        return ()
+    pipeline = pipeline_of[worker.stages[0]]
+    steps = {s: s.removeprefix(pipeline + ".") for s in worker.stages}
+    labels = assign(steps, prefix="lag-")
+    return tuple(labels[s] for s in worker.stages)
 
 
 def plan(

@@ -46,8 +46,7 @@ def _worker(plan: Plan, worker: Worker) -> list[str]:
             f" {worker.gpus} NVIDIA GPU(s)",
             "  # (the host needs the NVIDIA Container Toolkit). It joins the same consumer"
             " group as the",
-            f"  # CPU {worker.name.removesuffix('-gpu')}; scale that one to 0 to leave the"
-            " stage to the GPU.",
+            f"  # CPU {worker.cpu_name}; scale that one to 0 to leave the stage to the GPU.",
         ]
     elif worker.light:
         lines.append("  # A pipeline's function stages are light: one service serves them all.")
@@ -117,8 +116,7 @@ def compose(plan: Plan) -> str:
     if any(w.variant == "gpu" for w in plan.workers):
         gpu = next(w for w in plan.workers if w.variant == "gpu")
         head.append(
-            f"#   docker compose -f {where}/{name} --profile gpu up -d"
-            f" --scale {gpu.name.removesuffix('-gpu')}=0"
+            f"#   docker compose -f {where}/{name} --profile gpu up -d --scale {gpu.cpu_name}=0"
         )
     text = [
         *head,

@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from conveyor.deploy import REDIS_FILES, Plan, Worker, redis_file
+from conveyor.deploy.names import WORKER
 from conveyor.keda import TriggerOptions, triggers
 
 K8S_NAMESPACE = "conveyor"
@@ -69,7 +70,6 @@ def _secret(plan: Plan) -> str:
 
 
 def _labels(worker: Worker, indent: str, *, pod: bool = False) -> list[str]:
-    stage = worker.name.removeprefix("worker-").removesuffix("-gpu")
     lines = [
         f"{indent}app.kubernetes.io/name: conveyor",
         f"{indent}app.kubernetes.io/instance: {worker.name}",
@@ -78,7 +78,7 @@ def _labels(worker: Worker, indent: str, *, pod: bool = False) -> list[str]:
     lines += [
         f"{indent}app.kubernetes.io/part-of: conveyor",
         f"{indent}app.kubernetes.io/component: worker",
-        f"{indent}conveyor/stage: {stage}",
+        f"{indent}conveyor/stage: {worker.base}",
     ]
     if worker.variant and not pod:
         lines.append(f"{indent}conveyor/variant: {worker.variant}")
@@ -290,9 +290,8 @@ def _scaled_object(plan: Plan, worker: Worker) -> list[str]:
         "  # max_concurrent_batches). Any waiting entry (activationLagCount 0) wakes it from zero.",
         "  triggers:",
     ]
-    several = len(worker.stages) > 1
-    for stage, target in zip(worker.stages, worker.targets, strict=True):
-        label = stage.rpartition(".")[2] if several else ""
+    labels = worker.labels or ("",) * len(worker.stages)
+    for stage, target, label in zip(worker.stages, worker.targets, labels, strict=True):
         options = TriggerOptions(redis_address(plan), target, cluster=plan.cluster)
         lines += _indent(triggers(keys, stage, options, label), 2).splitlines()
     return lines
@@ -301,10 +300,8 @@ def _scaled_object(plan: Plan, worker: Worker) -> list[str]:
 def worker_file(plan: Plan, worker: Worker) -> str:
     """One worker's manifests: Deployment, PodDisruptionBudget, ScaledObject."""
     if worker.variant == "gpu":
-        cpu = worker.name.removesuffix("-gpu")
         head = [
-            f"# `{worker.spec}` on GPUs: use this file INSTEAD of stages/{cpu.removeprefix('worker-')}"
-            ".yaml (swap them in",
+            f"# `{worker.spec}` on GPUs: use this file INSTEAD of {_cpu_path(worker)} (swap them in",
             "# kustomization.yaml; two ScaledObjects on one stream would each scale for the same work).",
             "# Needs the CUDA image and GPU nodes with the NVIDIA device plugin.",
         ]
@@ -320,7 +317,12 @@ def worker_file(plan: Plan, worker: Worker) -> str:
 def worker_path(worker: Worker) -> str:
     """Where a worker's file goes: stages/ (applied) or optional/ (a variant)."""
     folder = "optional" if worker.variant else "stages"
-    return f"{folder}/{worker.name.removeprefix('worker-')}.yaml"
+    return f"{folder}/{worker.name.removeprefix(WORKER)}.yaml"
+
+
+def _cpu_path(worker: Worker) -> str:
+    """Where the CPU worker a variant copies has its file."""
+    return f"stages/{worker.base}.yaml"
 
 
 def _kustomization(plan: Plan, redis: bool) -> str:
@@ -345,9 +347,8 @@ def _kustomization(plan: Plan, redis: bool) -> str:
     lines += [f"  - {worker_path(w)}" for w in plan.workers if not w.variant]
     for w in plan.workers:
         if w.variant:
-            cpu = worker_path(w).replace("optional/", "stages/").replace(f"-{w.variant}.", ".")
             lines += [
-                f"  # {w.variant.upper()} instead of CPU for {w.spec}: replace {cpu} with",
+                f"  # {w.variant.upper()} instead of CPU for {w.spec}: replace {_cpu_path(w)} with",
                 f"  # - {worker_path(w)}",
             ]
     return "\n".join(lines) + "\n"

@@ -50,14 +50,31 @@ pipelines = [
 '''
 
 
-def deploy(folder: Path, *args: str, settings: dict[str, str] | None = None) -> Path:
-    """Run ``conveyor deploy ARGS --app gpuapp:pipelines --out out`` in ``folder``, with no
-    CONVEYOR_* variable but ``settings``."""
+def run_deploy(
+    folder: Path,
+    *args: str,
+    app: str = "gpuapp:pipelines",
+    settings: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``conveyor deploy ARGS --app APP --out out`` in ``folder``, with no CONVEYOR_*
+    variable but ``settings`` (and ``extra`` variables, e.g. ``PYTHONHASHSEED``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env |= settings or {}
+    env |= (settings or {}) | (extra or {})
     env["PYTHONPATH"] = str(REPO)
-    cmd = [CONVEYOR, "deploy", *args, "--app", "gpuapp:pipelines", "--out", "out"]
-    done = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    cmd = [CONVEYOR, "deploy", *args, "--app", app, "--out", "out"]
+    return subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+
+
+def deploy(
+    folder: Path,
+    *args: str,
+    app: str = "gpuapp:pipelines",
+    settings: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None,
+) -> Path:
+    """:func:`run_deploy`, which must succeed; the folder it wrote."""
+    done = run_deploy(folder, *args, app=app, settings=settings, extra=extra)
     assert done.returncode == 0, done.stderr
     return folder / "out"
 
