@@ -119,8 +119,12 @@ def function(
 ) -> Step:
     """A step running ``fn(input) -> dict`` (sync or async) on its own function stage.
 
-    Items of a batch run concurrently (``concurrency`` at a time); one that raises
-    fails alone. The stage is named ``<pipeline>.<name>`` when the pipeline is built.
+    Each item is a call of its own (``concurrency`` at a time in one worker), answered as
+    soon as it ends: one slow call holds only its own request. One that raises fails
+    alone; one still running at its request's deadline, or when the request is
+    cancelled, ends there (an async call is cancelled, a sync one's result dropped:
+    :class:`~workers.models.function.FunctionRunner`). The stage is named
+    ``<pipeline>.<name>`` when the pipeline is built.
     ``setup`` runs once in each worker serving the step, when it starts: what it raises
     stops that worker there (check the step's settings, warm a client), not a request
     later. Other arguments: see :class:`Step` and :class:`~pipelines.stages.Stage`.

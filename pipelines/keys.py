@@ -154,12 +154,12 @@ class Keys:
         """The stream of a stage's dead letters: entries delivered too often."""
         return f"{self.prefix}:dlq:{stage}"
 
-    def on_model(self, stream: str, entry_id: str) -> str:
-        """Marks that an entry of ``stream`` (one of this partition's stage streams) is in
-        its model's hands, or queued to run alone after a crash: what a crash of its
-        worker is charged to (:mod:`workers.claims`; deleted when its batch publishes,
-        expires)."""
-        return f"{self.prefix}:on-model:{stream.removeprefix(self.prefix + ':')}:{entry_id}"
+    def on_model(self, stream: str) -> str:
+        """The hash of the entries of ``stream`` (one of this partition's stage streams)
+        in their model's hands, or queued to run again after a crash, by entry id: what a
+        crash of their worker is charged to (:mod:`workers.claims`; a field is deleted
+        when its batch publishes)."""
+        return f"{self.prefix}:on-model:{stream.removeprefix(self.prefix + ':')}"
 
     def parked(self) -> str:
         """The hash of the worker groups ``conveyor up`` has parked after a crash loop:

@@ -6,7 +6,8 @@ returns a list of n results, in the same order. The worker enforces it. A model 
 call can run long checks :func:`check_deadline` between its steps. A model for an
 accelerator may split its call into three phases (:class:`StagedModel`), which the worker
 overlaps across batches, and says when a call met a shape the device had not run before
-(:func:`cold_shape`).
+(:func:`cold_shape`). A model whose items are independent calls (:class:`ItemwiseModel`)
+runs each apart, beside the others.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
@@ -103,6 +105,41 @@ class StagedModel(Model, Protocol):
         """Wait for the device (a wait that releases the GIL: an event, not a spin) and
         turn its output into one result per item. Runs in a host thread, after the batch's
         turn, so the next batch launches meanwhile."""
+        ...
+
+
+@runtime_checkable
+class ItemwiseModel(Model, Protocol):
+    """A model whose items run apart, each a call of its own (a function step): the
+    worker runs its batches beside each other, never one at a time on the model thread,
+    so one slow item holds only itself (:meth:`workers.runner.Runner.run`).
+
+    Attributes:
+        concurrency: calls in flight at once, at most, in one worker.
+    """
+
+    concurrency: int
+
+    def submit(self, item: Item, deadline: float) -> Future[Result | BaseException]:
+        """Start the call on ``item`` and return at once. Its future holds its result, or
+        what it raised, as a value (:class:`~pipelines.errors.DeadlineExceeded` when it
+        was stopped at ``deadline``), and is done when the call has ended, never before:
+        the worker reads from it whether an abandoned call still holds a thread.
+
+        Args:
+            item: one request's input.
+            deadline: ``time.monotonic()`` past which nobody waits for it.
+        """
+        ...
+
+    def cancel(self, call: Future[Result | BaseException]) -> None:
+        """Ask ``call`` (what :meth:`submit` returned) to stop where it can: an async
+        call is cancelled; a sync one not yet started never starts, one running runs
+        on (a thread cannot be stopped)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the calls still running where they can, and let their threads go."""
         ...
 
 

@@ -191,6 +191,9 @@ class Stage:
             is always a bucket too).
         openai: the OpenAI-compatible route its one-step pipeline is served on
             (:data:`OpenAIKind`); None: none.
+        max_call_s: the longest one model call may run, whatever its requests' deadlines
+            (a job's may be an hour): past it the call is hung, the worker restarts and
+            the input that hung is dead-lettered. ``CONVEYOR_MAX_CALL_S`` wins.
     """
 
     name: str
@@ -215,6 +218,7 @@ class Stage:
     buckets: bool | None = None
     bucket_lengths: int | tuple[int, ...] = 16
     openai: OpenAIKind | None = None
+    max_call_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -229,6 +233,8 @@ class Stage:
             raise ConfigError(f"stage {self.name!r}: max_batch_tokens must be >= 1 (or None)")
         if self.replicas < 1:
             raise ConfigError(f"stage {self.name!r}: replicas must be >= 1")
+        if not 0 < self.max_call_s <= 86_400:
+            raise ConfigError(f"stage {self.name!r}: max_call_s must be in (0, 86400]")
         if self.max_backlog < 1:
             raise ConfigError(f"stage {self.name!r}: max_backlog must be >= 1")
         lengths = (

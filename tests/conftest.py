@@ -21,6 +21,9 @@ pytest_plugins = ["tests.leaks"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Stats go out with every publish, as a test reads them against its answers (a worker
+# holds them back a second by default; tests/workers/test_report.py covers that).
+os.environ.setdefault("CONVEYOR_STATS_FLUSH_S", "0")
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,19 @@ class Crashy:
         return [{"value": item["value"] * 2} for item in items]
 
 
+class Hangs:
+    """Doubles values; a batch holding -1 never returns (a call no deadline stops)."""
+
+    def __init__(self, **options: Any) -> None:
+        del options
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Double, or hang."""
+        if any(item["value"] == -1 for item in items):
+            time.sleep(3600)
+        return [{"value": item["value"] * 2} for item in items]
+
+
 class Recorder:
     """Doubles values, writing each one it ran as a line of the file
     ``CONVEYOR_TEST_RECORD`` names (appended, so a restarted worker adds to it); first
@@ -117,6 +130,7 @@ SLOW = Stage("slow", NumberIn, "tests.faultapp:Sleepy", max_batch_size=32, batch
 TEXTS = Stage("texts", TextIn, "tests.faultapp:SlowTexts", batch_wait_ms=50, max_batch_tokens=8192)
 """Length-aware: a window of short and long texts runs as two batches, back to back."""
 CRASHY = Stage("crashy", NumberIn, "tests.faultapp:Crashy", max_batch_size=16, batch_wait_ms=300)
+HANGS = Stage("hangs", NumberIn, "tests.faultapp:Hangs", batch_wait_ms=300, max_call_s=2)
 
 
 def _pass_on(payload: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +161,7 @@ RECORDED = Stage(
     "recorded", NumberIn, "tests.faultapp:Recorder", max_batch_size=4, batch_wait_ms=20
 )
 
-pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), single(TEXTS), CHAIN]
+pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), single(TEXTS), CHAIN, single(HANGS)]
 
 kept: list[Pipeline] = [single(RECORDED), single(CRASHY)]
 """A stage that records every value it ran (:class:`Recorder`) beside the crashing one:

@@ -1,20 +1,23 @@
 """Who holds an entry: the "on the model" marks a crash is charged by, the lease that
 keeps a running batch's entries from looking idle, and taking back idle entries.
 
-A batch's entries are marked on the model (one ``SET`` each, :func:`mark`) before user
-code runs them; its publish deletes the marks with its ack, so a process that dies leaves
-its marks behind. A mark names the batch it was on the model in: its size and its first
-entry's id (``<size>:<id>``). Whoever reclaims the entries reads them (:func:`sort_out`):
-no mark, the entry was only waiting and is taken back uncharged (XAUTOCLAIM ``JUSTID``);
-a batch's mark, the crash is charged to it (XCLAIM counts a delivery); a queued mark
-(``q<size>:<id>``), charged by an earlier crash and still waiting for its re-run. What to
-do with them (run the batch again, halve it, dead-letter) is :mod:`workers.recovery`'s.
+A batch's entries are marked on the model before user code runs them (:func:`mark`: one
+HSET a batch into a hash per stream, by entry id); its publish deletes the marks with its
+ack, so a process that dies leaves its marks behind. A mark names the batch it was on the
+model in: its size and first entry id (``<size>:<id>``; ``h`` first if its call hung).
+Whoever reclaims the entries reads them (:func:`sort_out`): no mark, the entry was only
+waiting and is taken back uncharged (XAUTOCLAIM ``JUSTID``); a batch's mark, the crash
+is charged to it (XCLAIM counts a delivery); a queued mark (``q`` first), charged by an
+earlier crash and still waiting for its re-run. What to do with them (run the batch
+again, halve it, dead-letter) is :mod:`workers.recovery`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -23,15 +26,24 @@ from redis.exceptions import ResponseError
 
 from pipelines.keys import GROUP, Keys
 from runtime.redisio import REDIS_DOWN, group_missing, text
-from workers.values import Claimed, Entry
+from workers.values import Claimed, Entry, by_stream
 
 logger = logging.getLogger(__name__)
 
 MARK_TTL_S = 86_400
-"""A mark outlives any wait for a reclaim (a parked stage's back-off included)."""
+"""A hash of marks outlives any wait for a reclaim (a parked stage's back-off included):
+its expiry is pushed back at least every :data:`MARK_REFRESH_S` while it is written."""
+
+MARK_REFRESH_S = 3600.0
+
+_refreshed: dict[str, float] = {}
+"""When this process last pushed back each hash of marks' expiry (monotonic)."""
 
 QUEUED = b"q"
 """The prefix of the mark of an entry charged by an earlier crash, waiting for its re-run."""
+
+HUNG = b"h"
+"""The prefix of the mark of an entry whose batch's model call hung (after ``q``, if any)."""
 
 
 def batch_mark(entries: Sequence[Entry]) -> bytes:
@@ -39,25 +51,44 @@ def batch_mark(entries: Sequence[Entry]) -> bytes:
     return b"%d:%s" % (len(entries), entries[0].id if entries else b"")
 
 
-def parse_mark(value: bytes) -> tuple[bool, int, bytes]:
-    """(queued, the size of the batch it crashed in, that batch's first entry id) of a
-    mark; a mark of an older worker (``5``, ``q``) reads as a batch of its own."""
+def parse_mark(value: bytes) -> tuple[bool, bool, int, bytes]:
+    """(queued, hung, the size of the batch it crashed in, that batch's first entry id)
+    of a mark; a mark of an older worker (``5``, ``q``) reads as a batch of its own."""
     queued = value.startswith(QUEUED)
-    size, _, token = value.removeprefix(QUEUED).partition(b":")
-    return queued, int(size) if size.isdigit() and int(size) > 0 else 1, token
+    rest = value.removeprefix(QUEUED)
+    hung = rest.startswith(HUNG)
+    size, _, token = rest.removeprefix(HUNG).partition(b":")
+    return queued, hung, int(size) if size.isdigit() and int(size) > 0 else 1, token
 
 
-def marks(keys: Keys, entries: Sequence[Entry]) -> list[str]:
-    """The on-model marks of ``entries`` (what their batch's publish deletes)."""
-    return [keys.on_model(e.stream, e.id.decode()) for e in entries]
+def marks(keys: Keys, entries: Sequence[Entry]) -> dict[str, list[bytes]]:
+    """The on-model marks of ``entries``, by the hash each is in (what their batch's
+    publish deletes)."""
+    return {keys.on_model(stream): ids for stream, ids in by_stream(entries).items()}
 
 
-def mark(pipe: Any, keys: Keys, entries: Sequence[Entry]) -> None:
-    """Queue on ``pipe`` (a Redis pipeline) the marks of ``entries``, on the model as one
-    batch (:func:`batch_mark`)."""
-    what = batch_mark(entries)
-    for key in marks(keys, entries):
-        pipe.set(key, what, ex=MARK_TTL_S)
+def mark(pipe: Any, keys: Keys, entries: Sequence[Entry], value: bytes | None = None) -> int:
+    """Queue on ``pipe`` (a Redis pipeline) the marks of ``entries``: on the model as one
+    batch (:func:`batch_mark`), or ``value``; one HSET per stream (and, now and then, an
+    EXPIRE). Returns how many commands it queued."""
+    what = batch_mark(entries) if value is None else value
+    queued = 0
+    now = time.monotonic()
+    for key, ids in marks(keys, entries).items():
+        pipe.hset(key, mapping=dict.fromkeys(ids, what))
+        queued += 1
+        if now - _refreshed.get(key, -math.inf) > MARK_REFRESH_S:
+            _refreshed[key] = now
+            pipe.expire(key, MARK_TTL_S)
+            queued += 1
+    return queued
+
+
+async def mark_hung(client: aioredis.Redis, keys: Keys, entries: Sequence[Entry]) -> None:
+    """Mark ``entries`` as on the model in a call that hung (``h<size>:<id>``)."""
+    pipe = client.pipeline(transaction=False)
+    mark(pipe, keys, entries, HUNG + batch_mark(entries))
+    await pipe.execute()
 
 
 async def mark_now(client: aioredis.Redis, keys: Keys, entries: Sequence[Entry]) -> None:
@@ -109,22 +140,21 @@ async def sort_out(
     fetch the others' fields without charging them."""
     if not ids:
         return Claimed()
-    found = await client.mget(marks(keys, [Entry(i, {}, stream) for i in ids]))
+    key = keys.on_model(stream)
+    found = await client.hmget(key, ids)
     out = Claimed()
     read = {i: m for i, m in zip(ids, found, strict=True) if isinstance(m, bytes)}
     for eid, value in read.items():
-        _, size, token = parse_mark(value)
+        _, hung, size, token = parse_mark(value)
         out.crashed_in[eid] = (size, token)
+        if hung:
+            out.hung.add(eid)
     on_model: list[Any] = [i for i, m in read.items() if not m.startswith(QUEUED)]
     queued = {i for i, m in read.items() if m.startswith(QUEUED)}
     if on_model:
         # Queued first: a worker dying between the two leaves them to run again, never
         # charged twice for one crash.
-        pipe = client.pipeline(transaction=False)
-        for eid in on_model:
-            key = keys.on_model(stream, eid.decode())
-            pipe.set(key, QUEUED + read[eid], ex=MARK_TTL_S)
-        await pipe.execute()
+        await client.hset(key, mapping={eid: QUEUED + read[eid] for eid in on_model})
         taken = cast(list[Any], await client.xclaim(stream, GROUP, consumer, 0, list(on_model)))
         out.charged = [Entry(_raw(e), f, stream) for e, f in taken if f]
     others = [i for i in ids if i not in set(on_model)]

@@ -41,6 +41,7 @@ from pipelines.errors import DeadlineExceeded
 from runtime.jobs import cancelled_among
 from runtime.redisio import REDIS_DOWN
 from workers.claims import Lease
+from workers.modelthread import Hung
 from workers.partials import Partials
 from workers.parts import Parts
 from workers.values import Batch, Entry
@@ -108,12 +109,15 @@ class Decoding:
         parts.presence.start()
         try:
             published = await self._serve(stopping, max_batches, burst)
+        except Hung as hung:  # the model thread is lost: the process ends now
+            hung.exit()
         finally:
             # Whatever ends the loop, no flight's lease or stream is left running.
             for flight in [*self.running.values(), *self.waiting]:
                 await flight.lease.stop()
                 if flight.partials is not None:
                     await flight.partials.close()
+            await parts.flush(bounded=True)
             await parts.presence.stop(leave=stopping.is_set() or burst)
             parts.summary.tick(last=True)
         if stopping.is_set():
@@ -140,6 +144,8 @@ class Decoding:
                     came = await self._read(free, block)
             finally:
                 ended = await stepping if stepping is not None else []
+            if idle and not came:
+                await parts.flush()  # idle: what the batches counted goes out
             if idle and burst and not came and not self.waiting:
                 break
             ended += await self._admit()

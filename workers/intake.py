@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.asyncio.cluster import RedisCluster
 
 from pipelines.envelope import Request, decode_request
 from pipelines.errors import EnvelopeError
@@ -51,6 +52,7 @@ class Intake:
         self.stage = stage
         self.router = router
         self.unreadable = unreadable
+        self.one_slot_mget = not isinstance(client, RedisCluster)
         self.ahead = IdsAhead(f"stage {stage.name}")
 
     def open(self, entries: list[Entry], now: float) -> Batch:
@@ -130,10 +132,16 @@ class Intake:
             if not mark:
                 return await cancelled_among(self.client, keys, ids)
             pipe = self.client.pipeline(transaction=False)
-            claims.mark(pipe, keys, entries)
-            for rid in ids:  # a GET each: a cluster client's pipeline takes no MGET
-                pipe.get(keys.cancelled(rid))
-            found = (await pipe.execute())[len(entries) :]
+            queued = claims.mark(pipe, keys, entries)
+            markers = [keys.cancelled(rid) for rid in ids]
+            if self.one_slot_mget:
+                pipe.mget(markers)
+            else:  # a GET each: a cluster client's pipeline takes no MGET
+                for marker in markers:
+                    pipe.get(marker)
+            found = (await pipe.execute())[queued:]
+            if self.one_slot_mget:
+                found = found[0]
             return {rid for rid, m in zip(ids, found, strict=True) if m is not None}
 
         # The batch's first command since it was read: after a restart of Redis it may

@@ -2,7 +2,7 @@
 
 Each batch goes, in :meth:`Worker._process`: lease its entries → open (decode, admit) →
 run on the model → learn its cost → route its results → publish with its ack → report.
-Where batches come from (a reclaimed suspect alone, else the window) is the source's;
+Where batches come from (reclaimed suspects, else the window) is the source's;
 the walk of one batch is drawn in docs/how-it-works.md.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import socket
@@ -19,6 +20,7 @@ from pipelines.registry import Registry
 from pipelines.stages import Stage
 from runtime.redisio import REDIS_DOWN, agree_on_partitions, until_reachable
 from workers.decoding import Decoding
+from workers.modelthread import Hung
 from workers.parts import Parts
 from workers.report import Summary
 from workers.runner import Runner
@@ -144,7 +146,13 @@ class Worker:
         decoder = await self.runner.decoder()
         if decoder is not None:
             return await Decoding(parts, decoder).serve(self._stopping, max_batches, burst)
-        slots = asyncio.Semaphore(self.settings.max_concurrent_batches)
+        # An itemwise model's (a function step's) batches are one item each, run apart,
+        # as many at once as it runs calls (each partition its share, rounded up).
+        apart = self.runner.concurrency
+        limit = self.settings.max_concurrent_batches
+        if apart is not None:
+            limit = math.ceil(apart / self.settings.partitions)
+        slots = asyncio.Semaphore(limit)
         tasks: set[asyncio.Task[None]] = set()
         # Its own heartbeat says it is alive, idle or not (Redis's idle time cannot).
         parts.presence.start()
@@ -167,18 +175,30 @@ class Worker:
                     await parts.settle(taken.settled)
                 if not taken.batches:
                     slots.release()
+                    await parts.flush()  # idle: what the batches counted goes out
                     if burst and taken.settled is None:
                         break
                     continue
                 if taken.suspect and tasks:
                     # Alone on the model: a crash while it runs is its own, no other
-                    # batch of this worker is there to be charged with it.
+                    # batch of this worker is there to be charged with it (those read
+                    # meanwhile are marked at their turn, after it).
                     await asyncio.wait(set(tasks))
-                spawn(taken.batches[0], taken.suspect)
-                for group in taken.batches[1:]:  # each takes a slot
-                    await slots.acquire()
-                    spawn(group, False)
-                batches += len(taken.batches)
+                groups = taken.batches
+                if apart is not None and not taken.suspect:
+                    groups = [[entry] for group in groups for entry in group]
+                spawn(groups[0], taken.suspect)
+                # Those waiting for a slot are this worker's too: kept from looking idle.
+                rest = [entry for group in groups[1:] for entry in group]
+                waiting = parts.recovery.lease(rest) if rest else None
+                try:
+                    for group in groups[1:]:  # each takes a slot
+                        await slots.acquire()
+                        spawn(group, False)
+                finally:
+                    if waiting is not None:
+                        await waiting.stop()
+                batches += len(groups)
             held = parts.lanes.release() if self._stopping.is_set() else []
             if held:  # delivered here past a batch's bound (rare): run, not left pending
                 await slots.acquire()
@@ -186,6 +206,7 @@ class Worker:
         finally:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            await parts.flush(bounded=True)
             await parts.presence.stop(leave=self._stopping.is_set() or burst)
             parts.summary.tick(last=True)
         if self._fatal is not None:
@@ -220,7 +241,11 @@ class Worker:
             batch = parts.intake.open(entries, parts.clock.now())
             if batch.live:
                 deadline = parts.deadline(req for req, _ in batch.live)
-                ran = await parts.runner.run(batch, parts, deadline)
+                try:
+                    ran = await parts.runner.run(batch, parts, deadline)
+                except Hung as hung:  # its thread is lost: the process ends
+                    await parts.hung(batch)
+                    hung.exit()
                 if ran is not None:
                     batch.took(ran, parts.clock.now())
                     parts.window.learn(batch, ran)

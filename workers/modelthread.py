@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -85,11 +86,14 @@ class Watchdog:
         stage: the stage's name.
         grace_s: how long a call may run past its batch's latest deadline.
         breaches: where the calls note their contract breaches.
+        max_call_s: the longest any call may run, whatever its batch's deadlines (the
+            stage's bound: a job's hour-long deadline must not hold the stage an hour).
     """
 
     stage: str
     grace_s: float
     breaches: Breaches
+    max_call_s: float = math.inf
 
     async def call(
         self,
@@ -102,28 +106,66 @@ class Watchdog:
     ) -> T:
         """``fn(*args)`` in ``executor``, a phase of a batch of ``size`` items whose
         latest deadline is ``deadline``: should it still run ``hung_grace_s`` past that
-        (or past its start, if later), it is hung (:func:`hung`). A thread cannot be
-        stopped, and the model's stays taken: no later batch could run."""
+        (or past its start, if later), or :attr:`max_call_s` in all, it is hung
+        (:class:`Hung` is raised). A thread cannot be stopped, and the model's stays
+        taken: no later batch could run.
+
+        Only the time the process ran counts: the call is looked at every second, and
+        a look that comes late (the process was paused: SIGSTOP, a VM's pause, a laptop's
+        sleep) counts a second, so a paused healthy worker is not taken for hung."""
         call = executor.submit(noting, self.breaches, fn, *args)
         future = asyncio.wrap_future(call)
         started = time.monotonic()
-        limit = max(deadline - started, 0.0) + self.grace_s
+        left = min(max(deadline - started, 0.0) + self.grace_s, self.max_call_s)
         try:
-            await asyncio.wait((future,), timeout=limit)
+            while not call.done() and left > 0:
+                look = min(LOOK_S, left)
+                before = time.monotonic()
+                await asyncio.wait((future,), timeout=look)
+                left -= min(time.monotonic() - before, look + LATE_LOOK_S)
         except asyncio.CancelledError:
             future.cancel()  # the worker stops: a call not started yet never runs
             raise
         # The call itself, not its news in this loop: a process paused past the limit
         # (SIGSTOP, a VM's pause) finds its call returned, and its timer due first.
         if not call.done():
-            hung(self.stage, phase, size, time.monotonic() - started)
+            raise Hung(self.stage, phase, size, time.monotonic() - started)
         return await future
 
 
+LOOK_S = 1.0
+"""How often a running model call is looked at."""
+
+LATE_LOOK_S = 0.5
+"""A look this much later than asked was a pause of the process, not the call's time."""
+
+
+class Hung(BaseException):
+    """A model call ran past its bound (:meth:`Watchdog.call`); its thread is lost. A
+    :class:`BaseException`, so no handler of a model's failures takes it for one: the
+    step that ran the batch notes it, then :meth:`exit` ends the process.
+
+    Args:
+        stage: the stage served.
+        phase: the call that hung (``prepare``, ``launch``, ``finish``, ``rerun``, ...).
+        size: the items of its batch.
+        ran_s: how long the call had run.
+    """
+
+    def __init__(self, stage: str, phase: str, size: int, ran_s: float) -> None:
+        super().__init__(f"stage {stage}: a batch of {size} hung in its model call ({phase})")
+        self.stage, self.phase, self.size, self.ran_s = stage, phase, size, ran_s
+
+    def exit(self) -> NoReturn:
+        """End the process (:func:`hung`)."""
+        hung(self.stage, self.phase, self.size, self.ran_s)
+
+
 def hung(stage: str, phase: str, size: int, ran_s: float) -> NoReturn:
-    """End the process: a model call of ``stage`` ran past every deadline of its batch
-    and the grace after them. One ERROR line says so (the stage, the phase, the batch's
-    size and how long it ran), the logs are flushed, and the process exits with
+    """End the process: a model call of ``stage`` ran past its bound (every deadline of
+    its batch and the grace after them, or the stage's longest call). One ERROR line says
+    so (the stage, the phase, the batch's size and how long it ran), the logs are flushed,
+    and the process exits with
     :data:`HUNG_EXIT` at once (``os._exit``: the stuck thread cannot be joined, and an
     orderly exit would wait for it). Its liveness file (:mod:`workers.alive`) is touched
     no more; its batch's entries stay pending, for recovery to reclaim; ``up`` restarts
@@ -137,7 +179,7 @@ def hung(stage: str, phase: str, size: int, ran_s: float) -> NoReturn:
     """
     logger.error(
         "stage %s: a batch of %d hung in its model call (%s): %.1f s without returning, "
-        "past every deadline of the batch; exiting with status %d to be restarted",
+        "past its bound; exiting with status %d to be restarted",
         stage,
         size,
         phase,

@@ -31,10 +31,14 @@ from workers.route import Router
 from workers.runner import Runner
 from workers.settings import WorkerSettings
 from workers.source import Source
-from workers.values import Batch, Emitter, Published, Settled
+from workers.values import Batch, Emitter, Outbox, Published, Settled
 from workers.window import Window
 
 logger = logging.getLogger(__name__)
+
+LAST_WORDS_S = 2.0
+"""How long a worker that ends tries a last write (its hung batch's marks, its held-back
+counts) before it gives up on Redis."""
 
 
 class Parts:
@@ -79,7 +83,8 @@ class Parts:
         self.source = Source(client, keys, stage.name, streams, *parts)
         self.summary = summary = summary or Summary(stage.name, settings.log_summary_s)
         gauges = self.window.gauges
-        self.report = Reporter(stage.name, consumer, clock, summary, runner.breaches, gauges)
+        breaches, flush_s = runner.breaches, settings.stats_flush_s
+        self.report = Reporter(stage.name, consumer, clock, summary, breaches, gauges, flush_s)
 
     async def settle(self, settled: Settled) -> None:
         """Publish the dead letters recovery ended (answered, acked, kept); a publish that
@@ -106,6 +111,7 @@ class Parts:
         try:
             published = await self.publisher(out, entries, counts, letters, gauges, dropped)
         except REDIS_DOWN as exc:
+            self.report.unsent(counts)
             logger.warning(
                 "stage %s: could not publish %d entries, redis unreachable: %s",
                 self.stage.name,
@@ -117,9 +123,33 @@ class Parts:
             self.report.published(batch, published)
         return published
 
+    async def flush(self, *, bounded: bool = False) -> None:
+        """Send the stats counts held back (:meth:`Reporter.counts`), if any: when the
+        worker is idle or stops (one publish call of its own; ``bounded``: given up
+        after :data:`LAST_WORDS_S`, as a stopping worker does not wait Redis out)."""
+        counts, gauges = self.report.held()
+        if not counts:
+            return
+        try:
+            async with asyncio.timeout(LAST_WORDS_S if bounded else None):
+                await self.publisher(Outbox(), [], counts, (), gauges)
+        except (TimeoutError, *REDIS_DOWN, ResponseError) as exc:
+            self.report.unsent(counts)
+            logger.warning("stage %s: stats not sent: %s", self.stage.name, exc)
+
     def deadline(self, requests: Iterable[Request]) -> float:
         """``time.monotonic()`` of the latest deadline among ``requests``."""
         return self.clock.monotonic(max(r.deadline for r in requests))
+
+    async def hung(self, batch: Batch) -> None:
+        """Mark ``batch``'s entries as on the model in a call that hung, for whoever
+        takes them back (:mod:`workers.recovery`: one alone is dead-lettered, several
+        run again in halves); one round trip, bounded: the process ends next."""
+        try:
+            async with asyncio.timeout(LAST_WORDS_S):
+                await claims.mark_hung(self.client, self.keys, batch.entries)
+        except (TimeoutError, *REDIS_DOWN) as exc:  # reclaimed as an ordinary crash
+            logger.warning("stage %s: a hung batch not marked: %s", self.stage.name, exc)
 
     # -- the hooks a run calls around the model (workers.values.Turn) --------------
 
@@ -138,3 +168,8 @@ class Parts:
         requests = [req for req, _ in batch.live]
         loop = asyncio.get_running_loop()
         return Partials(self.client, requests, self.settings, loop, self.keys)
+
+    async def cancelled(self, request_ids: list[str]) -> set[str]:
+        """Which of ``request_ids`` are cancelled by now (one round trip), their calls
+        running (an itemwise model's: :meth:`workers.runner.Runner.apart`)."""
+        return await self.intake.cancelled([], request_ids, mark=False)

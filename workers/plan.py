@@ -5,7 +5,7 @@ Pure: nothing here talks to Redis, so what a batch does is checked without a ser
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from redis.typing import EncodableT, FieldT
@@ -41,15 +41,24 @@ class Plan:
         self.keys: list[str] = []
         self.types: list[str] = []  # what each key must hold where it exists ("": any)
         self.own: set[int] = set()  # the numbers of the keys the call itself writes
+        self.checked: set[int] = set()  # those a request writes: their type is checked
         self.values: list[EncodableT] = []
         self.groups: list[list[object]] = []
         self.always: list[list[Token]] = []
         self.token: Token = ""
+        self.retry = False  # set on every try after the first (the token is looked for)
         self._key_numbers: dict[str, int] = {}
 
     def key(self, name: str, kind: str = "") -> int:
         """The token of key ``name`` (each key is passed once), which the commands that
-        use it need to be of type ``kind`` where it exists ("": any type does)."""
+        use it need to be of type ``kind`` where it exists ("": any type does): its type
+        is checked before anything is written."""
+        token = self._number(name, kind)
+        if kind:
+            self.checked.add(-token)
+        return token
+
+    def _number(self, name: str, kind: str) -> int:
         number = self._key_numbers.get(name)
         if number is None:
             self.keys.append(name)
@@ -64,8 +73,9 @@ class Plan:
 
     def own_key(self, name: str, kind: str) -> int:
         """The token of a key the call writes whatever its requests (stats, dead letters,
-        acks): of another type, its commands are skipped, no request refused."""
-        token = self.key(name, kind)
+        acks): of another type, its commands are skipped, no request refused (written
+        with pcall, its type is not checked first)."""
+        token = self._number(name, kind)
         self.own.add(-token)
         return token
 
@@ -78,10 +88,11 @@ class Plan:
         """ARGV: the plan, then the values."""
         plan = {
             "t": self.token,
+            "r": self.retry,
             "tt": str(TOKEN_TTL_S),
             "g": self.groups,
             "a": self.always,
-            "k": self.types,
+            "k": [t if i + 1 in self.checked else "" for i, t in enumerate(self.types)],
             "s": sorted(self.own),
         }
         return [orjson.dumps(plan), *self.values]
@@ -107,7 +118,11 @@ class Call:
         gauges: values to set (not add) in the stats hash, e.g. the learned cost model.
         dropped: markers (``Keys.dropped``) of entries that could not be decoded and are
             acked unanswered: each counts one ``items:error``, once.
-        unmark: the batch's on-model marks (:mod:`workers.claims`), deleted with the ack.
+        unmark: the batch's on-model marks (:mod:`workers.claims`), deleted with the ack:
+            entry ids by the hash of marks they are in.
+        fresh: reply streams whose expiry a recent call already pushed back: not again.
+        again: the call is made again, its first answer lost (its token is looked for
+            first; :func:`workers.publish.publish` sets it on its own retries).
     """
 
     out: Outbox
@@ -122,7 +137,9 @@ class Call:
     dead_letters: Sequence[Letter] = ()
     gauges: Mapping[str, float] | None = None
     dropped: Sequence[str] = ()
-    unmark: Sequence[str] = ()
+    unmark: Mapping[str, Sequence[bytes]] = field(default_factory=dict)
+    fresh: frozenset[str] = frozenset()
+    again: bool = False
 
 
 def compile_plan(call: Call) -> Plan | None:
@@ -147,7 +164,7 @@ def compile_plan(call: Call) -> Plan | None:
         stats_hash = plan.own_key(call.stats_key, HASH)
         dropped_group.append(["HINCRBY", stats_hash, Outcome.ERROR.stats_field, "1"])
         plan.groups.append(dropped_group)
-    for reply_to in sorted(streams):
+    for reply_to in sorted(streams - call.fresh):
         plan.always.append(["EXPIRE", plan.key(reply_to), str(call.reply_ttl_s)])
     for dlq, fields in call.dead_letters:
         plan.always.append(["XADD", plan.own_key(dlq, STREAM), "*", *_pairs(plan, fields)])
@@ -161,8 +178,10 @@ def compile_plan(call: Call) -> Plan | None:
                 *map(plan.value, chunk),
             ]
             plan.always.append(xack)
-    for i in range(0, len(call.unmark), 1000):
-        plan.always.append(["DEL", *map(plan.key, call.unmark[i : i + 1000])])
+    for hashed, ids in call.unmark.items():
+        for i in range(0, len(ids), 1000):
+            chunk = ids[i : i + 1000]
+            plan.always.append(["HDEL", plan.own_key(hashed, HASH), *map(plan.value, chunk)])
     if call.gauges:
         plan.always.append(
             ["HSET", plan.own_key(call.stats_key, HASH), *_pairs(plan, dict(call.gauges.items()))]
@@ -176,6 +195,7 @@ def compile_plan(call: Call) -> Plan | None:
     if not plan.groups and not plan.always:
         return None
     plan.token = plan.key(call.token_key)
+    plan.retry = call.again
     return plan
 
 

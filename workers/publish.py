@@ -86,7 +86,14 @@ async def publish(client: aioredis.Redis, call: Call) -> Published:
     plan = compile_plan(call)
     if plan is None:
         return Published()
-    return await patiently(lambda: on_live_connection(client, lambda: _run(client, plan)))
+
+    async def attempt() -> Published:
+        try:
+            return await _run(client, plan)
+        finally:
+            plan.retry = True  # whatever ended it, it may have run
+
+    return await patiently(lambda: on_live_connection(client, attempt))
 
 
 class Publisher:
@@ -119,6 +126,7 @@ class Publisher:
         self.set_aside = set_aside
         self.consumer, self.settings = consumer, settings
         self._broken: set[str] = set()  # own keys of another type, logged once each
+        self._expired: dict[str, float] = {}  # reply streams' expiry last pushed back
 
     async def __call__(
         self,
@@ -169,6 +177,10 @@ class Publisher:
         dropped: Sequence[str],
     ) -> Published:
         keys = self.keys
+        now = time.monotonic()
+        # A reply stream's expiry is pushed back at most every quarter of its life.
+        every = self.settings.reply_ttl_s / 4
+        self._expired = {s: at for s, at in self._expired.items() if now - at < every}
         call = Call(
             out,
             acks=by_stream(entries),
@@ -184,8 +196,15 @@ class Publisher:
             gauges=gauges,
             dropped=dropped,
             unmark=marks(keys, entries),
+            fresh=frozenset(self._expired),
         )
-        return await publish(self.client, call)
+        published = await publish(self.client, call)
+        if not published.refused:  # a refused call wrote nothing
+            for effects in out.effects.values():
+                for reply_to, _ in effects.replies:
+                    if not reply_to.startswith(keys.job_prefix):
+                        self._expired.setdefault(reply_to, now)
+        return published
 
 
 async def patiently(call: Callable[[], Awaitable[Published]]) -> Published:

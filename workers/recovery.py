@@ -242,7 +242,7 @@ class Recovery:
         self._suspects += groups
         cap = self.settings.max_deliveries
         late += [e for e in claimed.waiting if counts.get((e.stream, e.id), 1) > cap]
-        settled = self._dead_letter(late, counts) if late else None
+        settled = self._dead_letter(late, counts, claimed.hung) if late else None
         return settled, [e for e in claimed.waiting if e not in late]
 
     def _rerun(
@@ -253,39 +253,52 @@ class Recovery:
         whole (unless one more crash would put it past the cap); after a second, each
         entry alone. A crash that was no input's doing (kill -9, the OOM killer, a
         drain) thus costs the batch one re-run at batch speed, and an input that kills
-        is alone after one more crash."""
+        is alone after one more crash.
+
+        A batch whose model call hung (its worker said so as it ended) runs again in
+        halves, whatever the cap: the input that hangs is found by bisection, and alone
+        it is dead-lettered at once, never run again."""
         cap = self.settings.max_deliveries
         by_batch: dict[tuple[int, bytes], list[Entry]] = {}
         late: list[Entry] = []
         for entry in claimed.suspects:
             size, token = claimed.crashed_in.get(entry.id, (1, b""))
-            if counts.get((entry.stream, entry.id), 1) > cap:
+            hung = entry.id in claimed.hung
+            if (size == 1 and hung) or (not hung and counts.get((entry.stream, entry.id), 1) > cap):
                 late.append(entry)
             else:
                 by_batch.setdefault((size, token or entry.id), []).append(entry)
         groups: list[list[Entry]] = []
         for (size, _), mates in by_batch.items():
             times = max(counts.get((e.stream, e.id), 1) for e in mates)
-            # Whole once, if one more crash leaves them within the cap; then alone.
-            part = size if times <= 2 and times < cap else 1
+            if mates[0].id in claimed.hung:
+                part = max(1, math.ceil(size / 2))
+            else:  # whole once, if one more crash leaves them within the cap; then alone
+                part = size if times <= 2 and times < cap else 1
             mates.sort(key=lambda e: _order(e.id))
             groups += [mates[i : i + part] for i in range(0, len(mates), part)]
         return late, groups
 
-    def _dead_letter(self, entries: list[Entry], counts: dict[tuple[str, bytes], int]) -> Settled:
+    def _dead_letter(
+        self,
+        entries: list[Entry],
+        counts: dict[tuple[str, bytes], int],
+        hung: set[bytes] | frozenset[bytes] = frozenset(),
+    ) -> Settled:
         stage = self.router.stage
         out = Outbox()
         now = self.clock.now()
         letters: list[Letter] = []
         for eid, fields, stream in entries:
             times = counts.get((stream, eid), 0)
-            message = (
-                f"dead-lettered after {times} deliveries (it may crash the worker); "
-                f"inspect with `conveyor dlq list {stage}`"
-            )
+            if eid in hung:
+                why = "its model call did not return within the stage's max_call_s"
+            else:
+                why = f"dead-lettered after {times} deliveries (it may crash the worker)"
+            message = f"{why}; inspect with `conveyor dlq list {stage}`"
             letters.append(self._letter(eid, fields, times, message))
             try:
-                self._answer(out, fields, message, now)
+                self._answer(out, fields, message, now, 504 if eid in hung else 500)
             except Exception:
                 # The letter is kept whatever its entry holds: an answer that cannot be
                 # built (a bug past the envelope's checks) must not leave a poison entry
@@ -293,7 +306,9 @@ class Recovery:
                 logger.exception("stage %s: entry %r dead-lettered unanswered", stage, eid)
         return Settled(out, entries, {"dead_letters": len(entries)}, letters)
 
-    def _answer(self, out: Outbox, fields: dict[bytes, bytes], message: str, now: float) -> None:
+    def _answer(
+        self, out: Outbox, fields: dict[bytes, bytes], message: str, now: float, status: int
+    ) -> None:
         """Tell a dead letter's caller, where its entry names a reply address of ours."""
         try:
             req = decode_request(fields)
@@ -306,7 +321,7 @@ class Recovery:
             if who is not None:
                 self.router.fail_unreadable(out, who, message)
             return
-        self.router.fail(out, req, Outcome.ERROR, message, status=500, now=now)
+        self.router.fail(out, req, Outcome.ERROR, message, status=status, now=now)
         logger.error("stage %s: request %s dead-lettered: %s", self.router.stage, req.id, message)
 
     def _letter(self, eid: bytes, fields: dict[bytes, bytes], times: int, error: str) -> Letter:

@@ -21,6 +21,10 @@ from workers.values import Batch, BatchRecord, Published
 logger = logging.getLogger(__name__)
 
 
+SENT_AT_ONCE = frozenset({"model_items", "tokens", "padded_tokens", "dead_letters", CONTRACT})
+"""The stats fields a batch's publish carries at once (the rest may be held back)."""
+
+
 def batch_counts(batch: Batch) -> dict[str, float]:
     """The increments ``batch`` adds to its stage's stats hash with its publish
     (:func:`runtime.stats.batch_fields`, its tokens and its dead letters)."""
@@ -177,6 +181,7 @@ class Reporter:
         summary: the stage's periodic INFO summary.
         breaches: the stage's model's contract breaches (counted with a publish).
         gauges: the learned cost model, published with each batch (None: none learned).
+        flush_s: how long the work's counts may be held back (:meth:`counts`).
 
     Attributes:
         history: what the recent batches did (tests, introspection).
@@ -190,19 +195,51 @@ class Reporter:
         summary: Summary,
         breaches: Breaches,
         gauges: Callable[[], dict[str, float] | None],
+        flush_s: float = 0.0,
     ) -> None:
         self.stage, self.consumer, self.clock, self.summary = stage, consumer, clock, summary
         self.breaches, self.gauges = breaches, gauges
+        self.flush_s = flush_s
+        self._held: dict[str, float] = {}
+        self._sent_at = -math.inf
         self.history: deque[BatchRecord] = deque(maxlen=10_000)
 
     def counts(self, batch: Batch) -> tuple[dict[str, float], dict[str, float] | None]:
         """What ``batch``'s publish adds to its stage's stats (:func:`batch_counts` and
-        the contract breaches noted since the last publish), and the gauges it sets."""
-        counts, gauges = batch_counts(batch), self.gauges()
+        the contract breaches noted since the last publish), and the gauges it sets.
+
+        What describes the work in counts and histograms (batches, sizes, waits, model
+        time, learned costs) is held and sent with the first publish ``flush_s`` after
+        the last it went with (:meth:`held`: or when the worker is idle): a stage's
+        views lag by at most that, and a batch costs Redis no write per histogram. What
+        is read against answers (model items, tokens, dead letters, contract breaches)
+        goes with every publish, as the outcome counters do."""
+        counts = batch_counts(batch)
         breaches = self.breaches.take()  # logged here, at most one line a minute
         if breaches:
             counts[CONTRACT] = breaches
-        return counts, gauges
+        now = {k: v for k, v in counts.items() if k in SENT_AT_ONCE}
+        for name, value in counts.items():
+            if name not in SENT_AT_ONCE:
+                self._held[name] = self._held.get(name, 0) + value
+        if time.monotonic() - self._sent_at < self.flush_s:
+            return now, None
+        held, gauges = self.held()
+        return now | held, gauges
+
+    def held(self) -> tuple[dict[str, float], dict[str, float] | None]:
+        """The counts held back and the gauges, taken to be sent now (nothing when nothing
+        was held back)."""
+        held, self._held = self._held, {}
+        self._sent_at = time.monotonic()
+        return held, self.gauges() if held else None
+
+    def unsent(self, counts: dict[str, float]) -> None:
+        """A publish of ``counts`` failed: what was held back is held again (a batch's own
+        counts go with it when it runs again)."""
+        for name, value in counts.items():
+            if name not in SENT_AT_ONCE:
+                self._held[name] = self._held.get(name, 0) + value
 
     def published(self, batch: Batch, published: Published) -> None:
         """``batch`` is published (``published`` says what the publish counted)."""

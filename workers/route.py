@@ -167,6 +167,8 @@ class Router:
             self.fail(
                 out, req, Outcome.EXPIRED, str(result), status=DeadlineExceeded.status, now=now
             )
+        elif isinstance(result, Cancelled):  # its call was dropped (workers.runner)
+            self.fail(out, req, Outcome.CANCELLED, str(result), status=Cancelled.status, now=now)
         elif isinstance(result, BaseException):
             why = client_message(result)
             logger.warning(

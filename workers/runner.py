@@ -8,8 +8,11 @@ device never waits on the host: :meth:`Runner.prepare` tokenizes batch n+1 in a 
 thread before its turn, while batch n is on the device; in the turn, :meth:`Runner.launch`
 only queues the device's work; :meth:`Runner.finish` waits for it (a wait that releases
 the GIL) and makes the results in a host thread after the turn, while the next batch
-launches. Any other model runs whole in :meth:`Runner.launch`. Whatever user code raises
-fails its items, never the worker (:mod:`workers.modelthread` watches for calls that hang).
+launches. Any other model runs whole in :meth:`Runner.launch`. An
+:class:`~pipelines.model.ItemwiseModel` (a function step) takes no turn: each item is a
+call of its own, beside every other batch's (:mod:`workers.apart`). Whatever user code
+raises fails its items, never the worker (:mod:`workers.modelthread` watches for calls
+that hang).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from pipelines.errors import DeadlineExceeded
 from pipelines.model import (
     Item,
+    ItemwiseModel,
     Model,
     StagedModel,
     StreamingModel,
@@ -34,6 +38,7 @@ from pipelines.model import (
     watching_cold,
 )
 from pipelines.stages import Stage
+from workers.apart import Apart
 from workers.build import build_model, prepare_shapes
 from workers.contract import Breaches, contract, run_isolating
 from workers.lengths import input_cap
@@ -112,8 +117,10 @@ class Runner:
         self.last_run_s = 0.0
         runner = stage.runner if isinstance(stage.runner, str) else repr(stage.runner)
         self.breaches = Breaches(stage.name, runner)  # noted in every model-thread call
-        self.watchdog = Watchdog(stage.name, settings.hung_grace_s, self.breaches)
+        max_call_s = stage.max_call_s if settings.max_call_s is None else settings.max_call_s
+        self.watchdog = Watchdog(stage.name, settings.hung_grace_s, self.breaches, max_call_s)
         self.thread = ModelThread(stage.name)
+        self.apart = Apart(stage.name, settings.hung_grace_s)  # an itemwise model's batches
         # Two: one batch's preparation beside another's wait for the device.
         self.host = ThreadPoolExecutor(2, thread_name_prefix=f"host-{stage.name}")
         self._shared = False
@@ -132,6 +139,13 @@ class Runner:
     def input_cap(self) -> int | None:
         """The model's input cap in tokens (:func:`workers.lengths.input_cap`)."""
         return input_cap(self.model)
+
+    @property
+    def concurrency(self) -> int | None:
+        """The calls an :class:`~pipelines.model.ItemwiseModel` runs at once: its batches
+        run apart, one item each (:meth:`run`); None for any other model."""
+        model = self.model
+        return model.concurrency if isinstance(model, ItemwiseModel) else None
 
     @property
     def accelerated(self) -> bool:
@@ -190,7 +204,8 @@ class Runner:
         A staged model prepares the batch before its turn, beside the batch on the
         device (``turn.before_host`` first: user code runs there). Once the model is the
         batch's, ``turn.at_turn`` withdraws the requests cancelled while it waited; its
-        results are made after the turn, while the next batch launches.
+        results are made after the turn, while the next batch launches. An itemwise
+        model's batch takes no turn (:class:`~workers.apart.Apart`).
 
         Args:
             batch: the batch opened by :meth:`workers.intake.Intake.open`.
@@ -199,6 +214,8 @@ class Runner:
         """
         if not batch.live:
             return None
+        if isinstance(self.model, ItemwiseModel):
+            return await self.apart.run(self.model, batch, turn, deadline)
         emitter: Emitter | None = None
         try:
             staged = overlapped(self.model)
@@ -321,6 +338,8 @@ class Runner:
                 logger.info("stage %s: %d batches replayed CUDA graphs", self.stage.name, replays)
             self.thread.release()
             self.host.shutdown(wait=False)
+            if isinstance(self.model, ItemwiseModel):
+                self.model.close()
 
     @staticmethod
     async def _in(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:

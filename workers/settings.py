@@ -87,6 +87,10 @@ class WorkerSettings(CommonSettings):
         alive_stale_s: the worker's heartbeat in Redis (what ``/metrics``, ``/status``
             and ``conveyor status`` count as a live worker) runs out this long after its
             last beat; it beats every third of it (:class:`workers.alive.Presence`).
+        stats_flush_s: how long a worker may hold back its batches' counts and histograms
+            (sent with a later publish, or when idle); 0: with every publish.
+        max_call_s: the longest one model call may run, over every stage's own
+            ``max_call_s`` (None: the stage's).
         hung_grace_s: a model call still running this long past every deadline of its
             batch is hung: the worker logs it and exits (:func:`workers.runner.hung`),
             to be restarted, since the model thread it holds can never be freed.
@@ -132,6 +136,8 @@ class WorkerSettings(CommonSettings):
     alive_file: str | None = Field(default=None, min_length=1)
     alive_stale_s: float = Field(default=30.0, ge=0.3, le=86_400, allow_inf_nan=False)
     hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
+    max_call_s: float | None = Field(default=None, gt=0, le=86_400, allow_inf_nan=False)
+    stats_flush_s: float = Field(default=1.0, ge=0, le=3600, allow_inf_nan=False)
     log_summary_s: float = Field(default=30.0, ge=0, le=86_400, allow_inf_nan=False)
     decoding: Literal["continuous", "static"] = "continuous"
     decode_token_budget: int = Field(default=16_384, ge=2, le=100_000_000)

@@ -215,12 +215,14 @@ class Claimed:
     # By entry id, of the charged and queued: the size of the batch each crashed in and
     # that batch's first entry id (its batch-mates share it).
     crashed_in: dict[bytes, tuple[int, bytes]] = field(default_factory=dict)
+    hung: set[bytes] = field(default_factory=set)  # of those, ids whose model call hung
 
     def __iadd__(self, other: Claimed) -> Claimed:
         self.charged += other.charged
         self.queued += other.queued
         self.waiting += other.waiting
         self.crashed_in |= other.crashed_in
+        self.hung |= other.hung
         return self
 
     @property
@@ -275,5 +277,6 @@ class Turn(Protocol):
         """The model is the batch's: withdraw what was cancelled meanwhile (and, with
         ``mark``, mark its entries on the model); where to stream its output."""
 
-    async def withdraw_cancelled(self, batch: Batch) -> None:
-        """Withdraw the batch's requests cancelled by now, while its calls run."""
+    async def cancelled(self, request_ids: list[str]) -> set[str]:
+        """Which of ``request_ids`` (requests whose calls run) are cancelled by now: one
+        round trip; none when Redis cannot say."""

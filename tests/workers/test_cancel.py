@@ -129,7 +129,8 @@ async def test_the_publish_script_discards_a_cancelled_requests_effects_once(
     extra: dict[str, Any] = {"job_prefix": keys.job_prefix}
     first = await publish_batch(redis, keys, out, ids, "first", 3, **extra)
     assert first == Published(0, frozenset({keys.done("ran", "s")}))
-    assert await publish_batch(redis, keys, out, ids, "first", 3, **extra) == first  # retried
+    retried = await publish_batch(redis, keys, out, ids, "first", 3, again=True, **extra)
+    assert retried == first
     again = await publish_batch(redis, keys, out, ids, "second", 3, **extra)  # run twice
     assert again == Published(3, frozenset())
 
@@ -165,9 +166,9 @@ class Steps:
     def registry(self) -> Registry:
         steps = (
             function("a", self.step("a"), then="b"),
-            # One item per batch: a second job's batch closes at once and waits for the
-            # model while the first runs; its cancellation is seen when its turn comes.
-            function("b", self.step("b"), then="c", max_batch_size=1),
+            # One call at a time: a second job waits on b's stream while the first
+            # runs; its cancellation is seen when it is read, before its call.
+            function("b", self.step("b"), then="c", concurrency=1),
             function("c", self.step("c")),
         )
         return Registry([Pipeline("chain", NumberIn, steps)])
@@ -200,10 +201,10 @@ async def test_a_job_cancelled_mid_chain_never_reaches_its_next_step(
     await asyncio.to_thread(steps.b_started.wait, 30)
     waiting = await submit(2)
 
-    async def waiting_for_the_model() -> bool:  # read by b's worker, behind the running one
-        return workers["b"].runner.busy == 2
+    async def waiting_for_a_call() -> bool:  # on b's stream, behind the running one
+        return bool(await redis.xlen(harness.keys.stage_stream("chain.b")) == 2)
 
-    await until(waiting_for_the_model)
+    await until(waiting_for_a_call)
     # The running job is cancelled as DELETE /v1/jobs/{id} does (its record says so at
     # once); the waiting one by its marker alone: the worker ends it.
     pipe = redis.pipeline(transaction=True)

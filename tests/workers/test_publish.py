@@ -68,7 +68,7 @@ async def test_a_repeated_call_is_a_complete_no_op(harness: Harness, redis: aior
     keys = harness.keys
     ids = await read_batch(redis, keys.stage_stream("s"), 3)
     out = outbox(harness, ["a", "b"])
-    for _ in range(2):
+    for again in (False, True):
         published = await publish_batch(
             redis,
             keys,
@@ -78,6 +78,7 @@ async def test_a_repeated_call_is_a_complete_no_op(harness: Harness, redis: aior
             2,
             dead_letters=[(keys.dead_letters("s"), {"why": "test"})],
             dropped=[keys.dropped("s", ids[2].decode())],
+            again=again,
         )
         assert published == Published()  # the repeat answers what the first call answered
     assert await redis.xlen(keys.reply_stream("t")) == 2
