@@ -33,7 +33,7 @@ from pipelines.keys import Keys
 from pipelines.settings import CommonSettings
 from runtime.status import StageStatus, stage_status
 from tests.helpers import REPO, Harness
-from tests.scaleapp import SYNTHETIC
+from tests.support.scaleapp import SYNTHETIC
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
 STAGE = SYNTHETIC.name  # batches of 8, each costing 0.1 s + 0.02 s per item
@@ -220,10 +220,10 @@ async def until(
 async def autoscaling(
     scaler: Scaler, log: Path, started: list[Popen[bytes]]
 ) -> AsyncIterator[tuple[Autoscaler, asyncio.Task[str | None]]]:
-    """An autoscaler of tests/scaleapp.py's stage, running real workers, ticking every
+    """An autoscaler of tests/support/scaleapp.py's stage, running real workers, ticking every
     0.2 s; everything it started is stopped afterwards."""
     env = dict(os.environ) | {
-        "CONVEYOR_APP": "tests.scaleapp:pipelines",
+        "CONVEYOR_APP": "tests.support.scaleapp:pipelines",
         "PYTHONPATH": str(REPO),
         "CONVEYOR_BLOCK_MS": "200",
     }
@@ -396,7 +396,7 @@ async def test_up_autoscale_scales_a_model_stage_and_stops_everything_on_ctrl_c(
         "CONVEYOR_AUTOSCALE_INTERVAL_S": "0.2",
     }
     log = tmp_path / "up.log"
-    app = ["--app", "tests.scaleapp:pipelines"]
+    app = ["--app", "tests.support.scaleapp:pipelines"]
     cmd = [CONVEYOR, "up", "--port", str(port), *app, "--autoscale", "--max-workers", "2"]
     proc = _start_up(cmd, env, log)
     base = f"http://127.0.0.1:{port}"

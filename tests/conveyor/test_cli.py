@@ -177,7 +177,7 @@ def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Pa
     repo = REPO
     env = up_env(CONVEYOR_CACHE_DIR=str(cache_dir))  # a data folder of its own, not the repo's
     graph = subprocess.run(
-        [CONVEYOR, "graph", "wordcount", "--app", "tests.userapp:pipelines"],
+        [CONVEYOR, "graph", "wordcount", "--app", "tests.support.userapp:pipelines"],
         env=env,
         cwd=repo,
         capture_output=True,
@@ -191,7 +191,7 @@ def test_up_serves_a_users_app_and_graph_prints_it(tmp_path: Path, cache_dir: Pa
     log = tmp_path / "up.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [CONVEYOR, "up", "--port", str(port), "--app", "tests.userapp:pipelines"],
+            [CONVEYOR, "up", "--port", str(port), "--app", "tests.support.userapp:pipelines"],
             env=env,
             cwd=repo,
             stdout=out,

@@ -26,11 +26,11 @@ from tests.conveyor.test_cli import CONVEYOR
 from tests.conveyor.test_supervisor import _command, stop
 from tests.helpers import conveyor, until, up_env, wait_for_line
 
-APP = "tests.faultapp:kept"
+APP = "tests.support.faultapp:kept"
 
 
 def start(folder: Path, log: Path, port: int, *args: str, **env: str) -> subprocess.Popen[bytes]:
-    """``conveyor up --app tests.faultapp:kept`` run in ``folder`` (its default data folder
+    """``conveyor up --app tests.support.faultapp:kept`` run in ``folder`` (its default data folder
     ``folder/.conveyor`` unless ``env`` names one), its output appended to ``log``."""
     full = up_env(**env)
     if "CONVEYOR_DATA_DIR" not in env:

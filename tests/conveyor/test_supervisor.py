@@ -37,11 +37,11 @@ BAD = ("Traceback", "Exception in ASGI application", "ERROR", "Internal Server E
 
 
 def start(log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
-    """``conveyor up ARGS`` serving tests/faultapp.py's pipelines, its output in ``log``."""
+    """``conveyor up ARGS`` serving tests/support/faultapp.py's pipelines, its output in ``log``."""
     with log.open("wb") as out:
         return subprocess.Popen(
             [CONVEYOR, "up", *args],
-            env=up_env(CONVEYOR_APP="tests.faultapp:pipelines", **env),
+            env=up_env(CONVEYOR_APP="tests.support.faultapp:pipelines", **env),
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -158,7 +158,7 @@ def give_up(tmp_path: Path, **env: str) -> str:
     """``up`` serving the doomed pipeline until it gives up: its output, which says it
     stopped everything (exit status 1)."""
     log = tmp_path / "up.log"
-    up = start(log, "--port", str(free_port()), "--app", "tests.faultapp:doomed", **env)
+    up = start(log, "--port", str(free_port()), "--app", "tests.support.faultapp:doomed", **env)
     try:
         code = up.wait(timeout=50)
     finally:
@@ -178,7 +178,7 @@ async def test_a_crash_loop_parks_its_group_while_the_rest_serves(tmp_path: Path
     base = f"http://127.0.0.1:{port}"
     up = start(
         log,
-        *("--port", str(port), "--app", "tests.faultapp:doomed_beside_chain"),
+        *("--port", str(port), "--app", "tests.support.faultapp:doomed_beside_chain"),
         CONVEYOR_TEST_DOOM="kill",  # killed as it loads its model, every time
         CONVEYOR_RESTART_MAX_CRASHES="3",
         CONVEYOR_RESTART_BACKOFF_S="0.1",

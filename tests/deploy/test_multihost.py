@@ -252,7 +252,7 @@ def base_env() -> dict[str, str]:
     return env | {
         "PYTHONPATH": str(REPO),
         "HF_HUB_OFFLINE": "1",
-        "CONVEYOR_APP": "tests.faultapp:pipelines",
+        "CONVEYOR_APP": "tests.support.faultapp:pipelines",
         "CONVEYOR_NAMESPACE": NAMESPACE,
     }
 

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.browser import CHROMIUM, Chromium, chromium, open_page
 from tests.helpers import REPO, Harness, number_stage
+from tests.support.browser import CHROMIUM, Chromium, chromium, open_page
 
 ARTIFACTS = REPO / "test-artifacts"
 

@@ -21,8 +21,8 @@ from pipelines.builtin import builtin_pipelines
 from pipelines.registry import Registry
 from runtime.metrics import le_label
 from runtime.stats import CONTRACT, RESTARTS
-from tests.browser import CHROMIUM, Chromium, chromium, open_page
 from tests.helpers import REPO, Doubler, Harness, number_stage
+from tests.support.browser import CHROMIUM, Chromium, chromium, open_page
 from workers.loop import consumer_name
 
 ARTIFACTS = REPO / "test-artifacts"

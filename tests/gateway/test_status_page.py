@@ -20,8 +20,8 @@ from pipelines.builtin import builtin_pipelines
 from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
 from runtime.metrics import BUCKETS
-from tests.browser import CHROMIUM, Chromium, chromium, open_page
 from tests.helpers import REPO, Doubler, Harness, number_stage, until
+from tests.support.browser import CHROMIUM, Chromium, chromium, open_page
 
 ARTIFACTS = REPO / "test-artifacts"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.faultapp import RAISED
 from tests.helpers import GatewayProcess
+from tests.support.faultapp import RAISED
 
 
 @pytest.mark.timeout(120)
@@ -19,7 +19,7 @@ async def test_a_validator_raising_what_is_no_exception_fails_only_its_request(
     # BREAK: a validator's SystemExit, KeyboardInterrupt or bare BaseException went past
     # every handler (each catches Exception) to the request's task, where asyncio re-raises
     # it out of the event loop: the gateway process ended.
-    app = {"CONVEYOR_APP": "tests.faultapp:user_code"}
+    app = {"CONVEYOR_APP": "tests.support.faultapp:user_code"}
     with GatewayProcess(redis_url, tmp_path / "gateway.log", **app) as gw:
         assert gw.proc is not None
         async with httpx.AsyncClient(base_url=gw.base, timeout=30) as client:

@@ -360,7 +360,7 @@ async def test_openapi_and_get_use_the_pipeline_input(harness: Harness) -> None:
 
 
 async def test_the_readme_example_pipeline(harness: Harness) -> None:
-    from tests.userapp import review
+    from tests.support.userapp import review
 
     http = await harness.serve(Registry([review]))
     resp = await http.post("/v1/review", json={"text": "A wonderful, joyful film. I loved it."})

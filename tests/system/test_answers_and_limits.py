@@ -29,7 +29,6 @@ from pipelines.model import Item, Result
 from pipelines.settings import MAX_DEADLINE_S
 from pipelines.stages import GenerateIn, Stage
 from runtime.status import stage_status
-from tests.faultapp import SLOW, spawn
 from tests.helpers import (
     REPO,
     Doubler,
@@ -40,6 +39,7 @@ from tests.helpers import (
     number_stage,
     until,
 )
+from tests.support.faultapp import SLOW, spawn
 from workers.models.hf_text import Generator
 
 # --------------------------------------------------------------------------------------

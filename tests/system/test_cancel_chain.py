@@ -1,5 +1,5 @@
 """A job cancelled while its chain runs, with real processes: a gateway process, a worker
-process serving the three steps of tests/faultapp.py's ``chain3``, the HTTP DELETE."""
+process serving the three steps of tests/support/faultapp.py's ``chain3``, the HTTP DELETE."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 
 from pipelines.keys import Keys
 from runtime.status import stage_status
-from tests.faultapp import spawn
 from tests.helpers import GatewayProcess, until
+from tests.support.faultapp import spawn
 
 STEPS = ("chain3.a", "chain3.b", "chain3.c")
 
@@ -19,7 +19,7 @@ STEPS = ("chain3.a", "chain3.b", "chain3.c")
 async def test_a_job_cancelled_in_its_second_step_never_reaches_the_third(
     redis: aioredis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
-    app = {"CONVEYOR_APP": "tests.faultapp:pipelines", "CONVEYOR_PIPELINES": "chain3"}
+    app = {"CONVEYOR_APP": "tests.support.faultapp:pipelines", "CONVEYOR_PIPELINES": "chain3"}
     with GatewayProcess(redis_url, tmp_path / "gateway.log", **app) as gateway:
         namespace = gateway.env["CONVEYOR_NAMESPACE"]
         keys = Keys(namespace)

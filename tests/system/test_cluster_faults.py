@@ -21,8 +21,8 @@ from conveyor.embedded import Cluster, cluster
 from pipelines.keys import Keys
 from runtime.stats import read_stats
 from runtime.status import stage_status
-from tests.faultapp import spawn, stop
 from tests.helpers import GatewayProcess, until
+from tests.support.faultapp import spawn, stop
 
 PARTITIONS = 3
 JOBS = 60
@@ -41,7 +41,7 @@ def settings(nodes: Cluster, namespace: str) -> dict[str, str]:
         "CONVEYOR_REDIS_URL": nodes.url.replace("redis://", "redis+cluster://"),
         "CONVEYOR_PARTITIONS": str(PARTITIONS),
         "CONVEYOR_NAMESPACE": namespace,
-        "CONVEYOR_APP": "tests.faultapp:pipelines",
+        "CONVEYOR_APP": "tests.support.faultapp:pipelines",
     }
 
 

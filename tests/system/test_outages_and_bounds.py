@@ -389,10 +389,10 @@ async def test_an_upstream_retry_after_is_bounded_on_the_503(
     # Observed: 503 with no Retry-After (401 digits) / Retry-After of 31 digits.
     # Expected: a 503 always carries a sane Retry-After (clamped, e.g. to the request's
     # budget or a fixed maximum).
-    # Trigger: the MediaWiki API (tests/fakewiki.py) answers 503 with
+    # Trigger: the MediaWiki API (tests/support/fakewiki.py) answers 503 with
     # "Retry-After: 1000...0"; GET /v1/wiki-summary?search_term=turing.
     from pipelines.builtin import builtin_pipelines
-    from tests.fakewiki import FakeWiki
+    from tests.support.fakewiki import FakeWiki
 
     with FakeWiki() as fake:
         fake.fail_status = 503

@@ -23,8 +23,8 @@ from pipelines.envelope import decode_reply
 from pipelines.keys import GROUP, LANES, Lane
 from runtime.redisio import text
 from runtime.status import stage_status
-from tests.faultapp import SLOW, TEXTS, SlowTexts, spawn, stop
 from tests.helpers import Doubler, Harness, number_stage, until, wait_ready
+from tests.support.faultapp import SLOW, TEXTS, SlowTexts, spawn, stop
 
 
 class Server:

@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import GROUP
-from tests.faultapp import SLOW, spawn, stop
 from tests.helpers import Harness, until
+from tests.support.faultapp import SLOW, spawn, stop
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from tests.faultapp import HANGS, SLOW, spawn, stop
 from tests.helpers import Harness, until
+from tests.support.faultapp import HANGS, SLOW, spawn, stop
 from workers.modelthread import HUNG_EXIT
 
 FAST_RECLAIM = {

@@ -1,8 +1,8 @@
 """OpenTelemetry: one connected trace per request across the gateway and every stage.
 
 Real processes (``python -m gateway``, ``python -m workers`` serving the three steps of
-tests/faultapp.py's ``chain3``) export over OTLP/HTTP, as the SDK does, to a receiver on
-loopback (tests/otlp.py).
+tests/support/faultapp.py's ``chain3``) export over OTLP/HTTP, as the SDK does, to a receiver on
+loopback (tests/support/otlp.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 
 from runtime.tracing import wanted
-from tests.faultapp import spawn
 from tests.helpers import REPO, GatewayProcess
-from tests.otlp import Received, Receiver, receiver, waterfall
+from tests.support.faultapp import spawn
+from tests.support.otlp import Received, Receiver, receiver, waterfall
 
 ARTIFACTS = REPO / "test-artifacts"
 STEPS = ("chain3.a", "chain3.b", "chain3.c")
@@ -54,7 +54,7 @@ def test_a_three_step_request_is_one_connected_trace_whose_spans_add_up(
             "OTEL_EXPORTER_OTLP_ENDPOINT": got.endpoint,
             "OTEL_BSP_SCHEDULE_DELAY": "100",
         }
-        app = {"CONVEYOR_APP": "tests.faultapp:pipelines", "CONVEYOR_PIPELINES": "chain3"}
+        app = {"CONVEYOR_APP": "tests.support.faultapp:pipelines", "CONVEYOR_PIPELINES": "chain3"}
         log = tmp_path / "gateway.log"
         with GatewayProcess(redis_url, log, **app, **otel) as gateway:
             ns = gateway.env["CONVEYOR_NAMESPACE"]

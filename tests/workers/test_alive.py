@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 from pipelines.keys import GROUP
 from runtime.redisio import text
 from runtime.status import stage_status
-from tests.faultapp import SLOW, spawn, stop
 from tests.helpers import Harness, conveyor, until
+from tests.support.faultapp import SLOW, spawn, stop
 
 STALE_S = 3.0
 """The workers' stale window here: a worker silent this long is gone (default 30 s)."""
@@ -65,7 +65,7 @@ async def test_an_idle_worker_is_alive_a_paused_one_is_not(
         status = await stage_status(redis, harness.keys, "slow")
         assert status.workers == 1
         assert [c.idle_ms > 30_000 for c in status.consumers] == [True]
-        shown = conveyor("status", CONVEYOR_APP="tests.faultapp:pipelines")
+        shown = conveyor("status", CONVEYOR_APP="tests.support.faultapp:pipelines")
         assert shown.returncode == 0, shown.stderr
         (row,) = [r for r in shown.stdout.splitlines() if r.startswith("slow ")]
         assert " 1/1 " in row, row

@@ -28,8 +28,8 @@ from pipelines.registry import Registry
 from runtime.jobs import create_job, mark_cancelled
 from runtime.redisio import enqueue
 from runtime.status import stage_status
-from tests.faultapp import spawn
 from tests.helpers import Doubler, Harness, NumberIn, number_stage, until
+from tests.support.faultapp import spawn
 from tests.workers.test_publish import publish_batch, read_batch
 from workers.values import Effects, Outbox, Published
 

@@ -11,8 +11,8 @@ import re
 import pytest
 
 from pipelines.stages import Stage
-from tests.faultapp import ShortByOne
 from tests.helpers import Harness, NumberIn
+from tests.support.faultapp import ShortByOne
 
 
 def _breach_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -35,7 +35,7 @@ async def test_a_batch_one_result_short_is_said_counted_and_isolated(
     # BREAK (issue 29, Why 5): every request got 200 and the log said batch=N ok=N; the
     # batch was split down to single items and nothing said so.
     caplog.set_level(logging.INFO)
-    stage = Stage("short", NumberIn, "tests.faultapp:ShortByOne", batch_wait_ms=300)
+    stage = Stage("short", NumberIn, "tests.support.faultapp:ShortByOne", batch_wait_ms=300)
     worker = harness.worker(stage, ShortByOne())
     await worker.start()
     harness.run(worker)
@@ -52,7 +52,7 @@ async def test_a_batch_one_result_short_is_said_counted_and_isolated(
     # Rate-limited: one line for both rounds (the second round is counted, not said).
     (line,) = _breach_lines(caplog)
     assert "stage short" in line
-    assert "tests.faultapp:ShortByOne" in line
+    assert "tests.support.faultapp:ShortByOne" in line
     got = re.search(r"(\d+) items, (\d+) results", line)
     assert got is not None, line
     assert int(got[2]) == int(got[1]) - 1
@@ -65,7 +65,7 @@ async def test_a_batch_one_result_short_is_said_counted_and_isolated(
 async def test_a_result_that_is_not_an_object_is_said_and_counted(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stage = Stage("short", NumberIn, "tests.faultapp:ShortByOne", batch_wait_ms=0)
+    stage = Stage("short", NumberIn, "tests.support.faultapp:ShortByOne", batch_wait_ms=0)
     worker = harness.worker(stage, ShortByOne(), max_batch_size=1)
     await worker.start()
     harness.run(worker)

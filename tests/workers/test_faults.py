@@ -26,8 +26,8 @@ from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from runtime.status import stage_status
-from tests.faultapp import CRASHY, SLOW, spawn
 from tests.helpers import Doubler, Harness, died_running, number_stage, until
+from tests.support.faultapp import CRASHY, SLOW, spawn
 from workers.claims import trim
 from workers.models.toy import Adder
 

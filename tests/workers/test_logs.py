@@ -15,8 +15,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from runtime.logs import LogSettings
-from tests.faultapp import stop
 from tests.helpers import REPO, GatewayProcess, Harness, until, wait_for_line
+from tests.support.faultapp import stop
 from workers.report import Summary
 from workers.values import BatchRecord
 
@@ -55,7 +55,7 @@ async def served_log(
     (``CONVEYOR_LOG_FORMAT=json`` and ``env``) wrote to stderr while it answered them and
     wrote its INFO summary of them."""
     sent = await harness.enqueue("slow", [{"value": i} for i in range(ITEMS)])
-    settings = {"CONVEYOR_APP": "tests.faultapp:pipelines", "CONVEYOR_LOG_FORMAT": "json"}
+    settings = {"CONVEYOR_APP": "tests.support.faultapp:pipelines", "CONVEYOR_LOG_FORMAT": "json"}
     settings |= {"CONVEYOR_LOG_SUMMARY_S": "0.5", "CONVEYOR_MAX_BATCH_SIZE": "8"}
     worker = start_worker("slow", os.environ | settings | env, log)
     try:
@@ -132,7 +132,7 @@ def test_a_bad_log_setting_is_one_line_naming_it(
     redis_url: str, tmp_path: Path, module: str, name: str
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env |= {"PYTHONPATH": str(REPO), "CONVEYOR_APP": "tests.faultapp:pipelines"}
+    env |= {"PYTHONPATH": str(REPO), "CONVEYOR_APP": "tests.support.faultapp:pipelines"}
     env |= {"CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_NAMESPACE": "badlog", name: "loud"}
     argv = [sys.executable, "-m", module, *(["slow"] if module == "workers" else [])]
     # Before any setting was read, a worker or a gateway would serve on: no exit in time.

@@ -18,9 +18,9 @@ from bench.workloads import in_process_threads
 from conveyor.placement import GpuPool, Group, PlacementSettings, Placer, worker_groups
 from pipelines.registry import Registry
 from pipelines.stages import Resources
-from tests.deviceapp import ON_DEVICE
-from tests.deviceapp import pipelines as device_pipelines
 from tests.helpers import REPO, up_env, wait_for_line
+from tests.support.deviceapp import ON_DEVICE
+from tests.support.deviceapp import pipelines as device_pipelines
 from workers.build import build_model
 from workers.settings import WorkerSettings
 from workers.threads import resolved_device, torch_threads
@@ -122,7 +122,7 @@ def test_a_bare_worker_process_chooses_its_threads_by_device(
     env = up_env(
         CONVEYOR_REDIS_URL=redis_url,
         CONVEYOR_NAMESPACE=namespace,
-        CONVEYOR_APP="tests.deviceapp:pipelines",
+        CONVEYOR_APP="tests.support.deviceapp:pipelines",
         CONVEYOR_PIPELINES="ondevice",
         CONVEYOR_DEVICE=device,
     )

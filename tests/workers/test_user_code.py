@@ -1,7 +1,7 @@
 """User code that raises what is no ``Exception``, or never returns: the item fails (or
 expires) alone and the worker serves on; a call no deadline can stop ends the worker.
 
-The worker runs as a real process (``tests.faultapp:user_code``) behind a real gateway.
+The worker runs as a real process (``tests.support.faultapp:user_code``) behind a real gateway.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from pipelines.model import Item, Result, batch_deadline
 from pipelines.registry import Registry
 from pipelines.stages import GenerateIn, Stage
 from runtime.status import stage_status
-from tests.faultapp import RAISED, spawn, stop, user_code
 from tests.helpers import Harness, until
+from tests.support.faultapp import RAISED, spawn, stop, user_code
 from workers.contract import run_isolating
 from workers.models.function import FunctionRunner
 from workers.modelthread import HUNG_EXIT
 from workers.settings import WorkerSettings
 
-APP = "tests.faultapp:user_code"
+APP = "tests.support.faultapp:user_code"
 
 # What each of RAISED answers: its type's name, in the client's error message.
 NAMES = {

@@ -18,7 +18,7 @@ from pipelines.errors import (
     UpstreamUnavailable,
     retry_after_s,
 )
-from tests.fakewiki import FakeWiki
+from tests.support.fakewiki import FakeWiki
 
 LOVELACE = (
     "Augusta Ada King, Countess of Lovelace, was an English mathematician and writer.\n"

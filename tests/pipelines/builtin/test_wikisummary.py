@@ -13,8 +13,8 @@ import pytest
 from conveyor.embedded import free_port
 from pipelines.builtin import builtin_pipelines
 from pipelines.registry import Registry
-from tests.fakewiki import FakeWiki
 from tests.helpers import REPO, Harness
+from tests.support.fakewiki import FakeWiki
 
 TURING = (
     "Alan Turing was an English mathematician and computer scientist. "

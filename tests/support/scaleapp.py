@@ -1,5 +1,5 @@
 """A stage with a synthetic cost model, served by real worker processes in the autoscaling
-tests (``CONVEYOR_APP=tests.scaleapp:pipelines``).
+tests (``CONVEYOR_APP=tests.support.scaleapp:pipelines``).
 
 Its model sleeps ``fixed_s + per_item_s * n`` per batch of n: sleeping releases the CPU, so
 several workers scale past the machine's cores, as workers waiting on an accelerator would.
@@ -50,7 +50,7 @@ class CostModel:
 SYNTHETIC = Stage(
     "synthetic",
     ValueIn,
-    "tests.scaleapp:CostModel",
+    "tests.support.scaleapp:CostModel",
     options={"fixed_s": 0.1, "per_item_s": 0.02},
     max_batch_size=8,
     batch_wait_ms=20,

@@ -1,4 +1,4 @@
-"""A user's pipeline module, as ``conveyor up --app tests.userapp:pipelines`` loads it."""
+"""A user's pipeline module, as ``conveyor up --app tests.support.userapp:pipelines`` loads it."""
 
 from __future__ import annotations
 

@@ -126,11 +126,15 @@ class SlowTexts:
         return [{"n": len(item["text"])} for item in items]
 
 
-SLOW = Stage("slow", NumberIn, "tests.faultapp:Sleepy", max_batch_size=32, batch_wait_ms=50)
-TEXTS = Stage("texts", TextIn, "tests.faultapp:SlowTexts", batch_wait_ms=50, max_batch_tokens=8192)
+SLOW = Stage("slow", NumberIn, "tests.support.faultapp:Sleepy", max_batch_size=32, batch_wait_ms=50)
+TEXTS = Stage(
+    "texts", TextIn, "tests.support.faultapp:SlowTexts", batch_wait_ms=50, max_batch_tokens=8192
+)
 """Length-aware: a window of short and long texts runs as two batches, back to back."""
-CRASHY = Stage("crashy", NumberIn, "tests.faultapp:Crashy", max_batch_size=16, batch_wait_ms=300)
-HANGS = Stage("hangs", NumberIn, "tests.faultapp:Hangs", batch_wait_ms=300, max_call_s=2)
+CRASHY = Stage(
+    "crashy", NumberIn, "tests.support.faultapp:Crashy", max_batch_size=16, batch_wait_ms=300
+)
+HANGS = Stage("hangs", NumberIn, "tests.support.faultapp:Hangs", batch_wait_ms=300, max_call_s=2)
 
 
 def _pass_on(payload: dict[str, Any]) -> dict[str, Any]:
@@ -158,21 +162,21 @@ CHAIN = Pipeline(
 the file ``CONVEYOR_TEST_STARTED`` names, if set, as it starts)."""
 
 RECORDED = Stage(
-    "recorded", NumberIn, "tests.faultapp:Recorder", max_batch_size=4, batch_wait_ms=20
+    "recorded", NumberIn, "tests.support.faultapp:Recorder", max_batch_size=4, batch_wait_ms=20
 )
 
 pipelines: list[Pipeline] = [single(SLOW), single(CRASHY), single(TEXTS), CHAIN, single(HANGS)]
 
 kept: list[Pipeline] = [single(RECORDED), single(CRASHY)]
 """A stage that records every value it ran (:class:`Recorder`) beside the crashing one:
-``--app tests.faultapp:kept``."""
+``--app tests.support.faultapp:kept``."""
 
-doomed: list[Pipeline] = [single(Stage("doomed", NumberIn, "tests.faultapp:Doomed"))]
-"""A pipeline whose worker crashes at every start (``--app tests.faultapp:doomed``)."""
+doomed: list[Pipeline] = [single(Stage("doomed", NumberIn, "tests.support.faultapp:Doomed"))]
+"""A pipeline whose worker crashes at every start (``--app tests.support.faultapp:doomed``)."""
 
 doomed_beside_chain: list[Pipeline] = [*doomed, CHAIN]
 """The doomed pipeline beside a healthy one in a process of its own (its function stages):
-``--app tests.faultapp:doomed_beside_chain``."""
+``--app tests.support.faultapp:doomed_beside_chain``."""
 
 
 class Kind(BaseModel):
@@ -258,14 +262,17 @@ user_code: list[Pipeline] = [
 ]
 """User code that raises what is no ``Exception`` or never returns, as a sync function
 step (stage ``raises.run``) and an async one (``araises.run``), each on :class:`Kind`
-(``--app tests.faultapp:user_code``); in ``routes`` the route of its first step raises
+(``--app tests.support.faultapp:user_code``); in ``routes`` the route of its first step raises
 for ``route:<RAISED key>``, the next step's input function for ``input:<key>``."""
 
 
 def spawn(module: str, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:
     """A real ``python -m module ARGS`` serving this file's stages from this checkout, with
     the test's environment plus ``env``; its output goes to ``log`` (appended) if given."""
-    full = dict(os.environ) | {"CONVEYOR_APP": "tests.faultapp:pipelines", "PYTHONPATH": str(REPO)}
+    full = dict(os.environ) | {
+        "CONVEYOR_APP": "tests.support.faultapp:pipelines",
+        "PYTHONPATH": str(REPO),
+    }
     argv = [sys.executable, "-m", module, *args]
     if log is None:
         return subprocess.Popen(argv, env=full | env, cwd=REPO)

@@ -1,5 +1,5 @@
 """A stage whose model says it runs where its device setting says, without touching the
-device (``CONVEYOR_APP=tests.deviceapp:pipelines``): a worker on ``cuda`` is simulated on a
+device (``CONVEYOR_APP=tests.support.deviceapp:pipelines``): a worker on ``cuda`` is simulated on a
 host without a GPU, to see the threads it chooses (:mod:`workers.threads`)."""
 
 from __future__ import annotations
@@ -38,6 +38,6 @@ class OnDevice:
         return [{"threads": torch.get_num_threads(), "device": str(self.device)} for _ in items]
 
 
-ON_DEVICE = Stage("ondevice", Anything, "tests.deviceapp:OnDevice", max_batch_size=4)
+ON_DEVICE = Stage("ondevice", Anything, "tests.support.deviceapp:OnDevice", max_batch_size=4)
 
 pipelines: list[Pipeline] = [single(ON_DEVICE)]
