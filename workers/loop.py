@@ -240,7 +240,7 @@ class Worker:
         try:
             batch = parts.intake.open(entries, parts.clock.now())
             if batch.live:
-                deadline = parts.deadline(req for req, _ in batch.live)
+                deadline = parts.deadline([req for req, _ in batch.live])
                 try:
                     ran = await parts.runner.run(batch, parts, deadline)
                 except Hung as hung:  # its thread is lost: the process ends

@@ -166,6 +166,8 @@ class Parts:
         if not batch.live:
             return None
         requests = [req for req, _ in batch.live]
+        if not any(req.stream for req in requests):
+            return None
         loop = asyncio.get_running_loop()
         return Partials(self.client, requests, self.settings, loop, self.keys)
 

@@ -21,8 +21,9 @@ from workers.values import Batch, BatchRecord, Published
 logger = logging.getLogger(__name__)
 
 
-SENT_AT_ONCE = frozenset({"model_items", "tokens", "padded_tokens", "dead_letters", CONTRACT})
-"""The stats fields a batch's publish carries at once (the rest may be held back)."""
+SENT_AT_ONCE = frozenset({"dead_letters", CONTRACT})
+"""The stats fields a batch's publish carries at once, events an operator is alerted on
+(the work's counts may be held back)."""
 
 
 def batch_counts(batch: Batch) -> dict[str, float]:
@@ -208,12 +209,12 @@ class Reporter:
         """What ``batch``'s publish adds to its stage's stats (:func:`batch_counts` and
         the contract breaches noted since the last publish), and the gauges it sets.
 
-        What describes the work in counts and histograms (batches, sizes, waits, model
+        What describes the work (batches, model items, tokens, sizes, waits, model
         time, learned costs) is held and sent with the first publish ``flush_s`` after
         the last it went with (:meth:`held`: or when the worker is idle): a stage's
-        views lag by at most that, and a batch costs Redis no write per histogram. What
-        is read against answers (model items, tokens, dead letters, contract breaches)
-        goes with every publish, as the outcome counters do."""
+        views lag by at most that, and a batch costs Redis no write per histogram.
+        Dead letters and contract breaches go with every publish, as the outcome
+        counters (under each request's done marker) do."""
         counts = batch_counts(batch)
         breaches = self.breaches.take()  # logged here, at most one line a minute
         if breaches:
