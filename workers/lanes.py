@@ -26,10 +26,10 @@ worker that stops runs it as a last batch).
 
 Redis ends a blocked read that timed out only at its next timer tick (``1000 / hz`` ms:
 100 ms at the default ``hz 10``), so a short BLOCK overshoots by up to
-:data:`SERVER_TICK_MS`: a 4 ms wait for a window's last arrivals took 85-100 ms (issue
-14's ~70 ms single-item waits). A wait shorter than that is timed here instead: with the
-model busy, until it frees (what comes meanwhile could not run before); with it idle, by
-looking again a few times until the wait is over.
+:data:`SERVER_TICK_MS`: a 4 ms wait for a window's last arrivals took 85-100 ms. A wait
+shorter than that is timed here instead: with the model busy, until it frees (what comes
+meanwhile could not run before); with it idle, by looking again a few times until the wait
+is over.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ is then predicted at the recent padded tokens per item (:attr:`BatchPolicy.per_i
 
 Only warm runs are cost samples: a batch whose shape the device met for the first time
 (:func:`pipelines.model.cold_shape`) paid a one-off cost that is not the model's, and
-learning from it made batches small on a GPU (issue 24). Where the cost is flat in the
+learning from it made batches small on a GPU. Where the cost is flat in the
 batch's size, as on a GPU below saturation, one more batch costs a whole batch and no
 padding is worth it, so a length-aware stage does not split (:meth:`BatchPolicy.
 batch_overhead_tokens`).
