@@ -194,7 +194,11 @@ def compile_plan(call: Call) -> Plan | None:
             plan.always.append(["HINCRBY", stats_hash, name, str(int(amount))])
     if not plan.groups and not plan.always:
         return None
-    plan.token = plan.key(call.token_key)
+    if call.stats or call.dead_letters:
+        # Counts and dead letters would be added twice by a repeat: the call's token
+        # makes its retry a no-op. Everything else in it is guarded by its requests'
+        # done markers, or is the same done twice (acks, deleted marks, expiries).
+        plan.token = plan.key(call.token_key)
     plan.retry = call.again
     return plan
 

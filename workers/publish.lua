@@ -2,7 +2,8 @@
 -- The plan is {"t": token, "tt": ttl, "g": groups, "a": commands, "k": types, "s": own}.
 -- The call sets its token key (tt seconds) at the end; a retry (plan.r) looks for it
 -- first: if it exists, this very call has run before (its answer was lost), nothing runs
--- again and the first run's answer (kept in it) is returned. A group is [marker, ttl, command...]: its commands run only if
+-- again and the first run's answer (kept in it) is returned. A call whose every command
+-- is safe to repeat (no stats counts, no dead letters) has no token (""). A group is [marker, ttl, command...]: its commands run only if
 -- its "done" marker is absent, and then the marker is set (ttl seconds), so a step that
 -- ran twice publishes (and counts its outcome) once. "a" runs once per call (ack, batch
 -- stats, dead letters). In a command, a string is itself, a number n >= 1 is ARGV[n + 1]
@@ -62,7 +63,7 @@ end
 
 local plan = cjson.decode(ARGV[1])
 local token = value(plan.t)
-if plan.r then  -- a retry: the first try may have run, its answer lost
+if plan.r and token ~= '' then  -- a retry: the first try may have run, its answer lost
   local first = redis.call('GET', token)
   if first then return cjson.decode(first) end
 end
@@ -218,5 +219,5 @@ for _, c in ipairs(order) do
   if not (k and muted[k]) then write({kind, key, field, amount}, k) end
 end
 local answer = {skipped, cancelled, {}, broken}
-redis.call('SET', token, cjson.encode(answer), 'EX', plan.tt)
+if token ~= '' then redis.call('SET', token, cjson.encode(answer), 'EX', plan.tt) end
 return answer
