@@ -25,6 +25,7 @@ from gateway.headers import CORS_HEADERS
 from gateway.responses import openapi_document, validation_issues
 from gateway.routes import json_response
 from gateway.routes.jobs import add_job_routes
+from gateway.routes.login import add_login_routes
 from gateway.routes.openai import add_openai_routes
 from gateway.routes.openai.errors import PATHS, is_openai_path, openai_error, without_422
 from gateway.routes.openai.errors import error_of as openai_error_of
@@ -32,6 +33,7 @@ from gateway.routes.openai.serving import check_names
 from gateway.routes.ops import add_ops_routes
 from gateway.routes.pipelines import add_pipeline_routes
 from gateway.service import Gateway
+from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
 from gateway.traces import TraceHeaders
 from pipelines.errors import RETRY_AFTER_MAX_S, ConfigError, ConveyorError, InvalidInput
@@ -200,6 +202,9 @@ def create_app(
     add_job_routes(app, gw, edge)
     add_openai_routes(app, gw, edge)
     add_pipeline_routes(app, gw, edge)
+    sessions = Sessions(settings.api_keys, settings.session_ttl_s) if settings.api_keys else None
+    if sessions is not None:
+        add_login_routes(app, sessions, settings.api_keys)
     # Innermost: the hot path is still behind the edge and CORS, in front of FastAPI.
     app.add_middleware(SyncCalls, gateway=gw, error_response=error_response)
     if settings.cors_origins:
@@ -216,6 +221,8 @@ def create_app(
         routes=[*(f"/v1/{name}" for name in registry.pipelines), *PATHS],
         api_keys=settings.api_keys,
         client_timeout_s=settings.client_timeout_s,
+        access_log=settings.access_log,
+        sessions=sessions,
     )
     if tracing.STATE.enabled:  # outside the edge: its refusals carry a traceparent too
         app.add_middleware(TraceHeaders)

@@ -1,6 +1,7 @@
-"""The edge: API keys, the body-size limit, client deadlines and per-route request metrics
-(ASGI middleware). The deadline and bound on a request's headers come earlier, in the
-uvicorn protocol of :mod:`gateway.protocol`, which marks what it refuses here."""
+"""The edge: API keys (and operator sessions), the body-size limit, client deadlines,
+per-route request metrics and the access log (ASGI middleware). The deadline and bound
+on a request's headers come earlier, in the uvicorn protocol of :mod:`gateway.protocol`,
+which marks what it refuses here."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from urllib.parse import quote
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.protocol import HEADERS_TOO_LARGE
+from gateway.sessions import LOGIN_URL, LOGOUT_URL, SESSION, Sessions, operator_page
 from runtime.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines
 
 logger = logging.getLogger(__name__)
+access = logging.getLogger("gateway.access")
+"""One INFO line per answered request (:func:`log_access`); ``CONVEYOR_ACCESS_LOG=false``
+turns it off."""
 
 HTTP_REQUESTS = Family(
     "conveyor_http_requests_total",
@@ -59,6 +65,9 @@ class RequestMetrics:
         return out.text()
 
 
+OTHER = "other"
+"""The ``route`` label of a request no route matched."""
+
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 """Paths answered without an API key (probes)."""
 
@@ -86,6 +95,26 @@ def key_matches(presented: bytes, keys: Sequence[bytes]) -> bool:
     return found
 
 
+def log_access(
+    scope: Scope, route: str, status: int, seconds: float, headers: Iterable[tuple[bytes, bytes]]
+) -> None:
+    """Write a request's access line: method, route (its template where one matched, else
+    its path, escaped where it holds anything unprintable), status, milliseconds and the
+    request id the answer carries (``X-Request-Id``; ``-`` where it has none), also as
+    ``extra`` fields (``method``, ``route``, ``status``, ``ms``, ``request_id``) for the
+    JSON log. The caller checks that the line is wanted."""
+    if not route.isprintable():
+        route = ascii(route)
+    request_id = None
+    for name, value in headers:
+        if name == b"x-request-id":
+            request_id = value.decode("latin-1")
+    ms = round(seconds * 1000, 3)
+    method = scope["method"]
+    extra = {"method": method, "route": route, "status": status, "ms": ms, "request_id": request_id}
+    access.info("%s %s %d %.1fms %s", method, route, status, ms, request_id or "-", extra=extra)
+
+
 class EdgeMiddleware:
     """API keys (401), the body limit (413), the body deadline (408) and request metrics,
     before the app runs.
@@ -98,6 +127,10 @@ class EdgeMiddleware:
     ``api_keys`` set, every path but the probes needs ``Authorization: Bearer <key>`` or
     ``X-API-Key: <key>``; the request's identity (:func:`identity` of its key, or
     :data:`ANONYMOUS` with keys off) is put in the scope's state as ``principal``.
+    With ``sessions``, the operator pages (:func:`gateway.sessions.operator_page`) also
+    take a valid session cookie instead of a key (identity :data:`~gateway.sessions.SESSION`),
+    ``/login`` and ``/logout`` are open, and a browser asking for an operator page without
+    either (``GET``, ``Accept: text/html``) is sent to ``/login`` (303) instead of a 401.
 
     Args:
         app: the wrapped application.
@@ -107,6 +140,9 @@ class EdgeMiddleware:
             template is known (see :meth:`_label`).
         api_keys: accepted keys; empty: no authentication.
         client_timeout_s: how long a request's body may take to arrive (None: no limit).
+        access_log: write an access line per request (:func:`log_access`) when the
+            ``gateway.access`` logger is enabled for INFO.
+        sessions: checks operator session cookies (None: no sessions).
     """
 
     def __init__(
@@ -117,6 +153,8 @@ class EdgeMiddleware:
         routes: Iterable[str],
         api_keys: Sequence[str] = (),
         client_timeout_s: float | None = None,
+        access_log: bool = True,
+        sessions: Sessions | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
@@ -124,6 +162,8 @@ class EdgeMiddleware:
         self.routes = frozenset(routes)
         self.api_keys = [k.encode() for k in api_keys]
         self.client_timeout_s = client_timeout_s
+        self.access_log = access_log
+        self.sessions = sessions
 
     def _authenticate(self, scope: Scope) -> str | None:
         """The request's identity, or None when it needs a key and has no valid one."""
@@ -142,9 +182,28 @@ class EdgeMiddleware:
         if one and key_matches(one, self.api_keys):
             return identity(one)
         # Browsers send CORS preflights (OPTIONS) without credentials; they carry no work.
-        if scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        path = scope["path"]
+        if path in OPEN_PATHS or scope["method"] == "OPTIONS":
             return ANONYMOUS
+        sessions = self.sessions
+        if sessions is not None:
+            if path in (LOGIN_URL, LOGOUT_URL):
+                return ANONYMOUS
+            # A cookie stands in for a key, never beside a wrong one.
+            if not presented and operator_page(path) and sessions.in_headers(scope["headers"]):
+                return SESSION
         return None
+
+    def _to_login(self, scope: Scope) -> bytes | None:
+        """Where a browser asking for an operator page without credentials is sent (the
+        login form, coming back to the page), or None: a 401 instead."""
+        path = scope["path"]
+        if self.sessions is None or scope["method"] != "GET" or not operator_page(path):
+            return None
+        accept = dict(scope["headers"]).get(b"accept", b"")
+        if b"text/html" not in accept:
+            return None
+        return f"{LOGIN_URL}?next={quote(path, safe='/')}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -152,17 +211,19 @@ class EdgeMiddleware:
             return
         started = time.perf_counter()
         status = 500
+        answered: Iterable[tuple[bytes, bytes]] = ()
         refused = responding = body_done = False
         loop = asyncio.get_running_loop()
         timeout = self.client_timeout_s
         body_deadline = None if timeout is None else loop.time() + timeout
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status, responding
+            nonlocal status, responding, answered
             if refused:  # the 413 or 408 is already out; drop what the app says after it
                 return
             if message["type"] == "http.response.start":
                 status, responding = message["status"], True
+                answered = message.get("headers", ())
             await send(message)
 
         seen = 0
@@ -200,6 +261,11 @@ class EdgeMiddleware:
                 return
             who = self._authenticate(scope)
             if who is None:
+                login = self._to_login(scope)
+                if login is not None:
+                    status = 303
+                    await _send_json(send, 303, {"detail": "log in"}, [(b"location", login)])
+                    return
                 status = 401
                 challenge = [(b"www-authenticate", b"Bearer")]
                 await _send_json(send, 401, {"detail": "a valid API key is required"}, challenge)
@@ -225,7 +291,12 @@ class EdgeMiddleware:
                 if not responding and not refused:
                     await _send_json(send, 500, {"detail": "internal error"}, [])
         finally:
-            self.metrics.observe(self._label(scope), status, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            label = self._label(scope)
+            self.metrics.observe(label, status, seconds)
+            if self.access_log and access.isEnabledFor(logging.INFO):
+                route = scope["path"] if label == OTHER else label
+                log_access(scope, route, status, seconds, answered)
 
     def _label(self, scope: Scope) -> str:
         """A request's ``route`` label: the template of the route that answered it
@@ -238,7 +309,7 @@ class EdgeMiddleware:
         if isinstance(template, str):
             return template
         path: str = scope["path"]
-        return path if path in self.routes else "other"
+        return path if path in self.routes else OTHER
 
     async def _too_large(self, send: Send) -> None:
         detail = f"request body is larger than {self.max_body_bytes} bytes"

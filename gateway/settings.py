@@ -27,7 +27,8 @@ class GatewaySettings(CommonSettings):
             this fraction of its deadline (the rest absorbs run-time jitter; 1: none).
         reply_block_ms: how long one read of the reply stream blocks.
         api_keys: comma-separated keys; when set, every route but /healthz and /readyz
-            needs one (``Authorization: Bearer <key>`` or ``X-API-Key``), else 401.
+            needs one (``Authorization: Bearer <key>`` or ``X-API-Key``), else 401; the
+            operator pages also take the cookie ``POST /login`` sets for a key.
         cors_origins: comma-separated origins allowed by CORS; empty: CORS off.
         client_timeout_s: a client must send a request's headers within this long of
             opening the connection (or of starting the request), and its body within this
@@ -44,6 +45,10 @@ class GatewaySettings(CommonSettings):
             stops taking requests (each new one gets 503 + Retry-After) and gives those
             in flight this long to be answered (one still waiting then gets a JSON 504);
             then its port closes (:meth:`Gateway.drain <gateway.service.Gateway.drain>`).
+        access_log: one INFO line per request on the ``gateway.access`` logger (method,
+            route, status, milliseconds, request id); false: none.
+        session_ttl_s: with API keys on, how long the cookie ``POST /login`` sets opens
+            the operator pages (:mod:`gateway.sessions`).
     """
 
     host: str = "127.0.0.1"
@@ -64,6 +69,8 @@ class GatewaySettings(CommonSettings):
     max_header_bytes: int = Field(default=65_536, ge=1024)
     gateways: int = Field(default=1, ge=1, le=256)
     drain_s: float = Field(default=10.0, ge=0, le=3600, allow_inf_nan=False)
+    access_log: bool = True
+    session_ttl_s: float = Field(default=28_800.0, ge=60, le=2_592_000, allow_inf_nan=False)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -1,0 +1,129 @@
+"""The access log (gateway/edge.py): one INFO line per request on ``gateway.access``, with
+its method, route template, status, milliseconds and request id, as text and as JSON
+keys; ``CONVEYOR_ACCESS_LOG=false`` writes none."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers import Doubler, GatewayProcess, Harness, number_stage
+
+ACCESS = "gateway.access"
+PLAIN = {"Content-Type": "application/json"}  # a plain sync call: the hot path takes it
+ROUTE = {"Content-Type": "application/vnd.test+json"}  # JSON to FastAPI, not to the hot path
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The access lines captured so far."""
+    return [r for r in caplog.records if r.name == ACCESS]
+
+
+def fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The structured fields of an access line."""
+    return {k: getattr(record, k) for k in ("method", "route", "status", "ms", "request_id")}
+
+
+async def test_one_line_per_request_with_route_status_ms_and_request_id(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    stage = number_stage(batch_wait_ms=0)
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    harness.run(worker)
+    http = await harness.gateway([stage])
+
+    fast = await http.post("/v1/double", content=b'{"value": 3}', headers=PLAIN)
+    routed = await http.post("/v1/double", content=b'{"value": 4}', headers=ROUTE)
+    invalid = await http.post("/v1/double", json={"value": "x"})
+    missing = await http.get("/v1/jobs/no-such-job")
+    unrouted = await http.get("/nowhere/%0A")  # the path the app sees holds a newline
+    assert [r.status_code for r in (fast, routed, invalid, missing, unrouted)] == [
+        200,
+        200,
+        422,
+        404,
+        404,
+    ]
+
+    records = lines(caplog)
+    assert len(records) == 5
+    got = [fields(r) for r in records]
+    assert [(f["method"], f["route"], f["status"]) for f in got] == [
+        ("POST", "/v1/double", 200),
+        ("POST", "/v1/double", 200),
+        ("POST", "/v1/double", 422),
+        ("GET", "/v1/jobs/{job_id}", 404),  # the template, not the path
+        ("GET", "'/nowhere/\\n'", 404),  # no template: the path, escaped
+    ]
+    assert [f["request_id"] for f in got] == [
+        fast.headers["x-request-id"],
+        routed.headers["x-request-id"],
+        None,
+        None,
+        None,
+    ]
+    assert all(isinstance(f["ms"], float) and 0 <= f["ms"] < 60_000 for f in got)
+    assert all(r.levelno == logging.INFO for r in records)
+    first = records[0].getMessage()
+    assert first.startswith("POST /v1/double 200 ")
+    assert first.endswith(f"ms {fast.headers['x-request-id']}")
+    assert records[2].getMessage().endswith("ms -")
+
+
+async def test_refusals_at_the_edge_are_logged_too(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    http = await harness.gateway([number_stage()], api_keys=["k1"], max_body_bytes=100)
+    assert (await http.post("/v1/double", json={"value": 1})).status_code == 401
+    big = {"X-API-Key": "k1", **PLAIN}
+    assert (await http.post("/v1/double", content=b"1" * 200, headers=big)).status_code == 413
+    got = [fields(r) for r in lines(caplog)]
+    assert [(f["route"], f["status"]) for f in got] == [("/v1/double", 401), ("/v1/double", 413)]
+
+
+async def test_the_setting_turns_it_off(harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    on = await harness.gateway([number_stage()])
+    off = await harness.gateway([number_stage()], access_log=False)
+    for http in (off, on):
+        assert (await http.get("/healthz")).status_code == 200
+        assert (await http.post("/v1/double", json={"value": "x"})).status_code == 422
+    got = [fields(r) for r in lines(caplog)]  # the second gateway's only
+    assert [(f["route"], f["status"]) for f in got] == [("/healthz", 200), ("/v1/double", 422)]
+
+
+def test_json_lines_carry_the_fields_as_keys(redis_url: str, tmp_path: Path) -> None:
+    log = tmp_path / "gateway.log"
+    with GatewayProcess(
+        redis_url, log, CONVEYOR_LOG_FORMAT="json", CONVEYOR_PIPELINES="chain"
+    ) as gw:
+        job = httpx.post(f"{gw.base}/v1/jobs/chain", json={"value": 1}, timeout=10)
+        assert job.status_code == 202
+        assert httpx.get(f"{gw.base}/v1/jobs/nope", timeout=10).status_code == 404
+    access = [
+        line for line in map(json.loads, log.read_text().splitlines()) if line["logger"] == ACCESS
+    ]
+    readyz, submitted, missing = access[-3:]  # after the harness's readiness probes
+    assert readyz["route"] == "/readyz"
+    assert submitted["level"] == "INFO"
+    assert {k: submitted[k] for k in ("method", "route", "status", "request_id")} == {
+        "method": "POST",
+        "route": "/v1/jobs/chain",  # one route per pipeline
+        "status": 202,
+        "request_id": job.headers["x-request-id"],
+    }
+    assert isinstance(submitted["ms"], float)
+    assert submitted["message"].endswith(f"ms {job.headers['x-request-id']}")
+    assert (missing["route"], missing["status"], missing["request_id"]) == (
+        "/v1/jobs/{job_id}",
+        404,
+        None,
+    )
