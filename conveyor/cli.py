@@ -22,6 +22,7 @@ import runpy
 import sys
 from collections.abc import Callable
 from dataclasses import fields
+from importlib import metadata
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -124,9 +125,18 @@ async def _status_async() -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree never installed has none)."""
+    try:
+        return metadata.version("conveyor")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``conveyor`` console script."""
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"conveyor {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="embedded redis (unless CONVEYOR_REDIS_URL), gateway, workers")
     # Unset: the gateway's settings (CONVEYOR_HOST, CONVEYOR_PORT), checked as it checks them.

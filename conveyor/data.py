@@ -45,6 +45,10 @@ LOCK = "up.lock"
 PIDFILE = "redis.pid"
 """Where the embedded Redis writes its pid, in the data folder."""
 
+PORTFILE = "redis.port"
+"""The port the embedded Redis last served on, in the data folder: the next ``up`` there
+takes it again when it is free, so a ``CONVEYOR_REDIS_URL`` written down still reads it."""
+
 GONE_WAIT_S = 10.0
 """How long ``up`` waits for a killed ``up``'s Redis to be gone from its folder."""
 

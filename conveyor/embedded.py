@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conveyor.children import Process, child_options, say, terminate
-from conveyor.data import PIDFILE
+from conveyor.data import PIDFILE, PORTFILE
 from conveyor.restarts import exited
 from pipelines.errors import ConfigError
 
@@ -52,6 +52,47 @@ def free_port(host: str = "127.0.0.1", avoid: int = 0) -> int:
             port: int = sock.getsockname()[1]
         if port != avoid:
             return port
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on ``port`` now (bound as redis-server binds, with
+    SO_REUSEADDR: a port whose last connections linger in TIME_WAIT is free)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def remembered_port(data_dir: Path) -> int | None:
+    """The port the embedded Redis of ``data_dir`` last served on (:data:`PORTFILE`), if
+    one is written there and is a port."""
+    try:
+        port = int((data_dir / PORTFILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return port if 0 < port <= 65535 else None
+
+
+def up_port(data_dir: Path | None, avoid: int) -> tuple[int, str | None]:
+    """The port for ``up``'s embedded Redis: the one its data folder remembers when it is
+    free and not ``avoid``, else a free one; and why the remembered one was not taken
+    (None: it was, or there was none).
+
+    Args:
+        data_dir: its data folder (None: ``--ephemeral``, nothing remembered).
+        avoid: the gateway's port (checked free, not bound yet).
+    """
+    remembered = remembered_port(data_dir) if data_dir is not None else None
+    if remembered is None:
+        return free_port(avoid=avoid), None
+    if remembered != avoid and port_free(remembered):
+        return remembered, None
+    port = free_port(avoid=avoid)
+    taken = "the gateway's" if remembered == avoid else "taken"
+    return port, f"port {remembered}, the last one of {data_dir}, is {taken}; now on {port}"
 
 
 def start_redis(
@@ -135,8 +176,9 @@ def start_redis(
 
 @dataclass
 class UpRedis:
-    """``conveyor up``'s own redis-server, on a free loopback port: on its data folder's
-    append-only file (:mod:`conveyor.data`), or (``--ephemeral``) keeping nothing.
+    """``conveyor up``'s own redis-server, on a loopback port (the one its data folder
+    remembers when free: :func:`up_port`): on its data folder's append-only file
+    (:mod:`conveyor.data`), or (``--ephemeral``) keeping nothing, on a free port.
 
     Attributes:
         data_dir: its data folder (None: ``--ephemeral``).
@@ -150,14 +192,19 @@ class UpRedis:
     _logs: Path | None = None  # an ephemeral one's folder, kept for the log of a failed start
 
     def start(self, avoid: int) -> str:
-        """Start it on a free port other than ``avoid`` (the gateway's: checked free, but
-        bound only once the gateway starts), and say where; its URL.
+        """Start it on the port its data folder remembers if free, else on a free port
+        (saying so), never on ``avoid`` (the gateway's: checked free, but bound only once
+        the gateway starts); remember the port, and say where; its URL.
 
         Raises:
             ConfigError: it did not start.
         """
-        self.port = free_port(avoid=avoid)
+        self.port, moved = up_port(self.data_dir, avoid)
+        if moved is not None:
+            say(f"embedded redis: {moved} (update a CONVEYOR_REDIS_URL written down)")
         self._run()
+        if self.data_dir is not None:
+            (self.data_dir / PORTFILE).write_text(f"{self.port}\n")
         url = f"redis://127.0.0.1:{self.port}/0"
         kept = (
             f"its data in {self.data_dir} (append-only file: what it accepted is kept "

@@ -21,7 +21,7 @@ from pipelines.stages import Stage
 from runtime.logs import adopt_library_loggers
 from workers.models.buckets import Bucketed, CannotCapture, summary
 from workers.settings import WorkerSettings
-from workers.threads import resolved_device, torch_threads
+from workers.threads import resolved_device, runner_device, torch_threads
 
 logger = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
@@ -81,10 +81,21 @@ def accepted(factory: Callable[..., Any], offered: dict[str, Any]) -> dict[str, 
     return {k: v for k, v in offered.items() if k in names}
 
 
+def _names_device(factory: Callable[..., Any]) -> bool:
+    """Whether ``factory``'s signature names a ``device`` parameter (not only ``**``)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    param = params.get("device")
+    return param is not None and param.kind is not inspect.Parameter.VAR_KEYWORD
+
+
 def build_model(stage: Stage, settings: WorkerSettings) -> Model:
     """Load the stage's model once, as the settings ask (runs in a thread).
 
-    The runner is offered ``model``, ``device``, ``dtype`` and ``cache_dir`` and called
+    The runner is offered ``model``, ``device`` (``auto`` already resolved to ``cuda`` or
+    ``cpu``: :func:`~workers.threads.runner_device`), ``dtype`` and ``cache_dir`` and called
     with those its signature takes (:func:`accepted`), and every one of the stage's own
     ``options``.
 
@@ -107,6 +118,11 @@ def build_model(stage: Stage, settings: WorkerSettings) -> Model:
         "dtype": settings.dtype,
         "cache_dir": settings.cache_dir,
     }
+    if "device" in accepted(factory, standard):
+        # torch knows no "auto": a runner gets a device it can hand to `.to(device)`. One
+        # that names `device` loads torch to ask it; one that takes only **options (a toy)
+        # is told only once torch is loaded, so it does not pay for torch for nothing.
+        standard["device"] = runner_device(standard["device"], load_torch=_names_device(factory))
     options = accepted(factory, standard) | dict(stage.options)
     # transformers builds models under a process-wide "meta device" context, which two
     # threads loading at once corrupt; one process may host several stages, so loads queue.
@@ -148,7 +164,8 @@ def prepare_shapes(model: Model, stage: Stage, settings: WorkerSettings) -> None
     """Give the model its shape buckets, capture a CUDA graph per bucket where asked, and
     run each bucket once, logging a line for each (runs in the model thread, at load: the
     worker joins its group after it, so no request meets a cold shape). A model without
-    buckets (:class:`~workers.models.buckets.Bucketed`) is left as it is.
+    buckets (:class:`~workers.models.buckets.Bucketed`) runs its ``warm_paths(max_items)``
+    where it has one (a generator's: greedy, sampled, streamed), else is left as it is.
 
     Graphs that cannot be captured never stop the worker: one line says why, and the
     model runs eager (:mod:`workers.models.graphs`).
@@ -159,12 +176,21 @@ def prepare_shapes(model: Model, stage: Stage, settings: WorkerSettings) -> None
         settings: the worker's settings (``buckets`` over the stage's, ``cuda_graphs``,
             ``warmup``, ``max_batch_size``).
     """
+    max_items = settings.max_batch_size or stage.max_batch_size
     if not isinstance(model, Bucketed):
         if settings.cuda_graphs:
             logger.info("stage %s: no CUDA graphs: its runner has no shape buckets", stage.name)
+        warm = getattr(model, "warm_paths", None)
+        if settings.warmup and callable(warm):
+            # A model without buckets (one that generates) runs each of its paths once
+            # instead: the first request would pay for them otherwise (torch's first
+            # call of each kernel, the tokenizer's, the sampler's).
+            started = time.perf_counter()
+            warm(max_items)
+            took = time.perf_counter() - started
+            logger.info("stage %s: every generation path warmed in %.2fs", stage.name, took)
         return
     enabled = stage.buckets if settings.buckets is None else settings.buckets
-    max_items = settings.max_batch_size or stage.max_batch_size
     buckets = model.use_buckets(enabled, max_items, stage.bucket_lengths)
     if settings.cuda_graphs:
         _capture_graphs(model, stage)

@@ -11,6 +11,8 @@ every dead letter a worker writes (past the cap, undecodable, refused by a publi
   it was on the model for) is dead-lettered instead of running again; its client is told
   at once. So is an entry that does not decode, and one whose publish Redis refuses.
 - The stream is trimmed below the oldest entry still pending or not yet delivered.
+- A gone worker's consumer (no heartbeat, nothing delivered for ``prune_gone_s``) is
+  removed from the stage's groups once it holds nothing pending (:mod:`workers.prune`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from runtime.exits import progressed
 from runtime.redisio import REDIS_DOWN, RedisClock, group_missing, text
 from runtime.stats import CHARGED
 from workers.claims import Lease, claim_idle, deliveries, own_pending, touch, trim
+from workers.prune import prune_gone
 from workers.route import Router
 from workers.settings import WorkerSettings
 from workers.values import Claimed, Due, Entry, Letter, Outbox, Settled, by_stream
@@ -115,23 +118,28 @@ class Recovery:
         self._reclaim = Every(settings.reclaim_interval_ms / 1000)
         self._own = Every(math.inf)  # this consumer's own pending: at the first reclaim only
         self._touch = Every(settings.min_idle_ms / 3000)  # the queued suspects
+        self._prune = Every(min(settings.prune_gone_s / 2, 60.0))  # gone workers' consumers
         self.keys = router.keys
         self.claim_count = claim_count
         self._suspects: deque[list[Entry]] = deque()  # batches to run again, in order
         self._suspect_running = False
 
     async def next(self) -> Due:
-        """Do the duties now due: trim; when no suspect is queued, reclaim (the first time,
-        take back this consumer's own pending first) and sort out what came back
-        (:mod:`workers.claims`). Then the next suspects, to run as one batch (its end
-        reported with :meth:`suspect_done`), unless suspects are running: read new
-        entries; with the entries past the delivery cap, dead-lettered, for the worker
-        to publish, and the entries taken back that were only waiting, to run as an
-        ordinary batch."""
+        """Do the duties now due: trim; remove gone workers' consumers; when no suspect
+        is queued, reclaim (the first time, take back this consumer's own pending first)
+        and sort out what came back (:mod:`workers.claims`). Then the next suspects, to
+        run as one batch (its end reported with :meth:`suspect_done`), unless suspects
+        are running: read new entries; with the entries past the delivery cap,
+        dead-lettered, for the worker to publish, and the entries taken back that were
+        only waiting, to run as an ordinary batch."""
         now = time.monotonic()
         if self._trim.due(now):
             for stream in self.streams:
                 await trim(self.client, stream)
+        if self._prune.due(now):
+            gone_s = self.settings.prune_gone_s
+            stage, streams = self.router.stage, self.streams
+            await prune_gone(self.client, self.keys, stage, streams, self.consumer, gone_s)
         settled: Settled | None = None
         waiting: list[Entry] = []
         if not self._suspects and self._reclaim.due(now):

@@ -82,6 +82,11 @@ class WorkerSettings(CommonSettings):
             delivery: its first read, and each crash of a worker while it was on the
             model, :mod:`workers.claims`).
         trim_interval_s: how often a worker trims its stage stream (done work only).
+        prune_gone_s: a consumer of the stage's groups with no live heartbeat and nothing
+            delivered this long is a gone worker's: a live worker removes it (once it
+            holds nothing pending; its entries are reclaimed first), so ``conveyor
+            status`` and ``/status`` stop listing it; looked for every half of it, at
+            most every minute (:mod:`workers.prune`).
         alive_file: a file the worker's loop touches each time it comes round, for a
             liveness probe (:mod:`workers.alive`); unset: none.
         alive_stale_s: the worker's heartbeat in Redis (what ``/metrics``, ``/status``
@@ -133,6 +138,7 @@ class WorkerSettings(CommonSettings):
     reclaim_interval_ms: int = Field(default=2_000, ge=10)
     max_deliveries: int = Field(default=3, ge=1)
     trim_interval_s: float = Field(default=10.0, gt=0)
+    prune_gone_s: float = Field(default=3600.0, gt=0, le=30 * 86_400, allow_inf_nan=False)
     alive_file: str | None = Field(default=None, min_length=1)
     alive_stale_s: float = Field(default=30.0, ge=0.3, le=86_400, allow_inf_nan=False)
     hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)

@@ -9,7 +9,7 @@ In order, the first that says wins:
 3. on ``cuda``: ``CONVEYOR_CUDA_THREADS`` (1). The model's work runs on the device; the
    host only launches kernels and waits, and more threads only spin: on a 16-core H100 host
    a MiniLM batch of 32 took 114 ms of CPU for 13 ms of wall time at torch's default of 16,
-   and a mixed-length batch 98 ms against 20 ms at 1 (issue 24);
+   and a mixed-length batch 98 ms against 20 ms at 1;
 4. on ``cpu``: the cores the process may use divided among the model processes sharing
    them, at least 1 (``up`` knows both); a process that knows neither (a bare worker, the
    bench in-process) keeps torch's default, the host's cores.
@@ -17,6 +17,8 @@ In order, the first that says wins:
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 
 CUDA_THREADS = 1
@@ -74,3 +76,25 @@ def resolved_device(spec: str, model: object = None) -> str:
         return spec
     torch = sys.modules.get("torch")
     return "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+
+
+def runner_device(spec: str, *, load_torch: bool) -> str:
+    """The device a runner is offered: ``spec`` with ``auto`` resolved (``cuda`` when torch
+    is installed and sees a GPU, else ``cpu``), so that a user's runner can pass it
+    straight to ``.to(device)`` (torch knows no ``auto``).
+
+    Args:
+        spec: the device setting (``auto``, ``cpu``, ``cuda``, ``cuda:N``).
+        load_torch: import torch to ask it, where it is installed and not loaded yet (a
+            runner that names ``device`` will use it); else ``auto`` stays ``auto`` until
+            torch is loaded (a runner taking only ``**options`` may never need it).
+    """
+    if spec != "auto":
+        return spec
+    if "torch" not in sys.modules:
+        if not load_torch:
+            return spec
+        if importlib.util.find_spec("torch") is None:
+            return "cpu"  # without torch, no GPU this process could drive
+        importlib.import_module("torch")
+    return resolved_device(spec)
