@@ -67,7 +67,8 @@ class UnknownPipeline(ErrorBody):
 
 
 class Readiness(BaseModel):
-    """``/readyz``: ``ready``, or (503) ``redis unreachable``."""
+    """``/readyz``: ``ready``, or (503) why not: ``redis unreachable: <what Redis or
+    the connection said>``, ``draining``, ``misconfigured``."""
 
     status: str
 

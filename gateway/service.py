@@ -32,6 +32,7 @@ from pipelines.errors import (
     InvalidInput,
     NotFound,
     Unavailable,
+    one_line,
 )
 from pipelines.graph import Pipeline
 from pipelines.keys import Lane
@@ -173,17 +174,21 @@ class Gateway:
             return self.settings.default_timeout_s
         return min(asked, self.settings.max_timeout_s)
 
-    async def ready(self) -> bool:
-        """Whether Redis answers (a stage with no worker is not a readiness failure),
-        this gateway is configured as the namespace is, and it is not draining."""
-        if self.misconfigured is not None or self.draining:
-            return False
+    async def unready(self) -> str | None:
+        """Why this gateway is not ready, or None: Redis answers (a stage with no worker
+        is not a readiness failure), it is configured as the namespace is, and it is not
+        draining. What Redis said is said (``LOADING``, ``MISCONF``, a refused connection)."""
+        if self.misconfigured is not None:
+            return "misconfigured"
+        if self.draining:
+            return "draining"
         try:
-            return bool(await self.client.ping())
+            await self.client.ping()
         except SATURATED:
-            return True  # saturated, not down: taking it out of rotation would only spread it
-        except REDIS_DOWN:
-            return False
+            return None  # saturated, not down: taking it out of rotation would only spread it
+        except REDIS_DOWN as exc:
+            return f"redis unreachable: {one_line(exc)}"
+        return None
 
     async def enqueue(
         self,

@@ -40,9 +40,10 @@ def add_ops_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
     )
     async def readyz() -> Response:
         """Ready to accept work: Redis answers."""
-        if await gw.ready():
+        why = await gw.unready()
+        if why is None:
             return json_response({"status": "ready"})
-        return json_response({"status": "redis unreachable"}, 503, {"Retry-After": "1"})
+        return json_response({"status": why}, 503, {"Retry-After": "1"})
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse, responses=declared(edge))
     async def metrics() -> PlainTextResponse:

@@ -96,7 +96,11 @@ async def test_503_when_redis_is_unreachable(harness: Harness) -> None:
     assert resp.status_code == 503
     assert resp.headers["retry-after"]
     assert "unreachable" in resp.json()["detail"]
-    assert (await http.get("/readyz")).status_code == 503
+    ready = await http.get("/readyz")
+    assert ready.status_code == 503
+    # It says what the connection said, not only that Redis is away.
+    assert ready.json()["status"].startswith("redis unreachable: "), ready.text
+    assert "refused" in ready.json()["status"].lower() or "connect" in ready.text.lower()
     assert (await http.get("/healthz")).status_code == 200
 
 
