@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -76,6 +76,14 @@ _SEED = (
     "When sampling, the seed of this request's own random source: the same request with the "
     "same seed gets the same text, whatever else runs beside it."
 )
+_STOP = (
+    "The text ends before the first occurrence of any of these strings (which it does not "
+    "include; `finish_reason` is `stop`); a stream never shows one."
+)
+MAX_STOPS = 4
+"""The most stop strings one request may give (OpenAI's bound)."""
+StopString = Annotated[str, Field(min_length=1, max_length=200)]
+"""One stop string."""
 
 
 class GenerateIn(TextIn):
@@ -89,7 +97,8 @@ class GenerateIn(TextIn):
         min_length=1,
         max_length=256,
         description="A chat: the prompt is these messages rendered by the model's chat "
-        "template (then `text` is not read); refused where the tokenizer has none.",
+        "template (then `text` is not read); where the tokenizer has none, as `role: "
+        "content` lines ending in `assistant:`.",
     )
     usage: bool = Field(
         default=False,
@@ -99,6 +108,9 @@ class GenerateIn(TextIn):
     temperature: float | None = Field(default=None, ge=0, le=2, description=_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1, description=_TOP_P)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description=_SEED)
+    stop: list[StopString] | None = Field(
+        default=None, min_length=1, max_length=MAX_STOPS, description=_STOP
+    )
 
 
 class AnyIn(BaseModel):

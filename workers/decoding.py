@@ -136,14 +136,15 @@ class Decoding:
                 break
             # The step runs in the model thread while this one reads what came.
             stepping = asyncio.ensure_future(self._advance()) if self.running else None
-            came = True
+            came, arriving = True, False
             try:
-                free = self.slots - len(self.running) - len(self.waiting)
-                if reading and not self.suspects and free > 0:
+                if self._reading(reading):
                     block = parts.settings.block_ms if idle and not burst else None
-                    came = await self._read(free, block)
+                    came = arriving = await self._read(self._free(), block)
             finally:
                 ended = await stepping if stepping is not None else []
+            if arriving and stepping is not None:
+                await self._burst(reading)
             if idle and not came:
                 await parts.flush()  # idle: what the batches counted goes out
             if idle and burst and not came and not self.waiting:
@@ -156,6 +157,29 @@ class Decoding:
         return published
 
     # -- reading -------------------------------------------------------------------
+
+    def _free(self) -> int:
+        """Slots neither running nor promised to a waiting request."""
+        return self.slots - len(self.running) - len(self.waiting)
+
+    def _reading(self, reading: bool) -> bool:
+        """Whether to read now: still serving, no suspect running alone, a slot free."""
+        return reading and not self.suspects and self._free() > 0
+
+    async def _burst(self, reading: bool) -> None:
+        """Requests came while the step ran: clients that sent together may still be
+        arriving. Read on while they come, for at most the stage's batch window in all
+        (it does not restart with each arrival), so that they join in one prefill, one
+        forward for all, instead of one prefill each step. The running generations wait
+        that long at most, and only when a burst comes."""
+        close_at = time.monotonic() + self.parts.window.wait_s
+        while self._reading(reading):
+            left_ms = int((close_at - time.monotonic()) * 1000)
+            # A BLOCK of 0 would wait for ever: a window closed is a non-blocking look.
+            if not await self._read(self._free(), left_ms if left_ms > 0 else None):
+                return
+            if left_ms <= 0:
+                return
 
     async def _read(self, free: int, block_ms: int | None) -> bool:
         """Read and open up to ``free`` entries (reclaimed ones first); whether any came."""

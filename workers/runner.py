@@ -125,6 +125,7 @@ class Runner:
         self.host = ThreadPoolExecutor(2, thread_name_prefix=f"host-{stage.name}")
         self._shared = False
         self._shaped = False  # buckets set and warmed (prepare_shapes), once
+        self._warm: Decoder | None = None  # the decoder warmed at load, for the first loop
         self._closed = False
         # The workers of a stage's partitions share a runner and start together: the
         # model is built once, by the first; the others wait for it.
@@ -170,6 +171,7 @@ class Runner:
                 shaping = (self.model, self.stage, self.settings)
                 await self._in(self.thread.executor, prepare_shapes, *shaping)
                 self._shaped = True
+                self._warm = await self._decoder(warm=self.settings.warmup)
 
     @asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
@@ -305,17 +307,31 @@ class Runner:
     async def decoder(self) -> Decoder | None:
         """The model's running batch for continuous decoding (:mod:`workers.decoding`),
         made in the model thread, where the settings ask for it and the model offers
-        one (a ``continuous_decoder(budget)`` method); else None: it runs in batches."""
+        one (a ``continuous_decoder(budget)`` method); else None: it runs in batches.
+        The first is the one :meth:`load` made and warmed; each worker of a shared
+        runner (a partition's) gets one of its own."""
+        warm, self._warm = self._warm, None
+        return warm if warm is not None else await self._decoder(warm=False)
+
+    async def _decoder(self, *, warm: bool) -> Decoder | None:
+        """A new running batch (see :meth:`decoder`); with ``warm``, every path a request
+        can take has run once on it (:meth:`~workers.models.decoder.Decoder.warm_up`)."""
         make = getattr(self.model, "continuous_decoder", None)
         if self.settings.decoding != "continuous" or not callable(make):
             return None
         budget = self.settings.decode_token_budget
         try:
-            made = await self._in(self.thread.executor, make, budget)
+            made = cast("Decoder | None", await self._in(self.thread.executor, make, budget))
+            if made is not None and warm:
+                rows = self.settings.max_batch_size or self.stage.max_batch_size
+                started = time.perf_counter()
+                await self._in(self.thread.executor, made.warm_up, rows)
+                took = time.perf_counter() - started
+                logger.info("stage %s: continuous decoding warmed in %.2fs", self.stage.name, took)
         except Exception:  # batches still serve it: said, not fatal
             logger.exception("stage %s: no continuous decoding; batches serve it", self.stage.name)
             return None
-        return cast("Decoder | None", made)
+        return made
 
     async def in_model(
         self, phase: str, size: int, deadline: float, fn: Callable[..., T], *args: Any

@@ -25,6 +25,7 @@ from pipelines.stages import BUILTIN
 from runtime.jobs import mark_cancelled
 from tests.helpers import REPO, Harness, beating, died_running, read_sse, until
 from workers.loop import Worker
+from workers.models import decoder as decoder_module
 from workers.models.decoder import Decoder, Generation
 from workers.models.hf import Generator
 
@@ -64,6 +65,15 @@ def test_greedy_output_is_the_prompt_decoded_alone_whoever_joins_and_leaves(
     assert widest > 1  # they did run side by side
     assert [s.ids for s in generations] == alone
     assert all(s.reason in {"stop", "length"} for s in generations)
+
+
+def test_a_cache_grown_in_blocks_decodes_as_alone_too(
+    generator: Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tiny model's cache is below the size that grows in blocks: made to, here, and
+    # its 150-token generations cross several blocks.
+    monkeypatch.setattr(decoder_module, "BLOCKS_FROM", 0)
+    test_greedy_output_is_the_prompt_decoded_alone_whoever_joins_and_leaves(generator)
 
 
 def test_a_rotary_model_decodes_as_alone_too(generator: Generator, tmp_path: Path) -> None:

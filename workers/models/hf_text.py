@@ -21,11 +21,18 @@ from pipelines.model import Item, Result, check_deadline
 from workers.models.decoder import Decoder, supports
 from workers.models.hf_base import item_texts
 from workers.models.hf_generate import GenerateRunner, InTime, RowStreamer, check_range
+from workers.models.stops import cut, held, stops_of
 
 logger = logging.getLogger(__name__)
 
 SAMPLING = ("temperature", "top_p", "seed")
 """An item's own sampling fields (:meth:`Generator.sampling_of`)."""
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""The chat template of a tokenizer that has none: a ``role: content`` line a message,
+then ``assistant:``."""
 
 
 class Summarizer(GenerateRunner):
@@ -93,7 +100,8 @@ class Generator(GenerateRunner):
     the batch generates once up to the largest and each row is cut to its own limit (and at
     its first end-of-sequence). Result per item: ``{"generated_text": str}``, the new text
     only, without the prompt. An item with ``messages`` is a chat: its prompt is the
-    messages rendered by the chat template. An item with ``usage`` true also gets
+    messages rendered by the chat template. An item with ``stop`` strings ends before the
+    first of them (:mod:`workers.models.stops`). An item with ``usage`` true also gets
     ``prompt_tokens``, ``completion_tokens`` (counted by the tokenizer) and
     ``finish_reason`` (``length``: cut at its limit; else ``stop``).
 
@@ -103,8 +111,8 @@ class Generator(GenerateRunner):
         do_sample: sample instead of greedy decoding.
         temperature: sampling temperature (only with ``do_sample``).
         top_p: nucleus sampling mass (only with ``do_sample``).
-        chat_template: a Jinja chat template for ``messages`` (None: the tokenizer's own;
-            a chat item is refused where neither exists).
+        chat_template: a Jinja chat template for ``messages`` (None: the tokenizer's own,
+            else :data:`DEFAULT_CHAT_TEMPLATE`).
         load: how to load the model (:class:`~workers.models.hf_base.LoadOptions`), such
             as ``model="tiny:generate"``; prompts longer than ``max_length`` keep their end.
     """
@@ -126,7 +134,9 @@ class Generator(GenerateRunner):
         check_range("max_new_tokens", max_new_tokens, 1, limit)
         super().__init__(max_new_tokens, **load)
         self.max_new_tokens_limit = max_new_tokens_limit
-        self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.chat_template: str = (
+            chat_template or getattr(self.tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        )
         self.do_sample = do_sample
         self.sampling: dict[str, float | bool] = {"do_sample": do_sample}
         if do_sample:
@@ -243,19 +253,14 @@ class Generator(GenerateRunner):
         """Each item's prompt: its text, or its ``messages`` through the chat template.
 
         Raises:
-            InvalidInput: an item has messages and the model no chat template, or its
-                template refuses them (its ``raise_exception``: a role, an order).
+            InvalidInput: the chat template refuses an item's messages (its
+                ``raise_exception``: a role, an order).
         """
         texts = item_texts(items)
         for index, item in enumerate(items):
             messages = item.get("messages")
             if messages is None:
                 continue
-            if self.chat_template is None:
-                raise InvalidInput(
-                    f"item {index}: this model's tokenizer has no chat template; send a "
-                    "plain prompt, or give the runner a chat_template option"
-                )
             # transformers renders a template with jinja2 (its chat-template extra) and
             # cannot without it; imported here, plain prompts need none.
             from jinja2 import TemplateError, TemplateSyntaxError
@@ -298,7 +303,8 @@ class Generator(GenerateRunner):
         """
         if not items:
             return []
-        if any(item.get(k) is not None for item in items for k in SAMPLING):
+        if any(item.get(k) is not None for item in items for k in (*SAMPLING, "stop")):
+            # An item's own sampling or stop strings: generate() takes one of each a batch.
             return self._decoded(items, on_tokens)
         limits = self.limits(items)
         budget = max(limits)
@@ -337,9 +343,10 @@ class Generator(GenerateRunner):
     def _decoded(
         self, items: list[Item], on_tokens: Callable[[int, list[int]], None] | None
     ) -> list[list[int]]:
-        """:meth:`generate_ids` for a batch where an item picks its own sampling
-        (``generate`` takes one setting a batch): the items decoded together, each from
-        its own random source, as continuous batching decodes them."""
+        """:meth:`generate_ids` for a batch where an item picks its own sampling or stop
+        strings (``generate`` takes one setting a batch): the items decoded together, each
+        from its own random source and leaving at its stop, as continuous batching
+        decodes them."""
         decoder = Decoder(self, budget=sys.maxsize)
         generations = []
         for opened in decoder.open(items):
@@ -378,14 +385,15 @@ class Generator(GenerateRunner):
         counted = dict(zip(asked, self._prompt_tokens(prompts), strict=True))
         limits = self.limits(items) if asked else []
         for index, ids in enumerate(rows):
-            result: Result = {
-                "generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)
-            }
+            text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            text, stopped = cut(text, stops_of(items[index]))
+            result: Result = {"generated_text": text}
             if index in counted:
                 result["prompt_tokens"] = counted[index]
                 result["completion_tokens"] = len(ids)
                 # At its limit: cut, not ended (the model chose no end-of-sequence).
-                result["finish_reason"] = "length" if len(ids) >= limits[index] else "stop"
+                cut_short = len(ids) >= limits[index] and not stopped
+                result["finish_reason"] = "length" if cut_short else "stop"
             results.append(result)
         return results
 
@@ -407,10 +415,30 @@ class Generator(GenerateRunner):
         a token that only completes a character with the next one is never cut in half. A
         byte-level tokenizer (GPT-2's) decodes half a character as U+FFFD, which the next
         token turns into the character: a trailing U+FFFD is held back until then, so what
-        was emitted is always the start of what comes next.
+        was emitted is always the start of what comes next. So is what could still become
+        a stop string (:func:`~workers.models.stops.held`); the result has the rest.
         """
+        stops = [stops_of(item) for item in items]
 
         def on_tokens(index: int, ids: list[int]) -> None:
-            emit(index, self.text_so_far(ids))
+            emit(index, held(self.text_so_far(ids), stops[index]))
 
         return self._results(items, self.generate_ids(items, on_tokens))
+
+    def warm_paths(self, rows: int) -> None:
+        """Run each path a static batch can take once (at load, before the stage says
+        ready: :func:`~workers.build.prepare_shapes`): ``generate`` greedy on one prompt
+        and on ``rows`` of different lengths, streamed, and a batch that samples (its own
+        temperature and top-p: the decoder's path).
+
+        Args:
+            rows: the stage's most items a batch.
+        """
+        words = ["warm", "the", "model", "up", "before", "the", "first", "request", "comes"]
+        items: list[Item] = [
+            {"text": " ".join(words[: 1 + i % len(words)]), "max_new_tokens": 2}
+            for i in range(max(rows, 1))
+        ]
+        self.predict(items[:1])
+        self.predict_stream(items, lambda index, text: None)
+        self.predict([{"text": "warm", "max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9}])

@@ -11,9 +11,9 @@ from fastapi.responses import Response
 
 from gateway.routes.openai.errors import Refused
 from gateway.routes.openai.serving import Asked, count, usage
-from gateway.routes.pipelines import EventStream, Relay, open_stream
-from pipelines.envelope import new_request_id
-from pipelines.errors import ItemFailed
+from gateway.routes.pipelines import EventStream, Relay, open_stream, reply_response
+from pipelines.envelope import Reply, new_request_id
+from pipelines.errors import DeadlineExceeded, ItemFailed
 from pipelines.outcomes import Outcome
 from pipelines.tokens import CHARS_PER_TOKEN, estimate
 
@@ -89,7 +89,9 @@ async def streamed(
     asked: Asked, payload: dict[str, Any], answer: Answer, include_usage: bool
 ) -> Response:
     """``payload`` sent as a streamed request (as ``POST /v1/{name}/stream``), answered as
-    OpenAI's chunks (:func:`_chunks`).
+    OpenAI's chunks (:func:`_chunks`) once its first reply came: a request that fails
+    before any text (the worker refused it, its deadline passed) is answered with its
+    HTTP status and an OpenAI error, and opens no stream.
 
     Args:
         asked: the request it is the one item of.
@@ -99,21 +101,47 @@ async def streamed(
 
     Raises:
         Refused: the pipeline's stage does not stream.
+        ConveyorError: the request failed before its first text.
     """
     pipeline = asked.pipeline
     if not pipeline.entry.stage.streaming:
         raise Refused(f"the model {pipeline.name!r} does not stream", 400, "stream")
     request_id, relay, ended = await open_stream(asked.gw, pipeline, payload, asked.sent)
+    replies = relay.replies()
+    try:
+        first = await anext(replies)
+        if first is None:
+            raise DeadlineExceeded(f"no result within {relay.budget:g}s", request_id=request_id)
+        if first.outcome != "partial" and first.outcome is not Outcome.OK:
+            reply_response(first, request_id)  # raises the error it is
+    except BaseException:
+        ended()
+        raise
     headers = {"X-Request-Id": request_id, "Cache-Control": "no-cache"}
-    return EventStream(_chunks(relay, answer, payload, include_usage), headers=headers, ended=ended)
+    chunks = _chunks(relay, _again(first, replies), answer, payload, include_usage)
+    return EventStream(chunks, headers=headers, ended=ended)
+
+
+async def _again(first: Reply, rest: AsyncIterator[Reply | None]) -> AsyncIterator[Reply | None]:
+    """``first``, then ``rest``."""
+    yield first
+    async for reply in rest:
+        yield reply
 
 
 async def _chunks(
-    relay: Relay, answer: Answer, payload: dict[str, Any], include_usage: bool
+    relay: Relay,
+    replies: AsyncIterator[Reply | None],
+    answer: Answer,
+    payload: dict[str, Any],
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     """OpenAI's chunks: the text as it arrives, a last one with the finish reason (and
-    one with the usage where asked), then ``[DONE]``; an error is a ``data: {"error"}``."""
-    async for reply in relay.replies():
+    one with the usage where asked), then ``[DONE]``; an error is a ``data: {"error"}``.
+    What the result's text holds past what was streamed (a tail held back in case it
+    became a stop string) is sent before the finish reason."""
+    shown = ""
+    async for reply in replies:
         if reply is None:
             body = {"message": f"no result within {relay.budget:g}s", "type": "server_error"}
             yield (
@@ -125,6 +153,7 @@ async def _chunks(
         if reply.outcome == "partial":
             text = reply.result.get("text") if isinstance(reply.result, dict) else None
             if isinstance(text, str) and text:
+                shown += text
                 yield answer.chunk(text, None)
             continue
         if reply.outcome is not Outcome.OK or not isinstance(reply.result, dict):
@@ -138,6 +167,9 @@ async def _chunks(
             yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
             return
         result = reply.result
+        whole = result.get("generated_text")
+        if isinstance(whole, str) and len(whole) > len(shown) and whole.startswith(shown):
+            yield answer.chunk(whole[len(shown) :], None)
         yield answer.chunk("", _finish(result))
         if include_usage:
             text = result.get("generated_text")

@@ -9,7 +9,7 @@ them all.
 """
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
@@ -87,11 +87,14 @@ def served(gw: Gateway, model: str, kind: OpenAIKind) -> Pipeline:
 
 
 def checked(
-    pipeline: Pipeline, payload: dict[str, Any], param: str, text_is: str = ""
+    pipeline: Pipeline,
+    payload: dict[str, Any],
+    param: str,
+    text_is: str = "",
+    params: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``payload`` validated by the pipeline's input model, as ``POST /v1/{name}``
-    validates its body: refused here (400, naming the request field ``param``), not by a
-    worker.
+    validates its body: refused here (400, naming the request field), not by a worker.
 
     Args:
         pipeline: the pipeline the request runs.
@@ -99,12 +102,20 @@ def checked(
         param: the request field it was built from.
         text_is: what the payload's ``text`` is, said after ``param`` where it is wrong
             (none: it is ``param`` itself): the route made it, the client never saw it.
+        params: the request field each other payload field was taken from
+            (``max_new_tokens`` from ``max_tokens``): a wrong one is refused naming that
+            field, as the client spelled it, not ``param``.
     """
     try:
         valid = pipeline.input_model.model_validate(payload)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
+        loc = [str(p) for p in first["loc"]]
+        if loc and params and loc[0] in params:
+            named = params[loc[0]]
+            where = named + "".join(f"[{p}]" for p in loc[1:])  # stop[0]
+            raise Refused(f"{where}: {first['msg']}", 400, named) from None
+        field = ".".join(loc)
         if field == "text":  # built by the route from `param`: no field of the request
             field = text_is
         where = f"{param}: {field}" if field else param

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes' request bodies, and how their fields are read.
 
-``temperature``, ``top_p`` and ``seed`` are the generate stage's own. Fields OpenAI
+``temperature``, ``top_p``, ``seed`` and ``stop`` are the generate stage's own; ``n``
+asks for that many requests. Fields OpenAI
 defines that do not change what is answered (``user``, penalties) are ignored, so
 clients that send them by default still work; those that would change
 the answer's shape are refused by :func:`unsupported`, naming them.
@@ -17,6 +18,8 @@ MAX_INPUTS = 2048
 """The most texts one embeddings (or prompts one completions) request may hold, as OpenAI."""
 DEFAULT_MAX_TOKENS = 16
 """A completion's ``max_tokens`` when the request gives none (OpenAI's default)."""
+MAX_CHOICES = 8
+"""The most choices (``n``) one completion may ask for: each is a request of its own."""
 
 
 class ModelIn(BaseModel):
@@ -60,7 +63,8 @@ class _Decoding(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
 
@@ -78,7 +82,6 @@ class CompletionsIn(_Decoding, _Prompt):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = Field(default=None, ge=1, le=1)
     suffix: str | None = None
-    stop: str | list[str] | None = None
 
 
 class ChatContent(BaseModel):
@@ -108,8 +111,11 @@ class ChatIn(_Decoding, _Chat):
     """``POST /v1/chat/completions``."""
 
     logprobs: bool | None = None
-    stop: str | list[str] | None = None
+    # Tool calling is not served; these are read only to be refused, by name.
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 def texts(value: Any, param: str) -> list[str]:
