@@ -25,7 +25,7 @@ from pipelines.stages import BUILTIN
 from runtime.jobs import mark_cancelled
 from tests.helpers import REPO, Harness, beating, died_running, read_sse, until
 from workers.loop import Worker
-from workers.models import decoder as decoder_module
+from workers.models import blocks
 from workers.models.decoder import Decoder, Generation
 from workers.models.hf import Generator
 
@@ -72,7 +72,7 @@ def test_a_cache_grown_in_blocks_decodes_as_alone_too(
 ) -> None:
     # The tiny model's cache is below the size that grows in blocks: made to, here, and
     # its 150-token generations cross several blocks.
-    monkeypatch.setattr(decoder_module, "BLOCKS_FROM", 0)
+    monkeypatch.setattr(blocks, "BLOCKS_FROM", 0)
     test_greedy_output_is_the_prompt_decoded_alone_whoever_joins_and_leaves(generator)
 
 
