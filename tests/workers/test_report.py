@@ -6,32 +6,46 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from runtime.redisio import RedisClock
 from tests.helpers import Doubler, Harness, number_stage, until
+from workers.contract import Breaches
+from workers.report import Reporter, Summary
+from workers.values import Batch, BatchRecord, Outbox
 
 
-async def test_a_batch_s_counts_are_held_back_until_the_worker_is_idle_or_stops(
+def _batch() -> Batch:
+    record = BatchRecord(size=2, oldest_ms=0, closed_at=0.0, run_s=0.01)
+    return Batch([], record, [0.1, 0.2], Outbox())
+
+
+def test_a_batch_s_counts_are_held_back_and_go_together() -> None:
+    report = Reporter("s", "c", RedisClock(), Summary("s", 0), Breaches("s", "r"), dict, 60)
+    first, _ = report.counts(_batch())
+    assert first["batches"] == 1  # the first goes at once
+    for _ in range(3):  # the next ones, within flush_s, are held back
+        later, gauges = report.counts(_batch())
+        assert "batches" not in later, later
+        assert gauges is None
+    held, _ = report.held()
+    assert held["batches"] == 3
+    assert held["h:batch_size:count"] == 3
+    report.unsent(held)  # a publish of them failed: held again, not lost
+    again, _ = report.held()
+    assert again == held
+    assert report.held() == ({}, None)  # nothing held: nothing to send
+
+
+async def test_a_worker_that_stops_sends_what_it_held_back(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
     stage = number_stage(max_batch_size=2, batch_wait_ms=0)
-    # A read blocks 5 s when nothing comes: the worker is not idle again before that.
-    worker = harness.worker(stage, Doubler(), stats_flush_s=60, block_ms=5000)
+    worker = harness.worker(stage, Doubler(), stats_flush_s=60)
     await worker.start()
     await harness.enqueue("double", [{"value": i} for i in range(6)])
-    running = harness.run(worker)
-
-    async def answered() -> bool:
-        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 6)
-
-    await until(answered, 30)
+    await worker.run(burst=True)  # until nothing is left
     stats = await harness.stats("double")
     assert stats["items:ok"] == 6  # with every publish, under each request's marker
-    # The first batch's counts went at once; the later ones are held back (one write a
-    # flush_s, not one a batch).
-    assert stats["batches"] == 1 < len(worker.history), stats
-    worker.stop()
-    await running
-    stats = await harness.stats("double")
-    assert stats["batches"] == len(worker.history) >= 3  # sent as it stopped
+    assert stats["batches"] == len(worker.history) >= 3  # all of them, as it stopped
     assert stats["h:batch_size:count"] == stats["batches"]
 
 
