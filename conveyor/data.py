@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.exceptions import RedisError
 
@@ -59,11 +60,17 @@ class DataSettings(BaseSettings):
     Attributes:
         data_dir: the data folder (relative: to the folder ``up`` runs in); created if
             missing. Unused with ``--ephemeral`` or ``CONVEYOR_REDIS_URL``.
+        redis_maxmemory_mb: the most memory the embedded Redis holds
+            (``CONVEYOR_REDIS_MAXMEMORY_MB``). At the bound it refuses new writes
+            (``noeviction``: queued work is never evicted), so the gateway answers 503
+            until replies are read and results expire; its data on disk stays bounded
+            with it.
     """
 
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
     data_dir: Path = Path(".conveyor")
+    redis_maxmemory_mb: int = Field(default=1024, ge=16, le=1_048_576)
 
 
 @dataclass

@@ -104,6 +104,7 @@ def start_redis(
     pidfile: Path | None = None,
     cluster: bool = False,
     bound: bool = False,
+    maxmemory_mb: int = 0,
 ) -> subprocess.Popen[bytes]:
     """Start redis-server on 127.0.0.1:``port`` and return once it accepts connections.
 
@@ -119,6 +120,7 @@ def start_redis(
         bound: it dies with this process, however this one ends (``conveyor up``'s:
             see :mod:`conveyor.children`); only for a caller that starts it from a
             thread that lives as long as the process.
+        maxmemory_mb: its ``maxmemory`` (0: none), under ``noeviction``.
 
     Raises:
         ConfigError: it exited or did not accept connections within 20 s.
@@ -131,6 +133,7 @@ def start_redis(
         "save": "",
         "appendonly": "yes" if appendonly else "no",
         "appendfsync": fsync,
+        "maxmemory": f"{maxmemory_mb}mb",
         "maxmemory-policy": "noeviction",
         "protected-mode": "yes",
     }
@@ -182,11 +185,13 @@ class UpRedis:
 
     Attributes:
         data_dir: its data folder (None: ``--ephemeral``).
+        maxmemory_mb: its memory bound (``CONVEYOR_REDIS_MAXMEMORY_MB``).
         port: its port, once started.
         proc: its process, once started.
     """
 
     data_dir: Path | None
+    maxmemory_mb: int = 1024
     port: int = 0
     proc: Process | None = None
     _logs: Path | None = None  # an ephemeral one's folder, kept for the log of a failed start
@@ -227,6 +232,7 @@ class UpRedis:
                 fsync="everysec",  # see conveyor/data.py
                 pidfile=self.data_dir / PIDFILE,
                 bound=True,
+                maxmemory_mb=self.maxmemory_mb,
             )
             return
         # --ephemeral: it persists nothing, so its folder is needed only while it starts
@@ -234,7 +240,7 @@ class UpRedis:
         # when up is killed and can remove nothing.
         workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
         try:
-            self.proc = start_redis(self.port, workdir, bound=True)
+            self.proc = start_redis(self.port, workdir, bound=True, maxmemory_mb=self.maxmemory_mb)
         except ConfigError:
             self._logs = workdir  # kept for its log until up stops
             raise

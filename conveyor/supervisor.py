@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from conveyor.autoscale import Autoscaler, AutoscaleSettings
 from conveyor.children import STOP_GRACE_S, ExitReports, Process, say, terminate
-from conveyor.data import left_over
+from conveyor.data import DataSettings, left_over
 from conveyor.embedded import UpRedis
 from conveyor.parks import Parks
 from conveyor.placement import (
@@ -38,7 +38,7 @@ from conveyor.restarts import (
     count_restart,
     exited,
 )
-from pipelines.settings import CommonSettings
+from pipelines.settings import CommonSettings, load_settings
 from pipelines.stages import Stage
 
 __all__ = ["StopAsked", "Supervisor", "worker_groups"]
@@ -99,7 +99,8 @@ class Supervisor:
         :attr:`data_dir`, unless ``CONVEYOR_REDIS_URL`` is set."""
         if self.env.get("CONVEYOR_REDIS_URL"):
             return
-        self.redis = UpRedis(self.data_dir)  # what a failed start left is removed at stop
+        memory = load_settings(DataSettings).redis_maxmemory_mb
+        self.redis = UpRedis(self.data_dir, memory)  # a failed start's leftovers go at stop
         gateway = int(self.env.get("CONVEYOR_PORT", "0"))
         self.env["CONVEYOR_REDIS_URL"] = self.redis.start(avoid=gateway)
 

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from redis import StrictRedis
 
 from conveyor.data import PORTFILE
 from conveyor.embedded import UpRedis, free_port, up_port
@@ -68,3 +69,20 @@ def test_the_port_choice(tmp_path: Path) -> None:
     assert port != free
     assert why is not None
     assert "the gateway's" in why
+
+
+def test_the_embedded_redis_is_bounded_in_memory_and_never_evicts(tmp_path: Path) -> None:
+    # Round four, lesser f: the embedded Redis had no memory bound (16 jobs of 400 KB
+    # filled a small disk). It holds CONVEYOR_REDIS_MAXMEMORY_MB, refusing writes at it
+    # (noeviction: queued work is never dropped to make room).
+    redis = UpRedis(tmp_path, maxmemory_mb=32)
+    redis.start(avoid=0)
+    try:
+        client = StrictRedis(port=redis.port)
+        try:
+            assert client.config_get("maxmemory")["maxmemory"] == str(32 * 1024 * 1024)
+            assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        finally:
+            client.close()
+    finally:
+        redis.stop()
