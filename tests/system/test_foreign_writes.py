@@ -57,6 +57,11 @@ async def test_a_reply_key_of_another_type_dead_letters_its_request_alone(
     answers: list[httpx.Response] = await asyncio.gather(*calls)
     assert [a.status_code for a in answers] == [200] * 8, [a.text[:200] for a in answers]
     assert [a.json() for a in answers] == [{"value": 2 * i} for i in range(8)]
+
+    async def reported() -> bool:  # the answers may arrive before the worker's report
+        return bool(worker.history)
+
+    await until(reported, 30)
     assert worker.history[0].size == 9  # they were the culprit's batch-mates
     assert not serving.done()
     again = await http.post("/v1/double", json={"value": 21}, headers=timeout)
