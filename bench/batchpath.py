@@ -16,8 +16,6 @@ The count is of files whose code ran, not of imports.
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 import workers
+from conveyor.embedded import free_port, start_redis
 from pipelines.envelope import Request, new_request_id
 from pipelines.keys import Keys
 from pipelines.stages import Stage, TextIn
@@ -72,12 +71,6 @@ class Path_:
             self.reentries.append((stack[0], module))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def _one_batch(url: str) -> Path_:
     keys = Keys("batchpath")
     stage = Stage("echo", TextIn, Echo, batch_wait_ms=0)
@@ -109,14 +102,10 @@ async def _one_batch(url: str) -> Path_:
 
 def main() -> None:
     """Run one batch and print the modules it went through."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as data:
-        server = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--save", "", "--dir", data],
-            stdout=subprocess.DEVNULL,
-        )
+        server = start_redis(port, Path(data))  # returns once it accepts connections
         try:
-            time.sleep(0.3)
             seen = asyncio.run(_one_batch(f"redis://127.0.0.1:{port}/0"))
         finally:
             server.terminate()
