@@ -66,7 +66,8 @@ class AutoscaleSettings(BaseSettings):
     @classmethod
     def from_flags(cls, **flags: int | None) -> AutoscaleSettings:
         """The settings, ``up``'s flags (those not None) over the environment; raises
-        :class:`ConfigError` naming the setting when a value is out of range.
+        [`ConfigError`][pipelines.errors.ConfigError] naming the setting when a value is out
+        of range.
 
         Args:
             flags: field values from the command line.
@@ -75,7 +76,7 @@ class AutoscaleSettings(BaseSettings):
 
     def scaler(self, *stages: Stage) -> Scaler:
         """A scaler for the worker processes serving ``stages`` (one, or the stages on one
-        model's weights: their backlogs add up, :meth:`Autoscaler.apply`); the default
+        model's weights: their backlogs add up, `Autoscaler.apply`); the default
         target is the smallest of their ``max_batch_size``.
 
         Args:

@@ -1,7 +1,7 @@
 """A client for a conveyor gateway: calls, async jobs, token streams and bulk maps.
 
-:class:`Client` (threads) and :class:`AsyncClient` (asyncio) have the same methods. What they
-do is written once, without I/O, in :mod:`conveyor._flows`: each operation is a flow there,
+[`Client`][] (threads) and [`AsyncClient`][] (asyncio) have the same methods. What they
+do is written once, without I/O, in `conveyor._flows`: each operation is a flow there,
 which yields the requests to send and the waits to sleep and returns the result. A client
 runs flows with its one driver, ``_drive``, and does the I/O: blocking or awaited. E.g.
 ``Client().map("sentiment", [{"text": t} for t in texts], concurrency=32)``.
@@ -66,7 +66,7 @@ def _taking(
 ) -> Callable[[Callable[[S, A], R]], Callable[Concatenate[S, P], R]]:
     """A decorator: the method takes the parameters of ``params`` and gets what ``params``
     makes of them as its one argument, so a parameter list both clients share is written once
-    (:class:`~conveyor._flows.Post`, :class:`~conveyor._flows.Map`). ``help()``,
+    (`Post`, `Map`). ``help()``,
     ``inspect.signature`` and type checkers show the list as the method's own; an ``async def``
     stays a coroutine function."""
 
@@ -99,7 +99,7 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
         api_key: sent as ``Authorization: Bearer <key>``.
         retries: retries of a 503 (after its ``Retry-After``, at most ``MAX_RETRY_WAIT_S``)
             or of a refused connection (backing off from ``BACKOFF_S``) before raising.
-        backlog_wait: seconds :meth:`submit` keeps retrying a 503 (the jobs backlog full:
+        backlog_wait: seconds [`submit`][] keeps retrying a 503 (the jobs backlog full:
             the lane at the stage's ``max_backlog``, ``CONVEYOR_MAX_BACKLOG``), each time
             after its ``Retry-After``, before its ``retries`` more; 0: a 503 to ``submit``
             is retried ``retries`` times, as a call's.
@@ -111,7 +111,7 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
     life); ``trace_id`` (``X-Trace-Id``); ``priority``, the request's lane,
     ``"interactive"`` or ``"bulk"`` (``X-Conveyor-Priority``; None: the gateway's default,
     interactive for a call or a stream, bulk for a job). They raise
-    :class:`ConveyorHTTPError` for an error answer (a 503 once ``retries`` are spent),
+    [`ConveyorHTTPError`][] for an error answer (a 503 once ``retries`` are spent),
     ``httpx.TransportError`` for no answer.
     """
 
@@ -159,7 +159,7 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
 
     @_taking(Post)
     def submit(self, post: Post) -> str:
-        """Submit an async job (``POST /v1/jobs/{name}``); returns its id, for :meth:`wait`."""
+        """Submit an async job (``POST /v1/jobs/{name}``); returns its id, for [`wait`][]."""
         return self._drive(self._submit(post))
 
     def job(self, job_id: str) -> Json:
@@ -182,7 +182,7 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
     @_taking(Post)
     def stream(self, post: Post) -> Generator[str]:
         """The text of a streamed generation (``POST /v1/{name}/stream``), piece by piece as
-        it grows; for the final result as well, iterate :meth:`stream_events`. Closing the
+        it grows; for the final result as well, iterate [`stream_events`][]. Closing the
         iterator before the end cancels the generation."""
         with contextlib.closing(self._events(post)) as events:
             for kind, data in events:
@@ -193,7 +193,7 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
     def stream_events(self, post: Post) -> Iterator[Event]:
         """A streamed generation's events: ``("token", {"text": new_text})`` as the text grows,
         then ``("done", result)``. A refusal (422; 503 once retries are spent) or an ``error``
-        event raises :class:`ConveyorHTTPError`."""
+        event raises [`ConveyorHTTPError`][]."""
         return self._events(post)
 
     def _events(self, post: Post) -> Generator[Event]:
@@ -211,13 +211,13 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
 
     @_taking(Map)
     def map(self, job: Map) -> list[Json | Exception]:
-        """:meth:`call` ``name`` on each of ``inputs``; the results in their order.
+        """[`call`][] ``name`` on each of ``inputs``; the results in their order.
 
         Args:
             concurrency: at most this many calls in flight (threads).
             progress: show a tqdm progress bar (on stderr).
             return_exceptions: put a failed input's exception in its place (as
-                ``asyncio.gather`` does): :class:`ConveyorHTTPError` for an error answer,
+                ``asyncio.gather`` does): [`ConveyorHTTPError`][] for an error answer,
                 an ``httpx.TransportError`` such as ``httpx.ReadTimeout`` for none. Else the
                 first error is raised once the calls not started are cancelled and those in
                 flight have finished (a thread cannot be stopped mid-call).
@@ -253,7 +253,7 @@ class Client(Base[httpx.BaseTransport, httpx.Client]):
 
 
 class AsyncClient(Base[httpx.AsyncBaseTransport, httpx.AsyncClient]):
-    """An asyncio client: :class:`Client`'s arguments (``transport``: an async one) and
+    """An asyncio client: [`Client`][]'s arguments (``transport``: an async one) and
     methods, awaited (``stream`` and ``stream_events`` are async iterators)."""
 
     def _pool(
@@ -297,30 +297,30 @@ class AsyncClient(Base[httpx.AsyncBaseTransport, httpx.AsyncClient]):
 
     @_taking(Post)
     async def call(self, post: Post) -> Json:
-        """:meth:`Client.call`."""
+        """[`Client.call`][]."""
         return await self._drive(self._call(post))
 
     @_taking(Post)
     async def submit(self, post: Post) -> str:
-        """:meth:`Client.submit`."""
+        """[`Client.submit`][]."""
         return await self._drive(self._submit(post))
 
     async def job(self, job_id: str) -> Json:
-        """:meth:`Client.job`: job ``job_id``'s record."""
+        """[`Client.job`][]: job ``job_id``'s record."""
         return await self._drive(self._job(job_id))
 
     async def wait(self, job_id: str, *, timeout: float = 300, poll_s: float = 0.2) -> Json:
-        """:meth:`Client.wait`: poll job ``job_id`` every ``poll_s`` seconds, for at most
+        """[`Client.wait`][]: poll job ``job_id`` every ``poll_s`` seconds, for at most
         ``timeout`` seconds, until it is done; return its result."""
         return await self._drive(self._wait(job_id, timeout, poll_s))
 
     async def cancel(self, job_id: str) -> Json:
-        """:meth:`Client.cancel`: cancel job ``job_id``; returns its record."""
+        """[`Client.cancel`][]: cancel job ``job_id``; returns its record."""
         return await self._drive(self._cancel(job_id))
 
     @_taking(Post)
     async def stream(self, post: Post) -> AsyncGenerator[str]:
-        """:meth:`Client.stream`: ``async for`` it."""
+        """[`Client.stream`][]: ``async for`` it."""
         async with contextlib.aclosing(self._events(post)) as events:
             async for kind, data in events:
                 if kind == "token":
@@ -328,7 +328,7 @@ class AsyncClient(Base[httpx.AsyncBaseTransport, httpx.AsyncClient]):
 
     @_taking(Post)
     def stream_events(self, post: Post) -> AsyncIterator[Event]:
-        """:meth:`Client.stream_events`: ``async for`` it."""
+        """[`Client.stream_events`][]: ``async for`` it."""
         return self._events(post)
 
     async def _events(self, post: Post) -> AsyncGenerator[Event]:
@@ -346,7 +346,7 @@ class AsyncClient(Base[httpx.AsyncBaseTransport, httpx.AsyncClient]):
 
     @_taking(Map)
     async def map(self, job: Map) -> list[Json | Exception]:
-        """:meth:`Client.map`, with at most ``concurrency`` calls in flight (a semaphore).
+        """[`Client.map`][], with at most ``concurrency`` calls in flight (a semaphore).
         Without ``return_exceptions``, the first error cancels the calls in flight (the
         gateway cancels their requests) and is raised."""
         items, done, todo = job.plan()

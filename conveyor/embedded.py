@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conveyor.children import Process, child_options, say, terminate
-from conveyor.data import PIDFILE, PORTFILE
+from conveyor.data import PIDFILE, PORTFILE, claim_for, server_version
 from conveyor.restarts import exited
 from pipelines.errors import ConfigError
 
@@ -105,6 +105,7 @@ def start_redis(
     cluster: bool = False,
     bound: bool = False,
     maxmemory_mb: int = 0,
+    binary: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start redis-server on 127.0.0.1:``port`` and return once it accepts connections.
 
@@ -121,6 +122,7 @@ def start_redis(
             see :mod:`conveyor.children`); only for a caller that starts it from a
             thread that lives as long as the process.
         maxmemory_mb: its ``maxmemory`` (0: none), under ``noeviction``.
+        binary: the redis-server to run (None: :func:`find_redis_server`'s).
 
     Raises:
         ConfigError: it exited or did not accept connections within 20 s.
@@ -150,7 +152,7 @@ def start_redis(
             # what conveyor's partitions rely on, as deploy/README.md says.
             "cluster-require-full-coverage": "no",
         }
-    args = [find_redis_server()]
+    args = [binary or find_redis_server()]
     for name, value in config.items():
         args += [f"--{name}", value]
     # Appended: a folder reused by a restart keeps the log of the runs before.
@@ -188,12 +190,16 @@ class UpRedis:
         maxmemory_mb: its memory bound (``CONVEYOR_REDIS_MAXMEMORY_MB``).
         port: its port, once started.
         proc: its process, once started.
+        binary: the redis-server it runs, once started (:func:`find_redis_server`).
+        version: that redis-server's version (``unknown`` if it does not say).
     """
 
     data_dir: Path | None
     maxmemory_mb: int = 1024
     port: int = 0
     proc: Process | None = None
+    binary: str = ""
+    version: str = ""
     _logs: Path | None = None  # an ephemeral one's folder, kept for the log of a failed start
 
     def start(self, avoid: int) -> str:
@@ -202,8 +208,14 @@ class UpRedis:
         the gateway starts); remember the port, and say where; its URL.
 
         Raises:
-            ConfigError: it did not start.
+            ConfigError: it did not start, or its data folder holds files of a newer
+                Redis than this one, which it would not load (:func:`~conveyor.data.claim_for`).
         """
+        self.binary = find_redis_server()
+        self.version = server_version(self.binary)
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            claim_for(self.data_dir, self.version, self.binary)
         self.port, moved = up_port(self.data_dir, avoid)
         if moved is not None:
             say(f"embedded redis: {moved} (update a CONVEYOR_REDIS_URL written down)")
@@ -218,7 +230,8 @@ class UpRedis:
             else "in memory: nothing kept at stop (--ephemeral)"
         )
         say(
-            f"embedded redis on 127.0.0.1:{self.port}, {kept}; "
+            f"embedded redis on 127.0.0.1:{self.port} (redis-server {self.version}, "
+            f"{self.binary}), {kept}; "
             f"`CONVEYOR_REDIS_URL={url} conveyor status` reads it"
         )
         return url
@@ -233,6 +246,7 @@ class UpRedis:
                 pidfile=self.data_dir / PIDFILE,
                 bound=True,
                 maxmemory_mb=self.maxmemory_mb,
+                binary=self.binary or None,
             )
             return
         # --ephemeral: it persists nothing, so its folder is needed only while it starts
@@ -240,7 +254,13 @@ class UpRedis:
         # when up is killed and can remove nothing.
         workdir = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
         try:
-            self.proc = start_redis(self.port, workdir, bound=True, maxmemory_mb=self.maxmemory_mb)
+            self.proc = start_redis(
+                self.port,
+                workdir,
+                bound=True,
+                maxmemory_mb=self.maxmemory_mb,
+                binary=self.binary or None,
+            )
         except ConfigError:
             self._logs = workdir  # kept for its log until up stops
             raise

@@ -25,6 +25,9 @@ class GatewaySettings(CommonSettings):
         admission_refresh_ms: how stale a stage's measured backlog may be.
         admission_headroom: admit a request only if its predicted finish falls within
             this fraction of its deadline (the rest absorbs run-time jitter; 1: none).
+        request_share: the fraction of a stage's backlog bound one request of many items
+            (an OpenAI list of inputs, ``n`` choices) may hold at a time; the rest of its
+            items are enqueued as earlier ones end (`gateway.share`).
         reply_block_ms: how long one read of the reply stream blocks.
         api_keys: comma-separated keys; when set, every route but /healthz and /readyz
             needs one (``Authorization: Bearer <key>`` or ``X-API-Key``), else 401; the
@@ -44,11 +47,11 @@ class GatewaySettings(CommonSettings):
         drain_s: on SIGTERM (``conveyor up`` stopping, a rolling deploy) the gateway
             stops taking requests (each new one gets 503 + Retry-After) and gives those
             in flight this long to be answered (one still waiting then gets a JSON 504);
-            then its port closes (:meth:`Gateway.drain <gateway.service.Gateway.drain>`).
+            then its port closes (`Gateway.drain`).
         access_log: one INFO line per request on the ``gateway.access`` logger (method,
             route, status, milliseconds, request id); false: none.
         session_ttl_s: with API keys on, how long the cookie ``POST /login`` sets opens
-            the operator pages (:mod:`gateway.sessions`).
+            the operator pages (`gateway.sessions`).
     """
 
     host: str = "127.0.0.1"
@@ -62,6 +65,7 @@ class GatewaySettings(CommonSettings):
     retry_after_s: int = Field(default=1, ge=1)
     admission_refresh_ms: float = Field(default=50.0, ge=0)
     admission_headroom: float = Field(default=0.9, gt=0, le=1)
+    request_share: float = Field(default=0.5, gt=0, le=1)
     reply_block_ms: int = Field(default=1000, ge=1, le=30_000)
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)

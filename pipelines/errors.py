@@ -1,7 +1,7 @@
 """The exceptions conveyor raises, each with the HTTP status it maps to.
 
 The status lives on the class (``status``), so the gateway maps a local error and a
-worker maps a failed item the same way: :func:`http_status`.
+worker maps a failed item the same way: [`http_status`][].
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ConveyorError(Exception):
 
 
 def retry_after_s(header: str | None, now: datetime | None = None) -> float | None:
-    """The seconds a ``Retry-After`` header asks for, within 0 and :data:`RETRY_AFTER_MAX_S`;
+    """The seconds a ``Retry-After`` header asks for, within 0 and [`RETRY_AFTER_MAX_S`][];
     None when it is absent or is not what RFC 9110 allows (ASCII digits, or an HTTP-date).
 
     The header comes from another server: nothing it holds may raise here.
@@ -72,7 +72,7 @@ def retry_after_s(header: str | None, now: datetime | None = None) -> float | No
 
 
 def http_status(exc: BaseException) -> int:
-    """The HTTP status an error maps to: its class's, if one of :data:`ERROR_STATUSES`,
+    """The HTTP status an error maps to: its class's, if one of [`ERROR_STATUSES`][],
     else 500 (anything not a ConveyorError, or one with a status no error answers with:
     a gateway would refuse a reply with it as forged)."""
     status = exc.status if isinstance(exc, ConveyorError) else 500
@@ -85,7 +85,7 @@ class ConfigError(ConveyorError):
 
 DETAIL_MAX = 4096
 """The most characters of an error message read from Redis (a reply's, a job record's)
-that a client is served; the rest is cut, and the cut said (:func:`bounded_detail`)."""
+that a client is served; the rest is cut, and the cut said ([`bounded_detail`][])."""
 
 
 def bounded_detail(text: str, limit: int = DETAIL_MAX) -> str:
@@ -250,6 +250,6 @@ ERROR_STATUSES = frozenset(
 )
 """The HTTP statuses a request that reached a worker may fail with: conveyor's own errors'
 (404, 422, 499, 500, 502, 503, 504: the README's HTTP API lists each), and any other
-standard 4xx or 5xx a step's own :class:`ConveyorError` subclass declares (a 429 for a
+standard 4xx or 5xx a step's own [`ConveyorError`][] subclass declares (a 429 for a
 quota). A reply's ``status`` holds one of them when it is not ``ok``; a step's error with
 any other status answers 500."""

@@ -8,11 +8,11 @@ function stage (plain sync or async Python, private to its pipeline). Edges:
 - fan-out: ``then=("b", "c")``, into a join step that declares ``join=("b", "c")`` and
   runs once, when every branch has finished (the meeting is atomic in Redis);
 - conditional: ``route=fn``, where ``fn(output, ctx)`` returns the next step's name, a
-  tuple of names (fan-out), or :class:`End` to finish the request with a response.
+  tuple of names (fan-out), or [`End`][] to finish the request with a response.
   ``routes_to`` lists the names it may return, so the graph can be checked and drawn.
 
 A request ends exactly once, so the graph is held to one rule, checked when the pipeline
-is built (:mod:`pipelines.topology`): a step hands over to one step, or fans out to
+is built (`pipelines.topology`): a step hands over to one step, or fans out to
 exactly the branches of one join.
 
 A step's input is built from the request's context: ``ctx["input"]`` is the validated
@@ -98,7 +98,7 @@ def model(
     route: RouteFn | None = None,
     routes_to: Iterable[str] = (),
 ) -> Step:
-    """A step served by a (shared) model stage; see :class:`Step` for the arguments."""
+    """A step served by a (shared) model stage; see [`Step`][] for the arguments."""
     return Step(name, stage, input, _names(then), route, tuple(routes_to))
 
 
@@ -123,11 +123,11 @@ def function(
     soon as it ends: one slow call holds only its own request. One that raises fails
     alone; one still running at its request's deadline, or when the request is
     cancelled, ends there (an async call is cancelled, a sync one's result dropped:
-    :class:`~workers.models.function.FunctionRunner`). The stage is named
+    `FunctionRunner`). The stage is named
     ``<pipeline>.<name>`` when the pipeline is built.
     ``setup`` runs once in each worker serving the step, when it starts: what it raises
     stops that worker there (check the step's settings, warm a client), not a request
-    later. Other arguments: see :class:`Step` and :class:`~pipelines.stages.Stage`.
+    later. Other arguments: see [`Step`][] and [`Stage`][pipelines.stages.Stage].
     """
     stage = Stage(
         name,
@@ -159,7 +159,7 @@ class Pipeline:
         ConfigError: at construction, naming the step, for an unknown successor, a
             cycle, a join whose branches do not all lead to it (and only to it), a
             fan-out that is not exactly one join's branches, or a step that cannot be
-            reached (see :mod:`pipelines.topology`).
+            reached (see `pipelines.topology`).
     """
 
     name: str
@@ -203,7 +203,7 @@ class Pipeline:
     def branch_end(self, name: str) -> tuple[Step, str] | None:
         """Where the chain of steps starting at ``name`` meets a join: the join and the
         branch step that feeds it; None when it meets none (see
-        :func:`pipelines.topology.branch_end`)."""
+        `pipelines.topology.branch_end`)."""
         return topology.branch_end(self.by_name, name)
 
     def stages(self) -> list[Stage]:
@@ -232,7 +232,7 @@ class Pipeline:
         """Where the request goes once ``step`` produced ``output``.
 
         Returns:
-            :class:`End` with the response, or the names of the next steps (empty: the
+            [`End`][] with the response, or the names of the next steps (empty: the
             output is the response).
 
         Raises:

@@ -3,10 +3,10 @@
 A model is constructed once per worker process (that is where weights load) and then
 called with whole batches. The batch contract: ``predict`` takes a list of n items and
 returns a list of n results, in the same order. The worker enforces it. A model whose
-call can run long checks :func:`check_deadline` between its steps. A model for an
-accelerator may split its call into three phases (:class:`StagedModel`), which the worker
+call can run long checks [`check_deadline`][] between its steps. A model for an
+accelerator may split its call into three phases ([`StagedModel`][]), which the worker
 overlaps across batches, and says when a call met a shape the device had not run before
-(:func:`cold_shape`). A model whose items are independent calls (:class:`ItemwiseModel`)
+([`cold_shape`][]). A model whose items are independent calls ([`ItemwiseModel`][])
 runs each apart, beside the others.
 """
 
@@ -35,7 +35,7 @@ class Model(Protocol):
 
     The worker builds it once, from the stage's runner (a class, or a function returning
     a model), giving it only the options its signature takes
-    (:func:`workers.build.accepted`), so a plain ``class WordCounter`` with no
+    (`workers.build.accepted`), so a plain ``class WordCounter`` with no
     ``__init__`` is built as ``WordCounter()``. The options offered: ``model`` (an HF id,
     a local path, or a runner-specific spec: the stage's ``model=``, or
     ``CONVEYOR_MODELS``), ``device`` (``cpu``, ``cuda``, ``cuda:N`` or ``auto``),
@@ -66,7 +66,7 @@ class StreamingModel(Model, Protocol):
     def predict_stream(
         self, items: list[Item], emit: Callable[[int, str], None]
     ) -> Sequence[Result | BaseException]:
-        """:meth:`Model.predict`, also calling ``emit(index, text_so_far)`` from the model
+        """[`Model.predict`][], also calling ``emit(index, text_so_far)`` from the model
         thread whenever item ``index``'s output text grows.
 
         Args:
@@ -80,13 +80,13 @@ class StreamingModel(Model, Protocol):
 class StagedModel(Model, Protocol):
     """A model whose batch runs in three phases, so the worker overlaps them across
     batches: while the device runs batch n, batch n+1 is prepared on the host and batch
-    n-1's output turned into results (:class:`workers.runner.Runner`).
+    n-1's output turned into results (`workers.runner.Runner`).
 
     A model whose device is the host (a runner on the CPU) says ``overlapped = False``:
     its phases then run as one call, since its host work would only contend with its
     compute for the same cores. ``predict(items)`` must equal
     ``finish(launch(prepare(items)))``; the worker falls back
-    to ``predict`` (split in halves, :func:`workers.contract.run_isolating`) when a phase
+    to ``predict`` (split in halves, `workers.contract.run_isolating`) when a phase
     raises, so a failing item still fails alone.
     """
 
@@ -112,7 +112,7 @@ class StagedModel(Model, Protocol):
 class ItemwiseModel(Model, Protocol):
     """A model whose items run apart, each a call of its own (a function step): the
     worker runs its batches beside each other, never one at a time on the model thread,
-    so one slow item holds only itself (:meth:`workers.runner.Runner.run`).
+    so one slow item holds only itself (`workers.runner.Runner.run`).
 
     Attributes:
         concurrency: calls in flight at once, at most, in one worker.
@@ -122,7 +122,7 @@ class ItemwiseModel(Model, Protocol):
 
     def submit(self, item: Item, deadline: float) -> Future[Result | BaseException]:
         """Start the call on ``item`` and return at once. Its future holds its result, or
-        what it raised, as a value (:class:`~pipelines.errors.DeadlineExceeded` when it
+        what it raised, as a value ([`DeadlineExceeded`][pipelines.errors.DeadlineExceeded] when it
         was stopped at ``deadline``), and is done when the call has ended, never before:
         the worker reads from it whether an abandoned call still holds a thread.
 
@@ -133,7 +133,7 @@ class ItemwiseModel(Model, Protocol):
         ...
 
     def cancel(self, call: Future[Result | BaseException]) -> None:
-        """Ask ``call`` (what :meth:`submit` returned) to stop where it can: an async
+        """Ask ``call`` (what [`submit`][] returned) to stop where it can: an async
         call is cancelled; a sync one not yet started never starts, one running runs
         on (a thread cannot be stopped)."""
         ...
@@ -149,13 +149,13 @@ _running = threading.local()
 def cold_shape() -> None:
     """Say, from a model call, that it ran a shape its device had not run before: the
     call's time is not the model's cost (a first call pays kernel selection, allocation),
-    so the worker does not learn from it (:mod:`workers.policy`)."""
+    so the worker does not learn from it (`workers.policy`)."""
     _running.cold = True
 
 
 @contextmanager
 def watching_cold() -> Iterator[Callable[[], bool]]:
-    """While in this block, :func:`cold_shape` calls in this thread are noted; the value
+    """While in this block, [`cold_shape`][] calls in this thread are noted; the value
     given says whether one came."""
     before = getattr(_running, "cold", False)
     _running.cold = False
@@ -169,7 +169,7 @@ def watching_cold() -> Iterator[Callable[[], bool]]:
 def batch_deadline(at: float) -> Iterator[None]:
     """While in this block, the batch running in this thread is worth finishing until
     ``at`` (``time.monotonic()``): its latest request's deadline. Set by the worker around
-    each model call; read by :func:`check_deadline`."""
+    each model call; read by [`check_deadline`][]."""
     before = getattr(_running, "deadline", math.inf)
     _running.deadline = at
     try:
@@ -185,7 +185,7 @@ def time_left() -> float:
 
 
 def check_deadline() -> None:
-    """Stop a long model call early: raises :class:`~pipelines.errors.DeadlineExceeded`
+    """Stop a long model call early: raises [`DeadlineExceeded`][pipelines.errors.DeadlineExceeded]
     once every request of the running batch is past its deadline, so a shared model
     thread is never held for answers nobody waits for.
 

@@ -70,7 +70,7 @@ class CommonSettings(BaseSettings):
             shard.
         namespace: key namespace, also the Redis Cluster hash tag.
         partitions: how many partitions (hash slots) the namespace's streams are split
-            into (:mod:`pipelines.keys`): spread over a cluster's shards, they carry
+            into (`pipelines.keys`): spread over a cluster's shards, they carry
             more than one shard can. Every process of a deployment must set the same.
         redis_timeout_s: connect and command timeout; Redis being down fails this fast.
         redis_max_connections: connections per process; more concurrent commands wait.
@@ -107,13 +107,13 @@ class CommonSettings(BaseSettings):
 
     @property
     def cluster(self) -> bool:
-        """Whether :attr:`redis_url` names a Redis Cluster."""
+        """Whether `redis_url` names a Redis Cluster."""
         return self.redis_url.startswith(CLUSTER_SCHEMES)
 
     @property
     def keys(self) -> Keys:
-        """Key names of :attr:`namespace`: partition 0's (:meth:`Keys.at`, :meth:`Keys.of`
-        and :meth:`Keys.each` give the others)."""
+        """Key names of `namespace`: partition 0's (`Keys.at`, `Keys.of`
+        and `Keys.each` give the others)."""
         return Keys(self.namespace, self.partitions)
 
 

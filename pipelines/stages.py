@@ -28,8 +28,8 @@ Profile = Literal["offline", "hub"]
 OpenAIKind = Literal["embeddings", "completions"]
 """Which OpenAI-compatible route serves a stage's one-step pipeline (``gateway.routes.openai``):
 ``embeddings`` takes ``{"text"}`` and answers ``{"embedding": [float, ...]}`` (and
-``prompt_tokens`` where its input has ``usage``, as :class:`EmbedIn`); ``completions``
-takes :class:`GenerateIn` and answers ``{"generated_text"}``."""
+``prompt_tokens`` where its input has ``usage``, as [`EmbedIn`][]); ``completions``
+takes [`GenerateIn`][] and answers ``{"generated_text"}``."""
 
 Kind = Literal["model", "function"]
 """A model stage is shared by every pipeline naming it and served by its own workers; a
@@ -125,7 +125,7 @@ DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?", re.ASCII)
 
 class Resources(BaseModel):
     """A stage's resources as ``CONVEYOR_RESOURCES`` overrides them, per stage:
-    ``{"embed": {"gpus": 0.5, "threads": 2}}``; the fields are :class:`Stage`'s."""
+    ``{"embed": {"gpus": 0.5, "threads": 2}}``; the fields are [`Stage`][]'s."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -164,7 +164,7 @@ class Stage:
     Attributes:
         name: lower-case route and stream name (``/v1/{name}``).
         input_model: pydantic model of one request's payload.
-        runner: ``"module:attr"`` or a callable returning a :class:`~pipelines.model.Model`.
+        runner: ``"module:attr"`` or a callable returning a [`Model`][pipelines.model.Model].
         model: the model the offline profile loads (HF id, path, ``minilm``, ``tiny:kind``).
         hub_model: the model the ``hub`` profile loads (defaults to ``model``).
         hub_runner: the runner of the ``hub`` profile (defaults to ``runner``).
@@ -172,16 +172,16 @@ class Stage:
         max_batch_size: at most this many items per model call.
         batch_wait_ms: a batch waits at most this long after its oldest item arrived.
         max_batch_tokens: bound a batch by padded tokens too (its items times its longest
-            item's estimated tokens, :mod:`pipelines.tokens`), and group what a window
+            item's estimated tokens, `pipelines.tokens`), and group what a window
             took into batches of similar length (length-aware batching,
-            :mod:`workers.lengths`). None: batches are bounded by items alone.
+            `workers.lengths`). None: batches are bounded by items alone.
         max_backlog: the gateway refuses new requests (503) once the stage's backlog
-            (undelivered + in flight, :attr:`runtime.status.StageStatus.backlog`) is this.
+            (undelivered + in flight, `runtime.status.StageStatus.backlog`) is this.
         summary: one line for the API docs.
         replicas: worker processes ``conveyor up`` starts for it.
         streaming: its runner can stream output (``/v1/{name}/stream`` is offered).
         kind: ``"function"`` for a pipeline's function step (set by
-            :func:`pipelines.graph.function`), else ``"model"``.
+            [`pipelines.graph.function`][pipelines.graph.function]), else ``"model"``.
         threads: torch intra-op threads of a worker process serving it (None: what
             ``conveyor up`` divides the cores into, else ``CONVEYOR_THREADS``, else
             torch's default).
@@ -190,19 +190,19 @@ class Stage:
         gpus: the GPU share one worker of it reserves: ``0.5`` (two such workers share a
             GPU), ``1``, or a whole number above 1 for a model spanning that many GPUs.
             0: none reserved (on a GPU host ``conveyor up`` still spreads such workers
-            over the GPUs, unless its device is ``cpu``); :mod:`conveyor.placement`.
+            over the GPUs, unless its device is ``cpu``); `conveyor.placement`.
         memory_mb: what one worker of it holds (MiB), for the deploy files' requests.
         buckets: pad each batch to a shape bucket (rows to a power of two up to the max
             batch, tokens as ``bucket_lengths`` says) and run every bucket once at load,
             so an accelerator meets no new shape once the worker reads (runners that
-            support it: the encoder runners, :mod:`workers.models.buckets`). None: on
+            support it: the encoder runners, `workers.models.buckets`). None: on
             where the model runs on an accelerator, off on the CPU, where a new shape
             costs little and padding costs its full compute. ``CONVEYOR_BUCKETS`` wins.
         bucket_lengths: how ``buckets`` pads tokens: an int, up to a multiple of it; a
             tuple, up to the least of its lengths that fits (the model's ``max_length``
             is always a bucket too).
         openai: the OpenAI-compatible route its one-step pipeline is served on
-            (:data:`OpenAIKind`); None: none.
+            ([`OpenAIKind`][]); None: none.
         max_call_s: the longest one model call may run, whatever its requests' deadlines
             (a job's may be an hour): past it the call is hung, the worker restarts and
             the input that hung is dead-lettered. ``CONVEYOR_MAX_CALL_S`` wins.

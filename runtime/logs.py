@@ -53,7 +53,7 @@ _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) 
 
 class LogSettings(BaseSettings):
     """How a process logs, read from ``CONVEYOR_LOG_*`` variables (every process reads
-    them; the worker's summary interval is :class:`~workers.settings.WorkerSettings`'s).
+    them; the worker's summary interval is [`WorkerSettings`][workers.settings.WorkerSettings]'s).
 
     Attributes:
         level: the lowest level written: ``DEBUG`` adds each batch's line with its trace

@@ -6,11 +6,17 @@ missing from the nav or a nav entry missing from docs/, a broken link between pa
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.helpers import REPO
+
+SPHINX_ROLE = re.compile(r":(?:class|meth|func|mod|data|attr|exc|obj|py:\w+):(?:`|<code>)")
+"""A Sphinx role (``:class:`Stage```) left in a docstring: mkdocstrings renders it as
+text, so a docstring names what it links with ``[`Stage`][]`` (resolved from where it
+is written, ``scoped_crossrefs``) or ``[`Stage`][pipelines.stages.Stage]``."""
 
 
 def test_the_docs_site_builds_strict_offline(tmp_path: Path) -> None:
@@ -30,3 +36,12 @@ def test_the_docs_site_builds_strict_offline(tmp_path: Path) -> None:
     client = (site / "reference" / "client" / "index.html").read_text()
     assert "AsyncClient" in client
     assert (site / "status.png").exists()
+    # Cross-references render as links, never as the raw role text (on any page).
+    for page in sorted(site.rglob("*.html")):
+        raw = SPHINX_ROLE.findall(page.read_text())
+        assert not raw, f"{page.relative_to(site)}: {len(raw)} raw Sphinx role(s), e.g. {raw[0]}"
+    assert 'href="#pipelines.stages.Stage"' in reference
+    assert 'href="#conveyor.client.Client.submit"' in client
+    settings = (site / "reference" / "settings" / "index.html").read_text()
+    for cls in ("CommonSettings", "WorkerSettings", "DataSettings", "LogSettings"):
+        assert re.search(rf'id="[\w.]+\.{cls}"', settings), cls  # each class rendered
