@@ -8,9 +8,10 @@ its stages' own asks (:class:`~pipelines.stages.Stage`: ``gpus``, ``threads``,
   stages share a process here, unlike ``up``'s :func:`~conveyor.placement.worker_groups`),
   and one per pipeline for its light function stages. Each is a compose service and a
   Kubernetes Deployment with a KEDA ScaledObject on the streams of every stage it serves.
-- **Images**: a user's app gets its own image built FROM conveyor's (a ``Dockerfile``
-  written beside the compose file); the built-ins run conveyor's own. Every image name
-  conveyor builds carries the registry prefix (``--registry``/``CONVEYOR_REGISTRY``);
+- **Images**: a user's app gets its own image, built from its folder with nothing
+  published by us (:mod:`conveyor.deploy.image`: conveyor's wheel, a pinned base, an
+  ignore file, the stages' model weights); the built-ins run conveyor's own. Every image
+  name conveyor builds carries the registry prefix (``--registry``/``CONVEYOR_REGISTRY``);
   Redis keeps Docker Hub's.
 
 The shipped ``deploy/`` folder is this module's output for the built-in pipelines
@@ -22,12 +23,13 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pydantic import Field
 
 from conveyor.deploy.names import VARIANT, WORKER, assign, functions_key
+from conveyor.deploy.weights import Weights, weights
 from conveyor.placement import PlacementSettings, worker_groups
 from pipelines.errors import ConfigError
 from pipelines.registry import Registry, load_registry
@@ -37,6 +39,13 @@ REDIS_FILES = ("redis.conf", "users.acl", "render-acl.sh")
 
 SHIPPED_PIPELINES = "embed,sentiment,ner,summarize,generate,wiki-summary"
 """What the shipped deploy/ serves."""
+
+PYTHON_IMAGE = "python:3.12-slim-bookworm"
+"""An app's CPU image's base: Python 3.12 on Debian 12 (compose's build arg PYTHON_IMAGE,
+from ``DIR/.env``, pins it by digest)."""
+
+CUDA_IMAGE = "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"
+"""An app's CUDA image's base (its python3 is 3.12 too; build arg CUDA_IMAGE)."""
 
 SHIPPED_GPU_VARIANTS = ("generate",)
 """Stages the shipped deploy/ also offers on a GPU (compose profile ``gpu``, k8s optional/)."""
@@ -151,6 +160,10 @@ class Plan:
         redis_url: an external Redis (k8s), None for the bundled one.
         shipped: the built-ins' own deploy/ (its comments and paths).
         requirements: the app's folder has a requirements.txt (its image installs it).
+        out_in_context: the deploy folder, relative to the app's folder (the build
+            context), POSIX; "" when they are one folder.
+        data_dir: ``conveyor up``'s data folder relative to the app's folder, if inside it.
+        weights: the model weights the app's image brings.
     """
 
     app: str | None
@@ -164,6 +177,9 @@ class Plan:
     redis_url: str | None = None
     shipped: bool = False
     requirements: bool = False
+    out_in_context: str = ""
+    data_dir: str = ""
+    weights: Weights = field(default_factory=Weights)
 
 
 def _slug(name: str) -> str:
@@ -270,24 +286,27 @@ def plan(
     workers = _workers(reg, settings, gpu_variants)
     served = ",".join(reg.pipelines)
     context = (app_dir or Path.cwd()).resolve()
+    out_in_context = data_dir = ""
+    app_weights = Weights()
     if app is None:
         cpu = Image(f"{prefix}conveyor:cpu", "CONVEYOR_IMAGE", Build("..", "deploy/Dockerfile"))
         cuda = Image(
             f"{prefix}conveyor:cuda", "CONVEYOR_CUDA_IMAGE", Build("..", "deploy/Dockerfile.cuda")
         )
     else:
+        out_in_context = _inside(out.resolve(), context, "--out")
+        data_dir = _data_dir(context)
+        app_weights = weights(reg, context)
         rel_context = os.path.relpath(context, out.resolve())
         dockerfile = os.path.relpath(out.resolve() / "Dockerfile", context)
         name = _slug(app.partition(":")[0].rpartition(".")[2])
-        cpu = Image(
-            f"{prefix}{name}:cpu",
-            "CONVEYOR_IMAGE",
-            Build(rel_context, dockerfile, (("CONVEYOR_BASE", f"{prefix}conveyor:cpu"),)),
-        )
+        base = (("PYTHON_IMAGE", f"${{PYTHON_IMAGE:-{PYTHON_IMAGE}}}"),)
+        cpu = Image(f"{prefix}{name}:cpu", "CONVEYOR_IMAGE", Build(rel_context, dockerfile, base))
+        cuda_base = (("CUDA_IMAGE", f"${{CUDA_IMAGE:-{CUDA_IMAGE}}}"),)
         cuda = Image(
             f"{prefix}{name}:cuda",
             "CONVEYOR_CUDA_IMAGE",
-            Build(rel_context, dockerfile, (("CONVEYOR_BASE", f"{prefix}conveyor:cuda"),)),
+            Build(rel_context, dockerfile + ".cuda", cuda_base),
         )
     return Plan(
         app=app,
@@ -301,7 +320,41 @@ def plan(
         redis_url=redis_url,
         shipped=shipped,
         requirements=app is not None and (context / "requirements.txt").is_file(),
+        out_in_context=out_in_context,
+        data_dir=data_dir,
+        weights=app_weights,
     )
+
+
+def _inside(path: Path, context: Path, what: str) -> str:
+    """``path`` relative to ``context`` (POSIX, "" for itself).
+
+    Raises:
+        ConfigError: ``path`` is outside it (the image's build context).
+    """
+    try:
+        rel = path.relative_to(context).as_posix()
+    except ValueError:
+        raise ConfigError(
+            f"{what} {str(path)!r} is outside the app's folder {str(context)!r}: the image is "
+            "built from that folder and needs conveyor's wheel from the deploy folder, so "
+            "write it under the app's folder (e.g. --out deploy-out)"
+        ) from None
+    return "" if rel == "." else rel
+
+
+def _data_dir(context: Path) -> str:
+    """``conveyor up``'s data folder (``CONVEYOR_DATA_DIR``) relative to ``context``, if
+    it is inside it (its Redis data must stay out of the image)."""
+    from conveyor.data import DataSettings
+    from pipelines.settings import load_settings
+
+    folder = (context / load_settings(DataSettings).data_dir).resolve()
+    try:
+        rel = folder.relative_to(context).as_posix()
+    except ValueError:
+        return ""
+    return "" if rel == "." else rel
 
 
 def redis_file(name: str) -> str:
@@ -334,7 +387,10 @@ def shipped_files(root: Path) -> dict[str, str]:
         gpu_variants=SHIPPED_GPU_VARIANTS,
         shipped=True,
     )
+    from conveyor.deploy.image import HEALTHCHECK
+
     files = {f"deploy/{k}": v for k, v in compose.files(the_plan).items()}
+    files["deploy/healthcheck.sh"] = HEALTHCHECK
     files |= {f"deploy/k8s/{k}": v for k, v in k8s.files(the_plan).items()}
     return files
 

@@ -1,4 +1,9 @@
-"""The ``conveyor deploy compose|k8s`` subcommand: its flags and what it does with them."""
+"""The ``conveyor deploy compose|k8s`` subcommand: its flags and what it does with them.
+
+For an app, both targets also write its image's build (:mod:`conveyor.deploy.image`,
+conveyor's wheel in ``wheels/``) into the deploy folder; a deploy folder whose ``.env``
+still holds ``.env.example``'s placeholder passwords is refused before anything is written.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ import os
 from pathlib import Path
 
 from conveyor.appflag import add_app_argument
-from conveyor.deploy import compose, k8s, plan, write
+from conveyor.deploy import compose, image, k8s, plan, write
+from conveyor.deploy.wheel import build_wheel
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,10 +47,12 @@ def run(args: argparse.Namespace) -> None:
     """Write the files ``args`` ask for and print their paths.
 
     Raises:
-        ConfigError: the app, a pipeline or a setting is invalid.
+        ConfigError: the app, a pipeline or a setting is invalid, or ``OUT/.env`` holds a
+            placeholder password.
     """
     app = args.app or os.environ.get("CONVEYOR_APP")
     out: Path = args.out
+    image.check_env_file(out / ".env")
     the_plan = plan(
         app,
         args.pipelines or os.environ.get("CONVEYOR_PIPELINES"),
@@ -56,6 +64,8 @@ def run(args: argparse.Namespace) -> None:
     if args.target == "compose":
         written = write(compose.files(the_plan), out)
     else:
-        written = write(k8s.files(the_plan), out / "k8s")
+        written = write(k8s.files(the_plan), out / "k8s") + write(image.files(the_plan), out)
+    if the_plan.app is not None:
+        written.append(build_wheel(out / "wheels"))
     for path in written:
         print(path)

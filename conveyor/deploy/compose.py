@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from conveyor.deploy import REDIS_FILES, Image, Plan, Worker, redis_file
+from conveyor.deploy.image import files as image_files
 
 COMPOSE_FILE = "compose.yaml"
 """The compose file's name in a user's output folder."""
@@ -263,33 +264,22 @@ REDIS_WORKER_PASSWORD=change-me-worker
 # CONVEYOR_GATEWAYS=1
 # CONVEYOR_IMAGE={plan.cpu_image.name}
 # CONVEYOR_CUDA_IMAGE={plan.cuda_image.name}
-"""
+""" + _base_pins(plan)
 
 
-def dockerfile(plan: Plan) -> str:
-    """The user's image: conveyor's (``CONVEYOR_BASE``) with their folder and its
-    requirements.txt (if there is one), and ``CONVEYOR_APP`` set."""
-    base = dict(plan.cpu_image.build.args).get("CONVEYOR_BASE", "conveyor:cpu")
+def _base_pins(plan: Plan) -> str:
+    """The build args that pin an app's image's bases, as ``.env`` lines to uncomment."""
+    cuda = any(w.gpus > 0 for w in plan.workers)
+    args = [*plan.cpu_image.build.args, *(plan.cuda_image.build.args if cuda else ())]
+    if not args:
+        return ""
     lines = [
-        "# Your app's image: conveyor's, with your folder in /app (the app is imported from the",
-        "# current folder) and its requirements installed. Written by `conveyor deploy`; compose",
-        "# builds it FROM the :cuda image for the GPU workers (build arg CONVEYOR_BASE).",
-        f"ARG CONVEYOR_BASE={base}",
-        "FROM ${CONVEYOR_BASE}",
+        "",
+        "# Your image's bases: pin each by digest (docker buildx imagetools inspect IMAGE).",
     ]
-    if plan.requirements:
-        lines += [
-            "USER root",
-            "COPY requirements.txt /app/requirements.txt",
-            "RUN pip install --no-cache-dir -r /app/requirements.txt",
-        ]
-    lines += [
-        "COPY . /app",
-        "USER 10001:10001",
-        "WORKDIR /app",
-        f"ENV CONVEYOR_APP={plan.app} \\",
-        f"    CONVEYOR_PIPELINES={plan.pipelines}",
-    ]
+    for name, value in args:
+        default = value.partition(":-")[2].removesuffix("}")
+        lines.append(f"# {name}={default}@sha256:<digest>")
     return "\n".join(lines) + "\n"
 
 
@@ -298,6 +288,4 @@ def files(plan: Plan) -> dict[str, str]:
     name = SHIPPED_COMPOSE_FILE if plan.shipped else COMPOSE_FILE
     out = {name: compose(plan), ".env.example": env_example(plan)}
     out |= {f"redis/{f}": redis_file(f) for f in REDIS_FILES}
-    if plan.app is not None:
-        out["Dockerfile"] = dockerfile(plan)
-    return out
+    return out | image_files(plan)

@@ -15,6 +15,14 @@ case $namespace in
     "" | *[!A-Za-z0-9_.-]*) echo "render-acl.sh: bad CONVEYOR_NAMESPACE '$namespace'" >&2; exit 2 ;;
 esac
 
+# .env.example's (and secret.example.yaml's) placeholders are known to everyone: refuse them.
+for name in REDIS_GATEWAY_PASSWORD REDIS_WORKER_PASSWORD REDIS_KEDA_PASSWORD; do
+    eval "value=\${$name:-}"
+    case $value in
+        change-me*) echo "render-acl.sh: $name is still the example's placeholder '$value': set a secret" >&2; exit 2 ;;
+    esac
+done
+
 sha256() { printf '%s' "$1" | sha256sum | cut -d' ' -f1; }
 gateway=$(sha256 "${REDIS_GATEWAY_PASSWORD:?set REDIS_GATEWAY_PASSWORD}")
 worker=$(sha256 "${REDIS_WORKER_PASSWORD:?set REDIS_WORKER_PASSWORD}")

@@ -1,6 +1,7 @@
 """``conveyor deploy compose|k8s``: the files it writes for a user's app validate with the
 real tools (docker-compose, kubernetes-validate, KEDA's CRD schema), carry the app, its GPUs
-and the registry, and the shipped deploy/ is its output for the built-ins (issue 29, item 6)."""
+and the registry, and the shipped deploy/ is its output for the built-ins (issue 29, item 6).
+The image's build itself: tests/deploy/test_image.py."""
 
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def test_compose_for_an_app_validates_and_carries_app_gpus_and_registry(app: Pat
         if name == "redis":
             continue
         assert service["image"].startswith(REGISTRY), name
-        assert dict(service["build"].get("args", {}))["CONVEYOR_BASE"].startswith(REGISTRY)
+        (arg,) = service["build"]["args"]  # the base: an image of Docker Hub's, not ours
+        assert arg == ("CUDA_IMAGE" if name == "worker-big" else "PYTHON_IMAGE"), name
         assert service["environment"]["CONVEYOR_APP"] == "gpuapp:pipelines", name
     big = raw["services"]["worker-big"]
     assert big["image"] == f"{REGISTRY}gpuapp:cuda"
@@ -132,11 +134,13 @@ def test_compose_for_an_app_validates_and_carries_app_gpus_and_registry(app: Pat
     assert "devices" not in raw["services"]["worker-small"]["deploy"]["resources"]["reservations"]
     assert raw["services"]["worker-gpuapp"]["command"] == ["conveyor", "worker", "gpuapp.tidy"]
     dockerfile = (out / "Dockerfile").read_text()
-    assert f"ARG CONVEYOR_BASE={REGISTRY}conveyor:cpu" in dockerfile
-    assert "pip install --no-cache-dir -r /app/requirements.txt" in dockerfile
+    assert "FROM ${PYTHON_IMAGE} AS base" in dockerfile  # tests/deploy/test_image.py
+    assert "-r /tmp/requirements.txt" in dockerfile
     assert "CONVEYOR_APP=gpuapp:pipelines" in dockerfile
     assert big["build"]["context"] == ".."
-    assert (app / big["build"]["dockerfile"]).resolve() == out / "Dockerfile"
+    assert (app / big["build"]["dockerfile"]).resolve() == out / "Dockerfile.cuda"
+    small = raw["services"]["worker-small"]["build"]
+    assert (app / small["dockerfile"]).resolve() == out / "Dockerfile"
 
 
 def _documents(folder: Path) -> list[tuple[str, dict[str, Any]]]:

@@ -241,9 +241,9 @@ PUNCT_NAMES = {
 }
 
 
-def _tree(out: Path) -> dict[str, str]:
+def _tree(out: Path) -> dict[str, bytes]:
     return {
-        p.relative_to(out).as_posix(): p.read_text() for p in sorted(out.rglob("*")) if p.is_file()
+        p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()
     }
 
 

@@ -29,10 +29,7 @@ PAGE = REPO / "docs" / "configuration.md"
 PAGES = (REPO / "README.md", REPO / "deploy" / "README.md", *sorted((REPO / "docs").rglob("*.md")))
 NAME = re.compile(r"\bCONVEYOR_[A-Z0-9_]*[A-Z0-9](_\*)?")
 
-NOT_SETTINGS = {
-    "CONVEYOR_BASE": "a build argument of the generated Dockerfile (the base image), not "
-    "a variable a process reads",
-}
+NOT_SETTINGS: dict[str, str] = {}
 """``CONVEYOR_*`` names the docs may use that no settings class reads, and why."""
 
 
