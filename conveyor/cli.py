@@ -1,5 +1,5 @@
 """The ``conveyor`` command: ``up``, ``gateway``, ``worker``, ``status``, ``graph``, ``dlq``,
-``keda``.
+``keda``, ``init`` (:mod:`conveyor.init`).
 
 ``up`` supervises separate processes (an embedded redis-server, the gateway(s), the
 workers) exactly as a deployment runs them (:mod:`conveyor.stack`); ``gateway`` and
@@ -23,11 +23,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import fields
 from importlib import metadata
+from pathlib import Path
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from conveyor import init as scaffold
 from conveyor import stack
 from conveyor.appflag import add_app_argument, use_app
 from conveyor.deploy import cli as deploy_files
@@ -178,6 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         help="the embedded redis keeps nothing (default: its append-only file in "
         "CONVEYOR_DATA_DIR, .conveyor/, so a stopped or killed up resumes its work)",
     )
+    up.add_argument(
+        "--reload",
+        action="store_true",
+        help="watch the app folder's .py files; restart the workers (and the gateway, "
+        "when routes change) that run what changed",
+    )
+    init = sub.add_parser("init", help="write a working app folder to start from")
+    init.add_argument("folder", nargs="?", default=".", help="where (default: here)")
+    init.add_argument("--force", action="store_true", help="overwrite files that exist")
     graph = sub.add_parser("graph", help="print a pipeline's graph")
     graph.add_argument("name")
     add_app_argument(graph)
@@ -251,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
             _run_module("gateway", [], env)
         elif args.command == "worker":
             _run_module("workers", [args.stage], {})
+        elif args.command == "init":
+            written = scaffold.init(Path(args.folder), force=args.force)
+            print(scaffold.next_steps(written[0].parent))
         elif args.command == "graph":
             print(load_registry(app, args.name).pipeline(args.name).describe())
         elif args.command == "keda":

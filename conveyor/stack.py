@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import FrameType
 
 from conveyor.autoscale import AutoscaleSettings
@@ -26,6 +27,7 @@ from conveyor.data import DataDir, DataSettings
 from conveyor.embedded import free_port
 from conveyor.placement import PlacementSettings, host_placer, worker_groups
 from conveyor.readiness import Readiness, check_port, gateway_url
+from conveyor.reload import Reloader, app_info
 from conveyor.restarts import RestartSettings
 from conveyor.supervisor import StopAsked, Supervisor
 from gateway.settings import GatewaySettings
@@ -55,6 +57,8 @@ class UpOptions:
         gateways: gateway processes on the port (None: ``CONVEYOR_GATEWAYS``, 1).
         ephemeral: the embedded Redis keeps nothing (a temp folder), instead of its
             append-only file in ``CONVEYOR_DATA_DIR`` (:mod:`conveyor.data`).
+        reload: watch the app folder's ``.py`` files and restart what runs the code
+            that changed (:mod:`conveyor.reload`).
     """
 
     host: str | None = None
@@ -68,6 +72,7 @@ class UpOptions:
     target_backlog: int | None = None
     gateways: int | None = None
     ephemeral: bool = False
+    reload: bool = False
 
 
 _ASKED = threading.Event()
@@ -161,6 +166,8 @@ def up(options: UpOptions) -> int:
 
     check_names(registry)
     scaling = _autoscale_settings(options)
+    if options.reload and (scaling is not None or not options.app):
+        raise ConfigError("--reload needs --app (or CONVEYOR_APP), and not --autoscale")
     settings = load_settings(PlacementSettings)  # the workers' settings, and placement's
     groups = worker_groups(registry, options.replicas, settings)
     scaled = [g for g in groups if not g.light] if scaling is not None else []
@@ -182,6 +189,12 @@ def up(options: UpOptions) -> int:
     say(f"placement: {place.describe()}")
     where = data.path if data is not None else None
     supervisor = Supervisor(env, place, restart, gateway.drain_s, stop_asked=_ASKED, data_dir=where)
+    if options.reload and options.app:
+        folder = Path(app_dir())
+        info = app_info(registry, groups, options.app, folder)
+        watcher = Reloader(folder, supervisor, info, options.replicas)
+        supervisor.reloader = watcher.tick
+        say(f"reload: watching the {len(watcher.seen)} .py file(s) under {folder}")
     try:
         supervisor.start_redis()
     except BaseException:

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,10 @@ class Supervisor:
     groups: dict[str, Group | None] = field(default_factory=dict)  # by child name (None: gateway)
     reports: ExitReports = field(default_factory=ExitReports)
     stop_asked: threading.Event = field(default_factory=threading.Event)
+    reloader: Callable[[], Awaitable[None]] | None = None  # up --reload: at each look
+    recycling: set[str] = field(default_factory=set)  # asked to stop, to start again
+    retiring: set[str] = field(default_factory=set)  # asked to stop for good
+    held: set[str] = field(default_factory=set)  # --reload: exited on a config error
 
     def __post_init__(self) -> None:
         self.crashes = CrashLoop(self.restart)
@@ -228,13 +233,22 @@ class Supervisor:
         if redis_code is not None:  # the new one knows nothing of the parks still on
             await self.parks.remind(self._common(), now)
         await self._unpark(now)
+        if self.reloader is not None:
+            await self.reloader()
         for i, (name, proc) in enumerate(self.children):
             code = proc.poll()
-            if code is None or self._group_name(name) in self.parks:
+            if code is None or self._group_name(name) in self.parks or name in self.held:
+                continue
+            if name in self.recycling or name in self.retiring:
+                self.children[i] = (name, self._reloaded(name, proc))
                 continue
             if name not in self.due:
-                if why := self._final(proc):
+                if (why := self._final(proc)) and self.reloader is None:
                     return f"{name} {exited(code)}: {why}; not restarted"
+                if why:  # up --reload: the fix is the user's next change (recycle)
+                    say(f"{name} {exited(code)}: {why}; started again at the next change")
+                    self.held.add(name)
+                    continue
                 delay = self.crashes.crashed(name, now, self.reports.said(proc).progressed)
                 if delay is None:
                     await self._park(self._group_name(name), self.crashes.looping(name, code))
@@ -244,6 +258,11 @@ class Supervisor:
             if now >= self.due[name]:
                 del self.due[name]
                 self.children[i] = (name, await self._again(name, proc))
+        for name, proc in [(n, p) for n, p in self.children if n in self.retiring]:
+            if proc.returncode is not None:  # seen exited above (_reloaded): dropped
+                self.children.remove((name, proc))
+                self.retiring.discard(name)
+                self.groups.pop(name, None)
         return None
 
     async def _again(self, name: str, proc: Process) -> Process:
@@ -253,6 +272,68 @@ class Supervisor:
         again = self._spawn("gateway") if placed is None else self._spawn_placed(placed)
         say(f"{name} restarted (pid {again.pid})")
         await self._count(list(placed.group.stages) if placed is not None else [])
+        return again
+
+    def recycle(self, groups: Iterable[str], *, gateways: bool = False) -> None:
+        """SIGTERM the workers of ``groups`` (names: ``embed``, ``a,b``), and with
+        ``gateways`` every gateway, each started again once it exited (``up --reload``): a
+        worker finishes its batch, a gateway drains; what comes meanwhile waits in Redis."""
+        names = set(groups)
+        for name, proc in self.children:
+            group = self.groups.get(name)
+            if (group.name in names) if group is not None else gateways:
+                self._ask_stop(name, proc, self.recycling)
+
+    def retire(self, group: str) -> None:
+        """Stop the workers of ``group`` for good (SIGTERM: their batches finish), its
+        stages gone from the app (``up --reload``)."""
+        for name, proc in self.children:
+            found = self.groups.get(name)
+            if found is not None and found.name == group:
+                self._ask_stop(name, proc, self.retiring)
+
+    def _ask_stop(self, name: str, proc: Process, into: set[str]) -> None:
+        self.due.pop(name, None)
+        self.crashes.forget(name)
+        self.held.discard(name)
+        if name in into:  # asked already (a second SIGTERM could cut its drain short)
+            return
+        into.add(name)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    def add_group(self, group: Group) -> None:
+        """Start the workers of a group new to the app (``up --reload``), placed (raises
+        :class:`~conveyor.placement.PlacementError` when its GPU share does not fit)."""
+        taken = {n for n, _ in self.children}
+        placed: list[Placed | None] = [None] * group.replicas
+        if self.placer is not None:
+            placed = [self.placer.one(group) for _ in range(group.replicas)]
+        for i, p in enumerate(placed):
+            name = f"worker {group.name}#{i}"
+            if name in taken:  # its namesake still stopping: a fresh name
+                name = f"worker {group.name}#{i}.{len(self.children)}"
+            proc = self._spawn("workers", group.name) if p is None else self._spawn_placed(p)
+            say(f"{name} started (pid {proc.pid})")
+            self.children.append((name, proc))
+            self.groups[name] = group
+
+    def _reloaded(self, name: str, proc: Process) -> Process:
+        """``name`` (``proc``) exited as :meth:`recycle` asked: started again; or as
+        :meth:`retire` asked: its placement given back (:meth:`tend` drops it)."""
+        self.reports.said(proc)
+        group = self.groups.get(name)
+        if name in self.retiring:
+            self._release(proc)
+            say(f"{name} stopped")
+            return proc
+        self.recycling.discard(name)
+        placed = self.placed.pop(proc.pid, None)
+        if placed is not None:
+            again = self._spawn_placed(placed)
+        else:
+            again = self._spawn("gateway") if group is None else self._spawn("workers", group.name)
+        say(f"{name} reloaded (pid {again.pid})")
         return again
 
     def _group_name(self, child: str) -> str:

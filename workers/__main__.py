@@ -13,9 +13,12 @@ import argparse
 import asyncio
 import ctypes
 import gc
+import logging
 import os
 import signal
 from collections.abc import MutableMapping
+
+from redis.exceptions import RedisError
 
 from pipelines.registry import load_registry
 from pipelines.settings import load_settings
@@ -25,6 +28,9 @@ from runtime.logs import configure_logging, quiet_model_libraries
 from workers.build import process_threads
 from workers.partitions import partition_workers
 from workers.settings import WorkerSettings
+from workers.threads import count_host_workers, share_host
+
+logger = logging.getLogger(__name__)
 
 
 def configure_openmp(settings: WorkerSettings, environ: MutableMapping[str, str]) -> None:
@@ -57,6 +63,11 @@ async def _serve(stage_names: list[str]) -> None:
     registry = load_registry(settings.app, settings.pipelines)
     stages = [registry.stage(n).with_resources(settings.resources.get(n)) for n in stage_names]
     settings = settings.model_copy(update={"threads": process_threads(stages, settings)})
+    if settings.threads is None:  # not up's (it says how many): share the host's cores
+        try:
+            share_host(await count_host_workers(settings))
+        except (RedisError, OSError) as exc:  # the worker says so itself when it connects
+            logger.warning("could not count this host's workers: %s", exc)
     workers = [w for stage in stages for w in partition_workers(stage, settings, registry)]
     loop = asyncio.get_running_loop()
 

@@ -21,7 +21,7 @@ from pipelines.stages import Stage
 from runtime.logs import adopt_library_loggers
 from workers.models.buckets import Bucketed, CannotCapture, summary
 from workers.settings import WorkerSettings
-from workers.threads import resolved_device, runner_device, torch_threads
+from workers.threads import host_share, resolved_device, runner_device, torch_threads
 
 logger = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
@@ -34,7 +34,14 @@ def _set_threads(stage: Stage, model: object, device: str, settings: WorkerSetti
     if torch is None:
         return
     where = resolved_device(device, model)
-    threads = torch_threads(where, setting=settings.threads, cuda_threads=settings.cuda_threads)
+    share = host_share()  # a worker started by hand beside others: its share of the cores
+    threads = torch_threads(
+        where,
+        setting=settings.threads,
+        cuda_threads=settings.cuda_threads,
+        cores=share.cores if share else None,
+        processes=share.processes if share else 1,
+    )
     if threads is not None:
         torch.set_num_threads(threads)
     logger.info(

@@ -11,18 +11,126 @@ In order, the first that says wins:
    a MiniLM batch of 32 took 114 ms of CPU for 13 ms of wall time at torch's default of 16,
    and a mixed-length batch 98 ms against 20 ms at 1;
 4. on ``cpu``: the cores the process may use divided among the model processes sharing
-   them, at least 1 (``up`` knows both); a process that knows neither (a bare worker, the
-   bench in-process) keeps torch's default, the host's cores.
+   them, at least 1. ``up`` knows both for its workers; a worker started by hand
+   (``conveyor worker``, ``python -m workers``) counts the other live workers of its host
+   from their heartbeats in Redis (:func:`count_host_workers`, once at start) and takes
+   its share, saying so in one line that names ``CONVEYOR_THREADS``; one that sees none
+   (alone on its host), or the bench in-process, keeps torch's default.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import os
+import socket
 import sys
+from dataclasses import dataclass
+
+from pipelines.settings import CommonSettings
+from runtime.redisio import connect
+from runtime.status import known_stages, live_workers
+
+logger = logging.getLogger(__name__)
 
 CUDA_THREADS = 1
 """Intra-op threads of a process whose models run on cuda, unless something says."""
+
+MAX_STAGES = 1000
+"""Look at the heartbeats of at most this many stages (a namespace with a forged set of
+stage names may hold millions)."""
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """The cores a worker started by hand divides, and among how many processes.
+
+    Attributes:
+        cores: the cores this process may run on.
+        processes: the live worker processes of this host, this one included.
+    """
+
+    cores: int
+    processes: int
+
+
+_SHARE: list[HostShare] = []
+"""This process's share, once :func:`share_host` found other workers (torch's thread
+pool is the process's, and so is this)."""
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the platform says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _pid_on(consumer: str, host: str) -> int | None:
+    """The pid in a consumer name ``host-pid-random`` of ``host`` (None: another host's,
+    or a name of another form, ``CONVEYOR_CONSUMER_NAME``)."""
+    rest = consumer.removeprefix(f"{host}-")
+    if rest == consumer:
+        return None
+    pid, _, _ = rest.partition("-")
+    return int(pid) if pid.isdigit() and len(pid) < 10 else None
+
+
+async def count_host_workers(settings: CommonSettings, host: str | None = None) -> int:
+    """The live worker processes of ``host`` (default: this one) other than this
+    process, in ``settings``' namespace: those whose heartbeat of any stage
+    (:func:`runtime.status.live_workers`) has not run out, by pid.
+
+    Args:
+        settings: where Redis is, and the namespace.
+        host: the host name in the consumer names (default: :func:`socket.gethostname`).
+
+    Raises:
+        RedisError, OSError: Redis could not be reached.
+    """
+    host = host or socket.gethostname()
+    client = connect(settings)
+    try:
+        pids: set[int] = set()
+        for stage in (await known_stages(client, settings.keys, ()))[:MAX_STAGES]:
+            for name in await live_workers(client, settings.keys, stage):
+                pid = _pid_on(name, host)
+                if pid is not None and pid != os.getpid():
+                    pids.add(pid)
+    finally:
+        await client.aclose()
+    return len(pids)
+
+
+def share_host(others: int, cores: int | None = None) -> HostShare | None:
+    """Take this process's share of the host's cores beside ``others`` live workers (a
+    worker with no thread count of its own, at start): one line says it, and names the
+    setting that chooses instead; with none, nothing (torch's default stays).
+
+    Args:
+        others: the other live worker processes of this host (:func:`count_host_workers`).
+        cores: the cores this process may run on (default: :func:`host_cores`).
+    """
+    _SHARE.clear()
+    if others <= 0:
+        return None
+    share = HostShare(cores or host_cores(), others + 1)
+    _SHARE.append(share)
+    logger.info(
+        "%d other worker process(es) live on this host: a model on cpu here runs %d torch "
+        "thread(s), its share of %d core(s) (CONVEYOR_THREADS sets it)",
+        others,
+        max(1, share.cores // share.processes),
+        share.cores,
+    )
+    return share
+
+
+def host_share() -> HostShare | None:
+    """This process's share of the host's cores (:func:`share_host`), if it took one."""
+    return _SHARE[0] if _SHARE else None
 
 
 def torch_threads(

@@ -1,0 +1,129 @@
+"""A worker started by hand beside others (``conveyor worker``, ``python -m workers``) takes
+its share of the host's cores for torch, not torch's default of all of them: it counts the
+other live workers of its host from their heartbeats in Redis, and says so in one line
+naming ``CONVEYOR_THREADS`` (before: it ran as many threads as cores beside ``up``'s
+workers, which had divided the cores among themselves; batches ran 5x slower)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from pipelines.settings import CommonSettings
+from tests.helpers import REPO, up_env, wait_for_line
+from tests.support.deviceapp import ON_DEVICE
+from workers.build import build_model
+from workers.settings import WorkerSettings
+from workers.threads import count_host_workers, host_cores, host_share, share_host
+
+HOST = socket.gethostname()
+
+
+async def beat(client: aioredis.Redis, stage: str, name: str, in_ms: int = 60_000) -> None:
+    """A heartbeat of consumer ``name`` of ``stage`` that runs out ``in_ms`` from now (as
+    :class:`workers.alive.Presence` writes it)."""
+    keys = CommonSettings().keys
+    seconds, micros = await client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    await client.sadd(keys.stages_set(), stage)
+    await client.hset(keys.alive(stage), name, str(now_ms + in_ms))
+
+
+async def two_others(client: aioredis.Redis) -> None:
+    """Two other live workers of this host (one of them serving two stages), and what
+    must not count: another host's, one whose beat ran out, this process's own, a forged
+    field."""
+    await beat(client, "embed", f"{HOST}-4101-aa")
+    await beat(client, "ner", f"{HOST}-4101-bb")  # the same process, a second stage
+    await beat(client, "ner", f"{HOST}-4102-cc")
+    await beat(client, "ner", f"elsewhere-{HOST}-4103-dd")
+    await beat(client, "embed", "otherhost-4104-ee")
+    await beat(client, "embed", f"{HOST}-4105-ff", in_ms=-1000)
+    await beat(client, "embed", f"{HOST}-{os.getpid()}-gg")
+    await client.hset(CommonSettings().keys.alive("embed"), f"{HOST}-4106-hh", "not a time")
+
+
+async def test_the_other_live_workers_of_this_host_are_counted_by_process(
+    redis: aioredis.Redis,
+) -> None:
+    assert await count_host_workers(CommonSettings()) == 0
+    await two_others(redis)
+    assert await count_host_workers(CommonSettings()) == 2
+    assert await count_host_workers(CommonSettings(), host="otherhost") == 1
+
+
+@pytest.fixture
+def kept_threads() -> Iterator[None]:
+    """torch's threads and the host share as they were, after the test."""
+    before = torch.get_num_threads()
+    yield
+    share_host(0)
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("kept_threads")
+def test_the_share_is_taken_on_cpu_and_said_but_cuda_keeps_its_few(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="workers.threads")
+    assert share_host(0) is None
+    assert host_share() is None
+    share = share_host(2, cores=8)
+    assert share is not None
+    assert (share.cores, share.processes) == (8, 3)
+    assert "2 other worker process(es)" in caplog.text
+    assert "CONVEYOR_THREADS" in caplog.text
+    build_model(ON_DEVICE, WorkerSettings(device="cpu"))
+    assert torch.get_num_threads() == 2  # 8 cores among 3 processes
+    build_model(ON_DEVICE, WorkerSettings(device="cuda"))
+    assert torch.get_num_threads() == 1  # on cuda the host only launches kernels
+    build_model(ON_DEVICE, WorkerSettings(device="cpu", threads=5))
+    assert torch.get_num_threads() == 5  # CONVEYOR_THREADS wins
+
+
+@pytest.fixture
+async def others(redis: aioredis.Redis) -> None:
+    """The beats of :func:`two_others`, in the test's namespace."""
+    await two_others(redis)
+
+
+@pytest.mark.usefixtures("others")
+def test_a_worker_started_by_hand_beside_others_takes_its_share(
+    tmp_path: Path, redis_url: str, namespace: str
+) -> None:
+    log = tmp_path / "worker.log"
+    env = up_env(
+        CONVEYOR_REDIS_URL=redis_url,
+        CONVEYOR_NAMESPACE=namespace,
+        CONVEYOR_APP="tests.support.deviceapp:pipelines",
+        CONVEYOR_PIPELINES="ondevice",
+        CONVEYOR_DEVICE="cpu",
+    )
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "workers", "ondevice"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for_line(log, "stage ondevice: on ", worker, limit_s=90)
+        text = wait_for_line(log, "torch thread(s)", worker, limit_s=10)
+        # Three others: the two, and the beat this test process wrote as its own.
+        want = max(1, host_cores() // 4)
+        assert "3 other worker process(es) live on this host" in text, text
+        assert re.search(rf"stage ondevice: on cpu, {want} torch thread\(s\)\n", text), text
+    finally:
+        worker.terminate()
+        assert worker.wait(timeout=30) == 0, log.read_text()
