@@ -23,6 +23,8 @@ One module each, imported one way (each only from those listed before it):
 and every route is added here, from one table (:func:`add_openai_routes`).
 """
 
+import functools
+
 from fastapi import FastAPI
 
 from gateway.responses import declared
@@ -32,6 +34,7 @@ from gateway.routes.openai.errors import openai_errors, post_errors
 from gateway.routes.openai.serving import posted
 from gateway.routes.openai.wire import ChatIn, CompletionsIn, EmbeddingsIn
 from gateway.service import Gateway
+from gateway.share import Shares
 
 
 def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
@@ -44,10 +47,12 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
     """
     sent, listed = post_errors(edge), declared(edge)
     models, model = model_routes(gw)
+    shares = Shares(gw.settings.request_share)  # a stage's window, whichever route fills it
+    post = functools.partial(posted, gw, shares)
     for method, path, endpoint, summary, responses in (
-        ("POST", "/v1/embeddings", posted(gw, EmbeddingsIn, embeddings), "Embeddings", sent),
-        ("POST", "/v1/completions", posted(gw, CompletionsIn, completions), "Completions", sent),
-        ("POST", "/v1/chat/completions", posted(gw, ChatIn, chat), "Chat completions", sent),
+        ("POST", "/v1/embeddings", post(EmbeddingsIn, embeddings), "Embeddings", sent),
+        ("POST", "/v1/completions", post(CompletionsIn, completions), "Completions", sent),
+        ("POST", "/v1/chat/completions", post(ChatIn, chat), "Chat completions", sent),
         ("GET", "/v1/models", models, "Models", listed),
         ("GET", "/v1/models/{name}", model, "A model", {**listed, **openai_errors((404,))}),
     ):

@@ -8,9 +8,8 @@ model (a 400, as ``POST /v1/{name}`` would answer 422) and becomes one request t
 them all.
 """
 
-import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Body, Request
@@ -23,6 +22,7 @@ from gateway.routes.openai.errors import Refused
 from gateway.routes.openai.wire import ModelIn
 from gateway.routes.pipelines import reply_response
 from gateway.service import Gateway
+from gateway.share import Shares, in_parts
 from pipelines.envelope import Reply
 from pipelines.errors import ConfigError, ItemFailed
 from pipelines.graph import Pipeline
@@ -132,25 +132,36 @@ class Asked:
         pipeline: the pipeline its ``model`` names.
         sent: its headers.
         receive: its ASGI receive, the body read: the client gone cancels its items.
+        shares: the windows its items take their turns in, when it has many.
     """
 
     gw: Gateway
     pipeline: Pipeline
     sent: Sent
     receive: Receive
+    shares: Shares
 
     async def run_all(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each of ``payloads`` one request through the pipeline; their results in order,
-        the first failure raised once every one ended (as ``/v1/{name}`` would answer it)."""
-        calls = (self.gw.call(self.pipeline, p, self.sent, self.receive) for p in payloads)
-        done = await asyncio.gather(*calls, return_exceptions=True)
-        results = []
-        for item in done:
-            if isinstance(item, BaseException):
-                raise item
-            request_id, reply = item
-            results.append(_result(reply, request_id))
-        return results
+        the first failure raised once those in flight ended (as ``/v1/{name}`` would
+        answer it). Many are sent in parts, a share of the stage's backlog bound at a time
+        (:mod:`gateway.share`), within the request's one deadline; one is one call."""
+        if len(payloads) == 1:  # the common case: nothing added to the path
+            request_id, reply = await self._call(payloads[0], self.sent)
+            return [_result(reply, request_id)]
+        gw, stage = self.gw, self.pipeline.entry.stage
+        bound = gw.settings.max_backlog or stage.max_backlog  # as admission bounds it
+        slots = self.shares.slots(stage.name, bound)
+
+        async def part(i: int, left_s: float) -> dict[str, Any]:
+            request_id, reply = await self._call(payloads[i], replace(self.sent, timeout_s=left_s))
+            return _result(reply, request_id)
+
+        budget_s = gw.timeout_for(self.sent.timeout_s)
+        return await in_parts(part, len(payloads), slots, budget_s)
+
+    async def _call(self, payload: dict[str, Any], sent: Sent) -> tuple[str, Reply]:
+        return await self.gw.call(self.pipeline, payload, sent, self.receive)
 
 
 In = TypeVar("In", bound=ModelIn)
@@ -159,13 +170,17 @@ Endpoint = Callable[..., Awaitable[Response]]
 
 
 def posted(
-    gw: Gateway, wire: type[In], answer: Callable[[Asked, In], Awaitable[Response]]
+    gw: Gateway,
+    shares: Shares,
+    wire: type[In],
+    answer: Callable[[Asked, In], Awaitable[Response]],
 ) -> Endpoint:
     """The endpoint of an OpenAI-compatible POST route: its body read as ``wire``, the
     pipeline its ``model`` names found (:func:`served`), then answered by ``answer``.
 
     Args:
         gw: the gateway that runs the requests.
+        shares: the windows of requests of many items (one for every route).
         wire: the route's request body.
         answer: what answers it; its name is the route's (in the OpenAPI operation id).
     """
@@ -174,7 +189,7 @@ def posted(
         http: Request, body: Any, sent: Annotated[Sent, sent_on("call")]
     ) -> Response:
         pipeline = served(gw, body.model, wire.kind)
-        return await answer(Asked(gw, pipeline, sent, http.receive), body)
+        return await answer(Asked(gw, pipeline, sent, http.receive, shares), body)
 
     # FastAPI reads the body model from the annotation; each route has its own.
     endpoint.__annotations__["body"] = Annotated[wire, Body()]
