@@ -25,9 +25,9 @@ class GatewaySettings(CommonSettings):
         admission_refresh_ms: how stale a stage's measured backlog may be.
         admission_headroom: admit a request only if its predicted finish falls within
             this fraction of its deadline (the rest absorbs run-time jitter; 1: none).
-        request_share: the fraction of a stage's backlog bound one request of many items
-            (an OpenAI list of inputs, ``n`` choices) may hold at a time; the rest of its
-            items are enqueued as earlier ones end (`gateway.share`).
+        request_share: the fraction of a stage's backlog bound that requests of many
+            items (an OpenAI list of inputs, ``n`` choices) hold together at a time in this
+            process; the rest are enqueued as earlier ones end (`gateway.share`).
         reply_block_ms: how long one read of the reply stream blocks.
         api_keys: comma-separated keys; when set, every route but /healthz and /readyz
             needs one (``Authorization: Bearer <key>`` or ``X-API-Key``), else 401; the
