@@ -122,6 +122,8 @@ def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
     # The tokenizers' own thread pool would contend with the worker's host threads (and
     # warns after a fork); the user's setting, if any, wins.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if options.reload:  # an edit of a stage's input is the new definition, replicas or not
+        env.setdefault("CONVEYOR_REPLACE_STAGE_DEFINITION", "true")
     return env
 
 

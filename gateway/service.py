@@ -39,6 +39,7 @@ from pipelines.keys import Lane
 from pipelines.records import JobRecord
 from pipelines.registry import Registry
 from pipelines.stages import Stage
+from runtime.definitions import check_served
 from runtime.redisio import (
     REDIS_DOWN,
     SATURATED,
@@ -103,6 +104,7 @@ class Gateway:
         try:
             await self.clock.calibrate(self.client)
             await agree_on_partitions(self.client, self.keys)
+            await check_served(self.client, self.keys, self.registry.stages.values())
         except REDIS_DOWN as exc:
             logger.warning("redis unreachable at start (%s); serving 503 until it is back", exc)
         self._task = asyncio.create_task(self.replies.run(), name="reply-dispatcher")

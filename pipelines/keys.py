@@ -176,6 +176,16 @@ class Keys:
         runs out (Redis time, ms; :mod:`workers.alive`; kept in partition 0)."""
         return f"{self.at(0).prefix}:alive:{stage}"
 
+    def places(self, stage: str) -> str:
+        """The hash of where a stage's worker processes run: consumer name -> boot id,
+        pid namespace, pid and start time (:mod:`workers.places`; kept in partition 0)."""
+        return f"{self.at(0).prefix}:places:{stage}"
+
+    def stage_definition(self, stage: str) -> str:
+        """The definition a stage's workers agree on (its wire contract: a digest and a
+        JSON summary; :mod:`runtime.definitions`), set by its first worker (partition 0)."""
+        return f"{self.at(0).prefix}:definition:{stage}"
+
     def stages_set(self) -> str:
         """The set of stage names that have ever had a worker (for status views; kept in
         partition 0)."""

@@ -96,6 +96,7 @@ class Presence:
         stale_s: float,
     ) -> None:
         self.client, self.key, self.consumer = client, keys.alive(stage), consumer
+        self.place = keys.places(stage)  # where it runs (workers.places), also left
         self.clock, self.stale_s = clock, stale_s
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -128,7 +129,7 @@ class Presence:
 
     async def stop(self, *, leave: bool) -> None:
         """Stop beating; ``leave``: also delete this worker's field (an orderly stop,
-        so it counts as gone at once).
+        so it counts as gone at once) and its place (:mod:`workers.places`).
 
         The beat is asked to end, not cancelled: a cancel landing inside a Redis command
         can be dropped (:func:`~runtime.waiting.cancel_and_wait`), and the task then beats
@@ -144,5 +145,6 @@ class Presence:
         if leave:
             try:
                 await self.client.hdel(self.key, self.consumer)
+                await self.client.hdel(self.place, self.consumer)
             except (*REDIS_DOWN, ResponseError) as exc:
                 logger.warning("could not remove the beat in %s: %s", self.key, exc)

@@ -18,6 +18,7 @@ import socket
 from pipelines.model import Model
 from pipelines.registry import Registry
 from pipelines.stages import Stage
+from runtime.definitions import agree_on_definition
 from runtime.redisio import REDIS_DOWN, agree_on_partitions, until_reachable
 from workers.decoding import Decoding
 from workers.modelthread import Hung
@@ -115,6 +116,10 @@ class Worker:
         parts = self.parts
         await parts.clock.calibrate(parts.client)
         await agree_on_partitions(parts.client, self.settings.keys)
+        replace = self.settings.replace_stage_definition
+        await agree_on_definition(
+            parts.client, self.settings.keys, self.stage, self.consumer, replace=replace
+        )
         await parts.source.ensure_stream()
         self._joined = True
 
@@ -158,10 +163,11 @@ class Worker:
         parts.presence.start()
         batches = 0
 
-        def spawn(entries: list[Entry], suspect: bool) -> None:
+        def spawn(entries: list[Entry], suspect: bool, slotted: bool = True) -> None:
             task = asyncio.create_task(self._process(entries, suspect))
             tasks.add(task)
-            task.add_done_callback(lambda t: self._batch_ended(t, tasks, slots))
+            held = slots if slotted else None
+            task.add_done_callback(lambda t: self._batch_ended(t, tasks, held))
 
         try:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):
@@ -179,7 +185,10 @@ class Worker:
                     if burst and taken.settled is None:
                         break
                     continue
-                if taken.suspect and tasks:
+                # Suspects in a child process (workers.suspects) crash only the child:
+                # they take no slot, and the worker serves on beside them.
+                isolated = taken.suspect and parts.isolation.usable
+                if taken.suspect and tasks and not isolated:
                     # Alone on the model: a crash while it runs is its own, no other
                     # batch of this worker is there to be charged with it (those read
                     # meanwhile are marked at their turn, after it).
@@ -187,7 +196,9 @@ class Worker:
                 groups = taken.batches
                 if apart is not None and not taken.suspect:
                     groups = [[entry] for group in groups for entry in group]
-                spawn(groups[0], taken.suspect)
+                spawn(groups[0], taken.suspect, slotted=not isolated)
+                if isolated:
+                    slots.release()
                 # Those waiting for a slot are this worker's too: kept from looking idle.
                 rest = [entry for group in groups[1:] for entry in group]
                 waiting = parts.recovery.lease(rest) if rest else None
@@ -216,10 +227,14 @@ class Worker:
         return batches
 
     def _batch_ended(
-        self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]], slots: asyncio.Semaphore
+        self,
+        task: asyncio.Task[None],
+        tasks: set[asyncio.Task[None]],
+        slots: asyncio.Semaphore | None,
     ) -> None:
         tasks.discard(task)
-        slots.release()
+        if slots is not None:
+            slots.release()
         exc = None if task.cancelled() else task.exception()
         if isinstance(exc, REDIS_DOWN):
             # Entries stay pending in the group; they are redelivered, not lost.
@@ -242,7 +257,10 @@ class Worker:
             if batch.live:
                 deadline = parts.deadline([req for req, _ in batch.live])
                 try:
-                    ran = await parts.runner.run(batch, parts, deadline)
+                    if suspect and parts.isolation.usable:  # in a child process
+                        ran = await parts.isolation.run(batch, parts, deadline)
+                    else:
+                        ran = await parts.runner.run(batch, parts, deadline)
                 except Hung as hung:  # its thread is lost: the process ends
                     await parts.hung(batch)
                     hung.exit()

@@ -31,6 +31,7 @@ from workers.route import Router
 from workers.runner import Runner
 from workers.settings import WorkerSettings
 from workers.source import Source
+from workers.suspects import Isolation
 from workers.values import Batch, Emitter, Outbox, Published, Settled
 from workers.window import Window
 
@@ -63,7 +64,8 @@ class Parts:
         self.streams = streams = [keys.stage_stream(stage.name, lane) for lane in LANES]
         self.client = client = connect(settings, block_ms=settings.block_ms)
         self.clock = clock = RedisClock()
-        self.router = router = Router(registry or Registry([single(stage)]), keys, stage.name)
+        routed = registry or Registry([single(stage)])
+        self.router = router = Router(routed, keys, stage.name, settings.max_result_bytes)
         self.runner = runner = runner or Runner(stage, settings, model)
         max_batch = settings.max_batch_size or stage.max_batch_size
         self.lanes = Lanes(client, streams, consumer, max_batch, settings.bulk_every, runner)
@@ -74,6 +76,8 @@ class Parts:
         self.recovery = recovery = Recovery(*args, claim_count=max_batch)
         self.publisher = Publisher(client, keys, stage.name, consumer, settings, recovery.set_aside)
         self.intake = Intake(client, stage, router, recovery.unreadable)
+        # Suspects (a crashed batch's entries) run in a child process where it can fork.
+        self.isolation = Isolation(runner, router, client, consumer, settings)
         max_tokens = self.window.max_tokens
         overhead = self.window.overhead_tokens
         self.lengths = (

@@ -3,10 +3,13 @@ its batch-mates, run alone as a suspect, or dead-lettered past the delivery cap)
 every dead letter a worker writes (past the cap, undecodable, refused by a publish).
 
 - A worker that dies leaves its entries pending; after ``min_idle_ms`` another worker
-  (or the same one, restarted) takes them back (:mod:`workers.claims`). Those that were
+  (or the same one, restarted) takes them back (:mod:`workers.claims`), at once where
+  its death is certain (it ran on this machine: :mod:`workers.places`). Those that were
   on the model when it died are charged the crash and run alone ("suspects"); those that
   were only waiting run in an ordinary batch, uncharged. A charged batch runs again
-  whole; if it crashes again, each of its entries runs alone.
+  whole; if it crashes again, each of its entries runs alone. Where the worker can fork,
+  the re-run is in a child process, halved there down to the input that kills
+  (:mod:`workers.suspects`): that crash is the child's, not the worker's.
 - An entry delivered more than ``max_deliveries`` times (its first read, and each crash
   it was on the model for) is dead-lettered instead of running again; its client is told
   at once. So is an entry that does not decode, and one whose publish Redis refuses.
@@ -36,6 +39,7 @@ from runtime.exits import progressed
 from runtime.redisio import REDIS_DOWN, RedisClock, group_missing, text
 from runtime.stats import CHARGED
 from workers.claims import Lease, claim_idle, deliveries, own_pending, touch, trim
+from workers.places import remember, take_from_dead
 from workers.prune import prune_gone
 from workers.route import Router
 from workers.settings import WorkerSettings
@@ -144,13 +148,22 @@ class Recovery:
         waiting: list[Entry] = []
         if not self._suspects and self._reclaim.due(now):
             claimed = Claimed()
+            stage, count = self.router.stage, self.claim_count
             if self._own.due(now):
                 try:
+                    await remember(self.client, self.keys, stage, self.consumer)
                     for stream in self.streams:
                         claimed += await own_pending(self.client, self.keys, stream, self.consumer)
                 except BaseException:
                     self._own.again()  # not done: at the next look
                     raise
+            # A dead worker's entries at once, where its death is certain (workers.places).
+            dead = await take_from_dead(
+                self.client, self.keys, stage, self.streams, self.consumer, count
+            )
+            if dead:
+                self._reclaim.again()  # more may be waiting
+                claimed += dead
             # Interactive first, as a read takes it.
             min_idle_ms = self.settings.min_idle_ms
             for stream in self.streams:

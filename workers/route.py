@@ -34,6 +34,7 @@ from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
 from pipelines.settings import MAX_DEADLINE_S
 from workers.contract import checked
+from workers.settings import MAX_RESULT_BYTES
 from workers.values import Batch, Effects, JoinArrival, Outbox
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,22 @@ class Router:
         registry: the pipelines this worker knows.
         keys: key names.
         stage: the stage this worker serves (named in replies).
+        max_result_bytes: the most one request's step may write, encoded (its reply or
+            job result, its hand-overs, its join arrivals); a step whose output is larger
+            fails alone (422, naming the bound), nothing of it written.
     """
 
-    def __init__(self, registry: Registry, keys: Keys, stage: str) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        keys: Keys,
+        stage: str,
+        max_result_bytes: int = MAX_RESULT_BYTES,
+    ) -> None:
         self.registry = registry
         self.keys = keys
         self.stage = stage
+        self.max_result_bytes = max_result_bytes
 
     def locate(self, req: Request) -> tuple[Pipeline, Step]:
         """The pipeline and step an entry is for.
@@ -202,22 +213,58 @@ class Router:
                 if problem is not None:
                     raise InvalidInput(f"the route's response cannot be sent: {problem.msg}")
                 self._reply(effects, req, nxt.response)
-                return
-            if not nxt:
+            elif not nxt:
                 self._reply(effects, req, output)
-                return
-            for name in nxt:
-                target = pipeline.step(name)
-                if target.join:
-                    self._arrive(effects, req, pipeline, step, target, ctx, now)
-                else:
-                    payload = pipeline.input_of(target, ctx, step.name)
-                    stream = self.keys.stage_stream(target.stage.name, req.lane)
-                    effects.forwards.append((stream, self._next(req, target, payload, ctx)))
+            else:
+                for name in nxt:
+                    target = pipeline.step(name)
+                    if target.join:
+                        self._arrive(effects, req, pipeline, step, target, ctx, now)
+                    else:
+                        payload = pipeline.input_of(target, ctx, step.name)
+                        stream = self.keys.stage_stream(target.stage.name, req.lane)
+                        effects.forwards.append((stream, self._next(req, target, payload, ctx)))
+            self._bounded(effects, req)
         except BaseException as exc:  # a route or input function (user code) raised
             # anything, SystemExit included: this request ends, the worker serves on
             del out.effects[self.keys.done(req.id, req.step)]
             self.fail_with(out, req, exc, now)
+
+    def _bounded(self, effects: Effects, req: Request) -> None:
+        """Raise :class:`InvalidInput` when what ``req``'s step writes (its effects so
+        far: one request's) is over :attr:`max_result_bytes` encoded, so none of it is
+        written: a result that size would sit in Redis for the job's life (a day) or
+        in a reply stream, and a few of them fill its memory or disk."""
+        bound = self.max_result_bytes
+        size = 0
+        for _, reply in effects.replies:
+            size += len(orjson.dumps(reply.result)) if reply.result is not None else 0
+        for _, forward in effects.forwards:
+            size += len(dumps(forward))
+        for arrival in effects.joins:
+            size += len(arrival.output) + len(arrival.envelope)
+        if size <= bound:
+            return
+        logger.warning(
+            "stage %s: request %s (trace %s): its result is %d bytes encoded, over the "
+            "bound of %d (CONVEYOR_MAX_RESULT_BYTES); failed, nothing of it written",
+            self.stage,
+            req.id,
+            req.trace_id,
+            size,
+            bound,
+        )
+        raise InvalidInput(
+            f"the result cannot be sent: it is {size} bytes encoded, over the stage's bound "
+            f"of {bound} bytes (CONVEYOR_MAX_RESULT_BYTES)",
+            [
+                {
+                    "loc": ["result"],
+                    "msg": f"{size} bytes encoded, over the bound of {bound}",
+                    "type": "too_large",
+                }
+            ],
+        )
 
     def _effects(self, out: Outbox, req: Request, now: float) -> Effects:
         marker = self.keys.done(req.id, req.step)

@@ -12,6 +12,9 @@ from pipelines.settings import CommonSettings
 from pipelines.stages import Resources
 from workers.threads import CUDA_THREADS
 
+MAX_RESULT_BYTES = 8 * 1024 * 1024
+"""The default bound of what one request's step writes to Redis, encoded."""
+
 
 def _default_cache() -> str:
     return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "conveyor")
@@ -28,13 +31,13 @@ class WorkerSettings(CommonSettings):
         dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
         threads: torch intra-op threads for this process (unset: on cuda
             ``cuda_threads``, on cpu torch's default); a stage's own ``threads`` wins
-            (:mod:`workers.threads`).
+            (`workers.threads`).
         cuda_threads: torch intra-op threads of a process whose models run on cuda, when
             neither ``threads`` nor a stage says: the host only launches kernels and waits,
-            and more threads spin (:mod:`workers.threads`).
+            and more threads spin (`workers.threads`).
         resources: per-stage resources over the stages' own (``threads``, ``device``,
             ``gpus``, ``memory_mb``), e.g. ``{"embed": {"gpus": 0.5, "threads": 2}}``
-            (JSON in env); :class:`~pipelines.stages.Resources`.
+            (JSON in env); [`Resources`][pipelines.stages.Resources].
         spin_wait: let torch's idle OpenMP threads spin between parallel regions
             (``OMP_WAIT_POLICY=ACTIVE``). Off by default: they sleep when idle
             (``PASSIVE``), leaving the cores to the event loop, Redis and the gateway,
@@ -48,13 +51,13 @@ class WorkerSettings(CommonSettings):
             call after 20 ms idle with none), short enough to free the cores between
             batches. 0: sleep at once. A ``GOMP_SPINCOUNT`` in the environment wins.
         buckets: pad batches to shape buckets and warm them at load, for every stage
-            served (None: each stage's own :attr:`~pipelines.stages.Stage.buckets`,
+            served (None: each stage's own `buckets`,
             which by default is on for an accelerator and off on the CPU).
         warmup: with buckets on, run every bucket once at load, before the worker joins
             its stage's group (off: the first batch of each shape pays its cold cost).
         cuda_graphs: capture a CUDA graph per shape bucket at load and replay it instead
             of the eager forward pass, for every stage served whose runner has buckets
-            (:mod:`workers.models.graphs`). Off until measured faster on a GPU; where a
+            (`workers.models.graphs`). Off until measured faster on a GPU; where a
             runner cannot capture (not on cuda, buckets off, a capture fails), one log
             line says why and it runs eager.
         cache_dir: where generated models are kept.
@@ -80,28 +83,42 @@ class WorkerSettings(CommonSettings):
         reclaim_interval_ms: how often a worker looks for idle entries to reclaim.
         max_deliveries: an entry delivered more often goes to the dead-letter stream (a
             delivery: its first read, and each crash of a worker while it was on the
-            model, :mod:`workers.claims`).
+            model, `workers.claims`).
         trim_interval_s: how often a worker trims its stage stream (done work only).
         prune_gone_s: a consumer of the stage's groups with no live heartbeat and nothing
             delivered this long is a gone worker's: a live worker removes it (once it
             holds nothing pending; its entries are reclaimed first), so ``conveyor
             status`` and ``/status`` stop listing it; looked for every half of it, at
-            most every minute (:mod:`workers.prune`).
+            most every minute (`workers.prune`).
         alive_file: a file the worker's loop touches each time it comes round, for a
-            liveness probe (:mod:`workers.alive`); unset: none.
+            liveness probe (`workers.alive`); unset: none.
         alive_stale_s: the worker's heartbeat in Redis (what ``/metrics``, ``/status``
             and ``conveyor status`` count as a live worker) runs out this long after its
-            last beat; it beats every third of it (:class:`workers.alive.Presence`).
+            last beat; it beats every third of it (`workers.alive.Presence`).
         stats_flush_s: how long a worker may hold back its batches' counts and histograms
             (sent with a later publish, or when idle); 0: with every publish.
+        replace_stage_definition: a worker whose stage's definition (its input schema,
+            runner, kind: what the wire contract depends on) differs from the one its
+            live workers serve replaces it instead of refusing to start
+            (`runtime.definitions`); with none live it is replaced anyway (a redeploy).
+        max_result_bytes: the most one request's step may write to Redis, encoded (its
+            reply or job result, or what it hands on to the next steps): a larger one
+            is not written, and its caller gets 422 naming the bound (its batch-mates
+            are answered as usual).
         max_call_s: the longest one model call may run, over every stage's own
             ``max_call_s`` (None: the stage's).
         hung_grace_s: a model call still running this long past every deadline of its
-            batch is hung: the worker logs it and exits (:func:`workers.runner.hung`),
+            batch is hung: the worker logs it and exits (`workers.runner.hung`),
             to be restarted, since the model thread it holds can never be freed.
+        suspects_in_child: the entries of a batch that crashed its worker run again in a
+            short-lived child process forked from the worker (its model loaded, no second
+            load), so an input that kills its process kills the child, not the worker:
+            a crashing input costs one restart (`workers.suspects`). Only where a fork
+            is safe (Linux, not on an accelerator); off: they run in the worker.
         decoding: how a stage whose model generates token by token (a causal
-            language model: ``generate``) batches: ``continuous`` (sequences join and
-            leave the running batch between decoding steps: :mod:`workers.decoding`) or
+            language model: ``generate``; an encoder-decoder: the hub ``summarize``)
+            batches: ``continuous`` (sequences join and
+            leave the running batch between decoding steps: `workers.decoding`) or
             ``static`` (a batch generates to its longest request, then the next).
         decode_token_budget: with continuous decoding, the most token positions the
             running batch's cache may hold (rows x their longest prompt + max_new_tokens);
@@ -142,8 +159,11 @@ class WorkerSettings(CommonSettings):
     alive_file: str | None = Field(default=None, min_length=1)
     alive_stale_s: float = Field(default=30.0, ge=0.3, le=86_400, allow_inf_nan=False)
     hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
+    suspects_in_child: bool = True
     max_call_s: float | None = Field(default=None, gt=0, le=86_400, allow_inf_nan=False)
     stats_flush_s: float = Field(default=1.0, ge=0, le=3600, allow_inf_nan=False)
+    max_result_bytes: int = Field(default=MAX_RESULT_BYTES, ge=1024, le=512 * 1024 * 1024)
+    replace_stage_definition: bool = False
     log_summary_s: float = Field(default=30.0, ge=0, le=86_400, allow_inf_nan=False)
     decoding: Literal["continuous", "static"] = "continuous"
     decode_token_budget: int = Field(default=16_384, ge=2, le=100_000_000)

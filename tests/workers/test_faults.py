@@ -93,6 +93,9 @@ async def test_poison_is_dead_lettered_while_good_requests_succeed(
         "CONVEYOR_RECLAIM_INTERVAL_MS": "50",
         "CONVEYOR_MAX_DELIVERIES": "2",
         "CONVEYOR_BLOCK_MS": "100",
+        # Suspects run in the worker, as where a fork is not safe (an accelerator): each
+        # crash is a restart (in a child, tests/system/test_crash_isolation.py).
+        "CONVEYOR_SUSPECTS_IN_CHILD": "false",
     }
     stopping = asyncio.Event()
     starts = 0

@@ -1,0 +1,239 @@
+"""Round four, lesser (i) (issue 36): each distinct crashing input cost three worker
+restarts (three model loads): the crash in its batch, the crash of the batch's whole
+re-run, the crash alone. Now the entries of a crashed batch run again in a short-lived
+child process forked from the worker (:mod:`workers.suspects`): the input that kills is
+found there by halving, dead-lettered and answered, and costs the one restart of its
+first crash.
+
+Real processes and a real redis-server; each test fails on the code before the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from pipelines.envelope import decode_reply, decode_request
+from pipelines.graph import single
+from pipelines.keys import Keys
+from pipelines.model import Item, Result
+from pipelines.records import DeadLetter
+from pipelines.registry import Registry
+from pipelines.stages import BUILTIN
+from runtime.status import stage_status
+from tests.conveyor.test_supervisor import start_ready, stop
+from tests.helpers import Doubler, Harness, died_running, number_stage, until
+from workers.route import Router
+from workers.runner import Runner
+from workers.settings import WorkerSettings
+from workers.suspects import Isolation, decode_results, fork_running, wait_child
+
+FAST_RECLAIM = {
+    "CONVEYOR_MIN_IDLE_MS": "300",
+    "CONVEYOR_RECLAIM_INTERVAL_MS": "50",
+    "CONVEYOR_BLOCK_MS": "100",
+    "CONVEYOR_RESTART_BACKOFF_S": "0.1",
+}
+
+
+class KillsItsProcess:
+    """Doubles values; a negative one ends the process it runs in (``os._exit``), as a
+    segfault would. In the process that built it (the serving worker, here the test's)
+    it raises instead, so the code before the fix fails this test rather than ending it."""
+
+    def __init__(self) -> None:
+        self.home = os.getpid()
+        self.batches: list[list[int]] = []
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Double, or die."""
+        self.batches.append([item["value"] for item in items])
+        if any(item["value"] < 0 for item in items):
+            if os.getpid() == self.home:
+                raise RuntimeError("the serving worker's process would have died here")
+            os._exit(9)
+        return [{"value": item["value"] * 2} for item in items]
+
+
+async def test_a_crashed_batch_runs_in_a_child_and_only_the_poison_is_dead_lettered(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    stage = number_stage(max_batch_size=32, batch_wait_ms=0)
+    stream = harness.keys.stage_stream("double")
+    model = KillsItsProcess()
+    worker = harness.worker(stage, model, min_idle_ms=10, reclaim_interval_ms=10)
+    await worker.start()
+    values = [1, 2, -1, 3]
+    sent = await harness.enqueue("double", [{"value": v} for v in values])
+    await died_running(redis, harness.keys, stream)  # the batch's first crash
+    running = harness.run(worker)
+    replies = harness.keys.reply_stream("test")
+
+    async def answered() -> bool:
+        return bool(await redis.xlen(replies) >= len(values))
+
+    await until(answered, 30)
+    worker.stop()
+    await running
+    got = {r.id: r for r in (decode_reply(f) for _, f in cast(Any, await redis.xrange(replies)))}
+    for req, value in zip(sent, values, strict=True):
+        reply = got[req.id]
+        if value < 0:
+            assert (reply.outcome, reply.status) == ("error", 500), reply
+            assert "dead-lettered" in (reply.error or ""), reply
+            assert "ended its model process (exited (9))" in (reply.error or ""), reply
+        else:
+            assert (reply.outcome, reply.result) == ("ok", {"value": 2 * value}), reply
+    letters = cast(list[Any], await redis.xrange(harness.keys.dead_letters("double")))
+    assert len(letters) == 1, letters
+    assert decode_request(letters[0][1]).id == sent[2].id
+    assert "exited (9)" in (DeadLetter.parse(letters[0][1]).error or "")
+    assert (await harness.stats("double")).get("dead_letters") == 1
+    assert (await stage_status(redis, harness.keys, "double")).pending == 0
+    # The whole batch, then halves, down to the poison alone: every run in a child.
+    assert worker.parts.isolation.children == 5
+    assert model.batches == [], model.batches  # none in the serving process
+
+
+def restarts(log: Path, stage: str) -> int:
+    """How many times ``up`` restarted ``stage``'s worker after it ended unasked."""
+    return len(re.findall(rf"worker {re.escape(stage)}\b.*; restarting it in", log.read_text()))
+
+
+@pytest.mark.timeout(240)
+async def test_each_crashing_input_costs_one_worker_restart(
+    tmp_path: Path, redis_url: str, namespace: str
+) -> None:
+    # BREAK (issue 36, lesser i): each distinct crashing input cost three restarts of
+    # its worker (three model loads), and one such input a second kept the stage from
+    # answering at all. Now a poison costs the restart of its own first crash: its
+    # batch runs again in a child, where the poison is found and dead-lettered.
+    up, log, base = start_ready(
+        tmp_path, redis_url, namespace, *("--pipelines", "crashy"), **FAST_RECLAIM
+    )
+    keys = Keys(namespace)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=200) as http:
+            headers = {"X-Conveyor-Timeout": "120"}
+            # Three poisoned batches in a row, each one poison among innocents (-1: the
+            # model SIGKILLs its process; -2: it exits 2, as a configuration error would).
+            for n, poison in enumerate((-1, -2, -1)):
+                values = [10 * n + 1, 10 * n + 2, poison, 10 * n + 3, 10 * n + 4]
+                calls = [
+                    http.post("/v1/crashy", json={"value": v}, headers=headers) for v in values
+                ]
+                got = await asyncio.gather(*calls)
+                for value, resp in zip(values, got, strict=True):
+                    if value < 0:
+                        assert resp.status_code == 500, resp.text
+                        assert "dead-lettered" in resp.json()["detail"], resp.text
+                    else:
+                        assert resp.status_code == 200, resp.text
+                        assert resp.json() == {"value": 2 * value}
+                # Exactly one restart per poisoned batch, not three.
+                assert restarts(log, "crashy") == n + 1, log.read_text()
+        assert up.poll() is None, log.read_text()
+        assert await client.xlen(keys.dead_letters("crashy")) == 3
+    finally:
+        await client.aclose()
+        code = stop(up)
+    assert code == 0, log.read_text()
+    assert restarts(log, "crashy") == 3, log.read_text()
+
+
+async def test_a_real_torch_model_runs_in_a_child_forked_after_it_ran_in_its_thread() -> None:
+    # Forking a process whose torch has run (its OpenMP threads made, a tokenizer used)
+    # must not deadlock the child: it answers what the worker itself answers.
+    stage = BUILTIN["ner"]  # a tiny random-weight BERT and a real tokenizer
+    settings = WorkerSettings(device="cpu", threads=2)
+    runner = Runner(stage, settings, None)
+    await runner.load()
+    try:
+        items = [{"text": "Angela Merkel met Barack Obama in Berlin"}, {"text": "Paris"}]
+        model = runner.model
+        assert model is not None
+        mine = await asyncio.to_thread(model.predict, items)
+        for _ in range(2):
+            pid, fd = fork_running(model, items, time.monotonic() + 60)
+            try:
+                status, data = await wait_child(pid, fd, 60)
+            finally:
+                os.close(fd)
+            assert status == 0, status
+            assert decode_results(data, len(items)) == list(mine)
+    finally:
+        runner.close()
+
+
+class OnAnAccelerator(Doubler):
+    """Says it runs on an accelerator (as a model on CUDA does, which cannot be forked)."""
+
+    accelerated = True
+
+
+@pytest.mark.parametrize(
+    ("model", "in_child", "usable"),
+    [(Doubler(), True, True), (Doubler(), False, False), (OnAnAccelerator(), True, False)],
+)
+def test_suspects_run_in_the_worker_where_a_fork_is_not_safe_or_not_wanted(
+    model: Doubler, in_child: bool, usable: bool
+) -> None:
+    stage = number_stage()
+    settings = WorkerSettings(suspects_in_child=in_child)
+    runner = Runner(stage, settings, model)
+    try:
+        router = Router(Registry([single(stage)]), Keys("t"), stage.name)
+        isolation = Isolation(runner, router, cast(Any, None), "c", settings)
+        assert isolation.usable is usable
+    finally:
+        runner.close()
+
+
+class SlowInAChild(KillsItsProcess):
+    """As :class:`KillsItsProcess`, taking a second a batch in a child process."""
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Wait a second in a child, then double (or die)."""
+        if os.getpid() != self.home:
+            time.sleep(1.0)
+        return super().predict(items)
+
+
+async def test_suspects_running_in_a_child_are_not_charged_a_crash_of_their_worker(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # While a child runs them, the suspects' marks still say "queued for a re-run": had
+    # the worker died meanwhile (another input's crash in a batch of its own), they are
+    # taken back uncharged, never dead-lettered for a crash they were not in.
+    stage = number_stage(max_batch_size=32, batch_wait_ms=0)
+    stream = harness.keys.stage_stream("double")
+    worker = harness.worker(stage, SlowInAChild(), min_idle_ms=10, reclaim_interval_ms=10)
+    await worker.start()
+    await harness.enqueue("double", [{"value": v} for v in (1, 2, 3)])
+    await died_running(redis, harness.keys, stream)
+    running = harness.run(worker)
+
+    async def in_a_child() -> bool:
+        return worker.parts.isolation.children >= 1
+
+    await until(in_a_child, 30)
+    marks = cast(dict[bytes, bytes], await redis.hgetall(harness.keys.on_model(stream)))
+    assert len(marks) == 3, marks
+    assert all(m.startswith(b"q") for m in marks.values()), marks
+
+    async def answered() -> bool:
+        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 3)
+
+    await until(answered, 30)
+    worker.stop()
+    await running
+    assert not await redis.exists(harness.keys.on_model(stream))  # deleted with the acks
