@@ -186,6 +186,11 @@ class Keys:
         JSON summary; :mod:`runtime.definitions`), set by its first worker (partition 0)."""
         return f"{self.at(0).prefix}:definition:{stage}"
 
+    def definition_holders(self, stage: str) -> str:
+        """The hash of which definition each of a stage's workers started with: consumer
+        name -> digest (:mod:`runtime.definitions`; partition 0, beside the record)."""
+        return f"{self.at(0).prefix}:definition-holders:{stage}"
+
     def stages_set(self) -> str:
         """The set of stage names that have ever had a worker (for status views; kept in
         partition 0)."""

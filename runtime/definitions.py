@@ -148,6 +148,45 @@ def _parse(raw: bytes | str | None) -> dict[str, Any] | None:
     return value
 
 
+AGREE = """
+local recorded = redis.call('GET', KEYS[1])
+local digest, me = ARGV[1], ARGV[3]
+local was = false
+if recorded then
+  local ok, value = pcall(cjson.decode, recorded)
+  if ok and type(value) == 'table' and type(value['digest']) == 'string' then
+    was = value['digest']
+  end
+end
+if was == digest then
+  redis.call('HSET', KEYS[2], me, digest)
+  return {'same'}
+end
+local live, holding = {}, {}
+for i = 5, #ARGV do
+  live[ARGV[i]] = true
+  if was and redis.call('HGET', KEYS[2], ARGV[i]) == was then
+    table.insert(holding, ARGV[i])
+  end
+end
+if #holding > 0 and ARGV[4] ~= '1' then
+  return {'differs', recorded, unpack(holding)}
+end
+redis.call('SET', KEYS[1], ARGV[2])
+for _, name in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if not live[name] then redis.call('HDEL', KEYS[2], name) end
+end
+redis.call('HSET', KEYS[2], me, digest)
+if recorded then return {'replaced', recorded, unpack(holding)} end
+return {'set'}
+"""
+"""Check and record in one step (two workers starting together see each other): the
+record (KEYS[1]) set when missing, unreadable or held by no live worker (ARGV[5:], the
+live others) of its definition (KEYS[2]: consumer -> digest), or when ARGV[4] is 1; a
+worker that agrees adds itself to the holders, and the holders no longer live are
+dropped when the record changes."""
+
+
 async def agree_on_definition(
     client: aioredis.Redis,
     keys: Keys,
@@ -157,6 +196,9 @@ async def agree_on_definition(
     replace: bool = False,
 ) -> None:
     """Record ``stage``'s definition if none is, else check this worker's against it.
+
+    The worker's heartbeat must already be set (:meth:`workers.alive.Presence.beat`), so
+    that one starting at the same moment with another definition sees it live.
 
     Args:
         client: Redis client.
@@ -173,34 +215,36 @@ async def agree_on_definition(
     mine = definition(stage)
     record = {"digest": digest(mine), "definition": mine}
     encoded = orjson.dumps(record, option=orjson.OPT_SORT_KEYS)
-    key = keys.stage_definition(stage.name)
+    name = stage.name
     try:
-        if await client.set(key, encoded, nx=True):
-            return
-        recorded = _parse(await client.get(key))
+        live = await live_workers(client, keys, name) - {consumer}
+        flag = "1" if replace else "0"
+        args: list[str | bytes] = [digest(mine), encoded, consumer, flag, *sorted(live)]
+        keys_ = [keys.stage_definition(name), keys.definition_holders(name)]
+        answer = await client.eval(AGREE, 2, *keys_, *args)
     except ResponseError as exc:  # a key forged to another type: nothing to agree with
-        logger.warning("stage %s: its definition cannot be recorded: %s", stage.name, exc)
+        logger.warning("stage %s: its definition cannot be recorded: %s", name, exc)
         return
-    if recorded is not None and recorded["digest"] == record["digest"]:
+    verdict = answer[0].decode() if isinstance(answer, list) and answer else ""
+    if verdict in ("same", "set"):
         return
-    if recorded is None:
-        await client.set(key, encoded)
-        return
-    diff = differences(recorded["definition"], mine)
-    live = await live_workers(client, keys, stage.name) - {consumer}
-    if live and not replace:
-        names = ", ".join(sorted(live)[:3]) + (" ..." if len(live) > 3 else "")
+    parsed = _parse(answer[1]) if len(answer) > 1 else None
+    diff = differences(parsed["definition"], mine) if parsed is not None else ["unreadable"]
+    holding = sorted(h.decode(errors="replace") for h in answer[2:])
+    if verdict == "differs":
+        names = ", ".join(holding[:3]) + (" ..." if len(holding) > 3 else "")
         raise ConfigError(
-            f"stage {stage.name!r}: this worker's definition differs from the one its "
-            f"live workers serve ({len(live)}: {names}): {'; '.join(diff)}. Stop them "
+            f"stage {name!r}: this worker's definition differs from the one its "
+            f"live workers serve ({len(holding)}: {names}): {'; '.join(diff)}. Stop them "
             "first (a redeploy), or set CONVEYOR_REPLACE_STAGE_DEFINITION=true to "
             "replace it while they run"
         )
-    await client.set(key, encoded)
+    if parsed is None:  # an unreadable record (forged, or of an older conveyor): set
+        return
     logger.warning(
         "stage %s: its definition replaced (%s): %s",
-        stage.name,
-        "by setting" if live else "no worker of the old one is live",
+        name,
+        "by setting" if holding else "no worker of the old one is live",
         "; ".join(diff),
     )
 

@@ -15,6 +15,9 @@ import os
 import secrets
 import socket
 
+from redis.exceptions import ResponseError
+
+from pipelines.errors import ConfigError
 from pipelines.model import Model
 from pipelines.registry import Registry
 from pipelines.stages import Stage
@@ -117,9 +120,17 @@ class Worker:
         await parts.clock.calibrate(parts.client)
         await agree_on_partitions(parts.client, self.settings.keys)
         replace = self.settings.replace_stage_definition
-        await agree_on_definition(
-            parts.client, self.settings.keys, self.stage, self.consumer, replace=replace
-        )
+        try:  # beat first: a worker starting beside it sees it live
+            await parts.presence.beat()
+        except ResponseError as exc:  # the key forged to another type
+            logger.warning("stage %s: could not beat: %s", self.stage.name, exc)
+        try:
+            await agree_on_definition(
+                parts.client, self.settings.keys, self.stage, self.consumer, replace=replace
+            )
+        except ConfigError:
+            await parts.presence.stop(leave=True)  # refused: not live, not counted
+            raise
         await parts.source.ensure_stream()
         self._joined = True
 

@@ -40,12 +40,9 @@ _PROC = Path("/proc")
 
 
 def _start_time(pid: int) -> str | None:
-    """The start time (clock ticks since boot) of ``pid``, None when it runs no more (or
-    is a zombie: exited, not yet reaped)."""
-    try:
-        stat = (_PROC / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+    """The start time (clock ticks since boot) of ``pid``, None when it is a zombie
+    (exited, not yet reaped); raises :class:`OSError` where its stat cannot be read."""
+    stat = (_PROC / str(pid) / "stat").read_text()  # raises OSError where unreadable
     fields = stat.rsplit(")", 1)[1].split()
     if fields[0] in ("Z", "X"):
         return None
@@ -66,7 +63,10 @@ def here() -> str | None:
     """Where this process runs: ``<boot id>|<pid namespace>|<pid>|<start time>``; None
     where the kernel cannot say (not Linux)."""
     machine = _machine()
-    started = _start_time(os.getpid())
+    try:
+        started = _start_time(os.getpid())
+    except OSError:
+        return None
     if machine is None or started is None:
         return None
     return "|".join((*machine, str(os.getpid()), started))
@@ -84,7 +84,16 @@ def gone(place: str) -> bool:
     pid, started = parts[2], parts[3]
     if not pid.isdigit() or not 0 < int(pid) < 2**22 or not started.isdigit():
         return False
-    return _start_time(int(pid)) != started
+    try:  # signal 0: "no such process" whatever /proc lets this user see (hidepid)
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it runs, as another user
+        pass
+    try:
+        return _start_time(int(pid)) != started
+    except OSError:  # hidden (hidepid) or unreadable: no proof of death
+        return False
 
 
 async def remember(client: aioredis.Redis, keys: Keys, stage: str, consumer: str) -> None:
@@ -100,14 +109,6 @@ async def remember(client: aioredis.Redis, keys: Keys, stage: str, consumer: str
         await pipe.execute()
     except ResponseError as exc:  # a key forged to another type: the idle time decides
         logger.warning("stage %s: could not record where this worker runs: %s", stage, exc)
-
-
-async def forget(client: aioredis.Redis, keys: Keys, stage: str, consumer: str) -> None:
-    """Remove this worker's place (an orderly stop)."""
-    try:
-        await client.hdel(keys.places(stage), consumer)
-    except ResponseError as exc:
-        logger.warning("stage %s: could not remove where this worker ran: %s", stage, exc)
 
 
 TAKE_SCRIPT = """
@@ -153,7 +154,7 @@ async def take_from_dead(
     key = keys.places(stage)
     names = list(holding)
     pipe = client.pipeline(transaction=False)
-    for name in names:  # HGET each (the workers' ACL has no HMGET)
+    for name in names:  # HGET each (a deployment's ACL may predate HMGET's grant)
         pipe.hget(key, name)
     try:
         places = await pipe.execute()

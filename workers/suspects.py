@@ -161,7 +161,7 @@ class Isolation:
         results = await self._find(items, deadline)
         took = time.perf_counter() - started
         poisoned = [
-            (req.id, res)
+            ((req.id, req.step), res)
             for (req, _), res in zip(batch.live, results, strict=True)
             if isinstance(res, Poisoned)
         ]
@@ -218,14 +218,18 @@ class Isolation:
         except ValueError as exc:  # an exit 0 without its answer: user code exited
             return Died(f"exited without its results ({exc})")
 
-    async def _dead_letter(self, batch: Batch, poisoned: list[tuple[str, Poisoned]]) -> None:
-        """Add the dead letters of the ``poisoned`` requests' entries to ``batch``."""
+    async def _dead_letter(
+        self, batch: Batch, poisoned: list[tuple[tuple[str, str], Poisoned]]
+    ) -> None:
+        """Add the dead letters of the ``poisoned`` requests' entries (by request id and
+        step: one request may have two entries here, two branches of a fan-out) to
+        ``batch``."""
         stage = self.router.stage
-        by_request: dict[str, Entry] = {}
+        by_request: dict[tuple[str, str], Entry] = {}
         for entry in batch.entries:
             who = sender(entry.fields)
             if who is not None:
-                by_request.setdefault(who.id, entry)
+                by_request.setdefault((who.id, who.step), entry)
         found = [(by_request[rid], exc) for rid, exc in poisoned if rid in by_request]
         counts: dict[bytes, int] = {}
         try:
@@ -259,6 +263,7 @@ def _child_main(model: Model, items: list[Item], deadline: float, read: int, wri
     try:
         os.close(read)
         _alone()
+        _one_thread()
         with batch_deadline(deadline):
             results = whole_run(model, items, None)
         data = encode_results(results)
@@ -270,6 +275,15 @@ def _child_main(model: Model, items: list[Item], deadline: float, read: int, wri
         pass
     finally:
         os._exit(code)
+
+
+def _one_thread() -> None:
+    """torch at one thread in the child: a thread that ran a parallel op before the fork
+    left OpenMP's pool behind in the parent, and a child that starts it again hangs."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            torch.set_num_threads(1)
 
 
 def _alone() -> None:

@@ -45,6 +45,16 @@ SECRETS = (
     "**/.git-credentials",
     "**/.aws",
     "**/.ssh",
+    "**/.docker",
+    "**/.kube",
+    "**/.envrc",
+    "**/.npmrc",
+    "**/*.p12",
+    "**/*.pfx",
+    "**/id_rsa*",
+    "**/id_ed25519*",
+    "**/id_ecdsa*",
+    "**/credentials*.json",
     "**/secret*.yaml",
 )
 """Secrets, wherever they are in the app's folder."""
@@ -146,23 +156,21 @@ def ignore_file(plan: Plan) -> str:
             if out
             else []
         ),
-        "# virtualenvs, version control and caches",
-        *CACHES,
-        "",
     ]
-    if plan.weights.folders:
+    if plan.weights.folders:  # before the caches: a model folder's .git stays out
         lines += [
             "# the model folders the stages name: copied with the app",
             *(f"!{folder}" for _, folder in plan.weights.folders),
             "",
         ]
+    lines += ["# virtualenvs, version control and caches", *CACHES, ""]
     lines += ["# secrets, wherever they are (last: nothing above lets one back in)", *SECRETS]
     return "\n".join(lines) + "\n"
 
 
 def _guard(plan: Plan, name: str) -> list[str]:
     """The build step that fails if the context held what the ignore file keeps out."""
-    names = [".env", ".conveyor", ".venv", ".git", "*.pem", "*.key"]
+    names = [".env", ".envrc", ".conveyor", ".venv", ".git", "*.pem", "*.key", "id_rsa*"]
     tests = " -o ".join(f"-name '{n}'" for n in names)
     lines = [
         "# Nothing secret or local may have come with the context: a builder that skipped",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -237,3 +238,46 @@ async def test_suspects_running_in_a_child_are_not_charged_a_crash_of_their_work
     worker.stop()
     await running
     assert not await redis.exists(harness.keys.on_model(stream))  # deleted with the acks
+
+
+FORK_AFTER_MAIN_THREAD_TORCH = """
+import asyncio, os, time
+import torch
+from workers.suspects import decode_results, fork_running, wait_child
+
+torch.set_num_threads(2)
+torch.ones(512, 512) @ torch.ones(512, 512)  # the forking thread starts OpenMP's pool
+
+
+class Sums:
+    def predict(self, items):
+        return [{"sum": float((torch.ones(256, 256) @ torch.ones(256, 256)).sum())} for _ in items]
+
+
+async def main():
+    pid, fd = fork_running(Sums(), [{}, {}], time.monotonic() + 30)
+    try:
+        status, data = await wait_child(pid, fd, 30)
+    finally:
+        os.close(fd)
+    print(status, decode_results(data, 2) if status == 0 else None)
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_child_forked_from_a_thread_that_ran_torch_does_not_hang() -> None:
+    # An app that builds or runs a module at import runs torch on the worker's main
+    # thread, the one that forks: a child that used OpenMP's pool as it was hung there.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        FORK_AFTER_MAIN_THREAD_TORCH,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert text.strip().splitlines()[-1] == "0 [{'sum': 16777216.0}, {'sum': 16777216.0}]", text

@@ -15,8 +15,9 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipelines.errors import ConfigError
 from pipelines.stages import Stage
-from runtime.definitions import definition, digest
+from runtime.definitions import agree_on_definition, definition, digest
 from runtime.status import live_workers
 from tests.helpers import Harness, NumberIn, until, wait_for_line
 from tests.support.defsapp import FIRST, SECOND
@@ -139,3 +140,46 @@ def test_what_counts_as_another_definition() -> None:
     assert len({digest(definition(s)) for s in same}) == 1
     other = [SECOND, Stage("shape", NumberIn, "tests.support.faultapp:Crashy")]
     assert len({digest(definition(s)) for s in [FIRST, *other]}) == 3
+
+
+async def _beat(redis: aioredis.Redis, harness: Harness, consumer: str) -> None:
+    seconds, micros = await redis.time()
+    until_ms = int(seconds) * 1000 + int(micros) // 1000 + 60_000
+    await redis.hset(harness.keys.alive("shape"), consumer, str(until_ms))
+
+
+async def test_two_workers_starting_together_with_two_definitions_are_not_both_accepted(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # Each beats before it checks (as a worker joins): the second to check sees the
+    # first live, holding the definition it recorded, and is refused, whichever order
+    # their checks run in; before, the second replaced the record (no beat yet) and
+    # both served.
+    await _beat(redis, harness, "a")
+    await _beat(redis, harness, "b")
+    await agree_on_definition(redis, harness.keys, FIRST, "a")
+    with pytest.raises(ConfigError, match="definition differs"):
+        await agree_on_definition(redis, harness.keys, SECOND, "b")
+
+
+async def test_new_replicas_of_a_redeploy_agree_with_each_other(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # The old definition's workers are gone; two replicas of the new one start together
+    # and each sees the other live: live workers of the *recorded* definition are what
+    # refuse, so the first replaces it and the second agrees.
+    await _beat(redis, harness, "old")
+    await agree_on_definition(redis, harness.keys, FIRST, "old")
+    await redis.hdel(harness.keys.alive("shape"), "old")
+    await _beat(redis, harness, "new-1")
+    await _beat(redis, harness, "new-2")
+    await agree_on_definition(redis, harness.keys, SECOND, "new-1")
+    await agree_on_definition(redis, harness.keys, SECOND, "new-2")
+    raw = await redis.get(harness.keys.stage_definition("shape"))
+    assert raw is not None
+    assert digest(definition(SECOND)).encode() in raw
+    holders = await redis.hgetall(harness.keys.definition_holders("shape"))
+    assert set(holders) == {b"new-1", b"new-2"}  # the old one's entry dropped
+    # An old worker still live keeps a third definition out.
+    with pytest.raises(ConfigError, match="new-1, new-2"):
+        await agree_on_definition(redis, harness.keys, FIRST, "third")

@@ -47,7 +47,9 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
     """
     sent, listed = post_errors(edge), declared(edge)
     models, model = model_routes(gw)
-    shares = Shares(gw.settings.request_share)  # a stage's window, whichever route fills it
+    # A stage's window, whichever route fills it; the share is the host's, split among
+    # its gateway processes (each holds its own window).
+    shares = Shares(gw.settings.request_share / gw.settings.gateways)
     post = functools.partial(posted, gw, shares)
     for method, path, endpoint, summary, responses in (
         ("POST", "/v1/embeddings", post(EmbeddingsIn, embeddings), "Embeddings", sent),
