@@ -4,13 +4,14 @@ Pure: nothing here talks to Redis, so what a batch does is checked without a ser
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import orjson
 from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import BRANCH, FIELD, encode
+from pipelines.envelope import BRANCH, FIELD, Reply, encode
 from pipelines.keys import GROUP
 from pipelines.outcomes import Outcome
 from pipelines.records import job_finished
@@ -26,6 +27,9 @@ hold the same entry while it is pending, which a stall of this length would outl
 Token = str | int
 """A plan token: a literal string, a value's number (>= 1) or a key's number (<= -1)."""
 
+LITERAL = re.compile(r"[!-~]{1,64}")
+"""A field name passed as itself in the plan (short printable ASCII), not as a value."""
+
 STREAM, HASH = "stream", "hash"
 """The types (as Redis's TYPE names them) a plan's keys must have, where absent."""
 
@@ -34,7 +38,14 @@ class Plan:
     """The commands of one batch, with every key and value passed out of band.
 
     Keys go in KEYS (so a cluster proxy can see them, all in one hash tag's slot) and
-    values in ARGV, so results of any size or encoding never pass through JSON.
+    values in ARGV, so results of any size or encoding never pass through JSON. The
+    keys the call reads (every group's "done" and cancellation markers) come first, so
+    the script reads them in one MGET of ``KEYS[1..reads]``. A group is flat: its
+    marker, ttl, cancellation marker (0: none), outcome's stats field, its reply (stream
+    and value: the one command most groups have, written without a command's tokens; 0,
+    0 for none), then its commands, each as its length and its tokens (:func:`op`);
+    :attr:`always` holds the call's own commands the same way. Decoding and walking the
+    plan was most of what the script cost beyond its commands while it was nested.
     """
 
     def __init__(self) -> None:
@@ -43,11 +54,15 @@ class Plan:
         self.own: set[int] = set()  # the numbers of the keys the call itself writes
         self.checked: set[int] = set()  # those a request writes: their type is checked
         self.values: list[EncodableT] = []
-        self.groups: list[list[object]] = []
-        self.always: list[list[Token]] = []
+        self.groups: list[list[Token]] = []
+        self.always: list[Token] = []
+        self.reads = 0  # KEYS[1..reads]: the markers read before anything is written
+        self.stats = 0  # the stats hash's key number (groups count their outcome there)
+        self.reply_maxlen = 0  # the cap of the reply streams (a group's reply is capped)
         self.token: Token = ""
         self.retry = False  # set on every try after the first (the token is looked for)
         self._key_numbers: dict[str, int] = {}
+        self._value_numbers: dict[tuple[type, EncodableT], int] = {}
 
     def key(self, name: str, kind: str = "") -> int:
         """The token of key ``name`` (each key is passed once), which the commands that
@@ -80,22 +95,40 @@ class Plan:
         return token
 
     def value(self, value: EncodableT) -> int:
-        """The token of ``value``."""
-        self.values.append(value)
-        return len(self.values)
+        """The token of ``value`` (a string passed twice, an entry id acked and unmarked,
+        is passed once)."""
+        if not isinstance(value, (str, bytes)):
+            self.values.append(value)
+            return len(self.values)
+        number = self._value_numbers.get((type(value), value))
+        if number is None:
+            self.values.append(value)
+            number = self._value_numbers[type(value), value] = len(self.values)
+        return number
 
     def script_args(self) -> list[EncodableT]:
         """ARGV: the plan, then the values."""
+        checked = [(n, self.types[n - 1]) for n in sorted(self.checked)]
         plan = {
             "t": self.token,
             "r": self.retry,
             "tt": str(TOKEN_TTL_S),
+            "m": self.reads,
+            "h": self.stats,
+            "c": Outcome.CANCELLED.stats_field,
+            "f": FIELD.decode(),
+            "x": str(self.reply_maxlen),
             "g": self.groups,
             "a": self.always,
-            "k": [t if i + 1 in self.checked else "" for i, t in enumerate(self.types)],
+            "k": [token for n, kind in checked if kind for token in (n, kind)],
             "s": sorted(self.own),
         }
         return [orjson.dumps(plan), *self.values]
+
+
+def op(*tokens: Token) -> list[Token]:
+    """One command of a plan: its length, then its tokens (name first)."""
+    return [len(tokens), *tokens]
 
 
 @dataclass(frozen=True)
@@ -149,49 +182,45 @@ def compile_plan(call: Call) -> Plan | None:
     nothing."""
     plan = Plan()
     out = call.out
+    outcomes = {marker: effects.outcome() for marker, effects in out.effects.items()}
+    cancels: dict[str, int] = {}
+    for marker, effects in out.effects.items():  # what is read: first, in one MGET
+        plan.key(marker)
+        if effects.cancel_marker is not None and outcomes[marker] is not Outcome.CANCELLED:
+            cancels[marker] = plan.key(effects.cancel_marker)
+    for marker in call.dropped:
+        plan.key(marker)
+    plan.reads, plan.reply_maxlen = len(plan.keys), call.reply_maxlen
+    if out.effects or call.dropped or call.stats or call.gauges:
+        plan.stats = -plan.own_key(call.stats_key, HASH)
     streams: set[str] = set()
     for marker, effects in out.effects.items():
-        outcome = effects.outcome()
-        commands = _commands(plan, effects, streams, call)
-        stats_hash = plan.own_key(call.stats_key, HASH)
-        commands.append(["HINCRBY", stats_hash, outcome.stats_field, "1"])
-        if effects.cancel_marker is not None and outcome is not Outcome.CANCELLED:
-            counted = ["HINCRBY", stats_hash, Outcome.CANCELLED.stats_field, "1"]
-            commands = [["UNLESS", plan.key(effects.cancel_marker), counted, *commands]]
-        plan.groups.append([plan.key(marker), str(effects.marker_ttl_s), *commands])
+        head: list[Token] = [plan.key(marker), str(effects.marker_ttl_s)]
+        head += [cancels.get(marker, 0), outcomes[marker].stats_field]
+        plan.groups.append(head + _commands(plan, effects, streams, call))
     for marker in call.dropped:
-        dropped_group: list[object] = [plan.key(marker), str(DROPPED_TTL_S)]
-        stats_hash = plan.own_key(call.stats_key, HASH)
-        dropped_group.append(["HINCRBY", stats_hash, Outcome.ERROR.stats_field, "1"])
-        plan.groups.append(dropped_group)
+        error = Outcome.ERROR.stats_field
+        plan.groups.append([plan.key(marker), str(DROPPED_TTL_S), 0, error, 0, 0])
     for reply_to in sorted(streams - call.fresh):
-        plan.always.append(["EXPIRE", plan.key(reply_to), str(call.reply_ttl_s)])
+        plan.always += op("EXPIRE", plan.key(reply_to), str(call.reply_ttl_s))
     for dlq, fields in call.dead_letters:
-        plan.always.append(["XADD", plan.own_key(dlq, STREAM), "*", *_pairs(plan, fields)])
+        plan.always += op("XADD", plan.own_key(dlq, STREAM), "*", *_pairs(plan, fields))
     for acked, ids in call.acks.items():
         for i in range(0, len(ids), 1000):  # Lua's unpack() takes a few thousand at most
             chunk = ids[i : i + 1000]
-            xack: list[Token] = [
-                "XACK",
-                plan.own_key(acked, STREAM),
-                GROUP,
-                *map(plan.value, chunk),
-            ]
-            plan.always.append(xack)
+            plan.always += op("XACK", plan.own_key(acked, STREAM), GROUP, *map(plan.value, chunk))
     for hashed, ids in call.unmark.items():
         for i in range(0, len(ids), 1000):
             chunk = ids[i : i + 1000]
-            plan.always.append(["HDEL", plan.own_key(hashed, HASH), *map(plan.value, chunk)])
+            plan.always += op("HDEL", plan.own_key(hashed, HASH), *map(plan.value, chunk))
     if call.gauges:
-        plan.always.append(
-            ["HSET", plan.own_key(call.stats_key, HASH), *_pairs(plan, dict(call.gauges.items()))]
-        )
+        pairs = _pairs(plan, dict(call.gauges.items()))
+        plan.always += op("HSET", -plan.stats, *pairs)
     for name, amount in call.stats.items():
-        stats_hash = plan.own_key(call.stats_key, HASH)
         if name.endswith(":sum"):
-            plan.always.append(["HINCRBYFLOAT", stats_hash, name, repr(float(amount))])
+            plan.always += op("HINCRBYFLOAT", -plan.stats, name, repr(float(amount)))
         else:
-            plan.always.append(["HINCRBY", stats_hash, name, str(int(amount))])
+            plan.always += op("HINCRBY", -plan.stats, name, str(int(amount)))
     if not plan.groups and not plan.always:
         return None
     if call.stats or call.dead_letters:
@@ -208,33 +237,58 @@ def _pairs(
 ) -> list[Token]:
     tokens: list[Token] = []
     for name, value in fields.items():
-        tokens += [plan.value(name), plan.value(value)]
+        literal = name.decode("ascii", "replace") if isinstance(name, bytes) else name
+        if isinstance(literal, str) and LITERAL.fullmatch(literal):
+            tokens += [literal, plan.value(value)]  # the name as itself: one argument less
+        else:
+            tokens += [plan.value(name), plan.value(value)]
     return tokens
 
 
-def _commands(plan: Plan, effects: Effects, streams: set[str], call: Call) -> list[list[object]]:
+def _commands(plan: Plan, effects: Effects, streams: set[str], call: Call) -> list[Token]:
+    """A group's reply (its stream and value, or 0, 0), then its commands."""
     job_prefix = call.job_prefix
-    commands: list[list[object]] = []
-    for reply_to, reply in effects.replies:
+    first: Reply | None = None
+    replies = effects.replies
+    if replies and effects.answer_marker is None:
+        reply_to, first = replies[0]
+        if job_prefix and reply_to.startswith(job_prefix):
+            first = None
+    commands: list[Token] = [0, 0]
+    if first is not None:  # the common case, written by the script without a command
+        fields = encode(first)
+        if set(fields) == {FIELD}:
+            commands = [plan.key(replies[0][0], STREAM), plan.value(fields[FIELD])]
+            streams.add(replies[0][0])
+            replies = replies[1:]
+    for reply_to, reply in replies:
         if job_prefix and reply_to.startswith(job_prefix):
             job = plan.key(reply_to, HASH)
-            commands.append(["HSET", job, *_pairs(plan, job_finished(reply))])
-            commands.append(["EXPIRE", job, str(call.job_ttl_s)])
+            commands += op("HSET", job, *_pairs(plan, job_finished(reply)))
+            commands += op("EXPIRE", job, str(call.job_ttl_s))
         else:
-            capped = ["MAXLEN", "~", str(call.reply_maxlen)]
-            commands.append(
-                ["XADD", plan.key(reply_to, STREAM), *capped, "*", *_pairs(plan, encode(reply))]
-            )
+            stream, capped = plan.key(reply_to, STREAM), ("MAXLEN", "~", str(call.reply_maxlen))
+            commands += op("XADD", stream, *capped, "*", *_pairs(plan, encode(reply)))
             streams.add(reply_to)
     for target, request in effects.forwards:
-        commands.append(["XADD", plan.key(target, STREAM), "*", *_pairs(plan, encode(request))])
+        commands += op("XADD", plan.key(target, STREAM), "*", *_pairs(plan, encode(request)))
     for join_key, ttl in effects.failed_joins:
-        commands.append(["FAILJOIN", plan.key(join_key, HASH), str(ttl)])
+        commands += op("FAILJOIN", plan.key(join_key, HASH), str(ttl))
     if effects.answer_marker is not None:  # the branches of a join answer once between them
-        once = ["ONCE", plan.key(effects.answer_marker), str(effects.marker_ttl_s)]
-        commands = [[*once, *commands]]
+        kept = str(effects.marker_ttl_s)
+        once = op("ONCE", plan.key(effects.answer_marker), kept, len(commands) - 2)
+        commands = commands[:2] + once + commands[2:]
     for j in effects.joins:
-        where = [plan.key(j.key, HASH), plan.key(j.stream, STREAM), plan.value(j.branch)]
-        arrival = [plan.value(j.output), str(j.expected), plan.value(j.envelope), str(j.ttl_s)]
-        commands.append(["JOIN", *where, *arrival, plan.value(FIELD), plan.value(BRANCH)])
+        where: list[Token] = [
+            plan.key(j.key, HASH),
+            plan.key(j.stream, STREAM),
+            plan.value(j.branch),
+        ]
+        arrival: list[Token] = [
+            plan.value(j.output),
+            str(j.expected),
+            plan.value(j.envelope),
+            str(j.ttl_s),
+        ]
+        commands += op("JOIN", *where, *arrival, plan.value(FIELD), plan.value(BRANCH))
     return commands

@@ -1,29 +1,40 @@
--- KEYS: every key the batch touches. ARGV[1]: the plan (JSON); ARGV[2..]: the values.
--- The plan is {"t": token, "tt": ttl, "g": groups, "a": commands, "k": types, "s": own}.
+-- KEYS: every key the batch touches, the read ones first. ARGV[1]: the plan (JSON);
+-- ARGV[2..]: the values. The plan is {"t": token, "r": retry, "tt": ttl, "m": reads,
+-- "h": stats hash, "c": cancelled field, "f": reply field, "x": reply cap, "g": groups,
+-- "a": commands, "k": types, "s": own}.
+-- The plan is flat (one table per group, and one for "a"), so that decoding it and walking
+-- it cost little per request: the script's own work, not the commands it runs, was most
+-- of a batch's Redis time.
 -- The call sets its token key (tt seconds) at the end; a retry (plan.r) looks for it
 -- first: if it exists, this very call has run before (its answer was lost), nothing runs
 -- again and the first run's answer (kept in it) is returned. A call whose every command
--- is safe to repeat (no stats counts, no dead letters) has no token (""). A group is [marker, ttl, command...]: its commands run only if
--- its "done" marker is absent, and then the marker is set (ttl seconds), so a step that
--- ran twice publishes (and counts its outcome) once. "a" runs once per call (ack, batch
--- stats, dead letters). In a command, a string is itself, a number n >= 1 is ARGV[n + 1]
--- and -n is KEYS[n]. JOIN and FAILJOIN are the join operations below; ONCE marker ttl
--- command... runs its commands only if a second marker is absent too, and sets it (the
--- answer of a failed branch, shared by its join's branches); UNLESS key otherwise
--- command... runs its commands only if key is absent, else the one command otherwise (a
--- request cancelled while it ran: its count alone); any other name is a Redis command.
--- Reads are made once per call: every group's marker and UNLESS key in one MGET;
--- HINCRBYs are summed and sent once per field, at the end.
--- Before anything is written, plan.k (the type each key a request writes must have:
--- 'stream', 'hash', '' for any) is checked with TYPE: a key of another type (a missing
--- one is fine) would fail its command midway through the call, after earlier commands
--- had run. If a group that would run meets one, nothing runs: the answer is
--- {0, {}, refused} where refused lists marker, key, type of each such group. A key of
--- plan.s (written by the call itself: stats, dead letters, acks) is not checked but
--- written with pcall: of another type, it is not a request's fault, and every command
--- writing it is skipped. Returns {skipped, cancelled, {}, broken}: how many groups were
--- skipped as already published, the markers of those whose UNLESS found its key
--- (cancelled), and the keys of plan.s skipped for their type.
+-- is safe to repeat (no stats counts, no dead letters) has no token ("").
+-- KEYS[1..m] are what the call reads, in one MGET (per thousand): every group's "done"
+-- marker and cancellation marker.
+-- A group is [marker, ttl, cancel, field, stream, reply, command...]: its reply and
+-- commands run only if its "done" marker is absent, and then the marker is set (ttl
+-- seconds), so a step that ran twice publishes (and counts its outcome) once. It counts
+-- one in the field of stats hash h; if its cancellation marker cancel (0: none) exists,
+-- the request was cancelled while it ran: nothing of it runs, and it counts one in field
+-- c instead. Its reply (stream 0: none) is XADD stream MAXLEN ~ x * f reply: most groups'
+-- one command, passed without a command's tokens.
+-- A command is n, name, its n - 1 arguments; "a" holds the commands that run once per
+-- call (ack, batch stats, dead letters). In a command, a string is itself, a number
+-- i >= 1 is ARGV[i + 1] and -i is KEYS[i]. JOIN and FAILJOIN are the join operations
+-- below; ONCE marker ttl span runs the span tokens of commands after it only if a second
+-- marker is absent too, and sets it (the answer of a failed branch, shared by its join's
+-- branches); any other name is a Redis command. HINCRBYs are summed and sent once per
+-- field, at the end.
+-- Before anything is written, plan.k (key, type, ...: the type each key a request writes
+-- must have) is checked with TYPE: a key of another type (a missing one is fine) would
+-- fail its command midway through the call, after earlier commands had run. If a group
+-- that would run meets one, nothing runs: the answer is {0, {}, refused} where refused
+-- lists marker, key, type of each such group. A key of plan.s (written by the call
+-- itself: stats, dead letters, acks) is not checked but written with pcall: of another
+-- type, it is not a request's fault, and every command writing it is skipped. Returns
+-- {skipped, cancelled, {}, broken}: how many groups were skipped as already published,
+-- the markers of those whose cancellation marker exists (cancelled), and the keys of
+-- plan.s skipped for their type.
 local function value(t)
   if type(t) == 'number' then
     if t < 0 then return KEYS[-t] end
@@ -69,53 +80,29 @@ if plan.r and token ~= '' then  -- a retry: the first try may have run, its answ
 end
 
 local own, wrong, muted, broken = {}, {}, {}, {}
+local any_wrong = false
 for _, i in ipairs(plan.s) do own[i] = true end
-for i, want in ipairs(plan.k) do
-  if want ~= '' then
-    local have = redis.call('TYPE', KEYS[i])['ok']
-    if have ~= 'none' and have ~= want then
-      wrong[i] = have
-      if own[i] then
-        muted[i] = true
-        broken[#broken + 1] = KEYS[i]
-      end
+local types = plan.k
+for j = 1, #types, 2 do
+  local i, want = types[j], types[j + 1]
+  local have = redis.call('TYPE', KEYS[i])['ok']
+  if have ~= 'none' and have ~= want then
+    wrong[i] = have
+    if own[i] then
+      muted[i] = true
+      broken[#broken + 1] = KEYS[i]
+    else
+      any_wrong = true
     end
   end
 end
 
--- Which of the keys names (a list) exist: one MGET per thousand.
-local function present(names)
-  local found = {}
-  for i = 1, #names, 1000 do
-    local got = redis.call('MGET', unpack(names, i, math.min(i + 999, #names)))
-    for j = 1, #got do
-      if got[j] then found[names[i + j - 1]] = true end
-    end
+local found = {}  -- by key number: the read keys (markers) that exist
+for i = 1, plan.m, 1000 do
+  local got = redis.call('MGET', unpack(KEYS, i, math.min(i + 999, plan.m)))
+  for j = 1, #got do
+    if got[j] then found[i + j - 1] = true end
   end
-  return found
-end
-
-local markers, names = {}, {}
-for j, group in ipairs(plan.g) do
-  markers[j] = value(group[1])
-  names[#names + 1] = markers[j]
-  local c = group[3]
-  if type(c) == 'table' and c[1] == 'UNLESS' then names[#names + 1] = value(c[2]) end
-end
-local found = present(names)  -- "done" markers and cancellation markers alike
-
--- The first key of a wrong type that a command (or a group) would write, or nil.
-local function culprit(command)
-  for i = 1, #command do
-    local t = command[i]
-    if type(t) == 'table' then
-      local n = culprit(t)
-      if n then return n end
-    elseif type(t) == 'number' and t < 0 and wrong[-t] and not muted[-t] then
-      return -t
-    end
-  end
-  return nil
 end
 
 local counts, order = {}, {}
@@ -149,64 +136,90 @@ local function write(args, k)
   redis.call(unpack(args))
 end
 
-local function run(command)
-  if command[1] == 'UNLESS' then
-    if found[value(command[2])] then
-      run(command[3])
-      return true
-    end
-    for i = 4, #command do run(command[i]) end
-    return false
-  end
-  if command[1] == 'ONCE' then
-    local marker = value(command[2])
-    if redis.call('EXISTS', marker) == 0 then
-      redis.call('SET', marker, '1', 'EX', command[3])
-      for i = 4, #command do run(command[i]) end
-    end
-    return
-  end
+-- The command of tokens first..last of list.
+local function command(list, first, last)
+  local key = list[first + 1]
   local k = nil
-  if type(command[2]) == 'number' and command[2] < 0 then k = -command[2] end
+  if type(key) == 'number' and key < 0 then k = -key end
   if k and muted[k] then return end
   local args = {}
-  for i = 1, #command do args[i] = value(command[i]) end
-  if args[1] == 'JOIN' then
+  for i = first, last do args[#args + 1] = value(list[i]) end
+  local name = args[1]
+  if name == 'JOIN' then
     join(unpack(args, 2))
-  elseif args[1] == 'FAILJOIN' then
+  elseif name == 'FAILJOIN' then
     failjoin(args[2], args[3])
-  elseif args[1] == 'HINCRBY' or args[1] == 'HINCRBYFLOAT' then
-    count(args[1], k or args[2], args[3], args[4])
+  elseif name == 'HINCRBY' or name == 'HINCRBYFLOAT' then
+    count(name, k or args[2], args[3], args[4])
   else
     write(args, k)
   end
 end
 
-local refused = {}
-for j, group in ipairs(plan.g) do
-  if not found[markers[j]] then
-    local n = culprit(group)
-    if n then
-      refused[#refused + 1] = markers[j]
-      refused[#refused + 1] = KEYS[n]
-      refused[#refused + 1] = wrong[n]
+-- The commands of tokens i..stop - 1 of list.
+local function run(list, i, stop)
+  while i < stop do
+    local n = list[i]
+    if list[i + 1] == 'ONCE' then
+      local marker, after = value(list[i + 2]), i + 1 + n
+      if redis.call('EXISTS', marker) == 0 then
+        redis.call('SET', marker, '1', 'EX', list[i + 3])
+        run(list, after, after + list[i + 4])
+      end
+      i = after + list[i + 4]
+    else
+      command(list, i + 1, i + n)
+      i = i + 1 + n
     end
   end
 end
-if #refused > 0 then return {0, {}, refused, broken} end
+
+local groups = plan.g
+if any_wrong then
+  local refused = {}
+  for _, group in ipairs(groups) do
+    if not found[-group[1]] then
+      for i = 5, #group do  -- a key token of another type, unless muted
+        local t = group[i]
+        if type(t) == 'number' and t < 0 and wrong[-t] and not muted[-t] then
+          refused[#refused + 1] = KEYS[-group[1]]
+          refused[#refused + 1] = KEYS[-t]
+          refused[#refused + 1] = wrong[-t]
+          break
+        end
+      end
+    end
+  end
+  if #refused > 0 then return {0, {}, refused, broken} end
+end
 local skipped, cancelled = 0, {}
-for j, group in ipairs(plan.g) do
-  local marker = markers[j]
-  if found[marker] then
+local tally, fields = {}, {}  -- outcomes counted, by field; their fields in order
+for _, group in ipairs(groups) do
+  local m = -group[1]
+  if found[m] then
     skipped = skipped + 1
   else
-    redis.call('SET', marker, '1', 'EX', group[2])
-    for i = 3, #group do
-      if run(group[i]) then cancelled[#cancelled + 1] = marker end
+    redis.call('SET', KEYS[m], '1', 'EX', group[2])
+    local field = group[4]
+    if group[3] ~= 0 and found[-group[3]] then
+      cancelled[#cancelled + 1] = KEYS[m]
+      field = plan.c
+    else
+      local s = group[5]
+      if s ~= 0 and not muted[-s] then
+        redis.call('XADD', KEYS[-s], 'MAXLEN', '~', plan.x, '*', plan.f, ARGV[group[6] + 1])
+      end
+      run(group, 7, #group + 1)
     end
+    if tally[field] == nil then
+      tally[field] = 0
+      fields[#fields + 1] = field
+    end
+    tally[field] = tally[field] + 1
   end
 end
-for _, command in ipairs(plan.a) do run(command) end
+for _, field in ipairs(fields) do count('HINCRBY', plan.h, field, tally[field]) end
+run(plan.a, 1, #plan.a + 1)
 for _, c in ipairs(order) do
   local id, kind, key, field = c[1], c[2], c[3], c[4]
   local amount = counts[id]
