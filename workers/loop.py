@@ -269,7 +269,8 @@ class Worker:
                 deadline = parts.deadline([req for req, _ in batch.live])
                 try:
                     if suspect and parts.isolation.usable:  # in a child process
-                        ran = await parts.isolation.run(batch, parts, deadline)
+                        hung = parts.recovery.from_hang(entries)
+                        ran = await parts.isolation.run(batch, parts, deadline, hung=hung)
                     else:
                         ran = await parts.runner.run(batch, parts, deadline)
                 except Hung as hung:  # its thread is lost: the process ends

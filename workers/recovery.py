@@ -127,6 +127,7 @@ class Recovery:
         self.claim_count = claim_count
         self._suspects: deque[list[Entry]] = deque()  # batches to run again, in order
         self._suspect_running = False
+        self._hung: set[bytes] = set()  # ids of suspects whose batch hung (not crashed)
 
     async def next(self) -> Due:
         """Do the duties now due: trim; remove gone workers' consumers; when no suspect
@@ -190,6 +191,14 @@ class Recovery:
     def published(self, settled: Settled) -> None:
         """What :meth:`next` dead-lettered is published: count it."""
         self.dead_lettered += len(settled.entries)
+
+    def from_hang(self, entries: Sequence[Entry]) -> bool:
+        """Whether ``entries`` (a suspects' batch) are of a batch whose model call hung:
+        a hang, unlike a crash, costs its whole bound each run, so they run apart."""
+        ids = {entry.id for entry in entries}
+        hung = bool(ids & self._hung)
+        self._hung -= ids
+        return hung
 
     def suspect_done(self) -> None:
         """The suspects' batch has ended: the next may run."""
@@ -294,6 +303,7 @@ class Recovery:
             times = max(counts.get((e.stream, e.id), 1) for e in mates)
             if mates[0].id in claimed.hung:
                 part = max(1, math.ceil(size / 2))
+                self._hung.update(e.id for e in mates)
             else:  # whole once, if one more crash leaves them within the cap; then alone
                 part = size if times <= 2 and times < cap else 1
             mates.sort(key=lambda e: _order(e.id))

@@ -32,10 +32,13 @@ from pipelines.stages import BUILTIN
 from runtime.status import stage_status
 from tests.conveyor.test_supervisor import start_ready, stop
 from tests.helpers import Doubler, Harness, died_running, number_stage, until
+from workers.claims import mark_hung
+from workers.forked import decode_results, fork_running, wait_child
 from workers.route import Router
 from workers.runner import Runner
 from workers.settings import WorkerSettings
-from workers.suspects import Isolation, decode_results, fork_running, wait_child
+from workers.suspects import Isolation
+from workers.values import Entry
 
 FAST_RECLAIM = {
     "CONVEYOR_MIN_IDLE_MS": "300",
@@ -243,7 +246,7 @@ async def test_suspects_running_in_a_child_are_not_charged_a_crash_of_their_work
 FORK_AFTER_MAIN_THREAD_TORCH = """
 import asyncio, os, time
 import torch
-from workers.suspects import decode_results, fork_running, wait_child
+from workers.forked import decode_results, fork_running, wait_child
 
 torch.set_num_threads(2)
 torch.ones(512, 512) @ torch.ones(512, 512)  # the forking thread starts OpenMP's pool
@@ -281,3 +284,61 @@ async def test_a_child_forked_from_a_thread_that_ran_torch_does_not_hang() -> No
     text = out.decode()
     assert proc.returncode == 0, text
     assert text.strip().splitlines()[-1] == "0 [{'sum': 16777216.0}, {'sum': 16777216.0}]", text
+
+
+class HangsInAChild:
+    """Doubles values; a negative one never returns in a child (the serving worker's
+    own process raises instead, so a run there fails the test rather than hanging it)."""
+
+    def __init__(self) -> None:
+        self.home = os.getpid()
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        """Double, or hang."""
+        if any(item["value"] < 0 for item in items):
+            if os.getpid() == self.home:
+                raise RuntimeError("the serving worker would have hung here")
+            time.sleep(600)
+        return [{"value": item["value"] * 2} for item in items]
+
+
+async def test_a_batch_that_hung_runs_each_item_in_a_child_of_its_own(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # BREAK (round four, re-run): a hang batched with 10 others was found by halves in
+    # children, each level waiting max_call_s out (7 -> 3 -> 1: three more bounds), and
+    # the innocents' callers had given up by then. Now a batch that hung runs each item
+    # in a child of its own: the hang costs its bound once more, alone, and every other
+    # item answers beside it.
+    stage = number_stage(max_batch_size=32, batch_wait_ms=0)
+    stream = harness.keys.stage_stream("double")
+    worker = harness.worker(
+        stage, HangsInAChild(), min_idle_ms=10, reclaim_interval_ms=10, max_call_s=2
+    )
+    await worker.start()
+    values = [1, 2, 3, -1, 4, 5, 6, 7]
+    sent = await harness.enqueue("double", [{"value": v} for v in values])
+    got = await died_running(redis, harness.keys, stream)
+    entries = [Entry(eid, fields, stream) for _, read in got for eid, fields in read]
+    await mark_hung(redis, harness.keys, entries)  # as the worker whose call hung left it
+    running = harness.run(worker)
+    replies = harness.keys.reply_stream("test")
+
+    async def answered() -> bool:
+        return bool(await redis.xlen(replies) >= len(values))
+
+    await until(answered, 60)
+    worker.stop()
+    await running
+    got_replies = [decode_reply(f) for _, f in cast(Any, await redis.xrange(replies))]
+    by_id = {r.id: r for r in got_replies}
+    for req, value in zip(sent, values, strict=True):
+        reply = by_id[req.id]
+        if value < 0:
+            assert (reply.outcome, reply.status) == ("error", 504), reply
+            assert "max_call_s" in (reply.error or ""), reply
+        else:
+            assert (reply.outcome, reply.result) == ("ok", {"value": 2 * value}), reply
+    # Recovery halves a hung batch (4 + 4); each half's items then run one a child:
+    # 8 children, and one bound waited out (halves in children would be 4 + 2 + 2 + ...).
+    assert worker.parts.isolation.children == len(values)
