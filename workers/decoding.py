@@ -6,9 +6,11 @@ request that arrives meanwhile waits for the whole batch. Here the batch is the 
 generations in flight (at most the stage's max batch size), and it changes between
 decoding steps (:class:`~workers.models.decoder.Decoder`):
 
-- while the model runs a step, the loop reads what came (XREADGROUP, COUNT = the free
-  slots, without blocking; blocking only when nothing runs), interactive lane first, and
-  opens it (:class:`~workers.intake.Intake`: decoded, admitted, invalid ones answered);
+- while the model runs a slice of steps (one call, until a generation ends or a request
+  comes), the loop looks for what came (XREADGROUP, COUNT = the free slots, without
+  blocking, every :data:`POLL_S`; blocking only when nothing runs), interactive lane
+  first, and opens it (:class:`~workers.intake.Intake`: decoded, admitted, invalid ones
+  answered);
 - after the step, the new requests are prefilled and join, in arrival order, as long as
   the token budget holds; the rest wait for a slot;
 - a generation that ends (its ``max_new_tokens``, an end-of-sequence token) is published
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -53,6 +56,14 @@ logger = logging.getLogger(__name__)
 
 CHECK_S = 0.1
 """How often the running generations are checked for cancellation (one MGET) and expiry."""
+SLICE_S = 0.05
+"""The most decoding steps one model-thread call runs, in seconds: it returns sooner when
+a generation ends or a request comes to join (a hop to the model thread took 0.35-0.7 ms
+on a loaded 2-core box, against a tiny-GPT-2 step of a few ms)."""
+POLL_S = 0.002
+"""How often the loop looks for new requests while the model decodes a slice, at most;
+nor more often than a step takes or the stage's batch window (what a static batch waits
+too): each look costs the event loop CPU the model could have."""
 
 
 @dataclass(eq=False)
@@ -93,6 +104,10 @@ class Decoding:
         self.suspects: list[Flight] = []  # reclaimed from a crash: they run by themselves
         self._checked = 0.0
         self._device_s = 0.0  # model time since the last publish (charged to it)
+        self._stop = threading.Event()  # set: the model thread ends its slice of steps
+        self._step_s = 0.0  # the last slice's time a step
+        self._arrived = -1.0  # time.monotonic() of the last read that got entries
+        self._together = False  # it got several, or came within a window of the one before
 
     async def serve(self, stopping: asyncio.Event, max_batches: int | None, burst: bool) -> int:
         """Serve until ``stopping`` is set (or ``max_batches`` publishes, or, with
@@ -141,9 +156,17 @@ class Decoding:
                 if self._reading(reading):
                     block = parts.settings.block_ms if idle and not burst else None
                     came = arriving = await self._read(self._free(), block)
+                    # While the slice runs: a look every poll_s; one that finds some ends it.
+                    while stepping is not None and not arriving and self._reading(reading):
+                        poll_s = max(POLL_S, parts.window.wait_s, self._step_s)
+                        if (await asyncio.wait({stepping}, timeout=poll_s))[0]:
+                            break
+                        came = arriving = await self._read(self._free(), None)
+                    if arriving:
+                        self._stop.set()
             finally:
                 ended = await stepping if stepping is not None else []
-            if arriving and stepping is not None:
+            if arriving and stepping is not None and self._together:
                 await self._burst(reading)
             if idle and not came:
                 await parts.flush()  # idle: what the batches counted goes out
@@ -167,11 +190,13 @@ class Decoding:
         return reading and not self.suspects and self._free() > 0
 
     async def _burst(self, reading: bool) -> None:
-        """Requests came while the step ran: clients that sent together may still be
-        arriving. Read on while they come, for at most the stage's batch window in all
-        (it does not restart with each arrival), so that they join in one prefill, one
-        forward for all, instead of one prefill each step. The running generations wait
-        that long at most, and only when a burst comes."""
+        """Requests came together while the step ran (several in one read, or within a
+        window of the read before): clients that sent together may still be arriving.
+        Read on while they come, for at most the stage's batch window in all (it does
+        not restart with each arrival), so that they join in one prefill, one forward
+        for all, instead of one prefill each step. The running generations wait that
+        long at most, and only when a burst comes: a lone arrival (low load) joins at
+        once, neither it nor the running ones waiting out a window for nobody."""
         close_at = time.monotonic() + self.parts.window.wait_s
         while self._reading(reading):
             left_ms = int((close_at - time.monotonic()) * 1000)
@@ -206,6 +231,9 @@ class Decoding:
             await parts.source.failed(exc)  # waited out, or the group made again
             return False
         if entries:
+            now = time.monotonic()
+            self._together = len(entries) > 1 or now - self._arrived < parts.window.wait_s
+            self._arrived = now
             await self._open(entries, suspect=False)
         return bool(entries)
 
@@ -250,12 +278,21 @@ class Decoding:
     # -- the model -----------------------------------------------------------------
 
     async def _advance(self) -> list[Flight]:
-        """One decoding step of every running generation, in the model thread."""
+        """Decoding steps of every running generation, in the model thread, until one
+        ends, a request comes to join or :data:`SLICE_S` has passed; each step's text
+        streamed from there."""
         started = time.monotonic()
         flights = list(self.running.values())
+        self._stop.clear()
         try:
             ended = await self.parts.runner.in_model(
-                "step", len(flights), self._deadline(flights), self.decoder.advance
+                "step",
+                len(flights),
+                self._deadline(flights),
+                self.decoder.steps,
+                self._stop,
+                SLICE_S,
+                lambda: self._stream(flights),
             )
         except Exception as exc:  # the model failed the step (OOM, a bad kernel)
             # One forward ran them all: they fail together, and the batch starts afresh.
@@ -264,7 +301,7 @@ class Decoding:
             return self._failed(flights, exc)
         finally:
             self._device_s += time.monotonic() - started
-        self._stream(self.running.values())
+        self._step_s = (time.monotonic() - started) / max(1, self.decoder.stepped)
         return [self.running.pop(id(generation)) for generation in ended]
 
     async def _admit(self) -> list[Flight]:

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -133,6 +135,7 @@ class Decoder:
         self.device = runner.device
         self.budget = budget
         self.rows: list[Generation] = []
+        self.stepped = 0  # the steps of the last call of steps()
         self._cache: Any = None  # a DynamicCache: per layer, keys/values [rows, heads, T, dim]
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self._next = torch.zeros((0,), dtype=torch.long, device=self.device)
@@ -246,6 +249,21 @@ class Decoder:
         self._next = chosen
         ended = self._record(list(self.rows), chosen.tolist())
         return ended
+
+    def steps(
+        self, stop: threading.Event, most_s: float, on_step: Callable[[], None]
+    ) -> list[Generation]:
+        """Decoding steps (:meth:`advance`), ``on_step`` after each (the streamed text),
+        until a generation ends, ``stop`` is set (a request came to join) or ``most_s``
+        has passed: one call into the model thread for them all, not one a token.
+        Returns those that ended."""
+        until, self.stepped = time.monotonic() + most_s, 0
+        while True:
+            ended = self.advance()
+            self.stepped += 1
+            on_step()
+            if ended or not self.rows or stop.is_set() or time.monotonic() >= until:
+                return ended
 
     def leave(self, generations: list[Generation]) -> None:
         """Take ``generations`` (cancelled, expired, failed) out of the running batch now.

@@ -21,6 +21,7 @@ from pipelines.model import Item, Result, check_deadline
 from workers.models.decoder import Decoder, supports
 from workers.models.hf_base import item_texts
 from workers.models.hf_generate import GenerateRunner, InTime, RowStreamer, check_range
+from workers.models.seq2seq import decoder_of
 from workers.models.stops import cut, held, stops_of
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,10 @@ class Summarizer(GenerateRunner):
             )
         summaries = self.tokenizer.batch_decode(output, skip_special_tokens=True)
         return [{"summary": summary.strip()} for summary in summaries]
+
+    def continuous_decoder(self, budget: int) -> Decoder | None:
+        """A running batch for continuous decoding (:mod:`workers.models.seq2seq`), or None."""
+        return decoder_of(self, budget)
 
 
 class Generator(GenerateRunner):
