@@ -93,6 +93,11 @@ class Lanes:
         self._empty = False  # every lane had nothing at the last look (or was drained)
         self._drained = False  # the last reads took all that every lane had
         self._carry: list[Entry] = []  # delivered by a blocking read past its bound
+        # Items run apart (a function step): the most bulk entries running at once, so
+        # slow jobs never hold every slot and interactive work is still read (None: no
+        # cap); the loop keeps :attr:`bulk_held`, those running now.
+        self.bulk_cap: int | None = None
+        self.bulk_held = 0
 
     def assembled(self) -> None:
         """A batch has been assembled: the next one starts with its slots free."""
@@ -144,6 +149,7 @@ class Lanes:
         bulk_room = count - len(taken)
         if busy or time.monotonic() - self._interactive_at < ACTIVE_S:
             bulk_room = min(bulk_room, self.reserve - self._bulk_taken)
+        bulk_room = min(bulk_room, self._bulk_free())
         bulk = await self._take(self.bulk, bulk_room)
         taken += bulk
         interactive_drained = len(first) < room
@@ -157,6 +163,12 @@ class Lanes:
         # of looking at each again: at low load, one read a batch, not three.
         self._drained = interactive_drained and len(bulk) < bulk_room
         return taken
+
+    def _bulk_free(self) -> int:
+        """How many more bulk entries may be read now (under :attr:`bulk_cap`)."""
+        if self.bulk_cap is None:
+            return 1 << 30
+        return max(0, self.bulk_cap - self.bulk_held - self._bulk_taken)
 
     def _count(self, taken: list[Entry]) -> list[Entry]:
         """Note what ``taken`` uses of the batch's slots (and whether anything came)."""
@@ -173,6 +185,11 @@ class Lanes:
         """Every lane is empty: wait up to ``block_ms`` for new entries, in Redis unless
         the wait is too short for Redis to keep (see above)."""
         streams = dict.fromkeys(self.streams, ">")
+        free = self._bulk_free()
+        if free <= 0:  # bulk is full: looked at again soon, as its calls end
+            del streams[self.bulk]
+            block_ms = min(block_ms, BUSY_BLOCK_MS)
+        count = min(count, max(free, 1))  # one read may give count of each stream
         if block_ms >= SERVER_TICK_MS:
             got = await self._xread(streams, count, block_ms)
         else:

@@ -168,17 +168,29 @@ class Worker:
         limit = self.settings.max_concurrent_batches
         if apart is not None:
             limit = math.ceil(apart / self.settings.partitions)
+            # Jobs (bulk) hold at most three quarters of the calls: slow ones never
+            # keep interactive requests from being read (one slot: no reserve).
+            parts.lanes.bulk_cap = max(1, limit - max(1, limit // 4)) if limit > 1 else None
         slots = asyncio.Semaphore(limit)
         tasks: set[asyncio.Task[None]] = set()
         # Its own heartbeat says it is alive, idle or not (Redis's idle time cannot).
         parts.presence.start()
         batches = 0
 
+        lanes = parts.lanes
+
         def spawn(entries: list[Entry], suspect: bool, slotted: bool = True) -> None:
             task = asyncio.create_task(self._process(entries, suspect))
             tasks.add(task)
             held = slots if slotted else None
-            task.add_done_callback(lambda t: self._batch_ended(t, tasks, held))
+            bulk = sum(1 for e in entries if e.stream == lanes.bulk)
+            lanes.bulk_held += bulk
+
+            def ended(t: asyncio.Task[None]) -> None:
+                lanes.bulk_held -= bulk
+                self._batch_ended(t, tasks, held)
+
+            task.add_done_callback(ended)
 
         try:
             while not self._stopping.is_set() and (max_batches is None or batches < max_batches):

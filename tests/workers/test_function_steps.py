@@ -227,3 +227,44 @@ async def test_a_function_step_runs_at_most_its_concurrency_at_once(
     answers = await calls
     assert [r.json()["n"] for r in answers] == list(range(8))
     assert most == 3
+
+
+async def test_slow_jobs_leave_a_function_step_room_for_interactive_calls(
+    harness: Harness,
+) -> None:
+    # BREAK (round four, re-run): slow async *jobs* (the bulk lane; a job's deadline is an
+    # hour) filled every call of a function step, and interactive calls got 504 behind
+    # them for as long as the jobs ran. Now jobs hold at most three quarters of the calls.
+    gate = threading.Event()
+    started = 0
+
+    async def step(item: dict[str, Any]) -> dict[str, Any]:
+        nonlocal started
+        if item["kind"] == "slow":
+            started += 1
+            await asyncio.to_thread(gate.wait, 60)
+        return {"kind": item["kind"], "n": item["n"]}
+
+    http = await harness.serve(
+        Registry([Pipeline("fn", Kind, (function("run", step, concurrency=4),))])
+    )
+    try:
+        for n in range(6):
+            resp = await http.post("/v1/jobs/fn", json={"kind": "slow", "n": n})
+            assert resp.status_code in (200, 202), resp.text
+
+        async def jobs_running() -> bool:
+            return started == 3  # the bulk cap: 4 calls, one kept for interactive work
+
+        await until(jobs_running, 30)
+        answer = await call(http, "ok", 99, timeout_s=20)
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"kind": "ok", "n": 99}
+        assert started == 3  # the jobs beyond the cap still wait their turn
+    finally:
+        gate.set()
+
+    async def all_jobs_ran() -> bool:
+        return started == 6
+
+    await until(all_jobs_ran, 30)
