@@ -28,16 +28,18 @@ class Span(NamedTuple):
 
 
 @contextmanager
-def receiver() -> Iterator[tuple[str, list[bytes]]]:
+def receiver(keep: bool = True) -> Iterator[tuple[str, list[bytes]]]:
     """An OTLP/HTTP trace endpoint on loopback and the export requests it has received,
-    kept as sent: :func:`decode` reads them afterwards, off the measured path."""
+    kept as sent: :func:`decode` reads them afterwards, off the measured path (``keep``
+    false: read and dropped, as ``bench.tracing`` wants)."""
     got: list[bytes] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
             gzipped = self.headers.get("Content-Encoding") == "gzip"
-            got.append(gzip.decompress(body) if gzipped else body)
+            if keep:
+                got.append(gzip.decompress(body) if gzipped else body)
             self.send_response(200)
             self.send_header("Content-Length", "0")
             self.end_headers()

@@ -17,13 +17,11 @@ import argparse
 import asyncio
 import statistics
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
+from bench.hotpath_spans import receiver
 from bench.loadgen import closed_loop
 from bench.systems import HOST, Options, conveyor
 from bench.workloads import bodies
@@ -34,24 +32,8 @@ WORKLOAD = "echo"
 @contextmanager
 def discard() -> Iterator[str]:
     """An OTLP/HTTP endpoint on loopback that accepts every export and keeps nothing."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            del format, args
-
-    server = ThreadingHTTPServer((HOST, 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://{HOST}:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with receiver(keep=False) as (url, _):
+        yield url
 
 
 def measure(env: dict[str, str], concurrency: int, seconds: float) -> dict[str, float]:
