@@ -171,22 +171,29 @@ def script_own_usec(commands: Mapping[str, Calls], scripted: Mapping[str, float]
     return scripts - inner
 
 
+def open_monitor(host: str, port: int) -> tuple[socket.socket, bytes]:
+    """A connection in ``MONITOR`` mode (watching from its ``+OK`` on: nothing before
+    counts), reads timing out each 0.1 s; and what came after the ``+OK`` already."""
+    sock = socket.create_connection((host, port), timeout=10)
+    sock.sendall(b"MONITOR\r\n")
+    reply = b""
+    while b"\r\n" not in reply:
+        if not (chunk := sock.recv(1 << 16)):
+            raise ConnectionError("Redis closed the connection to MONITOR")
+        reply += chunk
+    answer, _, rest = reply.partition(b"\r\n")
+    if answer != b"+OK":
+        raise ConnectionError(f"MONITOR answered {answer!r}")
+    sock.settimeout(0.1)
+    return sock, rest
+
+
 class Monitor:
     """Counts the commands Redis runs by (command, run by a script) over ``MONITOR``."""
 
     def __init__(self, host: str, port: int) -> None:
         self.seen: Counter[tuple[str, bool]] = Counter()
-        self._sock = socket.create_connection((host, port), timeout=10)
-        self._sock.sendall(b"MONITOR\r\n")
-        reply = b""
-        while b"\r\n" not in reply:  # watching from here on: nothing before counts
-            if not (chunk := self._sock.recv(1 << 16)):
-                raise ConnectionError("Redis closed the connection to MONITOR")
-            reply += chunk
-        answer, _, self._rest = reply.partition(b"\r\n")
-        if answer != b"+OK":
-            raise ConnectionError(f"MONITOR answered {answer!r}")
-        self._sock.settimeout(0.1)
+        self._sock, self._rest = open_monitor(host, port)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import threading
 import time
 from collections import Counter
@@ -15,7 +14,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.capacity import CONTAINERS, scripted_shares
+from bench.capacity import CONTAINERS, open_monitor, scripted_shares
 from bench.systems import HOST
 
 LUA = "lua"
@@ -163,18 +162,8 @@ class Monitor:
     """``MONITOR`` on a Redis, its output kept raw (a thread reads it) until stopped."""
 
     def __init__(self, port: int) -> None:
-        self._sock = socket.create_connection((HOST, port), timeout=10)
-        self._sock.sendall(b"MONITOR\r\n")
-        first = b""
-        while b"\r\n" not in first:  # watching from here on: nothing before counts
-            if not (chunk := self._sock.recv(1 << 16)):
-                raise ConnectionError("Redis closed the connection to MONITOR")
-            first += chunk
-        answer, _, rest = first.partition(b"\r\n")
-        if answer != b"+OK":
-            raise ConnectionError(f"MONITOR answered {answer!r}")
+        self._sock, rest = open_monitor(HOST, port)
         self._chunks = [rest]
-        self._sock.settimeout(0.1)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
