@@ -743,6 +743,6 @@ def test_both_clients_take_the_same_parameters() -> None:
         assert str(inspect.signature(kind.map)).startswith(bulk + " -> ")
     for method in ("call", "submit", "job", "wait", "cancel", "map"):
         assert inspect.iscoroutinefunction(getattr(AsyncClient, method))
-    assert AsyncClient.call.__doc__ == ":meth:`Client.call`."
+    assert AsyncClient.call.__doc__ == "[`Client.call`][]."
     with Client("http://gateway.test") as client:  # bound: without ``self``
         assert str(inspect.signature(client.call)).startswith("(name: 'str', payload")
