@@ -209,3 +209,19 @@ async def test_the_parts_share_the_requests_one_deadline() -> None:
     assert len(lefts) == 1
     assert 0 < lefts[0] <= 0.1
     assert await _free(slots, 1)
+
+
+async def test_a_big_request_out_of_time_names_its_whole_budget(harness: Harness) -> None:
+    # Its parts each get what is left of the request's time; the one that runs out said
+    # "no result within 0.151s" (its own remainder). The answer names the request's budget.
+    _, model, base = await _serve(harness)
+    headers = {"Authorization": f"Bearer {BIG[0]}", "X-Conveyor-Timeout": "1"}
+    body = {"model": "toyembed", "input": [str(i) for i in range(INPUTS)]}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            resp = await client.post("/v1/embeddings", json=body, headers=headers)
+    finally:
+        model.gate.set()
+    assert resp.status_code == 504, resp.text
+    message = resp.json()["error"]["message"]
+    assert f"no result for all {INPUTS} inputs within 1s" in message, message

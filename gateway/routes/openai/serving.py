@@ -24,7 +24,7 @@ from gateway.routes.pipelines import reply_response
 from gateway.service import Gateway
 from gateway.share import Shares, in_parts
 from pipelines.envelope import Reply
-from pipelines.errors import ConfigError, ItemFailed
+from pipelines.errors import ConfigError, DeadlineExceeded, ItemFailed
 from pipelines.graph import Pipeline
 from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
@@ -153,11 +153,21 @@ class Asked:
         bound = gw.settings.max_backlog or stage.max_backlog  # as admission bounds it
         slots = self.shares.slots(stage.name, bound)
 
+        budget_s = gw.timeout_for(self.sent.timeout_s)
+
         async def part(i: int, left_s: float) -> dict[str, Any]:
-            request_id, reply = await self._call(payloads[i], replace(self.sent, timeout_s=left_s))
+            try:
+                request_id, reply = await self._call(
+                    payloads[i], replace(self.sent, timeout_s=left_s)
+                )
+            except DeadlineExceeded as exc:  # its own share of the time: say the whole
+                raise DeadlineExceeded(
+                    f"no result for all {len(payloads)} inputs within {budget_s:g}s "
+                    "(X-Conveyor-Timeout sets the request's time)",
+                    request_id=getattr(exc, "request_id", None),
+                ) from None
             return _result(reply, request_id)
 
-        budget_s = gw.timeout_for(self.sent.timeout_s)
         return await in_parts(part, len(payloads), slots, budget_s)
 
     async def _call(self, payload: dict[str, Any], sent: Sent) -> tuple[str, Reply]:
