@@ -280,7 +280,8 @@ class Worker:
             if batch.live:
                 deadline = parts.deadline([req for req, _ in batch.live])
                 try:
-                    if suspect and parts.isolation.usable:  # in a child process
+                    apart = suspect or parts.recovery.quarantined()  # after a crash
+                    if apart and parts.isolation.usable:  # in a child process
                         hung = parts.recovery.from_hang(entries)
                         ran = await parts.isolation.run(batch, parts, deadline, hung=hung)
                     else:

@@ -128,6 +128,7 @@ class Recovery:
         self._suspects: deque[list[Entry]] = deque()  # batches to run again, in order
         self._suspect_running = False
         self._hung: set[bytes] = set()  # ids of suspects whose batch hung (not crashed)
+        self._quarantine_until = -math.inf  # batches run in a child until then (a crash)
 
     async def next(self) -> Due:
         """Do the duties now due: trim; remove gone workers' consumers; when no suspect
@@ -191,6 +192,12 @@ class Recovery:
     def published(self, settled: Settled) -> None:
         """What :meth:`next` dead-lettered is published: count it."""
         self.dead_lettered += len(settled.entries)
+
+    def quarantined(self) -> bool:
+        """Whether a crash was charged within ``quarantine_s``: every batch then runs in
+        a child process where one can (:mod:`workers.suspects`), so further inputs that
+        crash cost a child each, not a restart of the worker."""
+        return time.monotonic() < self._quarantine_until
 
     def from_hang(self, entries: Sequence[Entry]) -> bool:
         """Whether ``entries`` (a suspects' batch) are of a batch whose model call hung:
@@ -257,6 +264,7 @@ class Recovery:
             counts.update(((stream, eid), n) for eid, n in got.items())
         if claimed.charged:
             progressed()  # their crash is on its way to a dead letter: no loop
+            self._quarantine_until = time.monotonic() + self.settings.quarantine_s
             stats = self.keys.stage_stats(self.router.stage)
             try:
                 await self.client.hincrby(stats, CHARGED, len(claimed.charged))
@@ -264,9 +272,11 @@ class Recovery:
                 logger.error("stage %s: crash charges not counted: %s", self.router.stage, exc)
             logger.warning(
                 "stage %s: %d entr(ies) were on the model when their worker died; they run "
-                "again as their batch, and each alone if it crashes again",
+                "again as their batch, and each alone if it crashes again (where a fork "
+                "is safe, in child processes, as is every batch for the next %g s)",
                 self.router.stage,
                 len(claimed.charged),
+                self.settings.quarantine_s,
             )
         late, groups = self._rerun(claimed, counts)
         self._suspects += groups

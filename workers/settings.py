@@ -115,6 +115,9 @@ class WorkerSettings(CommonSettings):
             load), so an input that kills its process kills the child, not the worker:
             a crashing input costs one restart (`workers.suspects`). Only where a fork
             is safe (Linux, not on an accelerator); off: they run in the worker.
+        quarantine_s: once a crash is charged to the entries a worker takes back, each
+            batch it runs for this long runs in a child too (as suspects do), so a
+            stream of inputs that crash costs no further restarts (0: only suspects).
         decoding: how a stage whose model generates token by token (a causal
             language model: ``generate``; an encoder-decoder: the hub ``summarize``)
             batches: ``continuous`` (sequences join and
@@ -160,6 +163,7 @@ class WorkerSettings(CommonSettings):
     alive_stale_s: float = Field(default=30.0, ge=0.3, le=86_400, allow_inf_nan=False)
     hung_grace_s: float = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False)
     suspects_in_child: bool = True
+    quarantine_s: float = Field(default=30.0, ge=0, le=86_400, allow_inf_nan=False)
     max_call_s: float | None = Field(default=None, gt=0, le=86_400, allow_inf_nan=False)
     stats_flush_s: float = Field(default=1.0, ge=0, le=3600, allow_inf_nan=False)
     max_result_bytes: int = Field(default=MAX_RESULT_BYTES, ge=1024, le=512 * 1024 * 1024)

@@ -138,7 +138,8 @@ class Isolation:
             return None
         items = [item for _, item in batch.live]
         logger.info(
-            "stage %s: %d suspects of a crash run again in a child process",
+            "stage %s: %d entr(ies) run in a child process (suspects of a crash, or "
+            "within CONVEYOR_QUARANTINE_S of one)",
             self.router.stage,
             len(items),
         )

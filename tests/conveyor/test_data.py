@@ -204,7 +204,11 @@ async def test_a_replayed_letter_that_kills_its_worker_is_dead_lettered_again(
             again_id, again = await letter(client, dlq)
             assert again_id != first_id
             after = (decode_request(again).attempt, DeadLetter.parse(again).deliveries)
-            assert after == (before[0] + 1, before[1]), (before, after)
+            # Its attempt counted; its deliveries are this entry's: one (run in a child
+            # within CONVEYOR_QUARANTINE_S of the first crash, it never ends a worker)
+            # up to the first letter's.
+            assert after[0] == before[0] + 1, (before, after)
+            assert 1 <= after[1] <= before[1], (before, after)
             # The listing says it was replayed once (its deliveries are this entry's).
             listed = await asyncio.to_thread(conveyor, "dlq", "list", "crashy", **env_cli)
             assert listed.returncode == 0, listed.stderr
