@@ -208,6 +208,8 @@ async def test_a_replayed_letter_that_kills_its_worker_is_dead_lettered_again(
             # within CONVEYOR_QUARANTINE_S of the first crash, it never ends a worker)
             # up to the first letter's.
             assert after[0] == before[0] + 1, (before, after)
+            assert after[1] is not None, (before, after)
+            assert before[1] is not None, (before, after)
             assert 1 <= after[1] <= before[1], (before, after)
             # The listing says it was replayed once (its deliveries are this entry's).
             listed = await asyncio.to_thread(conveyor, "dlq", "list", "crashy", **env_cli)
