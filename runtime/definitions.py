@@ -173,8 +173,9 @@ if #holding > 0 and ARGV[4] ~= '1' then
   return {'differs', recorded, unpack(holding)}
 end
 redis.call('SET', KEYS[1], ARGV[2])
-for _, name in ipairs(redis.call('HKEYS', KEYS[2])) do
-  if not live[name] then redis.call('HDEL', KEYS[2], name) end
+local held = redis.call('HGETALL', KEYS[2])
+for i = 1, #held, 2 do
+  if not live[held[i]] then redis.call('HDEL', KEYS[2], held[i]) end
 end
 redis.call('HSET', KEYS[2], me, digest)
 if recorded then return {'replaced', recorded, unpack(holding)} end
