@@ -158,34 +158,31 @@ if recorded then
     was = value['digest']
   end
 end
-if was == digest then
-  redis.call('HSET', KEYS[2], me, digest)
-  return {'same'}
-end
 local live, holding = {}, {}
 for i = 5, #ARGV do
   live[ARGV[i]] = true
-  if was and redis.call('HGET', KEYS[2], ARGV[i]) == was then
+  if was and was ~= digest and redis.call('HGET', KEYS[2], ARGV[i]) == was then
     table.insert(holding, ARGV[i])
   end
 end
-if #holding > 0 and ARGV[4] ~= '1' then
+if was ~= digest and #holding > 0 and ARGV[4] ~= '1' then
   return {'differs', recorded, unpack(holding)}
 end
-redis.call('SET', KEYS[1], ARGV[2])
 local held = redis.call('HGETALL', KEYS[2])
 for i = 1, #held, 2 do
   if not live[held[i]] then redis.call('HDEL', KEYS[2], held[i]) end
 end
 redis.call('HSET', KEYS[2], me, digest)
+if was == digest then return {'same'} end
+redis.call('SET', KEYS[1], ARGV[2])
 if recorded then return {'replaced', recorded, unpack(holding)} end
 return {'set'}
 """
 """Check and record in one step (two workers starting together see each other): the
 record (KEYS[1]) set when missing, unreadable or held by no live worker (ARGV[5:], the
 live others) of its definition (KEYS[2]: consumer -> digest), or when ARGV[4] is 1; a
-worker that agrees adds itself to the holders, and the holders no longer live are
-dropped when the record changes."""
+worker that agrees adds itself to the holders, and drops the holders no longer live
+(the hash stays as small as the stage's live workers)."""
 
 
 async def agree_on_definition(

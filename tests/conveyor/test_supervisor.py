@@ -238,7 +238,9 @@ async def test_a_users_exit_status_2_is_a_crash_not_a_configuration_error(
             resp = await client.post(
                 f"{base}/v1/crashy", json={"value": -2}, headers={"X-Conveyor-Timeout": "2"}
             )
-        assert resp.status_code == 504, resp.text
+        # Its caller: 500 (its dead worker's entries taken back at once, the poison found
+        # in a child and dead-lettered) or, on a slow machine, 504 when its 2 s ran out.
+        assert resp.status_code in (500, 504), resp.text
         wait_for_line(log, "worker crashy#0 exited (2); restarting it in 0.2s", up)
         await until(lambda: answered(base, 3), limit_s=45)  # the new worker serves
         assert up.poll() is None, log.read_text()

@@ -327,7 +327,7 @@ async def test_redis_kill_9_under_job_load_completes_every_job_and_admits_again(
         stop(worker)
 
 
-LONG_LIVED = ("stage", "stats", "stages", "dlq", "partitions")
+LONG_LIVED = ("stage", "stats", "stages", "dlq", "partitions", "definition", "definition-holders")
 """Key kinds ({ns}:<kind>:...) that live as long as the deployment; everything else expires."""
 
 
