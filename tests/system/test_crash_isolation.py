@@ -73,7 +73,9 @@ async def test_a_crashed_batch_runs_in_a_child_and_only_the_poison_is_dead_lette
     stage = number_stage(max_batch_size=32, batch_wait_ms=0)
     stream = harness.keys.stage_stream("double")
     model = KillsItsProcess()
-    worker = harness.worker(stage, model, min_idle_ms=10, reclaim_interval_ms=10)
+    # An idle time the worker's own lease keeps its running entries under, on a loaded
+    # machine too (at 10 ms it took its own suspects back and ran them twice).
+    worker = harness.worker(stage, model, min_idle_ms=500, reclaim_interval_ms=10)
     await worker.start()
     values = [1, 2, -1, 3]
     sent = await harness.enqueue("double", [{"value": v} for v in values])
@@ -224,7 +226,7 @@ async def test_suspects_running_in_a_child_are_not_charged_a_crash_of_their_work
     # taken back uncharged, never dead-lettered for a crash they were not in.
     stage = number_stage(max_batch_size=32, batch_wait_ms=0)
     stream = harness.keys.stage_stream("double")
-    worker = harness.worker(stage, SlowInAChild(), min_idle_ms=10, reclaim_interval_ms=10)
+    worker = harness.worker(stage, SlowInAChild(), min_idle_ms=500, reclaim_interval_ms=10)
     await worker.start()
     await harness.enqueue("double", [{"value": v} for v in (1, 2, 3)])
     await died_running(redis, harness.keys, stream)
@@ -317,7 +319,7 @@ async def test_a_batch_that_hung_runs_each_item_in_a_child_of_its_own(
     stage = number_stage(max_batch_size=32, batch_wait_ms=0)
     stream = harness.keys.stage_stream("double")
     worker = harness.worker(
-        stage, HangsInAChild(), min_idle_ms=10, reclaim_interval_ms=10, max_call_s=2
+        stage, HangsInAChild(), min_idle_ms=500, reclaim_interval_ms=10, max_call_s=2
     )
     await worker.start()
     values = [1, 2, 3, -1, 4, 5, 6, 7]
