@@ -18,7 +18,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -106,9 +107,16 @@ async def claim_idle(
     consumer: str,
     min_idle_ms: int,
     count: int,
+    held: Collection[bytes] = (),
 ) -> Claimed:
     """Take up to ``count`` entries of ``stream`` idle for ``min_idle_ms`` from any
     consumer, charging a delivery only to those its marks say were on the model.
+
+    Entries this process is running now (``held``: its leases') are left alone: they
+    look idle only because their lease could not touch them in time (a loaded host, an
+    idle time set shorter than a touch takes), and taking them back would run them
+    twice here, charging a crash that never happened. XAUTOCLAIM ``JUSTID`` counts no
+    delivery, so they come out of it as they went in, theirs again.
 
     Entries deleted from the stream while pending are dropped from the group by the
     server (XAUTOCLAIM's third list); nothing is left to do for them.
@@ -116,7 +124,8 @@ async def claim_idle(
     ids = await client.xautoclaim(
         stream, GROUP, consumer, min_idle_ms, "0-0", count=count, justid=True
     )
-    return await sort_out(client, keys, stream, consumer, [_raw(i) for i in ids])
+    taken = [eid for eid in map(_raw, ids) if eid not in held]
+    return await sort_out(client, keys, stream, consumer, taken)
 
 
 async def own_pending(client: aioredis.Redis, keys: Keys, stream: str, consumer: str) -> Claimed:
@@ -263,6 +272,8 @@ class Lease:
         acks: the batch's entry ids, by the stream (lane) each came from.
         consumer: this worker's consumer name.
         interval_s: seconds between touches (well under the reclaim idle time).
+        held: the ids this process holds now, by how many leases hold each: the lease's
+            are counted in until it stops (:func:`claim_idle` never takes them back).
     """
 
     def __init__(
@@ -271,9 +282,13 @@ class Lease:
         acks: Mapping[str, Sequence[bytes]],
         consumer: str,
         interval_s: float,
+        held: Counter[bytes] | None = None,
     ) -> None:
         self.client, self.acks, self.consumer = client, acks, consumer
         self.interval_s = interval_s
+        self._held = held
+        if held is not None:
+            held.update(eid for ids in acks.values() for eid in ids)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._timer = asyncio.get_running_loop().call_later(interval_s, self._begin)
@@ -305,5 +320,11 @@ class Lease:
         """Stop touching and wait for the loop to end."""
         self._timer.cancel()
         self._stop.set()
+        held, self._held = self._held, None
+        if held is not None:  # once, whatever the loop's end raises
+            for eid in (eid for ids in self.acks.values() for eid in ids):
+                held[eid] -= 1
+                if held[eid] <= 0:
+                    del held[eid]
         if self._task is not None:
             await self._task

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
@@ -129,6 +129,7 @@ class Recovery:
         self._suspect_running = False
         self._hung: set[bytes] = set()  # ids of suspects whose batch hung (not crashed)
         self._quarantine_until = -math.inf  # batches run in a child until then (a crash)
+        self._held: Counter[bytes] = Counter()  # ids the leases of this process hold now
 
     async def next(self) -> Due:
         """Do the duties now due: trim; remove gone workers' consumers; when no suspect
@@ -170,7 +171,13 @@ class Recovery:
             min_idle_ms = self.settings.min_idle_ms
             for stream in self.streams:
                 got = await claim_idle(
-                    self.client, self.keys, stream, self.consumer, min_idle_ms, self.claim_count
+                    self.client,
+                    self.keys,
+                    stream,
+                    self.consumer,
+                    min_idle_ms,
+                    self.claim_count,
+                    held=self._held,
                 )
                 if got:
                     self._reclaim.again()  # more may be waiting
@@ -216,7 +223,7 @@ class Recovery:
         beat_s = self.settings.min_idle_ms / 3000  # well inside the idle time that reclaims
         # With the suspects queued to run alone after it: they are this worker's too.
         held = by_stream([*entries, *(e for group in self._suspects for e in group)])
-        return Lease(self.client, held, self.consumer, beat_s)
+        return Lease(self.client, held, self.consumer, beat_s, self._held)
 
     def unreadable(
         self, out: Outbox, eid: bytes, fields: dict[bytes, bytes], exc: EnvelopeError
