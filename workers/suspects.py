@@ -106,7 +106,7 @@ class Isolation:
         model = self.runner.model
         if not self.settings.suspects_in_child or not sys.platform.startswith("linux"):
             return False
-        if model is None or isinstance(model, ItemwiseModel) or self.runner.accelerated:
+        if model is None or self.runner.is_a(ItemwiseModel) or self.runner.accelerated:
             return False
         torch = sys.modules.get("torch")
         cuda = getattr(torch, "cuda", None)
