@@ -25,12 +25,12 @@ then ``done``) with ``usage`` on, so that:
 - errors are non-200 statuses, ``error`` events, broken streams and streams that end
   without ``done``.
 
-It prints one Markdown table (``--out`` also writes it to a file) with both modes' rows
-and, on each continuous row, its ratios to static at the same rate, next to the issue's
-CPU targets (time to first token p50 <= 0.3x, latency p50 <= 0.5x, tokens/s >= 1.0x). It
-reports them; it does not judge them. A worker that does not know ``CONVEYOR_DECODING``
-ignores it (both runs are static then); the header says whether this checkout's worker
-knows it.
+It prints one Markdown table (``--out`` also writes it to a file) with both modes' rows and,
+on each continuous row, its ratios to static at the same rate, next to the issue's CPU
+targets (time to first token p50 <= 0.3x, latency p50 <= 0.5x, tokens/s >= 1.0x). It reports
+them; it does not judge them. A worker that does not know ``CONVEYOR_DECODING`` ignores it
+(both static then); the header says whether this checkout's worker knows it.
+``python -m bench.generate prefix ...``: the shared-prefix workload (`bench.generate_prefix`).
 """
 
 from __future__ import annotations
@@ -426,6 +426,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Measure and print the report."""
+    if (argv := sys.argv[1:] if argv is None else argv)[:1] == ["prefix"]:
+        from bench.generate_prefix import main as prefix  # it imports this module
+
+        return prefix(argv[1:])
     args = parser().parse_args(argv)
     preset = QUICK if args.quick else FULL
     args.rates = args.rates or list(preset.rates)
@@ -437,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         parser().error("--duration must be positive")
     if args.max_batch < 1:
         parser().error("--max-batch must be at least 1")
-    command = " ".join(["python -m bench.generate", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m bench.generate", *argv])
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-generate-"))
     print(f"process logs in {workdir}", file=sys.stderr)
     text = report(measure(args, workdir), args, command)

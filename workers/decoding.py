@@ -20,11 +20,10 @@ decoding steps (:class:`~workers.models.decoder.Decoder`):
 
 Delivery is as for batches: an entry is marked on the model when it joins
 (:mod:`workers.claims`) and acknowledged when published; a running entry is touched so
-it is not reclaimed (its lease); a worker that dies mid-way
-has its entries reclaimed and generated again from the start (reclaimed suspects run
-by themselves); a streaming client sees each piece of text once (partials carry their offset and
-the gateway skips what it already sent).
-"""
+it is not reclaimed (its lease); a worker that dies mid-way has its entries reclaimed
+and generated again from the start (reclaimed suspects run by themselves); a streaming
+client sees each piece of text once (partials carry their offset and the gateway skips
+what it already sent). Prompt starts are reused (``decode_prefix_cache_tokens``)."""
 
 from __future__ import annotations
 
@@ -97,6 +96,7 @@ class Decoding:
 
     def __init__(self, parts: Parts, decoder: Decoder) -> None:
         self.parts, self.decoder = parts, decoder
+        decoder.share_prefixes(parts.settings.decode_prefix_cache_tokens)
         self.name = parts.stage.name
         self.slots = parts.window.max_batch
         self.waiting: deque[Flight] = deque()  # read, not yet joined (no room)

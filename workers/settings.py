@@ -126,6 +126,10 @@ class WorkerSettings(CommonSettings):
         decode_token_budget: with continuous decoding, the most token positions the
             running batch's cache may hold (rows x their longest prompt + max_new_tokens);
             a request that could never fit is refused (422).
+        decode_prefix_cache_tokens: with continuous decoding of a causal language model,
+            the most prompt positions whose keys and values are kept for reuse: a prompt
+            that starts as an earlier one did (a chat's system prompt) runs only the rest
+            (`workers.models.prefixes`; 16-token blocks, least recently used out). 0: off.
         log_summary_s: each stage's INFO summary line comes this often while it works
             (batches, items, outcomes, mean batch size, items/s; nothing while idle);
             each batch's own line is DEBUG (``CONVEYOR_LOG_LEVEL``). 0: no summaries.
@@ -171,6 +175,7 @@ class WorkerSettings(CommonSettings):
     log_summary_s: float = Field(default=30.0, ge=0, le=86_400, allow_inf_nan=False)
     decoding: Literal["continuous", "static"] = "continuous"
     decode_token_budget: int = Field(default=16_384, ge=2, le=100_000_000)
+    decode_prefix_cache_tokens: int = Field(default=4096, ge=0, le=100_000_000)
 
     @field_validator("device")
     @classmethod

@@ -4,7 +4,8 @@ batch between decoding steps.
 :class:`Decoder` holds the running batch of a :class:`Decodable` (what it needs of a
 generator): per layer, the key/value cache of every generation in flight, left-padded to
 one length, and the attention mask that hides the padding. :meth:`Decoder.prefill` runs
-new prompts (one forward over them) and appends them to the batch;
+new prompts (one forward over them, less the starts it holds from earlier prompts:
+:mod:`workers.models.prefixes`) and appends them to the batch;
 :meth:`Decoder.advance` feeds every generation its last token (one forward for the whole
 batch) and picks the next; a generation that reaches its ``max_new_tokens``, an
 end-of-sequence token or one of its stop strings (checked in its text after each step)
@@ -43,6 +44,7 @@ from transformers import PreTrainedTokenizerBase
 from pipelines.errors import InvalidInput
 from pipelines.model import Item, Result
 from workers.models.blocks import in_blocks
+from workers.models.prefixes import BLOCK, PrefixCache, prepared
 from workers.models.stops import cut, held, stops_of
 
 logger = logging.getLogger(__name__)
@@ -137,6 +139,7 @@ class Decoder:
         self.rows: list[Generation] = []
         self.stepped = 0  # the steps of the last call of steps()
         self._cache: Any = None  # a DynamicCache: per layer, keys/values [rows, heads, T, dim]
+        self.prefixes: PrefixCache | None = None  # prompt starts reused (share_prefixes)
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self._next = torch.zeros((0,), dtype=torch.long, device=self.device)
         # transformers 5.2x names the cache argument and output ``cache``; older ones
@@ -197,6 +200,12 @@ class Decoder:
         rows = [*self.rows, *joining, generation]
         return len(rows) * max(r.reserved for r in rows) <= self.budget
 
+    def share_prefixes(self, tokens: int) -> None:
+        """Reuse prompt starts' keys and values (:mod:`workers.models.prefixes`), at most
+        ``tokens`` positions (0: none); a subclass that prefills its own way does not."""
+        own = type(self).prefill is Decoder.prefill
+        self.prefixes = PrefixCache(tokens) if tokens and own else None
+
     # -- the batch -----------------------------------------------------------------
 
     def prefill(self, generations: list[Generation]) -> list[Generation]:
@@ -205,25 +214,13 @@ class Decoder:
         end-of-sequence, or a limit of 1)."""
         if not generations:
             return []
-        width = max(len(s.prompt) for s in generations)
         pad = int(self.runner.tokenizer.pad_token_id or 0)
-        ids = torch.full((len(generations), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(generations), width), dtype=torch.long)
-        for row, generation in enumerate(generations):
-            ids[row, width - len(generation.prompt) :] = torch.tensor(generation.prompt)
-            mask[row, width - len(generation.prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        run = prepared([g.prompt for g in generations], pad, self.device, self.prefixes)
         with torch.inference_mode():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                **self._last_only,
-            )
+            out = self.model(use_cache=True, **self._last_only, **run.inputs(self._cache_arg))
+            cache, mask = run.settled(_cache_of(out))
         chosen = self._choose(out.logits[:, -1, :], generations)
-        self._append(_cache_of(out), mask, chosen)
+        self._append(cache, mask, chosen)
         self.rows.extend(generations)
         return self._record(generations, chosen.tolist())
 
@@ -297,17 +294,18 @@ class Decoder:
         """Run every path a request can take once (at load, before the stage says ready,
         so that no request pays a first call): a prefill of one prompt and one of
         ``rows`` together, a join into a running batch, decoding steps, greedy and
-        sampled picks (temperature, top-p), the streamed text, the answer and a leave.
-        The batch is empty again after it.
+        sampled picks (temperature, top-p), a cached prompt start reused, the streamed text,
+        the answer and a leave. The batch (and the prefix cache) is as before after it.
 
         Args:
             rows: the most generations the stage runs at once (its widest prefill).
         """
-        words = "warm the model up before the first request comes"
+        words = "warm the model up before the first request comes, " * 2  # a block and more
         sampled = {"temperature": 0.7, "top_p": 0.9, "seed": 0, "max_new_tokens": 3}
         items: list[Item] = [{"text": words, "max_new_tokens": 4}, {"text": "warm", **sampled}]
         items += [{"text": f"{words} {i}", "max_new_tokens": 3} for i in range(max(rows, 2))]
         opened = [g for g in self.open(items) if not isinstance(g, BaseException)]
+        held, self.prefixes = self.prefixes, PrefixCache(4 * BLOCK)  # the last prefill hits
         self.prefill(opened[:1])
         self.prefill(opened[1:2])  # joins a running batch
         self.advance()
@@ -319,6 +317,7 @@ class Decoder:
         for generation in opened:
             self.result(generation)
         self.leave(list(self.rows))
+        self.prefixes = held
 
     # -- tensors -------------------------------------------------------------------
 
