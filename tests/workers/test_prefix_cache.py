@@ -119,6 +119,44 @@ def test_a_shared_system_prompt_is_prefilled_once_and_answers_stay_as_alone(
     assert prefixes.prefilled == sum(len(p) for p in prompts) - sum(reused)
 
 
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_a_burst_sharing_a_start_prefills_it_once_between_them(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    # Four requests of one chat arrive together (one prefill): its start, new to the
+    # cache, runs once in a forward of its own, not once each; two of them share a
+    # longer start still; a fifth shares nothing. Answers as alone.
+    generator: Generator = request.getfixturevalue(model)
+    system, more = words(50, seed=7), words(20, seed=8)
+    texts = [f"{system} {words(n, seed=20 + n)}" for n in (2, 5)]
+    texts += [f"{system} {more} {words(n, seed=30 + n)}" for n in (3, 7)]
+    texts += [words(30, seed=9)]
+    items: list[Item] = [{"text": t, "max_new_tokens": 10} for t in texts]
+    alone = [generator.generate_ids([item])[0] for item in items]
+    decoder = generator.continuous_decoder(100_000)
+    assert decoder is not None
+    decoder.share_prefixes(4096)
+    generations = opened(decoder, items)
+    run(decoder, {0: generations})
+    assert [g.ids for g in generations] == alone
+    prompts = [g.prompt for g in generations]
+    pairs = [(a, b) for i, a in enumerate(prompts) for b in prompts[i + 1 :]]
+
+    # What the burst shares, in whole blocks (never a prompt's last token): each shared
+    # block was prefilled once, and reused by every prompt that starts with it.
+    def whole(p: list[int]) -> int:
+        return max(min(shared(p, q), len(p) - 1, len(q) - 1) for q in prompts if q is not p)
+
+    reused = [whole(p) // BLOCK * BLOCK for p in prompts]
+    seeded = max(min(shared(a, b), len(a) - 1, len(b) - 1) // BLOCK for a, b in pairs) * BLOCK
+    prefixes = decoder.prefixes
+    assert prefixes is not None
+    assert seeded >= 3 * BLOCK
+    assert reused[-1] == 0
+    assert prefixes.reused == sum(reused)
+    assert prefixes.prefilled == seeded + sum(len(p) for p in prompts) - sum(reused)
+
+
 def test_eviction_under_a_tiny_bound_holds_it_and_running_answers_stay_exact(
     gpt2: Generator,
 ) -> None:

@@ -44,7 +44,7 @@ from transformers import PreTrainedTokenizerBase
 from pipelines.errors import InvalidInput
 from pipelines.model import Item, Result
 from workers.models.blocks import in_blocks
-from workers.models.prefixes import BLOCK, PrefixCache, prepared
+from workers.models.prefixes import BLOCK, PrefixCache, Prepared, prepared, shared_starts
 from workers.models.stops import cut, held, stops_of
 
 logger = logging.getLogger(__name__)
@@ -209,20 +209,23 @@ class Decoder:
     # -- the batch -----------------------------------------------------------------
 
     def prefill(self, generations: list[Generation]) -> list[Generation]:
-        """Prefill ``generations`` (one forward) and add them to the running batch; each
-        gets its first token. Returns those that ended at once (first token an
-        end-of-sequence, or a limit of 1)."""
+        """Prefill ``generations`` (one forward) and add them to the running batch; each gets
+        its first token. Returns those that ended at once (an end of sequence, a limit of 1)."""
         if not generations:
             return []
-        pad = int(self.runner.tokenizer.pad_token_id or 0)
-        run = prepared([g.prompt for g in generations], pad, self.device, self.prefixes)
+        pad, prompts = int(self.runner.tokenizer.pad_token_id or 0), [g.prompt for g in generations]
         with torch.inference_mode():
-            out = self.model(use_cache=True, **self._last_only, **run.inputs(self._cache_arg))
-            cache, mask = run.settled(_cache_of(out))
+            if starts := shared_starts(prompts, self.prefixes):  # a burst's: prefilled once
+                self._prefilled(prepared(starts, pad, self.device, self.prefixes))
+            out, (cache, mask) = self._prefilled(prepared(prompts, pad, self.device, self.prefixes))
         chosen = self._choose(out.logits[:, -1, :], generations)
         self._append(cache, mask, chosen)
         self.rows.extend(generations)
         return self._record(generations, chosen.tolist())
+
+    def _prefilled(self, run: Prepared) -> tuple[Any, tuple[Any, torch.Tensor]]:
+        out = self.model(use_cache=True, **self._last_only, **run.inputs(self._cache_arg))
+        return out, run.settled(_cache_of(out))
 
     def advance(self) -> list[Generation]:
         """One decoding step for every generation in flight: each gets its next token.

@@ -16,15 +16,17 @@ whose logits pick the first new one) becomes the forward's past, left-padded to 
 longest, and only the rest of each prompt is run, left-padded too; the mask marks what is
 real, and positions come from it, as the decoder's do. :meth:`Prepared.settled` packs the
 forward's cache back into the decoder's layout (each row's tokens at the right, the padding
-at the left) and stores the prompts' new full blocks. Prompts that join in one prefill do
-not share their starts with each other: each finds what earlier prefills kept.
+at the left) and stores the prompts' new full blocks. Prompts that join in one prefill
+and share a start the cache does not hold yet (a burst of one chat's requests) have it
+prefilled once first, in a forward of its own (:func:`shared_starts`), and then find it
+as they would an earlier prompt's.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +82,9 @@ class PrefixCache:
         self.reused = 0
         self.evicted = 0
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
 
     @property
     def held(self) -> int:
@@ -197,6 +202,25 @@ class Prepared:
                 ]
                 self.cache.store(prompt, self.found[row], layers)
         return cache, mask
+
+
+def shared_starts(prompts: list[list[int]], cache: PrefixCache | None) -> list[list[int]]:
+    """The starts (whole blocks) two or more of ``prompts`` share beyond what ``cache``
+    holds, none the start of another: prefilled first (one forward for them all), each is
+    then reused by every prompt that begins with it instead of run once per prompt. Empty
+    without a cache, or where nothing new is shared."""
+    if cache is None or len(prompts) < 2:
+        return []
+    chains = [_chain(p, (len(p) - 1) // BLOCK) for p in prompts]
+    counts = Counter(key for keys in chains for key in keys)
+    starts: dict[bytes, list[int]] = {}  # by the key of its last block
+    for prompt, keys in zip(prompts, chains, strict=True):
+        both = sum(1 for key in keys if counts[key] > 1)  # a chain: shared ones come first
+        held = next((i for i, key in enumerate(keys) if key not in cache), len(keys))
+        if both > held:
+            starts[keys[both - 1]] = prompt[: both * BLOCK]
+    inner = {key for start in starts.values() for key in _chain(start, len(start) // BLOCK)[:-1]}
+    return [start for key, start in starts.items() if key not in inner]
 
 
 def prepared(
