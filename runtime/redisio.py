@@ -285,7 +285,12 @@ def group_missing(exc: ResponseError) -> bool:
     """Whether Redis refused a group command because the stream or its group is gone
     (deleted, evicted, or lost in a restart without persistence): re-create and go on."""
     message = str(exc)
-    return message.startswith("NOGROUP") or "no longer exists" in message
+    # XINFO of a stream that is gone says "no such key" (Redis 7), not NOGROUP.
+    return (
+        message.startswith("NOGROUP")
+        or "no longer exists" in message
+        or message.endswith("no such key")
+    )
 
 
 def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[bytes | str]:
