@@ -103,6 +103,15 @@ class CommonSettings(BaseSettings):
     def _url_ok(cls, value: str) -> str:
         if not value.startswith(URL_SCHEMES):
             raise ValueError("must start with " + ", ".join(URL_SCHEMES))
+        if value.startswith(("redis://", "rediss://")):  # one host: its port and db read now
+            parts = urlsplit(value)
+            try:
+                parts.port  # noqa: B018  (reading it checks it: a number in 0-65535)
+            except ValueError as exc:
+                raise ValueError(f"bad port: {exc}") from None
+            db = parts.path.strip("/")
+            if db and not db.isdigit():
+                raise ValueError(f"the database after the host must be a number, not {db!r}")
         return value
 
     @property

@@ -257,6 +257,8 @@ CLI = ["-c", "import sys; from conveyor.cli import main; main(sys.argv[1:])"]
         ([*CLI, "up"], "CONVEYOR_RESTART_WINDOW_S", "soon"),
         ([*CLI, "up"], "CONVEYOR_DRAIN_S", "-1"),
         ([*CLI, "dlq", "list", "embed"], "CONVEYOR_REDIS_URL", "http://127.0.0.1:1"),
+        ([*CLI, "status"], "CONVEYOR_REDIS_URL", "redis://127.0.0.1:99999/0"),
+        (["-m", "gateway"], "CONVEYOR_REDIS_URL", "redis://u:s3cret@127.0.0.1:6379/abc"),
         ([*CLI, "keda", "embed"], "CONVEYOR_PARTITIONS", "0"),
         (["-m", "gateway"], "CONVEYOR_API_KEYS", " , "),
         (["-m", "gateway"], "CONVEYOR_CORS_ORIGINS", "[bad"),
