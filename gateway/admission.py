@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from pipelines.errors import Overloaded
+from pipelines.errors import Overloaded, PastDeadline
 from pipelines.keys import DEFAULT_LANE, LANES, Keys, Lane
 from runtime.redisio import REDIS_DOWN
 from runtime.status import StageStatus, stage_status
@@ -217,7 +217,7 @@ class Admission:
         if predicted is not None and predicted > timeout_s * self.headroom:
             retry = max(self.retry_after_s, math.ceil(predicted - timeout_s))
             where = "past" if predicted > timeout_s else f"within {1 - self.headroom:.0%} of"
-            return Overloaded(
+            return PastDeadline(
                 f"stage {stage!r} would finish this request in about {predicted:.1f}s, "
                 f"{where} its {timeout_s:g}s deadline; retry after {retry}s",
                 retry_after=retry,

@@ -170,6 +170,11 @@ class Overloaded(ConveyorError):
         super().__init__(message, retry_after=retry_after)
 
 
+class PastDeadline(Overloaded):
+    """The stage would finish this request only past its deadline (admission's forecast
+    from the backlog ahead of it); retry after ``retry_after`` seconds."""
+
+
 class Unavailable(ConveyorError):
     """Redis cannot be reached; retry after ``retry_after`` seconds."""
 

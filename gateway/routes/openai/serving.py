@@ -24,7 +24,7 @@ from gateway.routes.pipelines import reply_response
 from gateway.service import Gateway
 from gateway.share import Shares, in_parts
 from pipelines.envelope import Reply
-from pipelines.errors import ConfigError, DeadlineExceeded, ItemFailed
+from pipelines.errors import ConfigError, DeadlineExceeded, ItemFailed, PastDeadline
 from pipelines.graph import Pipeline
 from pipelines.outcomes import Outcome
 from pipelines.registry import Registry
@@ -154,18 +154,25 @@ class Asked:
         slots = self.shares.slots(stage.name, bound)
 
         budget_s = gw.timeout_for(self.sent.timeout_s)
+        answered: list[int] = []  # the parts answered so far
 
         async def part(i: int, left_s: float) -> dict[str, Any]:
             try:
                 request_id, reply = await self._call(
                     payloads[i], replace(self.sent, timeout_s=left_s)
                 )
-            except DeadlineExceeded as exc:  # its own share of the time: say the whole
+            except (DeadlineExceeded, PastDeadline) as exc:
+                if isinstance(exc, PastDeadline) and not answered:
+                    raise  # none answered yet, the time all there: the stage is too busy
+                # Its own share of the time ran out, or what is left of it would, its
+                # earlier parts having taken the rest: the request's deadline is spent
+                # (504), said for the whole of it.
                 raise DeadlineExceeded(
                     f"no result for all {len(payloads)} inputs within {budget_s:g}s "
                     "(X-Conveyor-Timeout sets the request's time)",
                     request_id=getattr(exc, "request_id", None),
                 ) from None
+            answered.append(i)
             return _result(reply, request_id)
 
         return await in_parts(part, len(payloads), slots, budget_s)
