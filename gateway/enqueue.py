@@ -148,14 +148,15 @@ class Enqueuer:
     """Enqueues requests, those enqueued in the same loop iteration in one round trip.
 
     Concurrent callers (a gateway under load) each :meth:`enqueue` one request. The first
-    of an iteration leads: it yields once, so that the others of that iteration join it,
-    then sends every XADD in one pipeline (not a transaction: each entry is its own; on a
-    cluster, the client splits it by shard) and hands each caller its own outcome. One
-    request alone is one XADD, as before.
+    of an iteration starts a round trip (a task of its own, which runs once the others of
+    that iteration have joined it): every XADD in one pipeline (not a transaction: each
+    entry is its own; on a cluster, the client splits it by shard), each caller handed its
+    own outcome. One request alone is one XADD, as before. Each caller waits for its
+    outcome within its own request's time; the round trip is not the caller's to cancel.
 
     Nothing joined is dropped: a round trip that fails fails every request in it, with
-    what the leader saw (a leader stopped midway fails the rest with a connection error,
-    as a write that may have been sent); an XADD that Redis refuses fails its own caller.
+    what it saw (one stopped midway fails them with a connection error, as a write that
+    may have been sent); an XADD that Redis refuses fails its own caller.
 
     Args:
         client: the client to send on.
@@ -175,52 +176,74 @@ class Enqueuer:
         self.clock = clock or RedisClock()
         self.ahead = IdsAhead("gateway")
         self._joining: list[tuple[Request, asyncio.Future[None]]] | None = None
+        self._leading: set[asyncio.Task[None]] = set()  # round trips under way
 
     async def enqueue(self, request: Request) -> None:
         """XADD ``request`` (see the class doc), retried once on a dead connection
-        (:func:`on_live_connection`).
+        (:func:`on_live_connection`). The caller waits for its answer no longer than its
+        request's deadline (nor ``write_s``): a Redis that stalls does not hold a call past
+        the time its client gave it; the round trip goes on for the others in it.
 
         Raises:
             PoolExhausted: no connection came free; nothing was sent.
-            TimeoutError: no answer within ``write_s``; it may have been sent.
+            TimeoutError: no answer within ``write_s`` or by the request's deadline; it
+                may have been sent.
             redis.exceptions.RedisError: the round trip failed (one of
                 :data:`REDIS_DOWN`: it may have been sent), or Redis refused this XADD.
         """
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._joining is not None:
-            joined: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._joining.append((request, joined))
-            await joined
+            self._joining.append((request, mine))
+        else:  # the first of this iteration: its round trip, for all who join it
+            batch = self._joining = [(request, mine)]
+            lead = asyncio.create_task(self._lead(batch))
+            self._leading.add(lead)
+            lead.add_done_callback(lambda task: self._ended(task, batch))
+        # Out of time (or cancelled), the wait cancels its own outcome only: the round
+        # trip skips it and goes on for the others.
+        async with asyncio.timeout(min(self.write_s, request.deadline - self.clock.now())):
+            await mine
+
+    async def _lead(self, joining: list[tuple[Request, asyncio.Future[None]]]) -> None:
+        """One round trip for the requests that joined in this iteration (each caller
+        waits for its own outcome, within its own time)."""
+        if self._joining is joining:
+            self._joining = None
+        batch = [(r, f) for r, f in joining if not f.done()]  # a caller gone: not sent
+        if not batch:
             return
-        batch = self._joining = []
-        outcomes: list[Any] = []
+        requests = [r for r, _ in batch]
         try:
-            try:
-                await asyncio.sleep(0)  # the others of this iteration join
-            finally:
-                self._joining = None
-            requests = [request, *(r for r, _ in batch)]
             async with asyncio.timeout(self.write_s):
                 outcomes = await on_live_connection(self.client, lambda: self._send(requests))
-        except BaseException as exc:
-            # A leader cancelled midway (the process stopping) may have sent them.
-            failure = exc if isinstance(exc, Exception) else RedisConnectionError("write abandoned")
+        except Exception as exc:
             for _, joined in batch:
                 if not joined.done():
-                    joined.set_exception(failure)
-            raise
+                    joined.set_exception(exc)
+            return
         now = self.clock.now()
-        for sent, outcome in zip(requests, outcomes, strict=True):
+        for (sent, joined), outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, bytes | str):
                 self.written(sent, outcome, now)
-        for (_, joined), outcome in zip(batch, outcomes[1:], strict=True):
             if joined.done():
                 continue
             if isinstance(outcome, Exception):
                 joined.set_exception(outcome)
             else:
                 joined.set_result(None)
-        if isinstance(outcomes[0], Exception):
-            raise outcomes[0]
+
+    def _ended(
+        self, lead: asyncio.Task[None], batch: list[tuple[Request, asyncio.Future[None]]]
+    ) -> None:
+        """A round trip ended: one stopped midway, or before it began (the process
+        stopping), fails those still waiting with a connection error, as a write that may
+        have been sent; none joins it any more."""
+        self._leading.discard(lead)
+        if self._joining is batch:
+            self._joining = None
+        for _, joined in batch:
+            if not joined.done():
+                joined.set_exception(RedisConnectionError("write abandoned"))
 
     def written(self, request: Request, entry_id: bytes | str, now: float) -> None:
         """``request`` was enqueued as ``entry_id``: a stream whose ids run ahead of the

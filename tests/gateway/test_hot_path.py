@@ -167,22 +167,43 @@ async def test_a_round_trip_that_fails_fails_every_request_in_it(
         await dead.aclose()
 
 
-async def test_a_leader_stopped_midway_fails_those_that_joined_it(
+async def test_a_caller_gone_before_its_round_trip_is_not_sent_and_others_are(
     harness: Harness, redis: aioredis.Redis, namespace: str
 ) -> None:
     enqueuer = Enqueuer(redis, Keys(namespace), write_s=10)
-    leader = asyncio.create_task(
+    first = asyncio.create_task(
         enqueuer.enqueue(harness.request("p", "double", "double", {"value": 1}))
     )
     joined = asyncio.create_task(
         enqueuer.enqueue(harness.request("p", "double", "double", {"value": 2}))
     )
-    await asyncio.sleep(0)  # the leader waits for company; the second has joined it
-    leader.cancel()
-    with pytest.raises(REDIS_DOWN):
-        await joined
+    await asyncio.sleep(0)  # both wait for the round trip the first started
+    first.cancel()  # its client went away: only its own wait ends
+    await joined
     with pytest.raises(asyncio.CancelledError):
-        await leader
-    # Nothing was sent; the next enqueue leads a round trip of its own.
+        await first
+    stream = Keys(namespace).stage_stream("double")
+    assert await redis.xlen(stream) == 1  # the second's only
+    await enqueuer.enqueue(harness.request("p", "double", "double", {"value": 3}))
+    assert await redis.xlen(stream) == 2
+
+
+async def test_a_round_trip_stopped_midway_fails_those_in_it(
+    harness: Harness, redis: aioredis.Redis, namespace: str
+) -> None:
+    enqueuer = Enqueuer(redis, Keys(namespace), write_s=10)
+    callers = [
+        asyncio.create_task(
+            enqueuer.enqueue(harness.request("p", "double", "double", {"value": v}))
+        )
+        for v in (1, 2)
+    ]
+    await asyncio.sleep(0)  # both joined the round trip the first started
+    for lead in list(enqueuer._leading):  # the process stopping cancels it
+        lead.cancel()
+    for caller in callers:
+        with pytest.raises(REDIS_DOWN):
+            await caller
+    # Nothing was sent; the next enqueue starts a round trip of its own.
     await enqueuer.enqueue(harness.request("p", "double", "double", {"value": 3}))
     assert await redis.xlen(Keys(namespace).stage_stream("double")) == 1

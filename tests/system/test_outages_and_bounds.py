@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 import time
 from typing import Any
@@ -409,3 +410,30 @@ async def test_an_upstream_retry_after_is_bounded_on_the_503(
     retry_after = resp.headers.get("retry-after", "")
     assert retry_after.isdigit(), repr(retry_after)
     assert int(retry_after) <= 86_400, repr(retry_after)
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_is_answered_by_its_deadline_while_redis_is_stalled(
+    own_redis: Any, harness: Harness
+) -> None:
+    # BREAK (outside run five): with Redis paused (SIGSTOP), a call given 1 s waited for
+    # its admission's read as long as any command (CONVEYOR_REDIS_TIMEOUT_S, 2 s by
+    # default) and its write twice that: answered 503 at 2-4 s, past the time its client
+    # gave it. Expected: an answer (503,
+    # Retry-After) by about its own deadline; the write's round trip goes on for others.
+    stage = number_stage(batch_wait_ms=0)
+    http = await harness.gateway([stage], redis_timeout_s=5.0)
+    own_redis.send_signal(signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        resp = await http.post(
+            "/v1/double", json={"value": 1}, headers={"X-Conveyor-Timeout": "1"}, timeout=30
+        )
+        took = time.monotonic() - began
+    finally:
+        own_redis.send_signal(signal.SIGCONT)
+    assert resp.status_code == 503, resp.text
+    assert "Retry-After" in resp.headers
+    # Its deadline is 1 s; before, the Redis timeout (5 s here) bounded it, and the write
+    # twice that. The margin is for a loaded machine.
+    assert took < 3.0, took
