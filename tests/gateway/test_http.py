@@ -101,6 +101,7 @@ async def test_503_when_redis_is_unreachable(harness: Harness) -> None:
     # It says what the connection said, not only that Redis is away.
     assert ready.json()["status"].startswith("redis unreachable: "), ready.text
     assert "refused" in ready.json()["status"].lower() or "connect" in ready.text.lower()
+    assert ".py:" not in ready.text  # not where in conveyor it was raised: the probe is open
     assert (await http.get("/healthz")).status_code == 200
 
 
