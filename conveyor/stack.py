@@ -124,6 +124,7 @@ def _child_env(options: UpOptions, gateway: GatewaySettings) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if options.reload:  # an edit of a stage's input is the new definition, replicas or not
         env.setdefault("CONVEYOR_REPLACE_STAGE_DEFINITION", "true")
+        env.setdefault("CONVEYOR_REUSE_PORT", "true")  # a new gateway starts beside the old
     return env
 
 

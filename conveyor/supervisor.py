@@ -24,6 +24,7 @@ from conveyor.autoscale import Autoscaler, AutoscaleSettings
 from conveyor.children import STOP_GRACE_S, ExitReports, Process, say, terminate
 from conveyor.data import DataSettings, left_over
 from conveyor.embedded import UpRedis
+from conveyor.handover import Handover, hand_over, settle
 from conveyor.parks import Parks
 from conveyor.placement import (
     Group,
@@ -94,6 +95,7 @@ class Supervisor:
     recycling: set[str] = field(default_factory=set)  # asked to stop, to start again
     retiring: set[str] = field(default_factory=set)  # asked to stop for good
     held: set[str] = field(default_factory=set)  # --reload: exited on a config error
+    handovers: list[Handover] = field(default_factory=list)  # --reload: gateways replaced
 
     def __post_init__(self) -> None:
         self.crashes = CrashLoop(self.restart)
@@ -235,6 +237,7 @@ class Supervisor:
         await self._unpark(now)
         if self.reloader is not None:
             await self.reloader()
+            settle(self, lambda name, proc: self._ask_stop(name, proc, self.retiring))
         for i, (name, proc) in enumerate(self.children):
             code = proc.poll()
             if code is None or self._group_name(name) in self.parks or name in self.held:
@@ -279,10 +282,12 @@ class Supervisor:
         ``gateways`` every gateway, each started again once it exited (``up --reload``): a
         worker finishes its batch, a gateway drains; what comes meanwhile waits in Redis."""
         names = set(groups)
-        for name, proc in self.children:
+        for name, proc in list(self.children):
             group = self.groups.get(name)
-            if (group.name in names) if group is not None else gateways:
+            if group is not None and group.name in names:
                 self._ask_stop(name, proc, self.recycling)
+            elif group is None and gateways and proc.poll() is None:  # the new one first
+                hand_over(self, name, proc, lambda: self._spawn("gateway"))
 
     def retire(self, group: str) -> None:
         """Stop the workers of ``group`` for good (SIGTERM: their batches finish), its
@@ -440,4 +445,4 @@ class Supervisor:
 
 
 def _is_gateway(name: str) -> bool:
-    return name == "gateway" or name.startswith("gateway#")
+    return name == "gateway" or name.startswith(("gateway#", "gateway@"))

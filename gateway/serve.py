@@ -90,7 +90,7 @@ def main() -> None:
         http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
     )
     server = DrainingServer(config, app.state.gateway, settings.drain_s)
-    shared = settings.gateways > 1
+    shared = settings.gateways > 1 or settings.reuse_port
     server.run(sockets=[shared_socket(settings.host, settings.port)] if shared else None)
     tracing.shutdown()  # the spans still batched go out
     if not server.started:  # as uvicorn.run: the port was taken, or start-up failed
@@ -101,8 +101,9 @@ def shared_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT``: every gateway process of
     one host binds its own, and the kernel hands each new connection to one of them.
     Only processes of the same user can join (Linux), and only when all of them set it:
-    a lone gateway (``CONVEYOR_GATEWAYS=1``) does not, so a second one started on its
-    port by mistake fails as before.
+    a lone gateway (``CONVEYOR_GATEWAYS=1``) does not, unless ``CONVEYOR_REUSE_PORT`` says
+    so (``up --reload``: a new gateway starts beside the old), so a second one started on
+    its port by mistake fails as before.
 
     Args:
         host: the address (IPv6 when it holds a colon).

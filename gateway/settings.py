@@ -44,6 +44,9 @@ class GatewaySettings(CommonSettings):
             ``conveyor gateway`` start this many; above 1 each binds with
             ``SO_REUSEPORT`` and the kernel spreads connections among them (each has its
             own reply streams).
+        reuse_port: bind with ``SO_REUSEPORT`` even when alone, so that a replacement
+            can start listening beside it (``conveyor up --reload`` sets it: a gateway is
+            replaced without a gap, :mod:`conveyor.handover`).
         drain_s: on SIGTERM (``conveyor up`` stopping, a rolling deploy) the gateway
             stops taking requests (each new one gets 503 + Retry-After) and gives those
             in flight this long to be answered (one still waiting then gets a JSON 504);
@@ -72,6 +75,7 @@ class GatewaySettings(CommonSettings):
     client_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     max_header_bytes: int = Field(default=65_536, ge=1024)
     gateways: int = Field(default=1, ge=1, le=256)
+    reuse_port: bool = False
     drain_s: float = Field(default=10.0, ge=0, le=3600, allow_inf_nan=False)
     access_log: bool = True
     session_ttl_s: float = Field(default=28_800.0, ge=60, le=2_592_000, allow_inf_nan=False)
