@@ -45,15 +45,32 @@ class Tended(Protocol):
     groups: dict[str, Any]
     reports: ExitReports
     handovers: list[Handover]
+    recycling: set[str]
+    retiring: set[str]
 
 
-def hand_over(up: Tended, name: str, proc: Process, spawn: Callable[[], Process]) -> None:
+def replaceable(up: Tended, name: str, proc: Process) -> bool:
+    """Whether gateway ``name`` (``proc``) is one a reload replaces: still a child, not
+    stopping already, and not itself a replacement that does not listen yet (its old
+    gateway's handover starts a newer one instead)."""
+    if (name, proc) not in up.children or name in up.retiring or name in up.recycling:
+        return False
+    return not any(h.new is proc for h in up.handovers)
+
+
+def hand_over(
+    up: Tended,
+    name: str,
+    proc: Process,
+    spawn: Callable[[], Process],
+    stop: Callable[[str, Process], None],
+) -> None:
     """Start the replacement of gateway ``name`` (``proc``) beside it; one started for it
-    earlier that does not listen yet (an older save) is stopped first."""
+    earlier that does not listen yet (an older save) is stopped (``stop``: for good, and
+    reaped as any child is)."""
     for pending in [h for h in up.handovers if h.old is proc]:
-        _drop(up, pending)
-        if pending.new.poll() is None:
-            pending.new.terminate()
+        up.handovers.remove(pending)
+        stop(pending.new_name, pending.new)
     new = spawn()
     new_name = f"{name.partition('@')[0]}@{new.pid}"
     up.children.append((new_name, new))

@@ -24,7 +24,7 @@ from conveyor.autoscale import Autoscaler, AutoscaleSettings
 from conveyor.children import STOP_GRACE_S, ExitReports, Process, say, terminate
 from conveyor.data import DataSettings, left_over
 from conveyor.embedded import UpRedis
-from conveyor.handover import Handover, hand_over, settle
+from conveyor.handover import Handover, hand_over, replaceable, settle
 from conveyor.parks import Parks
 from conveyor.placement import (
     Group,
@@ -146,13 +146,8 @@ class Supervisor:
             self.placer.release(placed)
 
     def start_gateways(self, count: int) -> None:
-        """The gateway processes: ``count`` on one port (each binds it with
-        ``SO_REUSEPORT`` when ``count`` is above 1, as ``CONVEYOR_GATEWAYS`` in
-        :attr:`env` says).
-
-        Args:
-            count: how many.
-        """
+        """``count`` gateway processes on one port (each binds it with ``SO_REUSEPORT``
+        when ``count`` is above 1, as ``CONVEYOR_GATEWAYS`` in :attr:`env` says)."""
         for i in range(count):
             name = "gateway" if count == 1 else f"gateway#{i}"
             self.children.append((name, self._spawn("gateway")))
@@ -278,16 +273,19 @@ class Supervisor:
         return again
 
     def recycle(self, groups: Iterable[str], *, gateways: bool = False) -> None:
-        """SIGTERM the workers of ``groups`` (names: ``embed``, ``a,b``), and with
-        ``gateways`` every gateway, each started again once it exited (``up --reload``): a
-        worker finishes its batch, a gateway drains; what comes meanwhile waits in Redis."""
-        names = set(groups)
+        """SIGTERM the workers of ``groups`` (names: ``embed``, ``a,b``), each started again
+        once it exited (it finishes its batch; what comes meanwhile waits in Redis), and
+        with ``gateways`` replace every gateway (``up --reload``: :mod:`conveyor.handover`)."""
+        names, stop = set(groups), lambda n, p: self._ask_stop(n, p, self.retiring)
         for name, proc in list(self.children):
             group = self.groups.get(name)
             if group is not None and group.name in names:
                 self._ask_stop(name, proc, self.recycling)
-            elif group is None and gateways and proc.poll() is None:  # the new one first
-                hand_over(self, name, proc, lambda: self._spawn("gateway"))
+            elif group is None and gateways and replaceable(self, name, proc):
+                if proc.poll() is not None:  # exited (held on a config error): started again
+                    self._ask_stop(name, proc, self.recycling)
+                else:  # the new one first
+                    hand_over(self, name, proc, lambda: self._spawn("gateway"), stop)
 
     def retire(self, group: str) -> None:
         """Stop the workers of ``group`` for good (SIGTERM: their batches finish), its

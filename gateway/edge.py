@@ -276,7 +276,8 @@ class EdgeMiddleware:
             scope["state"] = {**scope.get("state", {}), "principal": who}
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-                await _drain(receive, self.max_body_bytes)
+                if dict(scope["headers"]).get(b"expect", b"").lower() != b"100-continue":
+                    await _drain(receive, self.max_body_bytes)  # a client waiting sends none
                 await self._too_large(send)
                 status = 413
                 return

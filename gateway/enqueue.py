@@ -5,6 +5,7 @@ what a client is told when Redis cannot take them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
 from pipelines.envelope import Request
-from pipelines.errors import ConveyorError, Overloaded, Unavailable
+from pipelines.errors import ConveyorError, DeadlineExceeded, Overloaded, Unavailable
 from pipelines.keys import Keys
 from runtime.jobs import create_job
 from runtime.redisio import (
@@ -32,6 +33,8 @@ from runtime.redisio import (
     on_live_connection,
     request_stream,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def refusal(exc: BaseException) -> ConveyorError:
@@ -191,6 +194,9 @@ class Enqueuer:
             redis.exceptions.RedisError: the round trip failed (one of
                 :data:`REDIS_DOWN`: it may have been sent), or Redis refused this XADD.
         """
+        left_s = request.deadline - self.clock.now()
+        if left_s <= 0:  # nothing sent: nobody waits for it any more
+            raise DeadlineExceeded("the deadline passed before the request was enqueued")
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._joining is not None:
             self._joining.append((request, mine))
@@ -201,7 +207,7 @@ class Enqueuer:
             lead.add_done_callback(lambda task: self._ended(task, batch))
         # Out of time (or cancelled), the wait cancels its own outcome only: the round
         # trip skips it and goes on for the others.
-        async with asyncio.timeout(min(self.write_s, request.deadline - self.clock.now())):
+        async with asyncio.timeout(min(self.write_s, left_s)):
             await mine
 
     async def _lead(self, joining: list[tuple[Request, asyncio.Future[None]]]) -> None:
@@ -239,6 +245,8 @@ class Enqueuer:
         stopping), fails those still waiting with a connection error, as a write that may
         have been sent; none joins it any more."""
         self._leading.discard(lead)
+        if not lead.cancelled() and lead.exception() is not None:  # a bug, not Redis
+            logger.error("an enqueue round trip failed", exc_info=lead.exception())
         if self._joining is batch:
             self._joining = None
         for _, joined in batch:

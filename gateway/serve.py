@@ -47,18 +47,29 @@ class DrainingServer(uvicorn.Server):
     again later), one in flight its answer, or 504 if it still waits when the drain
     ends. The port closes only then, with nothing in flight.
 
+    With ``close_first`` (``CONVEYOR_REUSE_PORT``: a replacement listens beside it, as
+    ``up --reload`` starts one) the port is closed before the drain instead: the kernel
+    then hands new connections to the replacement, not to a gateway that would answer
+    them 503.
+
     Args:
         config: uvicorn's configuration.
         gateway: the gateway the app serves.
         drain_s: how long requests in flight may take (``CONVEYOR_DRAIN_S``).
+        close_first: stop listening before the drain.
     """
 
-    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, gateway: Gateway, drain_s: float, close_first: bool = False
+    ) -> None:
         super().__init__(config)
-        self.gateway, self.drain_s = gateway, drain_s
+        self.gateway, self.drain_s, self.close_first = gateway, drain_s, close_first
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Drain, then shut down as uvicorn does."""
+        if self.close_first:
+            for server in getattr(self, "servers", []):
+                server.close()
         await self.gateway.drain(self.drain_s)
         await super().shutdown(sockets)
 
@@ -89,7 +100,7 @@ def main() -> None:
         timeout_graceful_shutdown=math.ceil(settings.drain_s) + DRAIN_MARGIN_S,
         http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
     )
-    server = DrainingServer(config, app.state.gateway, settings.drain_s)
+    server = DrainingServer(config, app.state.gateway, settings.drain_s, settings.reuse_port)
     shared = settings.gateways > 1 or settings.reuse_port
     server.run(sockets=[shared_socket(settings.host, settings.port)] if shared else None)
     tracing.shutdown()  # the spans still batched go out

@@ -105,13 +105,15 @@ class CommonSettings(BaseSettings):
             raise ValueError("must start with " + ", ".join(URL_SCHEMES))
         if value.startswith(("redis://", "rediss://")):  # one host: its port and db read now
             parts = urlsplit(value)
+            # Fixed messages: parts of a password with an unescaped / # ? @ could show.
+            hint = "(percent-encode any / # ? @ in the password)"
             try:
                 parts.port  # noqa: B018  (reading it checks it: a number in 0-65535)
-            except ValueError as exc:
-                raise ValueError(f"bad port: {exc}") from None
+            except ValueError:
+                raise ValueError(f"the port must be a number in 0-65535 {hint}") from None
             db = parts.path.strip("/")
             if db and not db.isdigit():
-                raise ValueError(f"the database after the host must be a number, not {db!r}")
+                raise ValueError(f"the database after the host must be a number {hint}")
         return value
 
     @property

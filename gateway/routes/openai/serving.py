@@ -155,6 +155,9 @@ class Asked:
 
         budget_s = gw.timeout_for(self.sent.timeout_s)
         answered: list[int] = []  # the parts answered so far
+        # A part refused with this little of the request's time left, after others were
+        # answered, is the request running out of time (504), not the stage too busy.
+        short_s = max(1.0, budget_s / 10)
 
         async def part(i: int, left_s: float) -> dict[str, Any]:
             try:
@@ -162,8 +165,8 @@ class Asked:
                     payloads[i], replace(self.sent, timeout_s=left_s)
                 )
             except (DeadlineExceeded, PastDeadline) as exc:
-                if isinstance(exc, PastDeadline) and not answered:
-                    raise  # none answered yet, the time all there: the stage is too busy
+                if isinstance(exc, PastDeadline) and (not answered or left_s > short_s):
+                    raise  # time enough left: the stage is busy (a later part tries again)
                 # Its own share of the time ran out, or what is left of it would, its
                 # earlier parts having taken the rest: the request's deadline is spent
                 # (504), said for the whole of it.
