@@ -46,7 +46,7 @@ class GatewaySettings(CommonSettings):
             own reply streams).
         reuse_port: bind with ``SO_REUSEPORT`` even when alone, so that a replacement
             can start listening beside it (``conveyor up --reload`` sets it: a gateway is
-            replaced without a gap, :mod:`conveyor.handover`).
+            replaced without a gap, ``conveyor.handover``).
         drain_s: on SIGTERM (``conveyor up`` stopping, a rolling deploy) the gateway
             stops taking requests (each new one gets 503 + Retry-After) and gives those
             in flight this long to be answered (one still waiting then gets a JSON 504);
