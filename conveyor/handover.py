@@ -127,8 +127,8 @@ def listening(pid: int, port: int) -> bool | None:
         return None
     try:
         fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return None if not Path("/proc/self/fd").exists() else False
+    except OSError:  # gone (its exit is seen at the next look)
+        return False
     for fd in fds:
         try:
             if os.readlink(fd) in inodes:
