@@ -17,13 +17,12 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.outcomes import Outcome
 from pipelines.stages import BUILTIN
 from runtime.jobs import mark_cancelled
 from tests.helpers import REPO, Harness, beating, died_running, read_sse, until
+from tests.support.tinyllama import tiny_llama
 from workers.loop import Worker
 from workers.models import blocks
 from workers.models.decoder import Decoder, Generation
@@ -79,24 +78,7 @@ def test_a_cache_grown_in_blocks_decodes_as_alone_too(
 def test_a_rotary_model_decodes_as_alone_too(generator: Generator, tmp_path: Path) -> None:
     # A tiny Llama (rotary positions, grouped-query attention), random weights, saved
     # beside the tiny GPT-2's tokenizer and loaded as any user's model folder is.
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=generator.model.config.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        # Weights large enough that attention, and so the rotary positions, decide tokens.
-        initializer_range=0.5,
-        bos_token_id=generator.tokenizer.bos_token_id,
-        eos_token_id=generator.tokenizer.eos_token_id,
-        pad_token_id=generator.tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
-    generator.tokenizer.save_pretrained(tmp_path)
-    llama = Generator(model=str(tmp_path), device="cpu", cache_dir=str(tmp_path))
+    llama = tiny_llama(generator, tmp_path)
     items = [{"text": t, "max_new_tokens": 25} for t in prompts(6, seed=9)]
     alone = [llama.generate_ids([item])[0] for item in items]
     decoder = llama.continuous_decoder(100_000)

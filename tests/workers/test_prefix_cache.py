@@ -9,10 +9,9 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipelines.model import Item
+from tests.support.tinyllama import tiny_llama
 from workers.models.decoder import Decoder, Generation
 from workers.models.hf import Generator
 from workers.models.prefixes import BLOCK
@@ -29,27 +28,7 @@ def gpt2(cache_dir: Path) -> Generator:
 
 @pytest.fixture(scope="module")
 def llama(gpt2: Generator, tmp_path_factory: pytest.TempPathFactory) -> Generator:
-    # Rotary positions, grouped-query attention; weights large enough that attention,
-    # and so the positions, decide tokens.
-    folder = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    tokenizer = gpt2.tokenizer
-    config = LlamaConfig(
-        vocab_size=gpt2.model.config.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.5,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return Generator(model=str(folder), device="cpu", cache_dir=str(folder))
+    return tiny_llama(gpt2, tmp_path_factory.mktemp("llama"))
 
 
 def words(count: int, seed: int) -> str:
