@@ -17,9 +17,9 @@ model frees (:class:`workers.window.Window`). Interactive takes the reserve too 
 has none, so under interactive load the next batch is whole before the model frees and
 nothing is read between two batches.
 
-A read is non-blocking on each lane in turn; only when every lane gave nothing and the
-window wants to wait does one blocking XREADGROUP cover the lanes, so an idle worker still
-waits in Redis. That one read may return up to ``count`` from each stream at once: what
+A read looks at both lanes without waiting, in one round trip (two XREADGROUPs in a
+pipeline); only when every lane gave nothing and the window wants to wait does one blocking
+XREADGROUP cover the lanes, so an idle worker still waits in Redis. That one read may return up to ``count`` from each stream at once: what
 exceeds the batch's bound is already delivered to this consumer, so it is kept and handed
 out first by the next read (never dropped, never making a batch larger than its bound; a
 worker that stops runs it as a last batch).
@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from pipelines.keys import GROUP
 from runtime.redisio import text
@@ -81,6 +82,7 @@ class Lanes:
         load: Load,
     ) -> None:
         self.client = client
+        self.cluster = isinstance(client, RedisCluster)
         self.load = load
         self.interactive, self.bulk = streams
         self.streams = tuple(streams)
@@ -142,16 +144,25 @@ class Lanes:
         return self._count(taken)
 
     async def _look(self, count: int, busy: bool) -> list[Entry]:
-        """Up to ``count`` new entries, without waiting, each lane within its share."""
+        """Up to ``count`` new entries, without waiting, each lane within its share: both
+        lanes in one round trip (bulk asked for its part of a batch whose interactive
+        room is full), a second only where interactive left bulk more room than that and
+        bulk may have it."""
         room = max(0, min(count, self.room - self._interactive_taken))
-        first = await self._take(self.interactive, room)
-        taken = list(first)
-        bulk_room = count - len(taken)
+        limit = count  # what bulk may take of this read
         if busy or time.monotonic() - self._interactive_at < ACTIVE_S:
-            bulk_room = min(bulk_room, self.reserve - self._bulk_taken)
-        bulk_room = min(bulk_room, self._bulk_free())
-        bulk = await self._take(self.bulk, bulk_room)
-        taken += bulk
+            limit = min(limit, self.reserve - self._bulk_taken)
+        limit = max(0, min(limit, self._bulk_free()))
+        bulk_room = min(limit, count - room)
+        first, bulk = await self._both(room, bulk_room)
+        taken = first + bulk
+        if len(first) < room and len(bulk) == bulk_room:
+            # Interactive left more of the batch: bulk takes it, within its limit.
+            more_room = min(limit, count - len(first)) - bulk_room
+            more = await self._take(self.bulk, more_room)
+            bulk_room += more_room
+            bulk += more
+            taken += more
         interactive_drained = len(first) < room
         if len(first) == room and len(taken) < count:
             # Interactive filled its room and bulk has no more: it takes the reserve.
@@ -163,6 +174,22 @@ class Lanes:
         # of looking at each again: at low load, one read a batch, not three.
         self._drained = interactive_drained and len(bulk) < bulk_room
         return taken
+
+    async def _both(self, room: int, bulk_room: int) -> tuple[list[Entry], list[Entry]]:
+        """Up to ``room`` new interactive and ``bulk_room`` new bulk entries, without
+        waiting: one round trip (a cluster client's pipeline is not used: each read
+        goes alone)."""
+        if room <= 0 or bulk_room <= 0 or self.cluster:
+            return await self._take(self.interactive, room), await self._take(self.bulk, bulk_room)
+        pipe = self.client.pipeline(transaction=False)
+        for stream, n in ((self.interactive, room), (self.bulk, bulk_room)):
+            pipe.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=n)
+        replies = await pipe.execute(raise_on_error=False)
+        for reply in replies:  # as a read alone would raise it (NOGROUP unprefixed)
+            if isinstance(reply, Exception):
+                raise reply
+        first, bulk = (self._entries(reply) for reply in replies)
+        return first, bulk
 
     def _bulk_free(self) -> int:
         """How many more bulk entries may be read now (under :attr:`bulk_cap`)."""
@@ -221,6 +248,10 @@ class Lanes:
         reply = await self.client.xreadgroup(
             GROUP, self.consumer, cast(Any, streams), count=count, block=block_ms
         )
+        return self._entries(reply)
+
+    @staticmethod
+    def _entries(reply: Any) -> list[Entry]:
         return [
             Entry(eid, fields, text(name))
             for name, entries in cast(list[Any], reply or [])

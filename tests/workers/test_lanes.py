@@ -245,3 +245,33 @@ async def test_slots_held_by_running_sequences_count_against_each_lanes_share(
     lanes.assembled()  # not a batch: what the read took now runs beside the next read's
     lanes.seated(1, 1)  # both run: bulk holds its reserve
     assert await lanes.read(2, None) == []  # interactive is active: no more bulk
+
+
+async def test_a_look_at_both_lanes_is_one_round_trip_and_keeps_their_shares(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # Issue 37: the lanes are read in one round trip (a pipeline of two XREADGROUPs), not
+    # one each; Redis's count of socket reads says how many the look made. The shares are
+    # those of two reads in turn: interactive within its room, bulk within its reserve.
+    stage = number_stage(max_batch_size=4)
+    worker = harness.worker(stage, Doubler(), bulk_every=4)  # reserve: one slot of four
+    await worker.parts.source.ensure_stream()
+    await send(harness, "interactive", list(range(100, 110)))
+    await send(harness, "bulk", list(range(10)))
+    lanes = worker.parts.lanes
+
+    async def reads() -> int:
+        return int((await redis.info("stats"))["total_reads_processed"])
+
+    before = await reads()
+    first = await lanes.read(4, None)
+    after = await reads()
+    assert after - before == 2  # the look, and the INFO that counts it
+    values = [decode_request(e.fields).payload["value"] for e in first]
+    assert values == [100, 101, 102, 0]  # interactive's room (three), bulk's reserve (one)
+    lanes.assembled()
+    # Interactive is active: bulk keeps to its reserve however much room is left.
+    await redis.delete(*[s for lane, s in streams(harness).items() if lane == "interactive"])
+    await worker.parts.source.ensure_stream()
+    second = await lanes.read(4, None)
+    assert [decode_request(e.fields).payload["value"] for e in second] == [1]
