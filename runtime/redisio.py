@@ -16,7 +16,6 @@ from redis.asyncio.connection import DefaultParser
 from redis.exceptions import (
     BusyLoadingError,
     ClusterError,
-    MaxConnectionsError,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -32,6 +31,7 @@ from pipelines.errors import ConfigError
 from pipelines.keys import GROUP, Keys
 from pipelines.settings import CommonSettings
 from runtime.cluster import Cluster
+from runtime.pool import SATURATED, Pool
 from runtime.waiting import Backoff
 
 logger = logging.getLogger(__name__)
@@ -88,44 +88,6 @@ slot no node serves. Refusals: ``OOM`` (``maxmemory`` reached under ``noeviction
 includes :data:`SATURATED`, which a caller that answers clients tells apart."""
 
 
-class PoolExhausted(RedisConnectionError):
-    """No pooled connection came free within the pool's timeout.
-
-    This process has more commands in flight than connections (a burst, CPU contention
-    slowing every round trip), while Redis itself may be answering well: overload, not an
-    outage. It stays a ``ConnectionError`` (in :data:`REDIS_DOWN`), so code that just backs
-    off and retries keeps doing so; the gateway answers it as overload.
-
-    Args:
-        timeout_s: how long the command waited for a connection.
-    """
-
-    def __init__(self, timeout_s: float | None) -> None:
-        super().__init__(f"no free Redis connection within {timeout_s or 0:g}s")
-        self.timeout_s = timeout_s
-
-
-class _Pool(aioredis.BlockingConnectionPool):
-    """A blocking pool whose wait running out raises :class:`PoolExhausted`."""
-
-    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
-        except PoolExhausted:
-            raise
-        except RedisConnectionError as exc:
-            # redis-py 8 says a wait that ran out with ConnectionError("No connection
-            # available.") raised from the asyncio timeout; a connection that fails to
-            # connect raises ConnectionError from an OSError, or Redis's TimeoutError.
-            if isinstance(exc.__cause__, asyncio.TimeoutError):
-                raise PoolExhausted(self.timeout) from exc
-            raise
-
-
-SATURATED = (PoolExhausted, MaxConnectionsError)
-"""This process's connections to Redis are all in use (the cluster client's per-node
-bound raises the second): overload here, not an outage; nothing was sent."""
-
 T = TypeVar("T")
 
 
@@ -140,7 +102,7 @@ async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitabl
     Only for commands whose repeat is harmless: the first try may have run before its
     answer was lost. conveyor's writes are: a request enqueued twice runs twice but
     publishes once (its step's done marker), a publish carries a token that makes its
-    repeat a no-op. A wait for a pooled connection (:class:`PoolExhausted`) and a timeout
+    repeat a no-op. A wait for a pooled connection (:class:`~runtime.pool.PoolExhausted`) and a timeout
     are not retried: no connection was found dead.
     """
     try:
@@ -212,7 +174,7 @@ def connect(
         return cast(aioredis.Redis, cluster)
     # A blocking pool: past max_connections, a command waits (up to the timeout) for a
     # free connection instead of failing at once as the default pool does.
-    pool = _Pool.from_url(
+    pool = Pool.from_url(
         settings.redis_url,
         max_connections=most,
         timeout=settings.redis_timeout_s,
