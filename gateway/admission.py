@@ -121,10 +121,14 @@ class Admission:
         if view is None:
             return await self.refresh(stage)
         if self._stale(view) and stage not in self._refreshing:
-            task = asyncio.get_running_loop().create_task(self.refresh(stage))
-            self._refreshing[stage] = task
-            task.add_done_callback(lambda t: self._refreshed(stage, t))
+            self._refresh_behind(stage)
         return view
+
+    def _refresh_behind(self, stage: str) -> None:
+        """Re-measure ``stage`` in the background (the caller checked none is under way)."""
+        task = asyncio.get_running_loop().create_task(self.refresh(stage))
+        self._refreshing[stage] = task
+        task.add_done_callback(lambda t: self._refreshed(stage, t))
 
     async def refresh(self, stage: str) -> Reading:
         """Measure ``stage`` now (joining a refresh already under way) and keep the view."""
@@ -176,6 +180,8 @@ class Admission:
             Overloaded: the backlog is at its bound, or the request would miss its
                 deadline; ``retry_after`` says when the backlog should have drained.
         """
+        if self.admit_now(stage, bound, timeout_s, max_batch, lane):
+            return
         view = await self.view(stage)
         refusal = self._refusal(view, stage, bound, timeout_s, max_batch, lane)
         if refusal is not None and self._stale(view):
@@ -185,6 +191,34 @@ class Admission:
             refusal = self._refusal(view, stage, bound, timeout_s, max_batch, lane)
         if refusal is not None:
             raise refusal
+        self._count(stage, lane)
+
+    def admit_now(
+        self, stage: str, bound: int, timeout_s: float, max_batch: int, lane: Lane = DEFAULT_LANE
+    ) -> bool:
+        """:meth:`admit` where it needs no wait, the common case: True once the request
+        is counted, False where :meth:`admit` must wait (no view of the stage yet, or a
+        stale view that would refuse it). A stale view is re-measured in the background,
+        as :meth:`view` does. Its arguments are :meth:`admit`'s.
+
+        Raises:
+            Overloaded: as :meth:`admit`, on a view that is not stale.
+        """
+        view = self._views.get(stage)
+        if view is None:
+            return False
+        stale = self._stale(view)
+        if stale and stage not in self._refreshing:
+            self._refresh_behind(stage)
+        refusal = self._refusal(view, stage, bound, timeout_s, max_batch, lane)
+        if refusal is not None:
+            if stale:
+                return False
+            raise refusal
+        self._count(stage, lane)
+        return True
+
+    def _count(self, stage: str, lane: Lane) -> None:
         counts = self._admitted.setdefault(stage, {})
         counts[lane] = counts.get(lane, 0) + 1
 

@@ -14,7 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.middleware.errors import ServerErrorMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.body import WireRoute
 from gateway.docs import add_docs_routes
@@ -89,11 +90,12 @@ class GatewayApp(FastAPI):
     last one (reading the environment, about a twentieth of the gateway's CPU on a small
     fast call) and whether a root path is set. Neither changes while conveyor serves:
     :meth:`settle`, at start, asks once, and with neither, HTTP requests go straight
-    to the middleware stack. A tracer set up after the start is not seen; set it up
-    before, or it is FastAPI's own per-request path that serves (as without this).
+    to the middleware stack, past the layers of it that do nothing for them
+    (:func:`_without_idle_layers`). A tracer set up after the start is not seen; set it
+    up before, or it is FastAPI's own per-request path that serves (as without this).
     """
 
-    _direct = False
+    _direct: ASGIApp | None = None
 
     def settle(self) -> None:
         """Decide, once serving starts, whether requests may skip FastAPI's checks."""
@@ -102,15 +104,53 @@ class GatewayApp(FastAPI):
             return
         if self.middleware_stack is None:
             self.middleware_stack = self.build_middleware_stack()
-        self._direct = True
+        limit = getattr(self, "max_body_size", None)  # FastAPI's own, where it has one
+        self._direct = _without_idle_layers(self.middleware_stack, limit)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stack = self.middleware_stack
-        if self._direct and stack is not None and scope["type"] == "http":
+        direct = self._direct
+        if (
+            direct is not None
+            and scope["type"] == "http"
+            and _TELEMETRY not in scope
+            and _BODY_LIMIT not in scope
+        ):
             scope["app"] = self
-            await stack(scope, receive, send)
+            await direct(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+
+_TELEMETRY = "fastapi.telemetry"
+"""The scope key of FastAPI's per-request telemetry (set by an app this one is mounted in)."""
+_BODY_LIMIT = "starlette.max_body_size"
+"""The scope key of a parent app's body limit (Starlette's ``MAX_BODY_SIZE_SCOPE_KEY``)."""
+_IDLE = frozenset(
+    {
+        ("fastapi.telemetry._asgi", "ExceptionTelemetryMiddleware"),
+        ("fastapi._body_limit", "AppBodyLimitMiddleware"),
+    }
+)
+"""FastAPI's layers under its error handler that do nothing on the direct path (named,
+not imported: FastAPI versions without them have nothing to skip)."""
+
+
+def _without_idle_layers(stack: ASGIApp, max_body_size: int | None) -> ASGIApp:
+    """``stack`` (FastAPI's) without the layers it puts under its error handler that do
+    nothing for a request of :meth:`GatewayApp.__call__`'s direct path: the exception
+    telemetry (it records only for a request FastAPI's telemetry wraps) and the app's
+    body limit (none is set, and the scope holds no parent's). The same error handler,
+    over the same middleware instances; the stack itself is kept, for every other
+    request. Where the stack is not shaped as expected, it is ``stack``."""
+    if not isinstance(stack, ServerErrorMiddleware) or max_body_size is not None:
+        return stack
+    inner: Any = stack.app
+    skipped = False
+    while (type(inner).__module__, type(inner).__qualname__) in _IDLE:
+        inner, skipped = inner.app, True
+    if not skipped:
+        return stack
+    return ServerErrorMiddleware(inner, handler=stack.handler, debug=stack.debug)
 
 
 def create_app(

@@ -15,16 +15,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.alarms import Alarms
 from gateway.settings import GatewaySettings
 from gateway.withdraw import Withdrawals
 from pipelines.envelope import Request
 from pipelines.errors import ConveyorError, DeadlineExceeded, Overloaded, Unavailable
 from pipelines.keys import Keys
 from runtime.jobs import create_job
+from runtime.pool import SATURATED
 from runtime.redisio import (
     REDIS_DOWN,
     REFUSED,
-    SATURATED,
     IdsAhead,
     RedisClock,
     RedisRefused,
@@ -180,6 +181,7 @@ class Enqueuer:
         self.ahead = IdsAhead("gateway")
         self._joining: list[tuple[Request, asyncio.Future[None]]] | None = None
         self._leading: set[asyncio.Task[None]] = set()  # round trips under way
+        self._alarms = Alarms()
 
     async def enqueue(self, request: Request) -> None:
         """XADD ``request`` (see the class doc), retried once on a dead connection
@@ -197,7 +199,8 @@ class Enqueuer:
         left_s = request.deadline - self.clock.now()
         if left_s <= 0:  # nothing sent: nobody waits for it any more
             raise DeadlineExceeded("the deadline passed before the request was enqueued")
-        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        mine: asyncio.Future[None] = loop.create_future()
         if self._joining is not None:
             self._joining.append((request, mine))
         else:  # the first of this iteration: its round trip, for all who join it
@@ -205,10 +208,10 @@ class Enqueuer:
             lead = asyncio.create_task(self._lead(batch))
             self._leading.add(lead)
             lead.add_done_callback(lambda task: self._ended(task, batch))
-        # Out of time (or cancelled), the wait cancels its own outcome only: the round
-        # trip skips it and goes on for the others.
-        async with asyncio.timeout(min(self.write_s, left_s)):
-            await mine
+        # Out of time (or cancelled), the wait ends its own outcome only: the round trip
+        # skips it and goes on for the others.
+        self._alarms.fail_at(loop, loop.time() + min(self.write_s, left_s), mine)
+        await mine
 
     async def _lead(self, joining: list[tuple[Request, asyncio.Future[None]]]) -> None:
         """One round trip for the requests that joined in this iteration (each caller

@@ -35,6 +35,7 @@ _CONTENT_TYPE = b"content-type"
 _READ = {h.key: h for h in HEADERS}
 _WATCHED = frozenset({*_READ, _CONTENT_TYPE})
 _JSON = frozenset({b"application/json", b"application/json; charset=utf-8"})
+_NONE_SENT = Sent.of("call", {})  # none of them sent, the common case (a frozen value)
 
 
 def plain_headers(headers: list[tuple[bytes, bytes]]) -> Sent | None:
@@ -50,6 +51,8 @@ def plain_headers(headers: list[tuple[bytes, bytes]]) -> Sent | None:
             seen[name] = value
     if seen.pop(_CONTENT_TYPE, b"").lower() not in _JSON:
         return None
+    if not seen:
+        return _NONE_SENT
     values: dict[str, Any] = {}
     for key, raw in seen.items():
         header = _READ[key]

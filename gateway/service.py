@@ -9,6 +9,7 @@ import math
 import os
 import secrets
 import socket
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -17,6 +18,7 @@ from starlette.types import Receive
 
 from gateway import traces
 from gateway.admission import Admission
+from gateway.alarms import Alarms
 from gateway.body import problem_detail
 from gateway.cancel import Cancellations, ClientGone, unwatch, watch
 from gateway.edge import ANONYMOUS, RequestMetrics
@@ -40,9 +42,9 @@ from pipelines.records import JobRecord
 from pipelines.registry import Registry
 from pipelines.stages import Stage
 from runtime.definitions import check_served
+from runtime.pool import SATURATED
 from runtime.redisio import (
     REDIS_DOWN,
-    SATURATED,
     RedisClock,
     agree_on_partitions,
     connect,
@@ -94,6 +96,7 @@ class Gateway:
         self.history = History(self.client, self.keys, registry.stages, self.clock)
         self.draining = False  # set by drain(): no new request is taken
         self._abandon: asyncio.TimerHandle | None = None
+        self.alarms = Alarms()  # the sync calls' deadlines
 
     async def start(self) -> None:
         """Start the reply loop; Redis being down is not fatal (requests get 503).
@@ -268,6 +271,13 @@ class Gateway:
         """Admit a request to ``stage`` (:class:`~gateway.admission.Admission`), on a
         calibrated clock."""
         bound = self.settings.max_backlog or stage.max_backlog
+        # Calibrated, and decided on the view at hand (the common case): nothing is
+        # awaited, so no deadline needs arming (a timer per request, and its cancel).
+        calibrated = self.misconfigured is None and math.isfinite(self.clock.error)
+        if calibrated and self.admission.admit_now(
+            stage.name, bound, timeout_s, stage.max_batch_size, lane
+        ):
+            return
         try:
             # Within the request's own time: a stalled Redis does not hold a call given
             # 1 s for the client's whole command timeout (2 s) before its 503.
@@ -336,8 +346,10 @@ class Gateway:
             timeout_s = self.timeout_for(sent.timeout_s)
             # Awaited directly (no wait_for task hop, no timeout scope to cancel and
             # uncancel this task): the reply wakes this handler in the loop iteration after
-            # it is dispatched, and the deadline fails the future itself.
-            expiry = asyncio.get_running_loop().call_later(timeout_s, _expire, future)
+            # it is dispatched, and the deadline fails the future itself (on the shared
+            # alarm timer: no timer of its own, armed and cancelled, per call).
+            loop = asyncio.get_running_loop()
+            self.alarms.at(loop, loop.time() + timeout_s, future.done, partial(_expire, future))
             try:
                 reply = await future
             except _Expired:
@@ -350,8 +362,6 @@ class Gateway:
             except Abandoned as exc:  # the drain ran out (see drain())
                 await self.cancellations.mark(request.id, request.deadline)
                 raise DeadlineExceeded(str(exc), request_id=request.id) from None
-            finally:
-                expiry.cancel()
             root = traces.current()
             written = self.replies.written.pop(request_id, None)
             if root is not None and written is not None:

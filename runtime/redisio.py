@@ -102,8 +102,9 @@ async def on_live_connection(client: aioredis.Redis, call: Callable[[], Awaitabl
     Only for commands whose repeat is harmless: the first try may have run before its
     answer was lost. conveyor's writes are: a request enqueued twice runs twice but
     publishes once (its step's done marker), a publish carries a token that makes its
-    repeat a no-op. A wait for a pooled connection (:class:`~runtime.pool.PoolExhausted`) and a timeout
-    are not retried: no connection was found dead.
+    repeat a no-op. A wait for a pooled connection
+    (:class:`~runtime.pool.PoolExhausted`) and a timeout are not retried: no connection
+    was found dead.
     """
     try:
         return await call()

@@ -18,11 +18,12 @@ has none, so under interactive load the next batch is whole before the model fre
 nothing is read between two batches.
 
 A read looks at both lanes without waiting, in one round trip (two XREADGROUPs in a
-pipeline); only when every lane gave nothing and the window wants to wait does one blocking
-XREADGROUP cover the lanes, so an idle worker still waits in Redis. That one read may return up to ``count`` from each stream at once: what
-exceeds the batch's bound is already delivered to this consumer, so it is kept and handed
-out first by the next read (never dropped, never making a batch larger than its bound; a
-worker that stops runs it as a last batch).
+pipeline); only when every lane gave nothing and the window wants to wait does one
+blocking XREADGROUP cover the lanes, so an idle worker still waits in Redis. That one read
+may return up to ``count`` from each stream at once: what exceeds the batch's bound is
+already delivered to this consumer, so it is kept and handed out first by the next read
+(never dropped, never making a batch larger than its bound; a worker that stops runs it as
+a last batch).
 
 Redis ends a blocked read that timed out only at its next timer tick (``1000 / hz`` ms:
 100 ms at the default ``hz 10``), so a short BLOCK overshoots by up to

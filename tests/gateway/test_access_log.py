@@ -75,6 +75,10 @@ async def test_one_line_per_request_with_route_status_ms_and_request_id(
     assert first.startswith("POST /v1/double 200 ")
     assert first.endswith(f"ms {fast.headers['x-request-id']}")
     assert records[2].getMessage().endswith("ms -")
+    # The record is the one Logger.info would make: where the line is written from.
+    assert {
+        (r.funcName, Path(r.pathname).as_posix().endswith("gateway/edge.py")) for r in records
+    } == {("log_access", True)}
 
 
 async def test_refusals_at_the_edge_are_logged_too(

@@ -85,3 +85,22 @@ async def test_a_stale_lag_counter_does_not_refuse_a_drained_stage(
     await harness.enqueue("double", [{"value": i} for i in range(5)])
     assert (await admission.refresh("double")).state.backlog == 5
     assert (await stage_status(redis, harness.keys, "double")).lag == 5
+
+
+async def test_admit_now_decides_without_waiting_only_where_admit_would_not_wait(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    admission = Admission(redis, harness.keys, refresh_s=3600.0, retry_after_s=1)
+    assert not admission.admit_now("double", 3, 30.0, 8)  # no view yet: admit must measure
+    await admission.admit("double", 3, 30.0, 8)  # measured: one admitted
+    assert admission.admit_now("double", 3, 30.0, 8)  # a fresh view that admits: at once
+    with pytest.raises(Overloaded, match="capacity"):  # a fresh view that refuses: at once
+        admission.admit_now("double", 2, 30.0, 8)
+    stale = Admission(redis, harness.keys, refresh_s=0.0, retry_after_s=1)
+    await harness.enqueue("double", [{"value": i} for i in range(3)])
+    with pytest.raises(Overloaded):
+        await stale.admit("double", 3, 30.0, 8)
+    # Stale and refusing: not decided here (admit waits for the fresh view it started).
+    assert not stale.admit_now("double", 3, 30.0, 8)
+    assert "double" in stale._refreshing
+    await stale.close()

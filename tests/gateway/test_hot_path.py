@@ -6,6 +6,10 @@ request in it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import time
 from typing import Any
 
 import httpx
@@ -207,3 +211,32 @@ async def test_a_round_trip_stopped_midway_fails_those_in_it(
     # Nothing was sent; the next enqueue starts a round trip of its own.
     await enqueuer.enqueue(harness.request("p", "double", "double", {"value": 3}))
     assert await redis.xlen(Keys(namespace).stage_stream("double")) == 1
+
+
+async def test_each_caller_of_a_stalled_round_trip_times_out_at_its_own_deadline(
+    harness: Harness, own_redis: subprocess.Popen[bytes], namespace: str
+) -> None:
+    client = aioredis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"])
+    await client.ping()  # connected before Redis stalls: the XADD is sent, never answered
+    enqueuer = Enqueuer(client, Keys(namespace), write_s=30)
+    own_redis.send_signal(signal.SIGSTOP)
+    try:
+        soon, later = (
+            asyncio.create_task(
+                enqueuer.enqueue(
+                    harness.request("p", "double", "double", {"value": 1}, deadline=time.time() + s)
+                )
+            )
+            for s in (0.3, 1.0)
+        )
+        with pytest.raises(TimeoutError):
+            await soon
+        assert not later.done()  # its own deadline is later: still waiting
+        with pytest.raises(TimeoutError):
+            await later
+    finally:
+        own_redis.send_signal(signal.SIGCONT)
+        for lead in list(enqueuer._leading):
+            lead.cancel()
+        await asyncio.gather(*enqueuer._leading, return_exceptions=True)
+        await client.aclose()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,6 +16,13 @@ import redis.asyncio as aioredis
 from pipelines.settings import CommonSettings
 from runtime.pool import Pool, PoolExhausted
 from runtime.redisio import connect
+
+
+def task(call: Awaitable[Any]) -> asyncio.Task[Any]:
+    async def run() -> Any:
+        return await call
+
+    return asyncio.create_task(run())
 
 
 def client(monkeypatch: pytest.MonkeyPatch, most: int, timeout_s: float) -> aioredis.Redis:
@@ -49,8 +58,8 @@ async def test_past_its_bound_a_command_waits_for_a_free_connection(
     try:
         # Two blocking reads hold both connections; a third command waits for one, and
         # runs once the first read ends (a waiter is served, not passed over).
-        first = asyncio.create_task(c.blpop([key], timeout=1))
-        second = asyncio.create_task(c.blpop([key + ":2"], timeout=5))
+        first = task(c.blpop([key], timeout=1))
+        second = task(c.blpop([key + ":2"], timeout=5))
         await asyncio.sleep(0.2)
         started = time.monotonic()
         assert await c.ping()
@@ -59,7 +68,7 @@ async def test_past_its_bound_a_command_waits_for_a_free_connection(
         assert waited > 0.3  # it waited for the first read's end, not a new connection
         await c.rpush(key + ":2", "x")
         assert await second is not None
-        assert c.connection_pool._in_use_connections == set()  # type: ignore[attr-defined]
+        assert c.connection_pool._in_use_connections == set()
     finally:
         await c.aclose()
 
@@ -70,7 +79,7 @@ async def test_a_wait_that_runs_out_is_pool_exhausted(
     c = client(monkeypatch, 2, 0.3)
     key = f"test:{uuid.uuid4().hex}"
     try:
-        held = [asyncio.create_task(c.blpop([f"{key}:{i}"], timeout=3)) for i in range(2)]
+        held = [task(c.blpop([f"{key}:{i}"], timeout=3)) for i in range(2)]
         await asyncio.sleep(0.2)
         with pytest.raises(PoolExhausted):
             await c.ping()
@@ -89,7 +98,7 @@ async def test_a_connection_left_with_unread_data_is_not_handed_out(
     pool = c.connection_pool
     try:
         assert await c.ping()
-        conn = await pool.get_connection()
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         # Forged: a reply nobody read (what a cancelled command can leave behind).
         await conn.send_command("PING")
         await asyncio.sleep(0.1)
