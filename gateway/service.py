@@ -339,6 +339,7 @@ class Gateway:
         """
         request_id = new_request_id()
         future = self.replies.expect(request_id)
+        held = [future]  # let go once the call is over: its alarm may stay in the heap a while
         watcher = None
         try:
             request = await self.enqueue(pipeline, payload, sent, request_id=request_id)
@@ -349,7 +350,9 @@ class Gateway:
             # it is dispatched, and the deadline fails the future itself (on the shared
             # alarm timer: no timer of its own, armed and cancelled, per call).
             loop = asyncio.get_running_loop()
-            self.alarms.at(loop, loop.time() + timeout_s, future.done, partial(_expire, future))
+            self.alarms.at(
+                loop, loop.time() + timeout_s, partial(_moot, held), partial(_expire, held)
+            )
             try:
                 reply = await future
             except _Expired:
@@ -369,6 +372,7 @@ class Gateway:
                 stage = {"conveyor.stage": reply.stage}
                 traces.child(root, "reply", min(written, now), now, **stage)
         finally:
+            held.clear()
             self.replies.forget(request_id)
             if watcher is not None:
                 await unwatch(watcher)
@@ -420,9 +424,13 @@ class _Expired(Exception):
     """A sync call's deadline passed before its reply came."""
 
 
-def _expire(future: asyncio.Future[Reply]) -> None:
-    if not future.done():
-        future.set_exception(_Expired())
+def _moot(held: list[asyncio.Future[Reply]]) -> bool:
+    return not held or held[0].done()
+
+
+def _expire(held: list[asyncio.Future[Reply]]) -> None:
+    if not _moot(held):
+        held[0].set_exception(_Expired())
 
 
 def _surface(task: asyncio.Task[None]) -> None:

@@ -43,10 +43,23 @@ class Pool(aioredis.BlockingConnectionPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._short = all(
-            hasattr(self, name)
-            for name in ("_available_connections", "_in_use_connections", "_lock", "_condition")
-        ) and isinstance(getattr(self._condition, "_waiters", None), deque)
+        self._short = (
+            all(
+                hasattr(self, name)
+                for name in (
+                    "_available_connections",
+                    "_in_use_connections",
+                    "_lock",
+                    "_condition",
+                    "get_available_connection",
+                )
+            )
+            # redis-py before 7 has neither on its connections (nor checks them).
+            and all(
+                hasattr(self.connection_class, name) for name in ("can_read", "should_reconnect")
+            )
+            and isinstance(getattr(self._condition, "_waiters", None), deque)
+        )
 
     def _quiet(self) -> bool:
         """Nobody waits for a connection and no maintenance holds the pool."""

@@ -130,7 +130,11 @@ class Lanes:
             # Every lane was empty at the last look: one blocking read over them all (it
             # answers at once if something came meanwhile) instead of a look at each first.
             return self._count(await self._wait(count, block_ms))
-        taken += await self._look(count - len(taken), busy)
+        try:
+            taken += await self._look(count - len(taken), busy)
+        except BaseException:
+            self._carry[:0] = taken  # taken from the carry: still the next read's, first
+            raise
         if not taken and block_ms is not None:
             self._empty = not busy  # every lane was looked at, and had nothing
             if busy:
@@ -181,13 +185,23 @@ class Lanes:
         waiting: one round trip (a cluster client's pipeline is not used: each read
         goes alone)."""
         if room <= 0 or bulk_room <= 0 or self.cluster:
-            return await self._take(self.interactive, room), await self._take(self.bulk, bulk_room)
+            first = await self._take(self.interactive, room)
+            try:
+                return first, await self._take(self.bulk, bulk_room)
+            except BaseException:
+                self._carry += first  # delivered here: handed out by the next read
+                raise
         pipe = self.client.pipeline(transaction=False)
         for stream, n in ((self.interactive, room), (self.bulk, bulk_room)):
             pipe.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=n)
         replies = await pipe.execute(raise_on_error=False)
         for reply in replies:  # as a read alone would raise it (NOGROUP unprefixed)
             if isinstance(reply, Exception):
+                # What the other lane's read delivered to this consumer is handed out by
+                # the next read, not left pending here until a reclaim.
+                for other in replies:
+                    if not isinstance(other, Exception):
+                        self._carry += self._entries(other)
                 raise reply
         first, bulk = (self._entries(reply) for reply in replies)
         return first, bulk
