@@ -1,0 +1,191 @@
+"""``python -m bench.costs``: what the hot path's parts cost, each measured alone.
+
+Starts a redis-server of its own on a free loopback port and measures, in this process:
+
+- ``pool``: CPU per connection taken and given back, and per ``PING`` round trip, through
+  redis-py's ``BlockingConnectionPool`` and through conveyor's :class:`runtime.pool.Pool`
+  (the same pool with a short way for a free connection), alternating.
+- ``script``: what a publish's per-request writes cost inside a Lua script, by Redis's own
+  ``INFO commandstats`` (µs per ``EVALSHA``): ``n`` done markers as ``SET .. EX`` each
+  (today's) against one ``HSET`` of ``n`` fields and an ``EXPIRE``, and ``n`` replies as
+  one ``XADD`` each (today's) against one ``XADD`` of ``n`` fields: the saving a publish
+  written per batch, not per request, would bring (issue 37).
+- ``worker``: one worker alone (no gateway, no HTTP) draining ``--requests`` echo requests
+  already in its stream, in burst mode, at each of ``--batches``: its CPU per batch and
+  per request, Redis's commands and command µs per request (``INFO commandstats``, reset
+  before), and Redis's socket reads per batch (its round trips).
+
+CPU is this process's (``time.process_time``), so the machine's other work matters less
+than to wall times; still compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from conveyor.embedded import free_port, start_redis
+from pipelines.envelope import Request, new_request_id
+from pipelines.keys import Keys
+from pipelines.stages import Stage, TextIn
+from runtime.pool import Pool
+from runtime.redisio import enqueue
+from workers.loop import Worker
+from workers.models.toy import Echo
+from workers.settings import WorkerSettings
+
+REPLY = b'{"v":1,"id":"0123456789abcdef0123456789abcdef","outcome":"ok","result":{"text":"hi"}}'
+"""A small reply, as an echo request's."""
+
+
+async def _cpu_us(n: int, step: Callable[[], Awaitable[Any]]) -> float:
+    started = time.process_time()
+    for _ in range(n):
+        await step()
+    return (time.process_time() - started) / n * 1e6
+
+
+async def pool_costs(url: str, rounds: int) -> list[str]:
+    """CPU per get + release and per PING, redis-py's pool against conveyor's."""
+    lines = ["| pool | get + release, µs CPU | PING round trip, µs CPU |", "|---|---:|---:|"]
+    for _ in range(rounds):
+        for cls in (aioredis.BlockingConnectionPool, Pool):
+            pool = cls.from_url(url, max_connections=64, timeout=5)
+            client = aioredis.Redis.from_pool(pool)
+            await client.ping()
+
+            async def take(pool: aioredis.BlockingConnectionPool = pool) -> None:
+                conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+                await pool.release(conn)
+
+            taken = await _cpu_us(20_000, take)
+            ping = await _cpu_us(2_000, client.ping)
+            await client.aclose()
+            lines.append(f"| {cls.__module__}.{cls.__name__} | {taken:.1f} | {ping:.1f} |")
+    return lines
+
+
+SCRIPTS = {
+    "n SET .. EX (a marker each)": (
+        "for i = 1, #KEYS do redis.call('SET', KEYS[i], '1', 'EX', 60) end return 1"
+    ),
+    "one HSET of n fields + EXPIRE": (
+        "local f = {} for i = 1, #KEYS do f[#f + 1] = KEYS[i] f[#f + 1] = '1' end "
+        "redis.call('HSET', 'bench:done', unpack(f)) redis.call('EXPIRE', 'bench:done', 60) "
+        "return 1"
+    ),
+    "n XADD (a reply each)": (
+        "for i = 1, #ARGV do redis.call('XADD', 'bench:r1', 'MAXLEN', '~', 1000, '*', 'e', "
+        "ARGV[i]) end return 1"
+    ),
+    "one XADD of n fields": (
+        "local f = {} for i = 1, #ARGV do f[#f + 1] = i f[#f + 1] = ARGV[i] end "
+        "redis.call('XADD', 'bench:r2', 'MAXLEN', '~', 1000, '*', unpack(f)) return 1"
+    ),
+    "nothing (the call alone)": "return 1",
+}
+
+
+def script_costs(port: int, n: int, calls: int) -> list[str]:
+    """µs per EVALSHA of each script of :data:`SCRIPTS` on a batch of ``n``."""
+    client = redis.Redis(port=port)
+    keys = [f"bench:m:{i}" for i in range(n)]
+    lines = [f"| a batch of {n}: script | µs per call | µs per request |", "|---|---:|---:|"]
+    for name, source in SCRIPTS.items():
+        sha = client.script_load(source)
+        client.config_resetstat()
+        for _ in range(calls):
+            client.evalsha(sha, n, *keys, *([REPLY] * n))
+        us = float(client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+        lines.append(f"| {name} | {us:.1f} | {us / n:.2f} |")
+    client.close()
+    return lines
+
+
+async def worker_costs(url: str, requests: int, batch: int) -> str:
+    """One worker draining ``requests`` echo requests in batches of ``batch``."""
+    namespace = f"costs{batch}"
+    keys = Keys(namespace)
+    stage = Stage("echo", TextIn, Echo, batch_wait_ms=0, max_batch_size=batch)
+    settings = WorkerSettings(redis_url=url, namespace=namespace, block_ms=50)
+    worker = Worker(stage, settings, Echo())
+    await worker.start()
+    await worker.parts.source.ensure_stream()
+    client = aioredis.Redis.from_url(url)
+    pipe = client.pipeline(transaction=False)
+    for i in range(requests):
+        payload = {"text": f"hello {i}"}
+        enqueue(
+            pipe,
+            keys,
+            Request(
+                id=new_request_id(),
+                pipeline="echo",
+                stage="echo",
+                step="echo",
+                payload=payload,
+                state={"input": payload},
+                reply_to=keys.reply_stream("bench"),
+                deadline=time.time() + 600,
+            ),
+        )
+    await pipe.execute()
+    await client.config_resetstat()
+    started = time.process_time()
+    batches = await worker.run(burst=True)
+    cpu = time.process_time() - started
+    stats = await client.info("commandstats")
+    reads = (await client.info("stats"))["total_reads_processed"]
+    await worker.close()
+    await client.aclose()
+    counted = {k: v for k, v in stats.items() if k != "cmdstat_config|resetstat"}
+    calls = sum(v["calls"] for k, v in counted.items() if k != "cmdstat_info")
+    usec = sum(v["usec"] for k, v in counted.items() if k != "cmdstat_info")
+    return (
+        f"| {batch} | {batches} | {1e3 * cpu / batches:.2f} | {1e6 * cpu / requests:.0f} | "
+        f"{calls / requests:.2f} | {usec / requests:.1f} | {reads / batches:.2f} |"
+    )
+
+
+def main() -> None:
+    """Measure what is asked and print Markdown tables."""
+    parser = argparse.ArgumentParser(prog="python -m bench.costs", description=__doc__)
+    parser.add_argument("--parts", default="pool,script,worker", help="comma-separated")
+    parser.add_argument("--rounds", type=int, default=2, help="pool: alternations")
+    parser.add_argument("--batch", type=int, default=16, help="script: requests a batch")
+    parser.add_argument("--requests", type=int, default=4000, help="worker: requests")
+    parser.add_argument("--batches", default="1,16,32", help="worker: batch sizes")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    with tempfile.TemporaryDirectory() as data:
+        server = start_redis(port, Path(data))
+        try:
+            if "pool" in parts:
+                print("\n".join(asyncio.run(pool_costs(url, args.rounds))), end="\n\n")
+            if "script" in parts:
+                print("\n".join(script_costs(port, args.batch, 2000)), end="\n\n")
+            if "worker" in parts:
+                print(
+                    "| batch | batches | worker CPU ms/batch | µs/request | Redis commands"
+                    "/request | command µs/request | socket reads/batch |"
+                )
+                print("|---:|---:|---:|---:|---:|---:|---:|")
+                for batch in map(int, args.batches.split(",")):
+                    print(asyncio.run(worker_costs(url, args.requests, batch)))
+        finally:
+            server.terminate()
+            server.wait()
+
+
+if __name__ == "__main__":
+    main()
