@@ -271,7 +271,7 @@ class EdgeMiddleware:
                 if seen > self.max_body_bytes:
                     # Answer now: the app's body parser would turn an exception into 400.
                     if not body_done:
-                        await _drain(receive, self.max_body_bytes)
+                        await _drain(receive)
                     await self._too_large(send)
                     status, refused = 413, True
                     return {"type": "http.disconnect"}
@@ -299,7 +299,7 @@ class EdgeMiddleware:
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
                 if dict(scope["headers"]).get(b"expect", b"").lower() != b"100-continue":
-                    await _drain(receive, self.max_body_bytes)  # a client waiting sends none
+                    await _drain(receive)  # a client waiting sends none
                 await self._too_large(send)
                 status = 413
                 return
@@ -395,14 +395,19 @@ async def _receive_by(alarms: Alarms, deadline: float, receive: Receive) -> Mess
 DRAIN_S = 2.0
 """How long a refused body is read and dropped before its 413 (see :func:`_drain`)."""
 
+DRAIN_BYTES = 64 << 20
+"""The most of a refused body read and dropped before its 413 (see :func:`_drain`)."""
 
-async def _drain(receive: Receive, limit: int) -> None:
+
+async def _drain(receive: Receive) -> None:
     """Read and drop what a client still sends of a body refused as too large, before the
     413: the connection closes after it, and a socket closed with bytes unread is reset,
     which can lose the answer before a client still sending reads it (an async client did,
-    at 8 MB). Bounded: at most :data:`DRAIN_S` and four times the body limit (64 MiB at
-    most); past that the 413 goes out as before."""
-    left = min(4 * limit, 64 << 20)
+    at 8 MB). Bounded by time and size alone, as a web server's lingering close is: at most
+    :data:`DRAIN_S` and :data:`DRAIN_BYTES`, whatever the body limit (four times the limit
+    left an 8 MB body half unread, and its client reset, when the machine was busy); past
+    that the 413 goes out as before."""
+    left = DRAIN_BYTES
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(DRAIN_S):
             while left > 0:
