@@ -6,10 +6,12 @@ request in it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -213,14 +215,31 @@ async def test_a_round_trip_stopped_midway_fails_those_in_it(
     assert await redis.xlen(Keys(namespace).stage_stream("double")) == 1
 
 
+@contextlib.asynccontextmanager
+async def stalled(
+    own_redis: subprocess.Popen[bytes], namespace: str, write_s: float
+) -> AsyncIterator[Enqueuer]:
+    """An enqueuer whose client connected before its Redis was stopped (SIGSTOP): an XADD
+    is sent and never answered. On the way out Redis resumes and the round trips under way
+    are cancelled."""
+    client = aioredis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"])
+    await client.ping()
+    enqueuer = Enqueuer(client, Keys(namespace), write_s=write_s)
+    own_redis.send_signal(signal.SIGSTOP)
+    try:
+        yield enqueuer
+    finally:
+        own_redis.send_signal(signal.SIGCONT)
+        for lead in list(enqueuer._leading):
+            lead.cancel()
+        await asyncio.gather(*enqueuer._leading, return_exceptions=True)
+        await client.aclose()
+
+
 async def test_each_caller_of_a_stalled_round_trip_times_out_at_its_own_deadline(
     harness: Harness, own_redis: subprocess.Popen[bytes], namespace: str
 ) -> None:
-    client = aioredis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"])
-    await client.ping()  # connected before Redis stalls: the XADD is sent, never answered
-    enqueuer = Enqueuer(client, Keys(namespace), write_s=30)
-    own_redis.send_signal(signal.SIGSTOP)
-    try:
+    async with stalled(own_redis, namespace, write_s=30) as enqueuer:
         soon, later = (
             asyncio.create_task(
                 enqueuer.enqueue(
@@ -234,9 +253,3 @@ async def test_each_caller_of_a_stalled_round_trip_times_out_at_its_own_deadline
         assert not later.done()  # its own deadline is later: still waiting
         with pytest.raises(TimeoutError):
             await later
-    finally:
-        own_redis.send_signal(signal.SIGCONT)
-        for lead in list(enqueuer._leading):
-            lead.cancel()
-        await asyncio.gather(*enqueuer._leading, return_exceptions=True)
-        await client.aclose()

@@ -17,7 +17,7 @@ from conveyor.embedded import start_redis
 from runtime.pool import Pool
 from runtime.redisio import on_live_connection
 from tests.helpers import until
-from tests.system.test_pool import client, task
+from tests.system.test_pool import blocked, client, pooled, task
 
 
 async def test_a_restarted_redis_is_reconnected_on_the_next_command(
@@ -52,56 +52,37 @@ async def test_a_restarted_redis_is_reconnected_on_the_next_command(
 async def test_a_command_cancelled_in_flight_leaves_no_reply_for_the_next(
     redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    c = client(monkeypatch, 2, 2.0)
     key = f"test:{uuid.uuid4().hex}"
-    try:
-
-        async def blocked_clients() -> int:
-            return int((await redis.info("clients"))["blocked_clients"])
-
-        before = await blocked_clients()
-        blocked = task(c.blpop([key], timeout=30))
-
-        async def blocking() -> bool:
-            return await blocked_clients() > before
-
-        async def unblocked() -> bool:
-            return await blocked_clients() == before
-
-        await until(blocking, limit_s=5)
-        blocked.cancel()
+    async with pooled(monkeypatch, 2, 2.0) as c:
+        waiting = task(c.blpop([key], timeout=30))
+        await blocked(redis, 1)
+        waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await blocked
+            await waiting
         # The cancelled BLPOP's connection is closed, not left blocked in Redis to be
         # handed out again (its reply would go to the next command, or take what is
         # pushed next and lose it).
-        await until(unblocked, limit_s=5)
+        await blocked(redis, 0)
         await redis.rpush(key, "x")
         assert await c.echo("mine") == b"mine"
         assert await redis.lrange(key, 0, -1) == [b"x"]
         assert await c.lpop(key) == b"x"
         assert not c.connection_pool._in_use_connections
-    finally:
-        await c.aclose()
 
 
 async def test_waiters_cancelled_while_the_pool_is_full_leave_it_bounded_and_serving(
     redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    c = client(monkeypatch, 2, 5.0)
-    pool = c.connection_pool
-    assert isinstance(pool, Pool)
     key = f"test:{uuid.uuid4().hex}"
-    try:
+    async with pooled(monkeypatch, 2, 5.0) as c:
+        pool = c.connection_pool
+        assert isinstance(pool, Pool)
         held = [task(c.blpop([f"{key}:{i}"], timeout=5)) for i in range(2)]
-
-        async def held_both() -> bool:
-            return len(pool._in_use_connections) == 2
 
         async def all_wait() -> bool:
             return len(pool._condition._waiters) == 10
 
-        await until(held_both, limit_s=5)
+        await blocked(redis, 2)
         waiters = [task(c.echo(str(i))) for i in range(10)]
         await until(all_wait, limit_s=5)
         for w in waiters[::2]:
@@ -118,8 +99,6 @@ async def test_waiters_cancelled_while_the_pool_is_full_leave_it_bounded_and_ser
             str(i).encode() for i in range(8)
         ]
         assert len(pool._available_connections) <= 2
-    finally:
-        await c.aclose()
 
 
 class _Before7:
