@@ -26,8 +26,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 import workers
+from bench.workloads import stage_request
 from conveyor.embedded import free_port, start_redis
-from pipelines.envelope import Request, new_request_id
 from pipelines.keys import Keys
 from pipelines.stages import Stage, TextIn
 from runtime.redisio import enqueue
@@ -78,17 +78,7 @@ async def _one_batch(url: str) -> Path_:
     worker = Worker(stage, settings, Echo())
     await worker.start()
     client = aioredis.Redis.from_url(url)
-    request = Request(
-        id=new_request_id(),
-        pipeline="echo",
-        stage="echo",
-        step="echo",
-        payload={"text": "one"},
-        state={"input": {"text": "one"}},
-        reply_to=keys.reply_stream("bench"),
-        deadline=time.time() + 60,
-    )
-    await enqueue(client, keys, request)
+    await enqueue(client, keys, stage_request(keys, "echo", "one", time.time() + 60))
     seen = Path_()
     sys.setprofile(seen)
     try:

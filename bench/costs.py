@@ -32,8 +32,8 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from bench.workloads import stage_request
 from conveyor.embedded import free_port, start_redis
-from pipelines.envelope import Request, new_request_id
 from pipelines.keys import Keys
 from pipelines.stages import Stage, TextIn
 from runtime.pool import Pool
@@ -121,22 +121,9 @@ async def worker_costs(url: str, requests: int, batch: int) -> str:
     await worker.parts.source.ensure_stream()
     client = aioredis.Redis.from_url(url)
     pipe = client.pipeline(transaction=False)
+    deadline = time.time() + 600
     for i in range(requests):
-        payload = {"text": f"hello {i}"}
-        enqueue(
-            pipe,
-            keys,
-            Request(
-                id=new_request_id(),
-                pipeline="echo",
-                stage="echo",
-                step="echo",
-                payload=payload,
-                state={"input": payload},
-                reply_to=keys.reply_stream("bench"),
-                deadline=time.time() + 600,
-            ),
-        )
+        enqueue(pipe, keys, stage_request(keys, "echo", f"hello {i}", deadline))
     await pipe.execute()
     await client.config_resetstat()
     started = time.process_time()

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from bench.workloads import stage_request
 from conveyor.embedded import free_port, start_redis
-from pipelines.envelope import Request
 from pipelines.stages import Stage, TextIn
 from runtime.redisio import enqueue
 from workers.loop import Worker
@@ -43,17 +43,7 @@ async def served(url: str, staged: bool, prepare_s: float, device_s: float, batc
     pipe = client.pipeline(transaction=False)
     deadline = time.time() + 600
     for i in range(batches * batch):
-        req = Request(
-            id=f"r{i}",
-            pipeline="sim",
-            step="sim",
-            stage="sim",
-            payload={"text": f"a short text {i}"},
-            state={"input": {"text": f"a short text {i}"}},
-            reply_to=keys.reply_stream("bench"),
-            deadline=deadline,
-        )
-        enqueue(pipe, keys, req)
+        enqueue(pipe, keys, stage_request(keys, "sim", f"a short text {i}", deadline, f"r{i}"))
     await pipe.execute()
     worker = Worker(stage, settings, sim if staged else OneCall(sim))
     await worker.start()

@@ -26,7 +26,9 @@ from typing import Any
 import orjson
 
 from pipelines.builtin import builtin_pipelines
+from pipelines.envelope import Request, new_request_id
 from pipelines.graph import Pipeline
+from pipelines.keys import Keys
 from pipelines.model import Item, Model
 
 WORKLOADS = ("echo", "embed", "mixed", "synthetic")
@@ -78,6 +80,25 @@ def items(n: int, workload: str = "embed") -> list[Item]:
     if workload == "mixed":
         return [orjson.loads(body) for body in bodies(n, workload)]
     return [{"text": t} for t in texts(n)]
+
+
+def stage_request(
+    keys: Keys, stage: str, text: str, deadline: float, request_id: str | None = None
+) -> Request:
+    """A one-step request of ``{"text": text}`` for ``stage`` (its pipeline and step
+    named after it), as a gateway would write it, replying to the bench's own stream:
+    what a bench that drives a worker without a gateway puts in its stream."""
+    payload = {"text": text}
+    return Request(
+        id=request_id or new_request_id(),
+        pipeline=stage,
+        stage=stage,
+        step=stage,
+        payload=payload,
+        state={"input": payload},
+        reply_to=keys.reply_stream("bench"),
+        deadline=deadline,
+    )
 
 
 def bodies(n: int, workload: str = "embed") -> list[bytes]:
