@@ -416,12 +416,12 @@ def _launch(
     emit: Emit | None,
     deadline: float,
     prepared: Prepared | None,
-    staged: bool,
+    apart: bool,
 ) -> Launched:
-    """The model thread's part of a batch (:meth:`Runner.launch`; ``staged``: overlapped)."""
+    """The model thread's part of a batch (:meth:`Runner.launch`; ``apart``: overlapped)."""
     started = time.perf_counter()
     with batch_deadline(deadline), watching_cold() as cold:
-        if staged and emit is None:
+        if apart and emit is None:
             model = cast(StagedModel, model)
             try:
                 if prepared is None or prepared.error or not _same(prepared.items, items):
