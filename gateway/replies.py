@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from pipelines.envelope import Reply, decode_reply, replier
+from pipelines.envelope import Reply, decode_reply, replier, reply_values
 from pipelines.errors import BadReply, EnvelopeError
 from pipelines.outcomes import Outcome
 from runtime import tracing
@@ -206,13 +206,20 @@ class ReplyDispatcher:
         self._trim_failing = False
 
     def _dispatch(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        try:
-            reply = decode_reply(fields)
-        except EnvelopeError as exc:
-            answer = _unreadable(entry_id, fields, exc)
-            if answer is None:
-                return
-            reply = answer
+        values = reply_values(fields)
+        if not values:
+            logger.warning("ignoring reply entry %r: it holds no reply", entry_id)
+        for raw in values:
+            try:
+                reply = decode_reply(raw)
+            except EnvelopeError as exc:
+                answer = _unreadable(entry_id, raw, exc)
+                if answer is None:
+                    continue
+                reply = answer
+            self._deliver(entry_id, reply)
+
+    def _deliver(self, entry_id: bytes, reply: Reply) -> None:
         queue = self._streams.get(reply.id)
         if queue is not None:
             queue.put_nowait(reply)
@@ -226,16 +233,18 @@ class ReplyDispatcher:
             future.set_result(reply)
 
 
-def _unreadable(entry_id: bytes, fields: dict[bytes, bytes], exc: EnvelopeError) -> Reply | None:
-    """The 502 that answers the request a reply entry that does not validate was for
-    (forged, or from an incompatible worker), when its id can still be read; else None
-    (nobody to answer: its request, if any, ends at its deadline)."""
-    who = replier(fields)
+def _unreadable(entry_id: bytes, raw: bytes, exc: EnvelopeError) -> Reply | None:
+    """The 502 that answers the request a reply that does not validate was for (forged,
+    or from an incompatible worker), when its id can still be read; else None (nobody to
+    answer: its request, if any, ends at its deadline)."""
+    who = replier(raw)
     if who is None:
-        logger.warning("ignoring reply entry %r, no request id in it: %s", entry_id, exc)
+        logger.warning("ignoring a reply in entry %r, no request id in it: %s", entry_id, exc)
         return None
     rid, stage = who
-    logger.warning("reply entry %r for request %s is invalid, answered 502: %s", entry_id, rid, exc)
+    logger.warning(
+        "a reply in entry %r for request %s is invalid, answered 502: %s", entry_id, rid, exc
+    )
     return Reply(
         id=rid,
         stage=stage,

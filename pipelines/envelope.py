@@ -362,33 +362,43 @@ def sender(fields: Mapping[Any, Any]) -> Sender | None:
     return Sender(rid, step, reply_to, trace)
 
 
-def replier(fields: Mapping[Any, Any]) -> tuple[str, str] | None:
-    """The request id and stage of an entry :func:`decode_reply` refused, read leniently,
+def reply_values(fields: Mapping[Any, Any]) -> list[bytes]:
+    """The replies a reply-stream entry holds, in order: its ``e`` field's, then ``e1``'s,
+    ``e2``'s and so on (a batch's replies to one gateway are one entry:
+    ``workers/publish.lua``); none when it has no ``e``."""
+    first = fields.get(FIELD)
+    if first is None:
+        return []
+    values = [first]
+    while (more := fields.get(FIELD + str(len(values)).encode())) is not None:
+        values.append(more)
+    return values
+
+
+def replier(raw: bytes) -> tuple[str, str] | None:
+    """The request id and stage of a reply :func:`decode_reply` refused, read leniently,
     so the request waiting for it can still be answered; None when unreadable."""
     try:
-        raw = orjson.loads(fields[FIELD])
-    except (KeyError, TypeError, orjson.JSONDecodeError):
+        found = orjson.loads(raw)
+    except (TypeError, orjson.JSONDecodeError):
         return None
-    if not isinstance(raw, dict):
+    if not isinstance(found, dict):
         return None
-    rid, stage = raw.get("id"), raw.get("stage")
+    rid, stage = found.get("id"), found.get("stage")
     if not isinstance(rid, str) or not rid:
         return None
     return rid, stage if isinstance(stage, str) else ""
 
 
-def decode_reply(fields: Mapping[Any, Any]) -> Reply:
-    """Parse and validate a reply-stream entry.
-
-    Args:
-        fields: the entry's fields as redis-py returns them.
+def decode_reply(raw: bytes) -> Reply:
+    """Parse and validate one reply (one of :func:`reply_values`).
 
     Raises:
-        EnvelopeError: the entry is not a valid version-1 reply envelope, or says what no
+        EnvelopeError: it is not a valid version-1 reply envelope, or says what no
             worker does (see :class:`Reply`).
     """
     try:
-        return Reply.model_validate_json(_field(fields))
+        return Reply.model_validate_json(raw)
     except ValidationError as exc:
         # Where and what, never the input: a reply may hold a client's data.
         first = exc.errors(include_input=False, include_url=False)[0]
@@ -396,3 +406,15 @@ def decode_reply(fields: Mapping[Any, Any]) -> Reply:
         raise EnvelopeError(
             f"invalid reply envelope: {exc.error_count()} error(s); {where}: {first['msg']}"
         ) from exc
+
+
+def decode_replies(fields: Mapping[Any, Any]) -> list[Reply]:
+    """Parse and validate every reply of a reply-stream entry (:func:`reply_values`).
+
+    Raises:
+        EnvelopeError: the entry holds no reply, or one that :func:`decode_reply` refuses.
+    """
+    values = reply_values(fields)
+    if not values:
+        raise EnvelopeError(f"entry has no {FIELD.decode()!r} field")
+    return [decode_reply(raw) for raw in values]

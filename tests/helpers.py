@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
 from gateway.settings import GatewaySettings
-from pipelines.envelope import Request, new_request_id
+from pipelines.envelope import Request, new_request_id, reply_values
 from pipelines.graph import single
 from pipelines.keys import GROUP, Keys, Lane
 from pipelines.model import Item, Model, Result
@@ -53,6 +53,12 @@ async def until(check: Callable[[], Awaitable[bool]], limit_s: float = 60) -> No
         if time.monotonic() > give_up:
             pytest.fail(f"condition not met within {limit_s} s")
         await asyncio.sleep(0.02)
+
+
+async def replies_in(redis: aioredis.Redis, stream: str) -> int:
+    """How many replies reply stream ``stream`` holds: an entry holds each reply a batch
+    wrote there (``workers/publish.lua``), so its length counts batches, not replies."""
+    return sum(len(reply_values(f or {})) for _, f in await redis.xrange(stream) or [])
 
 
 def wait_ready(

@@ -16,11 +16,18 @@
 -- seconds), so a step that ran twice publishes (and counts its outcome) once. It counts
 -- one in the field of stats hash h; if its cancellation marker cancel (0: none) exists,
 -- the request was cancelled while it ran: nothing of it runs, and it counts one in field
--- c instead. Its reply (stream 0: none) is XADD stream MAXLEN ~ x * f reply: most groups'
--- one command, passed without a command's tokens.
+-- c instead. Its reply (stream 0: none) goes to stream: most groups' one command, passed
+-- without a command's tokens. The replies of groups with no command beyond it are one
+-- entry per stream for the call, XADD stream MAXLEN ~ x / n * f reply1 f1 reply2 f2
+-- reply3 ... (n replies), written after the groups; a group with commands writes its own
+-- entry (XADD stream MAXLEN ~ x * f reply) before them.
+-- A run ["R", n, marker, dm, ttl, cancel, dc, field, stream, reply, dr] stands for n
+-- groups with no command beyond their reply, the i-th (from 0) being [marker + i * dm,
+-- ttl, cancel + i * dc, field, stream, reply + i * dr]: a batch's groups are most often
+-- so, and a plan of runs is a fraction of the JSON to decode.
 -- A command is n, name, its n - 1 arguments; "a" holds the commands that run once per
 -- call (ack, batch stats, dead letters). In a command, a string is itself, a number
--- i >= 1 is ARGV[i + 1] and -i is KEYS[i]. JOIN and FAILJOIN are the join operations
+-- i >= 1 is ARGV[i + 1], -i is KEYS[i] and [i, j] is ARGV[i + 1] to ARGV[j + 1]. JOIN and FAILJOIN are the join operations
 -- below; ONCE marker ttl span runs the span tokens of commands after it only if a second
 -- marker is absent too, and sets it (the answer of a failed branch, shared by its join's
 -- branches); any other name is a Redis command. HINCRBYs are summed and sent once per
@@ -143,7 +150,14 @@ local function command(list, first, last)
   if type(key) == 'number' and key < 0 then k = -key end
   if k and muted[k] then return end
   local args = {}
-  for i = first, last do args[#args + 1] = value(list[i]) end
+  for i = first, last do
+    local t = list[i]
+    if type(t) == 'table' then
+      for v = t[1] + 1, t[2] + 1 do args[#args + 1] = ARGV[v] end
+    else
+      args[#args + 1] = value(t)
+    end
+  end
   local name = args[1]
   if name == 'JOIN' then
     join(unpack(args, 2))
@@ -174,48 +188,97 @@ local function run(list, i, stop)
   end
 end
 
-local groups = plan.g
-if any_wrong then
-  local refused = {}
-  for _, group in ipairs(groups) do
-    if not found[-group[1]] then
-      for i = 5, #group do  -- a key token of another type, unless muted
-        local t = group[i]
-        if type(t) == 'number' and t < 0 and wrong[-t] and not muted[-t] then
-          refused[#refused + 1] = KEYS[-group[1]]
-          refused[#refused + 1] = KEYS[-t]
-          refused[#refused + 1] = wrong[-t]
-          break
-        end
+-- Calls fn(marker, ttl, cancel, field, stream, reply, group) for each group, runs
+-- unrolled (their group is nil: no commands).
+local function walk(fn)
+  for _, g in ipairs(plan.g) do
+    if g[1] == 'R' then
+      local m, dm, c, dc, r, dr = g[3], g[4], g[6], g[7], g[10], g[11]
+      for i = 0, g[2] - 1 do
+        fn(m + i * dm, g[5], c + i * dc, g[8], g[9], r + i * dr, nil)
       end
+    else
+      fn(g[1], g[2], g[3], g[4], g[5], g[6], g)
     end
   end
+end
+
+-- A key token of another type (unless muted): its key number, else nil.
+local function refusing(t)
+  if type(t) == 'number' and t < 0 and wrong[-t] and not muted[-t] then return -t end
+  return nil
+end
+
+if any_wrong then
+  local refused = {}
+  walk(function(m, _, _, _, s, _, group)
+    if found[-m] then return end
+    local bad = refusing(s)
+    if not bad and group then
+      for i = 7, #group do
+        bad = refusing(group[i])
+        if bad then break end
+      end
+    end
+    if bad then
+      refused[#refused + 1] = KEYS[-m]
+      refused[#refused + 1] = KEYS[bad]
+      refused[#refused + 1] = wrong[bad]
+    end
+  end)
   if #refused > 0 then return {0, {}, refused, broken} end
 end
 local skipped, cancelled = 0, {}
 local tally, fields = {}, {}  -- outcomes counted, by field; their fields in order
-for _, group in ipairs(groups) do
-  local m = -group[1]
+local batched, streams = {}, {}  -- replies written per stream at the end; those streams
+walk(function(m, ttl, cancel, field, s, reply, group)
+  m = -m
   if found[m] then
     skipped = skipped + 1
+    return
+  end
+  redis.call('SET', KEYS[m], '1', 'EX', ttl)
+  if cancel ~= 0 and found[-cancel] then
+    cancelled[#cancelled + 1] = KEYS[m]
+    field = plan.c
   else
-    redis.call('SET', KEYS[m], '1', 'EX', group[2])
-    local field = group[4]
-    if group[3] ~= 0 and found[-group[3]] then
-      cancelled[#cancelled + 1] = KEYS[m]
-      field = plan.c
-    else
-      local s = group[5]
-      if s ~= 0 and not muted[-s] then
-        redis.call('XADD', KEYS[-s], 'MAXLEN', '~', plan.x, '*', plan.f, ARGV[group[6] + 1])
+    if s ~= 0 and not muted[-s] then
+      local value = ARGV[reply + 1]
+      if group and #group > 6 then  -- its commands come after its reply: written first
+        redis.call('XADD', KEYS[-s], 'MAXLEN', '~', plan.x, '*', plan.f, value)
+      else
+        local out = batched[s]
+        if out == nil then
+          out = {}
+          batched[s] = out
+          streams[#streams + 1] = s
+        end
+        out[#out + 1] = value
       end
-      run(group, 7, #group + 1)
     end
-    if tally[field] == nil then
-      tally[field] = 0
-      fields[#fields + 1] = field
+    if group then run(group, 7, #group + 1) end
+  end
+  if tally[field] == nil then
+    tally[field] = 0
+    fields[#fields + 1] = field
+  end
+  tally[field] = tally[field] + 1
+end)
+-- An entry holds at most ENTRY replies (unpack takes a few thousand values at most):
+-- f, then f1, f2, ... name them in order. The cap x counts replies: an entry of n is
+-- written with the stream capped at x / n entries.
+local ENTRY = 500
+for _, s in ipairs(streams) do
+  local values = batched[s]
+  for first = 1, #values, ENTRY do
+    local last = math.min(first + ENTRY - 1, #values)
+    local cap = string.format('%d', math.ceil(tonumber(plan.x) / (last - first + 1)))
+    local args = {'XADD', KEYS[-s], 'MAXLEN', '~', cap, '*', plan.f, values[first]}
+    for i = first + 1, last do
+      args[#args + 1] = plan.f .. (i - first)
+      args[#args + 1] = values[i]
     end
-    tally[field] = tally[field] + 1
+    redis.call(unpack(args))
   end
 end
 for _, field in ipairs(fields) do count('HINCRBY', plan.h, field, tally[field]) end

@@ -27,12 +27,12 @@ import redis.asyncio as aioredis
 
 from conveyor.autoscale import Autoscaler, AutoscaleSettings, Scaler, desired
 from conveyor.embedded import free_port
-from pipelines.envelope import Reply, decode_reply
+from pipelines.envelope import Reply, decode_replies
 from pipelines.errors import ConfigError
 from pipelines.keys import Keys
 from pipelines.settings import CommonSettings
 from runtime.status import StageStatus, stage_status
-from tests.helpers import REPO, Harness
+from tests.helpers import REPO, Harness, replies_in
 from tests.support.scaleapp import SYNTHETIC
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
@@ -254,7 +254,7 @@ async def autoscaling(
 
 async def answers(redis: aioredis.Redis, stream: str) -> list[Reply]:
     """Every reply published to ``stream``."""
-    return [decode_reply(f or {}) for _, f in await redis.xrange(stream) or []]
+    return [one for _, f in await redis.xrange(stream) or [] for one in decode_replies(f or {})]
 
 
 def decisions(caplog: pytest.LogCaptureFixture) -> list[tuple[float, int, int, int]]:
@@ -293,7 +293,7 @@ async def test_a_burst_scales_the_stage_out_and_back_in(
 
         async def answered() -> bool:
             await sample()
-            return bool(await redis.xlen(replies) >= 400)
+            return bool(await replies_in(redis, replies) >= 400)
 
         async def back_to_the_floor() -> bool:
             await sample()
@@ -344,7 +344,7 @@ async def test_a_stage_at_zero_wakes_for_work_and_returns_to_zero(
         sent = await harness.enqueue(STAGE, [{"value": i} for i in range(24)], deadline_in=120)
 
         async def answered() -> bool:
-            return bool(await redis.xlen(replies) >= 24)
+            return bool(await replies_in(redis, replies) >= 24)
 
         async def at_zero() -> bool:
             return not a.running[STAGE] and not a.draining

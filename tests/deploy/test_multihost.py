@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 
 from conveyor.embedded import find_redis_server
 from gateway.replies import TRIM_EVERY
-from pipelines.envelope import decode_reply, decode_request
+from pipelines.envelope import decode_replies, decode_request
 from pipelines.keys import GROUP, Keys
 from runtime.redisio import text
 from runtime.stats import read_stats
@@ -458,8 +458,8 @@ async def drive(
         streams = [k async for k in client.scan_iter(match=keys.reply_stream("*"))]
         for key in streams:
             for _, fields in await client.xrange(key) or []:
-                r = decode_reply(fields or {})
-                replies.append([r.id, r.outcome, r.trace_id])
+                for r in decode_replies(fields or {}):
+                    replies.append([r.id, r.outcome, r.trace_id])
         markers = [k async for k in client.scan_iter(match=keys.done("*", "*"), count=1000)]
         group = await client.xinfo_consumers(stream, GROUP)
         return {

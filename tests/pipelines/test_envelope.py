@@ -86,9 +86,7 @@ def test_what_is_admitted_round_trips_through_every_hop(value: Any) -> None:
     assert same(request.payload, payload)
     assert same(request.state["previous"], payload)
     # ... and as a step's output on its way back to the gateway.
-    reply = decode_reply(
-        {FIELD: dumps(Reply(id="r", stage="s", outcome=Outcome.OK, result=payload))}
-    )
+    reply = decode_reply(dumps(Reply(id="r", stage="s", outcome=Outcome.OK, result=payload)))
     assert same(reply.result, payload)
 
 

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pipelines.builtin import ADDER, MULTIPLIER, ValueIn, builtin_pipelines
-from pipelines.envelope import Request, decode_reply, decode_request, encode
+from pipelines.envelope import Request, decode_replies, decode_request, encode
 from pipelines.errors import ConfigError
 from pipelines.graph import End, Pipeline, function, model
 from pipelines.keys import GROUP
@@ -157,7 +157,7 @@ async def test_both_branches_failing_answer_the_request_once(
     await redis.xadd(harness.keys.stage_stream("doomed.right"), encode(again))
     await workers["right"].run(burst=True)
 
-    got = [decode_reply(f or {}) for _, f in await redis.xrange(replies) or []]
+    got = [one for _, f in await redis.xrange(replies) or [] for one in decode_replies(f or {})]
     assert [(r.id, r.outcome, r.status) for r in got] == [(req.id, "error", 500)]
     assert "branch exploded" in (got[0].error or "")  # the first to fail answered
     for stage in ("doomed.left", "doomed.right"):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.envelope import FIELD, Reply, decode_reply, dumps
+from pipelines.envelope import Reply, decode_reply, dumps
 from pipelines.errors import Cancelled, DeadlineExceeded
 from pipelines.outcomes import CANCELLED, DONE, EXPIRED, FAILED, Outcome
 from pipelines.records import JobField, job_finished
@@ -38,7 +38,7 @@ def test_each_outcome_knows_its_http_status_job_status_and_stats_field(
         status=200 if outcome is not Outcome.ERROR else 500,
     )
     # What crosses the wire is the plain value, read back as the Outcome.
-    back = decode_reply({FIELD: dumps(reply)})
+    back = decode_reply(dumps(reply))
     assert back.outcome is outcome
     assert back.http_status == http
     assert job_finished(back)[JobField.STATUS] == job

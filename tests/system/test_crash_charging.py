@@ -16,13 +16,21 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from pipelines.envelope import Request, decode_reply
+from pipelines.envelope import Request, decode_replies
 from pipelines.keys import GROUP, Keys
 from runtime.redisio import text
 from runtime.stats import read_stats
 from runtime.status import stage_status
 from tests.conveyor.test_supervisor import start_ready, stop
-from tests.helpers import Doubler, Harness, died_running, number_stage, until, wait_for_line
+from tests.helpers import (
+    Doubler,
+    Harness,
+    died_running,
+    number_stage,
+    replies_in,
+    until,
+    wait_for_line,
+)
 from workers import places
 from workers.route import LATE_S
 
@@ -105,13 +113,13 @@ async def test_an_entry_only_waiting_at_a_crash_is_not_charged(
     running = harness.run(worker)
 
     async def answered() -> bool:
-        return bool(await redis.xlen(harness.keys.reply_stream("test")))
+        return bool(await replies_in(redis, harness.keys.reply_stream("test")))
 
     await until(answered, 30)
     worker.stop()
     await running
     (entry,) = cast(list[Any], await redis.xrange(harness.keys.reply_stream("test")))
-    reply = decode_reply(entry[1])
+    (reply,) = decode_replies(entry[1])
     assert (reply.id, reply.outcome, reply.result) == (sent[0].id, "ok", {"value": 8})
     assert await redis.xlen(harness.keys.dead_letters("double")) == 0
 
@@ -132,7 +140,7 @@ async def test_entries_taken_back_uncharged_run_as_one_batch(
     running = harness.run(worker)
 
     async def answered() -> bool:
-        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 20)
+        return bool(await replies_in(redis, harness.keys.reply_stream("test")) >= 20)
 
     await until(answered, 30)
     worker.stop()
@@ -205,7 +213,11 @@ async def test_an_entry_read_long_past_its_deadline_is_not_answered_again(
     recent = await harness.enqueue("double", [{"value": 2}], deadline_in=fresh)
     worker = harness.worker(number_stage(batch_wait_ms=0), Doubler())
     await worker.run(burst=True)
-    got = [decode_reply(f) for _, f in cast(list[Any], await redis.xrange(replies_of(harness)))]
+    got = [
+        one
+        for _, f in cast(list[Any], await redis.xrange(replies_of(harness)))
+        for one in decode_replies(f)
+    ]
     assert [(r.id, r.outcome) for r in got] == [(recent[0].id, "expired")], got
     assert old[0].id not in {r.id for r in got}
     assert (await stage_status(redis, harness.keys, "double")).pending == 0  # both acked
@@ -237,7 +249,7 @@ async def test_a_crashed_batch_runs_again_whole_and_new_work_is_read_beside_it(
     running = harness.run(worker)
 
     async def answered() -> bool:
-        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 17)
+        return bool(await replies_in(redis, harness.keys.reply_stream("test")) >= 17)
 
     await until(answered, 30)
     worker.stop()
@@ -271,7 +283,7 @@ async def test_a_batch_that_crashes_again_runs_each_entry_alone(
     running = harness.run(worker)
 
     async def answered() -> bool:
-        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 4)
+        return bool(await replies_in(redis, harness.keys.reply_stream("test")) >= 4)
 
     await until(answered, 30)
     worker.stop()
@@ -342,12 +354,16 @@ async def test_only_a_worker_known_dead_on_this_machine_has_its_entries_taken_at
     running = harness.run(worker)
 
     async def answered() -> bool:
-        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 1)
+        return bool(await replies_in(redis, harness.keys.reply_stream("test")) >= 1)
 
     await until(answered, 30)
     worker.stop()
     await running
-    got = [decode_reply(f) for _, f in cast(list[Any], await redis.xrange(replies_of(harness)))]
+    got = [
+        one
+        for _, f in cast(list[Any], await redis.xrange(replies_of(harness)))
+        for one in decode_replies(f)
+    ]
     assert [r.id for r in got] == [sent["dead"][0].id]
     left = await redis.xpending_range(stream, GROUP, "-", "+", 10)
     assert sorted(text(row["consumer"]) for row in left) == ["elsewhere", "forged"]

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from pipelines.envelope import decode_reply, decode_request
+from pipelines.envelope import decode_replies, decode_request
 from pipelines.graph import single
 from pipelines.keys import Keys
 from pipelines.model import Item, Result
@@ -31,7 +31,7 @@ from pipelines.registry import Registry
 from pipelines.stages import BUILTIN
 from runtime.status import stage_status
 from tests.conveyor.test_supervisor import start_ready, stop
-from tests.helpers import Doubler, Harness, died_running, number_stage, until
+from tests.helpers import Doubler, Harness, died_running, number_stage, replies_in, until
 from workers.claims import mark_hung
 from workers.forked import decode_results, fork_running, wait_child
 from workers.route import Router
@@ -84,12 +84,17 @@ async def test_a_crashed_batch_runs_in_a_child_and_only_the_poison_is_dead_lette
     replies = harness.keys.reply_stream("test")
 
     async def answered() -> bool:
-        return bool(await redis.xlen(replies) >= len(values))
+        return bool(await replies_in(redis, replies) >= len(values))
 
     await until(answered, 30)
     worker.stop()
     await running
-    got = {r.id: r for r in (decode_reply(f) for _, f in cast(Any, await redis.xrange(replies)))}
+    got = {
+        r.id: r
+        for r in (
+            one for _, f in cast(Any, await redis.xrange(replies)) for one in decode_replies(f)
+        )
+    }
     for req, value in zip(sent, values, strict=True):
         reply = got[req.id]
         if value < 0:
@@ -241,7 +246,7 @@ async def test_suspects_running_in_a_child_are_not_charged_a_crash_of_their_work
     assert all(m.startswith(b"q") for m in marks.values()), marks
 
     async def answered() -> bool:
-        return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 3)
+        return bool(await replies_in(redis, harness.keys.reply_stream("test")) >= 3)
 
     await until(answered, 30)
     worker.stop()
@@ -331,12 +336,14 @@ async def test_a_batch_that_hung_runs_each_item_in_a_child_of_its_own(
     replies = harness.keys.reply_stream("test")
 
     async def answered() -> bool:
-        return bool(await redis.xlen(replies) >= len(values))
+        return bool(await replies_in(redis, replies) >= len(values))
 
     await until(answered, 60)
     worker.stop()
     await running
-    got_replies = [decode_reply(f) for _, f in cast(Any, await redis.xrange(replies))]
+    got_replies = [
+        one for _, f in cast(Any, await redis.xrange(replies)) for one in decode_replies(f)
+    ]
     by_id = {r.id: r for r in got_replies}
     for req, value in zip(sent, values, strict=True):
         reply = by_id[req.id]

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from pipelines.envelope import FIELD, decode_reply
+from pipelines.envelope import FIELD, decode_replies
 from pipelines.keys import GROUP
 from pipelines.tokens import COST
 from tests.helpers import Doubler, Harness, number_stage, until
@@ -63,9 +63,9 @@ def _forge(rid: str, reply_to: str, case: str) -> dict[bytes, bytes]:
 
 async def _reply(redis: aioredis.Redis, stream: str, rid: str) -> Any:
     for _, fields in await redis.xrange(stream) or []:
-        reply = decode_reply(fields or {})
-        if reply.id == rid:
-            return reply
+        for reply in decode_replies(fields or {}):
+            if reply.id == rid:
+                return reply
     return None
 
 

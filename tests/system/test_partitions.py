@@ -22,7 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 from conveyor.embedded import Cluster, free_port
 from gateway.headers import PRIORITY
 from pipelines.builtin import ADDER, builtin_pipelines
-from pipelines.envelope import decode_reply, encode
+from pipelines.envelope import decode_replies, encode
 from pipelines.errors import ConfigError
 from pipelines.keys import GROUP, Keys
 from pipelines.registry import Registry
@@ -222,7 +222,7 @@ async def test_an_entry_answering_outside_its_partition_is_dead_lettered_not_run
     worker = parted.worker(number_stage(), Doubler(), partition=1)
     assert await parted.run(worker, burst=True) >= 1
     entries = await parted.redis.xrange(home.reply_stream("t")) or []
-    answered = [decode_reply(f or {}) for _, f in entries]
+    answered = [one for _, f in entries for one in decode_replies(f or {})]
     assert [(r.id, r.result) for r in answered] == [(good.id, {"value": 2})]
     assert await parted.redis.xlen(home.dead_letters("double")) == 2
     assert not await parted.redis.exists(elsewhere)

@@ -19,11 +19,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port, start_redis
-from pipelines.envelope import decode_reply
+from pipelines.envelope import decode_replies
 from pipelines.keys import GROUP, LANES, Lane
 from runtime.redisio import text
 from runtime.status import stage_status
-from tests.helpers import Doubler, Harness, number_stage, until, wait_ready
+from tests.helpers import Doubler, Harness, number_stage, replies_in, until, wait_ready
 from tests.support.faultapp import SLOW, TEXTS, SlowTexts, spawn, stop
 
 
@@ -110,11 +110,11 @@ async def test_a_pool_wait_timeout_is_overload_not_an_outage(
 
 
 async def answered(redis: aioredis.Redis, stream: str) -> int:
-    return int(await redis.xlen(stream))
+    return await replies_in(redis, stream)
 
 
 async def reply_ids(redis: aioredis.Redis, stream: str) -> list[str]:
-    return [decode_reply(f or {}).id for _, f in await redis.xrange(stream) or []]
+    return [one.id for _, f in await redis.xrange(stream) or [] for one in decode_replies(f or {})]
 
 
 async def test_first_publish_after_a_redis_restart_needs_no_reclaim(
@@ -231,7 +231,9 @@ async def test_a_worker_killed_between_the_batches_of_a_length_aware_window_lose
         await until(lambda: _at_least(redis, reply_stream, 16))
     finally:
         stop(victim)
-    replies = [decode_reply(f or {}) for _, f in await redis.xrange(reply_stream) or []]
+    replies = [
+        one for _, f in await redis.xrange(reply_stream) or [] for one in decode_replies(f or {})
+    ]
     assert sorted(r.id for r in replies) == sorted(r.id for r in sent)  # none lost or doubled
     by_id = {r.id: r.result for r in replies}
     assert [by_id[r.id] for r in sent] == [{"n": len(t)} for t in texts]

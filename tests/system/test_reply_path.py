@@ -216,6 +216,56 @@ async def test_a_forged_partial_ends_a_stream_with_a_502_event(
     assert json.loads(events[1].removeprefix("data: "))["status"] == 502
 
 
+@pytest.mark.timeout(60)
+async def test_an_entry_of_several_replies_answers_each_and_a_forged_one_502(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # Issue 37: a batch's replies to one gateway are one entry (e, e1, e2, ...). Each is
+    # validated alone: a forged one in the middle answers its own request 502, and the
+    # replies before and after it answer theirs; a field past a gap (e4
+    # where there is no e3) is not read as a reply.
+    stage = number_stage()
+    base = await harness.http_server([stage])
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        headers = {"X-Conveyor-Timeout": "20"}
+        calls = [
+            asyncio.create_task(client.post("/v1/double", json={"value": i}, headers=headers))
+            for i in range(4)
+        ]
+        found: list[Any] = []
+
+        async def enqueued() -> bool:
+            found[:] = await redis.xrange(harness.keys.stage_stream("double")) or []
+            return len(found) == 4
+
+        await until(enqueued, 10)
+        requests = sorted((decode_request(f) for _, f in found), key=lambda r: r.payload["value"])
+        replies = [
+            {"v": 1, "id": r.id, "stage": "double", "outcome": "ok", "result": {"value": i}}
+            for i, r in enumerate(requests)
+        ]
+        replies[1] = {
+            "v": 1,
+            "id": requests[1].id,
+            "stage": "double",
+            "outcome": "error",
+            "status": 0,
+        }
+        fields: dict[FieldT, EncodableT] = {FIELD: orjson.dumps(replies[0])}
+        fields[b"e1"] = orjson.dumps(replies[1])
+        fields[b"e2"] = orjson.dumps(replies[2])
+        fields[b"e4"] = orjson.dumps(replies[3])  # past the gap: not a reply of the entry
+        await redis.xadd(requests[0].reply_to, fields)
+        answered = await asyncio.gather(*calls[:3])
+        assert not calls[3].done()
+        await redis.xadd(requests[0].reply_to, {FIELD: orjson.dumps(replies[3])})
+        last = await calls[3]
+    assert [a.status_code for a in answered] == [200, 502, 200]
+    assert answered[0].json() == {"value": 0}
+    assert answered[2].json() == {"value": 2}
+    assert last.json() == {"value": 3}
+
+
 JOB_FORGERIES: dict[str, dict[FieldT, EncodableT]] = {
     "done-with-a-list-result": {JobField.STATUS: "done", JobField.RESULT: "[1, 2]"},
     "done-with-no-json": {JobField.STATUS: "done", JobField.RESULT: "not json"},
@@ -305,9 +355,8 @@ def test_any_reply_that_decodes_maps_to_a_well_formed_http_answer(raw: dict[str,
     # status that carries a body (200, or a 4xx/5xx an error may have), with a JSON
     # object as the body: the result when 200, ``{"detail": str, ...}`` otherwise.
     # Python's json writes NaN and Infinity, as a forger may; pydantic's parser reads them.
-    fields = {FIELD: json.dumps(raw).encode()}
     try:
-        reply = decode_reply(fields)
+        reply = decode_reply(json.dumps(raw).encode())
     except EnvelopeError:
         return
     answer = _answer(reply)

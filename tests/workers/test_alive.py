@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from pipelines.keys import GROUP
 from runtime.redisio import text
 from runtime.status import stage_status
-from tests.helpers import Harness, conveyor, until
+from tests.helpers import Harness, conveyor, replies_in, until
 from tests.support.faultapp import SLOW, spawn, stop
 
 STALE_S = 3.0
@@ -47,7 +47,7 @@ async def test_an_idle_worker_is_alive_a_paused_one_is_not(
         await harness.enqueue("slow", [{"value": 1}])
 
         async def answered() -> bool:
-            return bool(await redis.xlen(harness.keys.reply_stream("test")) >= 1)
+            return bool(await replies_in(redis, harness.keys.reply_stream("test")) >= 1)
 
         await until(answered, 120)  # loaded, joined, delivered one entry
         assert await _counted(http) == (1, True)

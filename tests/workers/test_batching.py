@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import decode_reply
+from pipelines.envelope import decode_replies
 from pipelines.keys import GROUP
 from tests.helpers import Doubler, Harness, WrongCount, number_stage
 
@@ -18,8 +18,8 @@ async def replies(redis: aioredis.Redis, harness: Harness) -> dict[str, dict[str
     entries = await redis.xrange(harness.keys.reply_stream("test"))
     out = {}
     for _, fields in entries or []:
-        reply = decode_reply(fields or {})
-        out[reply.id] = reply.model_dump()
+        for reply in decode_replies(fields or {}):
+            out[reply.id] = reply.model_dump()
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from pipelines.envelope import Reply, Request, decode_reply
+from pipelines.envelope import Reply, Request, decode_replies
 from pipelines.errors import Cancelled
 from pipelines.graph import Pipeline, function
 from pipelines.keys import GROUP
@@ -41,7 +41,7 @@ async def cancel(redis: aioredis.Redis, harness: Harness, req: Request) -> None:
 
 async def replies(redis: aioredis.Redis, stream: str) -> list[Reply]:
     """Every reply written to ``stream`` so far, in order."""
-    return [decode_reply(f or {}) for _, f in await redis.xrange(stream) or []]
+    return [one for _, f in await redis.xrange(stream) or [] for one in decode_replies(f or {})]
 
 
 async def test_a_request_cancelled_in_the_queue_is_not_run_and_the_rest_are(

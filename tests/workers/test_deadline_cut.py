@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from pipelines.envelope import decode_reply
+from pipelines.envelope import decode_replies
 from pipelines.errors import DeadlineExceeded
 from pipelines.model import Item, Result, batch_deadline, check_deadline
 from tests.helpers import Harness, number_stage, until
@@ -60,7 +60,12 @@ async def test_a_long_call_stops_at_its_deadline_and_the_model_serves_the_next(
 
     async def replies() -> dict[str, Any]:
         return {
-            r.id: r for r in (decode_reply(f or {}) for _, f in await redis.xrange(reply_to) or [])
+            r.id: r
+            for r in (
+                one
+                for _, f in await redis.xrange(reply_to) or []
+                for one in decode_replies(f or {})
+            )
         }
 
     async def answered_long() -> bool:

@@ -21,19 +21,23 @@ import redis.asyncio as aioredis
 
 from conveyor.embedded import free_port, start_redis
 from pipelines.builtin import ADDER, builtin_pipelines
-from pipelines.envelope import Request, decode_reply, encode
+from pipelines.envelope import Request, decode_replies, encode
 from pipelines.keys import GROUP
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from runtime.status import stage_status
-from tests.helpers import Doubler, Harness, died_running, number_stage, until
+from tests.helpers import Doubler, Harness, died_running, number_stage, replies_in, until
 from tests.support.faultapp import CRASHY, SLOW, spawn
 from workers.claims import trim
 from workers.models.toy import Adder
 
 
 async def replies(redis: aioredis.Redis, stream: str) -> list[dict[str, Any]]:
-    return [decode_reply(f or {}).model_dump() for _, f in await redis.xrange(stream) or []]
+    return [
+        one.model_dump()
+        for _, f in await redis.xrange(stream) or []
+        for one in decode_replies(f or {})
+    ]
 
 
 async def test_kill_9_mid_batch_loses_nothing_and_doubles_nothing(
@@ -56,7 +60,7 @@ async def test_kill_9_mid_batch_loses_nothing_and_doubles_nothing(
     reply_stream = harness.keys.reply_stream("test")
 
     async def all_answered() -> bool:
-        return bool(await redis.xlen(reply_stream) >= 32)
+        return bool(await replies_in(redis, reply_stream) >= 32)
 
     await until(all_answered)
     got = await replies(redis, reply_stream)
@@ -216,7 +220,7 @@ async def test_sigterm_under_load_drains_and_leaves_nothing_pending(
     reply_stream = harness.keys.reply_stream("test")
 
     async def some_answered() -> bool:
-        return bool(await redis.xlen(reply_stream) >= 16)
+        return bool(await replies_in(redis, reply_stream) >= 16)
 
     await until(some_answered)
     worker.send_signal(signal.SIGTERM)
@@ -224,7 +228,7 @@ async def test_sigterm_under_load_drains_and_leaves_nothing_pending(
     stream = harness.keys.stage_stream("slow")
     assert (await redis.xpending(stream, GROUP))["pending"] == 0  # drained, nothing held
     assert await redis.xinfo_consumers(stream, GROUP) == []  # and it left the group
-    done_early = await redis.xlen(reply_stream)
+    done_early = await replies_in(redis, reply_stream)
     assert done_early < 200  # it was stopped mid-load
     await harness.worker(SLOW, Doubler()).run(burst=True)
     got = await replies(redis, reply_stream)

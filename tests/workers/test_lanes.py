@@ -10,7 +10,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from pipelines.builtin import ADDER, MULTIPLIER, builtin_pipelines
-from pipelines.envelope import Request, decode_reply, decode_request
+from pipelines.envelope import Request, decode_replies, decode_request
 from pipelines.keys import GROUP, LANES, Lane
 from pipelines.registry import Registry
 from runtime.jobs import mark_cancelled
@@ -42,7 +42,11 @@ async def send(
 
 async def replies(redis: aioredis.Redis, harness: Harness) -> list[dict[str, Any]]:
     stream = harness.keys.reply_stream("test")
-    return [decode_reply(f or {}).model_dump() for _, f in await redis.xrange(stream) or []]
+    return [
+        one.model_dump()
+        for _, f in await redis.xrange(stream) or []
+        for one in decode_replies(f or {})
+    ]
 
 
 def streams(harness: Harness, stage: str = "double") -> dict[Lane, str]:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from pipelines.envelope import FIELD, decode_reply
+from pipelines.envelope import FIELD, decode_replies
 from pipelines.model import Item, Result
 from pipelines.stages import Stage
 from pipelines.tokens import COST, estimate
@@ -124,8 +124,9 @@ async def test_a_window_runs_as_batches_of_similar_length(harness: Harness) -> N
     assert short == [texts[0], texts[1], texts[3], texts[5]]
     assert long == [texts[2], texts[4]]
     replies = [
-        decode_reply(f)
+        one
         for _, f in await entries_of(harness.redis, harness.keys.reply_stream("test"))
+        for one in decode_replies(f)
     ]
     assert sorted(r.result["n"] for r in replies if r.result) == sorted(map(len, texts))
     stats = await harness.stats("lens")

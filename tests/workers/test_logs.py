@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from runtime.logs import LogSettings
-from tests.helpers import REPO, GatewayProcess, Harness, until, wait_for_line
+from tests.helpers import REPO, GatewayProcess, Harness, replies_in, until, wait_for_line
 from tests.support.faultapp import stop
 from workers.report import Summary
 from workers.values import BatchRecord
@@ -61,7 +61,7 @@ async def served_log(
     try:
 
         async def answered() -> bool:
-            return bool(await redis.xlen(harness.keys.reply_stream("test")) >= ITEMS)
+            return bool(await replies_in(redis, harness.keys.reply_stream("test")) >= ITEMS)
 
         async def summarised() -> bool:
             text = await asyncio.to_thread(log.read_text)

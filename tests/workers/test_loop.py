@@ -14,12 +14,12 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from conveyor.embedded import free_port, start_redis
-from pipelines.envelope import FIELD, Request, decode_reply, dumps, encode
+from pipelines.envelope import FIELD, Request, decode_replies, dumps, encode
 from pipelines.keys import Keys
 from pipelines.model import Item, Result
 from pipelines.settings import CommonSettings
 from runtime.redisio import connect, text
-from tests.helpers import Doubler, Harness, number_stage, until
+from tests.helpers import Doubler, Harness, number_stage, replies_in, until
 from workers.loop import Worker
 from workers.settings import WorkerSettings
 
@@ -47,7 +47,7 @@ async def test_an_entry_from_another_version_is_answered_and_dead_lettered(
     await harness.run(worker, burst=True)
 
     answered = await redis.xrange(harness.keys.reply_stream("test")) or []
-    replies = [decode_reply(f or {}) for _, f in answered]
+    replies = [one for _, f in answered for one in decode_replies(f or {})]
     by_id = {r.id: r for r in replies}
     assert set(by_id) == {good.id, skewed.id}
     assert by_id[good.id].result == {"value": 0}
@@ -115,7 +115,7 @@ async def test_worker_outlives_a_redis_restart_that_lost_its_group(
         await client.xadd(keys.stage_stream("double"), encode(request))
 
     async def answered(n: int) -> bool:
-        return bool(await client.xlen(reply_stream) >= n)
+        return bool(await replies_in(client, reply_stream) >= n)
 
     async def heartbeat_refused() -> bool:
         return any("NOGROUP" in r.getMessage() for r in caplog.records)
@@ -139,7 +139,11 @@ async def test_worker_outlives_a_redis_restart_that_lost_its_group(
             await until(lambda: answered(1), 30)
         await send(2)
         await until(lambda: answered(len(expected)), 30)
-        got = [decode_reply(f or {}) for _, f in await client.xrange(reply_stream) or []]
+        got = [
+            one
+            for _, f in await client.xrange(reply_stream) or []
+            for one in decode_replies(f or {})
+        ]
         assert [(r.id, r.result) for r in got] == expected
         assert not running.done()
     finally:

@@ -7,7 +7,7 @@ again, or passes what it reads out of order, is seen here and not only in a benc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -53,6 +53,14 @@ def _commands(tokens: list[Any], i: int = 0) -> list[list[Any]]:
     return out
 
 
+def _unrolled(run: list[Any]) -> list[list[Any]]:
+    """The groups a run stands for, as ``publish.lua`` unrolls it."""
+    _, n, marker, dm, ttl, cancel, dc, counted, stream, reply, dr = run
+    return [
+        [marker + i * dm, ttl, cancel + i * dc, counted, stream, reply + i * dr] for i in range(n)
+    ]
+
+
 def _reply(rid: str) -> Reply:
     return Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": rid})
 
@@ -70,7 +78,10 @@ def test_a_batch_of_replies_is_one_flat_group_each_and_reads_come_first() -> Non
     reads = {KEYS.done(r, "s") for r in "abc"} | {KEYS.cancelled(r) for r in "abc"}
     assert set(plan.keys[:6]) == reads
     stream = -(plan.keys.index(REPLIES) + 1)
-    for rid, group in zip("abc", decoded["g"], strict=True):
+    # Alike, in a row: one run of three, which the script unrolls.
+    [run] = decoded["g"]
+    assert run[:2] == ["R", 3]
+    for rid, group in zip("abc", _unrolled(run), strict=True):
         marker, ttl, cancel, counted, to, value = group  # no command beyond the reply
         assert plan.keys[-marker - 1] == KEYS.done(rid, "s")
         assert plan.keys[-cancel - 1] == KEYS.cancelled(rid)
@@ -83,6 +94,9 @@ def test_a_batch_of_replies_is_one_flat_group_each_and_reads_come_first() -> Non
     expire, xack, hdel = _commands(decoded["a"])  # the reply stream's life pushed back once
     assert expire == ["EXPIRE", stream, "60"]
     assert xack[:3] == ["XACK", -(plan.keys.index(STAGE) + 1), GROUP]
+    # The ids, numbered in a row, are one span [first, last]; the marks' HDEL shares it.
+    [[first, last]] = xack[3:]
+    assert sorted(cast(list[bytes], plan.values[first - 1 : last])) == ids
     assert hdel[2:] == xack[3:]
     assert not plan.token  # nothing counted by the call itself: safe to repeat as it is
 

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from pipelines.keys import GROUP
 from runtime.redisio import ensure_group, text
 from runtime.status import stage_status
-from tests.helpers import Doubler, Harness, number_stage, until
+from tests.helpers import Doubler, Harness, number_stage, replies_in, until
 from workers.prune import PRUNE_SCRIPT, prune_gone
 from workers.settings import WorkerSettings
 
@@ -90,10 +90,12 @@ async def test_a_gone_consumer_holding_entries_stays_until_they_are_taken_back(
     replies = harness.keys.reply_stream("test")
 
     async def answered_and_pruned() -> bool:
-        return await redis.xlen(replies) == 1 and "gone-2" not in await members(redis, stream)
+        return await replies_in(redis, replies) == 1 and "gone-2" not in await members(
+            redis, stream
+        )
 
     await until(answered_and_pruned, 30)  # taken back, answered, then removed
-    assert await redis.xlen(replies) == 1
+    assert await replies_in(redis, replies) == 1
 
 
 async def test_a_stream_forged_to_another_type_is_skipped(
