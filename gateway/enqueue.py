@@ -153,10 +153,11 @@ class Enqueuer:
 
     Concurrent callers (a gateway under load) each :meth:`enqueue` one request. The first
     of an iteration starts a round trip (a task of its own, which runs once the others of
-    that iteration have joined it): every XADD in one pipeline (not a transaction: each
-    entry is its own; on a cluster, the client splits it by shard), each caller handed its
-    own outcome. One request alone is one XADD, as before. Each caller waits for its
-    outcome within its own request's time; the round trip is not the caller's to cancel.
+    that iteration have joined it): every XADD in one MULTI/EXEC (each entry still its
+    own: an XADD Redis refuses fails only its caller; on a cluster, one pipeline per
+    partition), each caller handed its own outcome. One request alone is one XADD, as
+    before. Each caller waits for its outcome within its own request's time; the round
+    trip is not the caller's to cancel.
 
     Nothing joined is dropped: a round trip that fails fails every request in it, with
     what it saw (one stopped midway fails them with a connection error, as a write that
@@ -269,7 +270,11 @@ class Enqueuer:
             except ResponseError as exc:
                 return [exc]
         if not isinstance(self.client, RedisCluster):
-            pipe = self.client.pipeline(transaction=False)
+            # One MULTI/EXEC: Redis serves a worker blocked on the stream once every
+            # entry is in (after a plain pipeline's first XADD, it read one entry and
+            # came back for the rest). Each XADD still answers alone; one refused as it
+            # is queued (OOM) aborts the EXEC, and every caller gets that refusal.
+            pipe = self.client.pipeline(transaction=True)
             for request in requests:
                 enqueue(pipe, self.keys, request)
             return list(await pipe.execute(raise_on_error=False))

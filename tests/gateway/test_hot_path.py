@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from conveyor.embedded import free_port
 from gateway.app import create_app
@@ -29,7 +29,7 @@ from pipelines.graph import single
 from pipelines.keys import Keys
 from pipelines.registry import Registry
 from runtime.redisio import REDIS_DOWN
-from tests.helpers import Doubler, Harness, number_stage
+from tests.helpers import Doubler, Harness, number_stage, until
 
 PLAIN = {"Content-Type": "application/json"}
 ROUTE = {"Content-Type": "application/vnd.test+json"}  # JSON to FastAPI, not to the hot path
@@ -138,6 +138,62 @@ async def test_concurrent_enqueues_share_one_round_trip(
         assert Counting.sends == 1
         assert await client.xlen(Keys(namespace).stage_stream("double")) == 65
     finally:
+        await client.aclose()
+
+
+async def test_a_burst_reaches_a_blocked_reader_whole(
+    harness: Harness, redis: aioredis.Redis, namespace: str
+) -> None:
+    # Issue 37: a worker waiting in XREADGROUP BLOCK was served by Redis right after the
+    # first XADD of a gateway's pipelined burst: it read one entry, then came back for
+    # the rest (a round trip and a read more per batch). The burst's XADDs are one
+    # MULTI/EXEC now: Redis serves the blocked read once they are all in.
+    keys = Keys(namespace)
+    stream = keys.stage_stream("double")
+    await redis.xgroup_create(stream, "g", id="0", mkstream=True)
+    reader = aioredis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"])
+    try:
+        await reader.ping()
+        blocking: Any = reader.xreadgroup("g", "c", {stream: ">"}, count=100, block=10_000)
+        waiting = asyncio.ensure_future(blocking)
+
+        async def blocked() -> bool:
+            return int((await redis.info("clients"))["blocked_clients"]) >= 1
+
+        await until(blocked, 10)
+        enqueuer = Enqueuer(redis, keys, write_s=10)
+        requests = [harness.request("p", "double", "double", {"value": i}) for i in range(8)]
+        await asyncio.gather(*(enqueuer.enqueue(r) for r in requests))
+        read: Any = await asyncio.wait_for(waiting, 10)
+        assert len(read[0][1]) == 8  # 1 before
+    finally:
+        await reader.aclose()
+
+
+async def test_a_burst_redis_refuses_for_memory_fails_each_caller_and_adds_nothing(
+    own_redis: subprocess.Popen[bytes], harness: Harness, namespace: str
+) -> None:
+    # A burst is one MULTI/EXEC: Redis refusing its XADDs as they are queued (OOM under
+    # noeviction) aborts the EXEC. Every caller is refused with Redis's own error, as
+    # when each XADD was refused alone, and nothing is added; once memory frees, a burst
+    # goes in.
+    keys = Keys(namespace)
+    client = aioredis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"])
+    try:
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", 1)
+        enqueuer = Enqueuer(client, keys, write_s=10)
+        requests = [harness.request("p", "double", "double", {"value": i}) for i in range(6)]
+        outcomes = await asyncio.gather(
+            *(enqueuer.enqueue(r) for r in requests), return_exceptions=True
+        )
+        assert all(isinstance(o, OutOfMemoryError) for o in outcomes), outcomes
+        await client.config_set("maxmemory", 0)
+        assert not await client.exists(keys.stage_stream("double"))
+        await asyncio.gather(*(enqueuer.enqueue(r) for r in requests))
+        assert await client.xlen(keys.stage_stream("double")) == 6
+    finally:
+        await client.config_set("maxmemory", 0)
         await client.aclose()
 
 
