@@ -7,9 +7,10 @@ Starts a redis-server of its own on a free loopback port and measures, in this p
   (the same pool with a short way for a free connection), alternating.
 - ``script``: what a publish's per-request writes cost inside a Lua script, by Redis's own
   ``INFO commandstats`` (µs per ``EVALSHA``): ``n`` done markers as ``SET .. EX`` each
-  (today's) against one ``HSET`` of ``n`` fields and an ``EXPIRE``, and ``n`` replies as
-  one ``XADD`` each (today's) against one ``XADD`` of ``n`` fields: the saving a publish
-  written per batch, not per request, would bring (issue 37).
+  (the publish's) against one ``HSET`` of ``n`` fields and an ``EXPIRE`` (what markers
+  per batch would cost), and ``n`` replies as one ``XADD`` each (the publish's before
+  97f0709) against one ``XADD`` of ``n`` fields (since: a batch's replies to a gateway
+  are one entry).
 - ``worker``: one worker alone (no gateway, no HTTP) draining ``--requests`` echo requests
   already in its stream, in burst mode, at each of ``--batches``: its CPU per batch and
   per request, Redis's commands and command µs per request (``INFO commandstats``, reset

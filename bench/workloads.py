@@ -98,6 +98,7 @@ def stage_request(
         state={"input": payload},
         reply_to=keys.reply_stream("bench"),
         deadline=deadline,
+        reply_batches=True,  # as this release's gateway writes it
     )
 
 

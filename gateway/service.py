@@ -251,6 +251,7 @@ class Gateway:
             enqueue_by=self.writer.enqueue_by(),
             lane=sent.lane,
             traceparent=spans.traceparent(),
+            reply_batches=not job,  # its reply stream's reader takes several an entry
         )
         await self.writer.write(request, timeout_s, owner if job else None)
         spans.enqueued(request)

@@ -160,6 +160,10 @@ class Request(BaseModel):
         traceparent: the W3C trace context of its root span at the gateway, when tracing
             is on (:mod:`runtime.tracing`); kept at every step, so each process's spans
             join the one trace.
+        reply_batches: the gateway at ``reply_to`` reads an entry of several replies
+            (:func:`reply_values`), so a batch's replies to it may share one; absent (a
+            gateway of an earlier release, which reads ``e`` alone), each reply is an
+            entry of its own.
     """
 
     # A newer process's added fields are ignored, so a rolling deploy in either order
@@ -184,6 +188,7 @@ class Request(BaseModel):
     enqueue_by: float | None = Field(default=None, ge=0, le=EPOCH_MAX_S, allow_inf_nan=False)
     lane: Lane = DEFAULT_LANE
     traceparent: str | None = Field(default=None, max_length=256)
+    reply_batches: bool = False
 
 
 class Reply(BaseModel):

@@ -265,8 +265,10 @@ class Harness:
         self, pipeline: str, stage: str, step: str, payload: dict[str, Any], **fields: Any
     ) -> Request:
         """A request for ``step`` of ``pipeline`` (on ``stage``), as a gateway writes it
-        (deadline a minute away, replies to the test's stream unless ``fields`` say)."""
+        (deadline a minute away, replies to the test's stream, several an entry, unless
+        ``fields`` say)."""
         fields.setdefault("deadline", time.time() + 60.0)
+        fields.setdefault("reply_batches", True)
         fields.setdefault("reply_to", self.keys.reply_stream("test"))
         return Request(
             id=new_request_id(),
@@ -286,12 +288,16 @@ class Harness:
         deadline_in: float = 60.0,
         reply_to: str | None = None,
         lane: Lane = "interactive",
+        **fields: Any,
     ) -> list[Request]:
-        """XADD requests straight to a stage stream (of ``lane``), as a gateway would."""
+        """XADD requests straight to a stage stream (of ``lane``), as a gateway would
+        (``fields``: more of the request's, as :meth:`request` takes them)."""
         deadline = time.time() + deadline_in
         reply_to = reply_to or self.keys.reply_stream("test")
         requests = [
-            self.request(stage, stage, stage, p, deadline=deadline, reply_to=reply_to, lane=lane)
+            self.request(
+                stage, stage, stage, p, deadline=deadline, reply_to=reply_to, lane=lane, **fields
+            )
             for p in payloads
         ]
         pipe = self.redis.pipeline(transaction=False)

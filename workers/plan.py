@@ -60,6 +60,7 @@ class Plan:
         self.values: list[EncodableT] = []
         self.groups: list[list[Token]] = []
         self.always: list[Token] = []
+        self.batched: list[int] = []  # the streams whose slot replies share an entry
         self.reads = 0  # KEYS[1..reads]: the markers read before anything is written
         self.stats = 0  # the stats hash's key number (groups count their outcome there)
         self.reply_maxlen = 0  # the cap of the reply streams (a group's reply is capped)
@@ -126,6 +127,7 @@ class Plan:
             "a": self.always,
             "k": [token for n, kind in checked if kind for token in (n, kind)],
             "s": sorted(self.own),
+            "b": self.batched,
         }
         return [orjson.dumps(plan), *self.values]
 
@@ -253,10 +255,16 @@ def compile_plan(call: Call) -> Plan | None:
     if out.effects or call.dropped or call.stats or call.gauges:
         plan.stats = -plan.own_key(call.stats_key, HASH)
     streams: set[str] = set()
+    shared: dict[int, bool] = {}  # a slot's stream: whether every reply to it may share
     for marker, effects in out.effects.items():
         head: list[Token] = [plan.key(marker), str(effects.marker_ttl_s)]
         head += [cancels.get(marker, 0), outcomes[marker].stats_field]
-        plan.groups.append(head + _commands(plan, effects, streams, call))
+        commands = _commands(plan, effects, streams, call)
+        slot = commands[0]
+        if isinstance(slot, int) and slot:
+            shared[slot] = shared.get(slot, True) and effects.batched
+        plan.groups.append(head + commands)
+    plan.batched = sorted(stream for stream, ok in shared.items() if ok)
     for marker in call.dropped:
         error = Outcome.ERROR.stats_field
         plan.groups.append([plan.key(marker), str(DROPPED_TTL_S), 0, error, 0, 0])

@@ -1,7 +1,7 @@
 -- KEYS: every key the batch touches, the read ones first. ARGV[1]: the plan (JSON);
 -- ARGV[2..]: the values. The plan is {"t": token, "r": retry, "tt": ttl, "m": reads,
 -- "h": stats hash, "c": cancelled field, "f": reply field, "x": reply cap, "g": groups,
--- "a": commands, "k": types, "s": own}.
+-- "a": commands, "k": types, "s": own, "b": shared}.
 -- The plan is flat (one table per group, and one for "a"), so that decoding it and walking
 -- it cost little per request: the script's own work, not the commands it runs, was most
 -- of a batch's Redis time.
@@ -16,11 +16,11 @@
 -- seconds), so a step that ran twice publishes (and counts its outcome) once. It counts
 -- one in the field of stats hash h; if its cancellation marker cancel (0: none) exists,
 -- the request was cancelled while it ran: nothing of it runs, and it counts one in field
--- c instead. Its reply (stream 0: none) goes to stream: most groups' one command, passed
--- without a command's tokens. The replies of groups with no command beyond it are one
--- entry per stream for the call, XADD stream MAXLEN ~ x / n * f reply1 f1 reply2 f2
--- reply3 ... (n replies), written after the groups; a group with commands writes its own
--- entry (XADD stream MAXLEN ~ x * f reply) before them.
+-- c instead. Its reply (stream 0: none) is XADD stream MAXLEN ~ x * f reply: most
+-- groups' one command, passed without a command's tokens. To a stream of plan.b (whose
+-- gateway reads several replies an entry), the replies of groups with no command beyond
+-- it are instead one entry for the call, XADD stream MAXLEN ~ x * f reply1 f1 reply2 f2
+-- reply3 ..., written after the groups.
 -- A run ["R", n, marker, dm, ttl, cancel, dc, field, stream, reply, dr] stands for n
 -- groups with no command beyond their reply, the i-th (from 0) being [marker + i * dm,
 -- ttl, cancel + i * dc, field, stream, reply + i * dr]: a batch's groups are most often
@@ -231,6 +231,8 @@ end
 local skipped, cancelled = 0, {}
 local tally, fields = {}, {}  -- outcomes counted, by field; their fields in order
 local batched, streams = {}, {}  -- replies written per stream at the end; those streams
+local shared = {}  -- the streams of plan.b
+for _, s in ipairs(plan.b) do shared[s] = true end
 walk(function(m, ttl, cancel, field, s, reply, group)
   m = -m
   if found[m] then
@@ -244,7 +246,7 @@ walk(function(m, ttl, cancel, field, s, reply, group)
   else
     if s ~= 0 and not muted[-s] then
       local value = ARGV[reply + 1]
-      if group and #group > 6 then  -- its commands come after its reply: written first
+      if not shared[s] or (group and #group > 6) then  -- (its commands come after it)
         redis.call('XADD', KEYS[-s], 'MAXLEN', '~', plan.x, '*', plan.f, value)
       else
         local out = batched[s]
@@ -265,15 +267,14 @@ walk(function(m, ttl, cancel, field, s, reply, group)
   tally[field] = tally[field] + 1
 end)
 -- An entry holds at most ENTRY replies (unpack takes a few thousand values at most):
--- f, then f1, f2, ... name them in order. The cap x counts replies: an entry of n is
--- written with the stream capped at x / n entries.
+-- f, then f1, f2, ... name them in order. The cap x counts entries, as for one reply:
+-- an entry of a batch's replies is never trimmed sooner than one reply's would be.
 local ENTRY = 500
 for _, s in ipairs(streams) do
   local values = batched[s]
   for first = 1, #values, ENTRY do
     local last = math.min(first + ENTRY - 1, #values)
-    local cap = string.format('%d', math.ceil(tonumber(plan.x) / (last - first + 1)))
-    local args = {'XADD', KEYS[-s], 'MAXLEN', '~', cap, '*', plan.f, values[first]}
+    local args = {'XADD', KEYS[-s], 'MAXLEN', '~', plan.x, '*', plan.f, values[first]}
     for i = first + 1, last do
       args[#args + 1] = plan.f .. (i - first)
       args[#args + 1] = values[i]

@@ -270,7 +270,9 @@ class Router:
         marker = self.keys.done(req.id, req.step)
         if marker not in out.effects:
             ttl_s, cancel_marker = self._ttl(req, now), self.keys.cancelled(req.id)
-            out.effects[marker] = Effects(marker_ttl_s=ttl_s, cancel_marker=cancel_marker)
+            out.effects[marker] = Effects(
+                marker_ttl_s=ttl_s, cancel_marker=cancel_marker, batched=req.reply_batches
+            )
         return out.effects[marker]
 
     def _reply(self, out: Effects, req: Request, result: dict[str, Any]) -> None:

@@ -73,7 +73,7 @@ class WorkerSettings(CommonSettings):
         adaptive_batching: go before the window closes when waiting would not raise
             throughput (workers/policy.py); off: always wait out the window.
         block_ms: how long one idle read blocks (also bounds how fast a stop is seen).
-        reply_maxlen: approximate cap on the replies each reply stream holds.
+        reply_maxlen: approximate cap on each reply stream's length (in entries).
         reply_ttl_s: a reply stream nobody writes to expires after this long.
         consumer_name: a stable consumer name (e.g. a StatefulSet pod's); a worker
             restarted under it first finishes its own pending entries. Unset: unique

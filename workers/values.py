@@ -68,6 +68,8 @@ class Effects:
         cancel_marker: the request's cancellation marker (``Keys.cancelled``): if it
             exists when the batch publishes, none of these effects are (the request was
             cancelled while its step ran) and the request counts as ``cancelled``.
+        batched: its first reply may share an entry with the batch's other replies to
+            its stream (its gateway reads several an entry: ``Request.reply_batches``).
     """
 
     marker_ttl_s: int
@@ -77,6 +79,7 @@ class Effects:
     failed_joins: list[tuple[str, int]] = field(default_factory=list)
     answer_marker: str | None = None
     cancel_marker: str | None = None
+    batched: bool = False
 
     def outcome(self) -> Outcome:
         """The request's outcome at this step: its failure reply's, else ``ok`` (answered,

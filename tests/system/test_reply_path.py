@@ -240,6 +240,7 @@ async def test_an_entry_of_several_replies_answers_each_and_a_forged_one_502(
 
         await until(enqueued, 10)
         requests = sorted((decode_request(f) for _, f in found), key=lambda r: r.payload["value"])
+        assert all(r.reply_batches for r in requests)  # this gateway reads several an entry
         replies = [
             {"v": 1, "id": r.id, "stage": "double", "outcome": "ok", "result": {"value": i}}
             for i, r in enumerate(requests)

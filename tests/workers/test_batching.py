@@ -36,6 +36,27 @@ async def test_full_batch_goes_at_once(harness: Harness) -> None:
     assert model.batches == [[0, 1, 2, 3]]
 
 
+@pytest.mark.parametrize("newer", [True, False])
+async def test_a_batch_s_replies_share_an_entry_only_for_a_gateway_that_reads_so(
+    harness: Harness, redis: aioredis.Redis, newer: bool
+) -> None:
+    # Issue 37: a batch's replies to one gateway are one entry (e, e1, ...), for requests
+    # whose gateway says it reads them so (Request.reply_batches, set by this release's
+    # gateway); an older gateway's requests get an entry each, which it reads as before
+    # (it reads e alone).
+    stage = number_stage(max_batch_size=4, batch_wait_ms=60_000)
+    await harness.enqueue("double", [{"value": i} for i in range(4)], reply_batches=newer)
+    assert await harness.worker(stage, Doubler()).run(max_batches=1) == 1
+    entries = await redis.xrange(harness.keys.reply_stream("test")) or []
+    assert [len(fields or {}) for _, fields in entries] == ([4] if newer else [1, 1, 1, 1])
+    assert sorted(r["result"]["value"] for r in (await replies(redis, harness)).values()) == [
+        0,
+        2,
+        4,
+        6,
+    ]
+
+
 async def test_partial_batch_closes_when_window_ends(harness: Harness) -> None:
     stage = number_stage(max_batch_size=16, batch_wait_ms=400)
     worker = harness.worker(stage, Doubler(), adaptive_batching=False)

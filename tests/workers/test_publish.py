@@ -25,7 +25,8 @@ def outbox(harness: Harness, ids: list[str], outcome: str = "ok") -> Outbox:
             reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": 1})
         else:
             reply = Reply(id=rid, stage="s", outcome=Outcome.ERROR, error="boom", status=500)
-        effects = Effects(marker_ttl_s=60, replies=[(harness.keys.reply_stream("t"), reply)])
+        to = harness.keys.reply_stream("t")
+        effects = Effects(marker_ttl_s=60, replies=[(to, reply)], batched=True)
         out.effects[harness.keys.done(rid, "s")] = effects
     return out
 
@@ -209,10 +210,10 @@ async def test_a_batch_s_replies_to_one_gateway_are_one_entry_in_order(
     other = keys.reply_stream("u")
     for rid in ("f", "g"):
         reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": 2})
-        effects = Effects(marker_ttl_s=60, replies=[(other, reply)])
+        effects = Effects(marker_ttl_s=60, replies=[(other, reply)], batched=True)
         if rid == "g":
             again = Reply(id="g", stage="s", outcome=Outcome.OK, result={"v": 3})
-            effects = Effects(marker_ttl_s=60, replies=[(other, reply), (other, again)])
+            effects.replies.append((other, again))
         out.effects[keys.done(rid, "s")] = effects
     assert await publish_batch(redis, keys, out, ids, "one", 7) == Published()
     [fields] = await entries_of(redis, keys.reply_stream("t"))
@@ -223,24 +224,6 @@ async def test_a_batch_s_replies_to_one_gateway_are_one_entry_in_order(
     assert got == [[("g", {"v": 2})], [("g", {"v": 3})], [("f", {"v": 2})]]
     assert (await harness.stats("s"))["items:ok"] == 7
     assert (await redis.xpending(keys.stage_stream("s"), GROUP))["pending"] == 0
-
-
-async def test_more_replies_than_an_entry_holds_go_in_several(
-    harness: Harness, redis: aioredis.Redis
-) -> None:
-    # Lua's unpack takes a few thousand values at most: an entry holds 500 replies, so a
-    # batch of 1,203 is three entries, each named from e again, none lost or reordered.
-    keys = harness.keys
-    rids = [f"r{i}" for i in range(1203)]
-    ids = await read_batch(redis, keys.stage_stream("s"), len(rids))
-    out = outbox(harness, rids)
-    assert (
-        await publish_batch(redis, keys, out, ids, "big", 1203, reply_maxlen=10_000) == Published()
-    )
-    entries = await entries_of(redis, keys.reply_stream("t"))
-    assert [len(f) for f in entries] == [500, 500, 203]
-    assert [r.id for f in entries for r in decode_replies(f)] == rids
-    assert await redis.exists(*(keys.done(r, "s") for r in rids[:: 1203 // 7])) == 8
 
 
 async def test_a_run_of_requests_meeting_a_key_of_another_type_is_refused_whole(
@@ -256,7 +239,8 @@ async def test_a_run_of_requests_meeting_a_key_of_another_type_is_refused_whole(
     out = outbox(harness, ["a", "b", "c"])
     for rid in ("x", "y", "z"):
         reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": 1})
-        out.effects[keys.done(rid, "s")] = Effects(marker_ttl_s=60, replies=[(bad, reply)])
+        effects = Effects(marker_ttl_s=60, replies=[(bad, reply)], batched=True)
+        out.effects[keys.done(rid, "s")] = effects
     published = await publish_batch(redis, keys, out, ids[:6], "refused", 6)
     assert published.refused == {keys.done(r, "s"): (bad, "string") for r in "xyz"}
     assert not await redis.exists(keys.reply_stream("t"), keys.done("a", "s"))
