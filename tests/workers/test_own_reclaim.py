@@ -12,7 +12,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from pipelines.keys import GROUP
-from tests.helpers import Doubler, Harness, number_stage, until
+from tests.helpers import Doubler, Harness, number_stage, replies_in, until
 from workers.claims import Lease, claim_idle
 
 
@@ -68,7 +68,7 @@ async def test_a_worker_with_an_idle_time_shorter_than_its_batch_runs_it_once(
     harness.run(worker)
 
     async def answered() -> bool:
-        return len(await redis.xrange(stream) or []) >= len(sent)
+        return await replies_in(redis, stream) >= len(sent)
 
     await until(answered, limit_s=30)
     # Fifty more reclaims: none may take back (and run again) what already ran.
@@ -76,4 +76,4 @@ async def test_a_worker_with_an_idle_time_shorter_than_its_batch_runs_it_once(
     worker.stop()
     ran = [v for batch in model.batches for v in batch]
     assert sorted(ran) == list(range(4)), model.batches
-    assert len(await redis.xrange(stream) or []) == len(sent)
+    assert await replies_in(redis, stream) == len(sent)

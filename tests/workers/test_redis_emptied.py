@@ -9,7 +9,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from tests.helpers import Doubler, Harness, number_stage, until
+from tests.helpers import Doubler, Harness, number_stage, replies_in, until
 from workers.places import take_from_dead
 
 
@@ -31,7 +31,7 @@ async def test_a_worker_goes_on_answering_after_redis_is_emptied_under_it(
     stream, replies = harness.keys.stage_stream(stage.name), harness.keys.reply_stream("test")
 
     async def answered(n: int) -> bool:
-        return len(await redis.xrange(replies) or []) >= n
+        return await replies_in(redis, replies) >= n
 
     await harness.enqueue("double", [{"value": 1}])
     await until(lambda: answered(1), limit_s=30)
