@@ -8,9 +8,9 @@ loop at each of ``--clients``. Each interval below is one whole closed loop afte
 loop, so every request of it is counted and no other:
 
 - **counted**: ``CONFIG RESETSTAT`` before it; ``INFO commandstats`` (calls and µs by
-  command; Redis 7 counts a command a script runs under its own name too), ``INFO cpu``
-  and ``INFO stats`` (socket reads) after; the gateway's and the worker's CPU (/proc);
-  batches from the stage's stats hash.
+  command; Redis 7 counts a command a script or a MULTI/EXEC runs under its own name too),
+  ``INFO cpu`` and ``INFO stats`` (socket reads) after; the gateway's and the worker's CPU
+  (/proc); batches from the stage's stats hash.
 - **watched**: the same load under ``MONITOR``. Each client connection is given to its
   process (its local port found among the process's sockets in /proc); a ``lua`` line is
   a script's. A connection's commands that reach Redis within ``--gap-ms`` of each other,

@@ -8,7 +8,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
@@ -122,7 +122,8 @@ class Watched:
     """One load under ``MONITOR``, by process (role): commands, round trips by
     :func:`shape` and the commands in them, connections; and the requests (entries the
     gateway wrote to a stage), the batches (script calls that publish requests), and per command
-    the share of its calls scripts ran."""
+    the share of its calls scripts ran (``scripted``), and that scripts or a MULTI/EXEC ran
+    (``nested``: their µs are inside the script's or the ``EXEC``'s too)."""
 
     requests: int
     batches: int
@@ -131,6 +132,7 @@ class Watched:
     trip_commands: Counter[tuple[str, str]] = field(default_factory=Counter)
     connections: Counter[str] = field(default_factory=Counter)
     scripted: dict[str, float] = field(default_factory=dict)
+    nested: dict[str, float] = field(default_factory=dict)
 
     def per_request(self, role: str) -> float:
         """Round trips per request of one process (``all``: every process)."""
@@ -155,7 +157,21 @@ def tally(events: Sequence[Event], roles: Mapping[str, str], gap_s: float) -> Wa
         out.trip_commands[role[client], shape(commands)] += len(commands)
     out.connections.update(role[c] for c in {e.client for e in events} if c != LUA)
     out.scripted = scripted_shares(Counter((e.command, e.client == LUA) for e in events))
+    out.nested = scripted_shares(Counter((e.command, inside) for e, inside in _nesting(events)))
     return out
+
+
+def _nesting(events: Sequence[Event]) -> Iterator[tuple[Event, bool]]:
+    """Each event, and whether it ran inside another command whose µs count it too: a
+    script's (``lua``), or a MULTI/EXEC's (``EXEC``'s µs include the commands it runs;
+    ``MONITOR`` shows them between the client's ``MULTI`` and ``EXEC``)."""
+    open_multi: set[str] = set()
+    for e in events:
+        if e.command == "multi":
+            open_multi.add(e.client)
+        elif e.command in ("exec", "discard"):
+            open_multi.discard(e.client)
+        yield e, e.client == LUA or (e.client in open_multi and e.command != "multi")
 
 
 class Monitor:

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from bench.capacity import Calls, top_level_usec
 from bench.hotpath import (
     LUA,
     STEPS,
@@ -139,6 +140,25 @@ def test_a_watched_interval_is_tallied_by_process() -> None:
     assert w.per_request("all") == 4.0
     assert w.connections == Counter({"gateway": 2, "worker": 1, "other": 1})
     assert w.scripted["xadd"] == pytest.approx(0.5)  # two of four XADDs ran in a script
+    assert w.nested["xadd"] == pytest.approx(0.5)
+
+
+def test_a_transaction_s_commands_are_counted_once_at_the_top_level() -> None:
+    # EXEC's µs include the commands it runs, which commandstats counts under their own
+    # names too: the top level leaves their share to EXEC, as a script's to EVALSHA.
+    events = [
+        _event(0.0, "g1", "multi"),
+        _event(0.0001, "g1", "xadd", "{c}:stage:echo", "r1"),
+        _event(0.0002, "g1", "xadd", "{c}:stage:echo", "r2"),
+        _event(0.0003, "g1", "exec"),
+        _event(1.0, "g1", "xadd", "{c}:stage:echo", "r3"),
+        _event(2.0, "g2", "xadd", "{c}:stage:echo", "r4"),
+    ]
+    w = tally(events, {"g1": "gateway", "g2": "gateway"}, gap_s=0.0002)
+    assert w.nested == {"multi": 0.0, "xadd": pytest.approx(0.5), "exec": 0.0}
+    assert w.scripted["xadd"] == 0.0  # sent by the client: its calls count as sent
+    commands = {"xadd": Calls(4, 40), "exec": Calls(1, 30), "multi": Calls(1, 1)}
+    assert top_level_usec(commands, w.nested) == pytest.approx(20.0 + 30.0 + 1.0)
 
 
 def _span(name: str, start: float, end: float, *, parent: str = "p", **attributes: object) -> Span:
