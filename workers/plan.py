@@ -5,7 +5,7 @@ Pure: nothing here talks to Redis, so what a batch does is checked without a ser
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -165,7 +165,8 @@ def runs(groups: Sequence[list[Token]]) -> list[list[Token]]:
     out: list[list[Token]] = []
     i = 0
     while i < len(groups):
-        j, steps = i + 1, _steps(groups[i], groups[i + 1]) if i + 1 < len(groups) else None
+        steps = _steps(groups[i], groups[i + 1]) if i + 1 < len(groups) else None
+        j = i + 2  # groups[i:j] step alike
         while steps is not None and j < len(groups) and _steps(groups[j - 1], groups[j]) == steps:
             j += 1
         if steps is None or j - i < RUN_MIN:
@@ -273,16 +274,11 @@ def compile_plan(call: Call) -> Plan | None:
     for dlq, fields in call.dead_letters:
         plan.always += op("XADD", plan.own_key(dlq, STREAM), "*", *_pairs(plan, fields))
     for acked, ids in call.acks.items():
-        for i in range(0, len(ids), 1000):  # Lua's unpack() takes a few thousand at most
-            chunk = ids[i : i + 1000]
-            numbers = spans([plan.value(i) for i in chunk])
+        for numbers in _id_spans(plan, ids):
             plan.always += op("XACK", plan.own_key(acked, STREAM), GROUP, *numbers)
     for hashed, ids in call.unmark.items():
-        for i in range(0, len(ids), 1000):
-            chunk = ids[i : i + 1000]
-            plan.always += op(
-                "HDEL", plan.own_key(hashed, HASH), *spans([plan.value(i) for i in chunk])
-            )
+        for numbers in _id_spans(plan, ids):
+            plan.always += op("HDEL", plan.own_key(hashed, HASH), *numbers)
     if call.gauges:
         pairs = _pairs(plan, dict(call.gauges.items()))
         plan.always += op("HSET", -plan.stats, *pairs)
@@ -300,6 +296,13 @@ def compile_plan(call: Call) -> Plan | None:
         plan.token = plan.key(call.token_key)
     plan.retry = call.again
     return plan
+
+
+def _id_spans(plan: Plan, ids: Sequence[bytes]) -> Iterator[list[Token]]:
+    """Entry ids as value tokens (:func:`spans`), a thousand ids a command at most: Lua's
+    unpack() takes a few thousand values."""
+    for first in range(0, len(ids), 1000):
+        yield spans([plan.value(eid) for eid in ids[first : first + 1000]])
 
 
 def _pairs(

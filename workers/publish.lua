@@ -27,11 +27,11 @@
 -- so, and a plan of runs is a fraction of the JSON to decode.
 -- A command is n, name, its n - 1 arguments; "a" holds the commands that run once per
 -- call (ack, batch stats, dead letters). In a command, a string is itself, a number
--- i >= 1 is ARGV[i + 1], -i is KEYS[i] and [i, j] is ARGV[i + 1] to ARGV[j + 1]. JOIN and FAILJOIN are the join operations
--- below; ONCE marker ttl span runs the span tokens of commands after it only if a second
--- marker is absent too, and sets it (the answer of a failed branch, shared by its join's
--- branches); any other name is a Redis command. HINCRBYs are summed and sent once per
--- field, at the end.
+-- i >= 1 is ARGV[i + 1], -i is KEYS[i] and [i, j] is ARGV[i + 1] to ARGV[j + 1]. JOIN
+-- and FAILJOIN are the join operations below; ONCE marker ttl span runs the span tokens
+-- of commands after it only if a second marker is absent too, and sets it (the answer of
+-- a failed branch, shared by its join's branches); any other name is a Redis command.
+-- HINCRBYs are summed and sent once per field, at the end.
 -- Before anything is written, plan.k (key, type, ...: the type each key a request writes
 -- must have) is checked with TYPE: a key of another type (a missing one is fine) would
 -- fail its command midway through the call, after earlier commands had run. If a group
