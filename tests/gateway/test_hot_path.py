@@ -209,8 +209,10 @@ async def test_an_xadd_redis_refuses_fails_only_its_own_request(
         *(enqueuer.enqueue(r) for r in [*good[:2], bad, *good[2:]]), return_exceptions=True
     )
     assert isinstance(outcomes[2], ResponseError)
+    assert "WRONGTYPE" in str(outcomes[2])
     assert [o for i, o in enumerate(outcomes) if i != 2] == [None] * 5
     assert await redis.xlen(keys.stage_stream("double")) == 5
+    assert await redis.get(keys.stage_stream("broken")) == b"not a stream"
 
 
 async def test_a_round_trip_that_fails_fails_every_request_in_it(

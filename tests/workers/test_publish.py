@@ -17,17 +17,23 @@ from workers.publish import publish
 from workers.values import Effects, Outbox, Published
 
 
-def outbox(harness: Harness, ids: list[str], outcome: str = "ok") -> Outbox:
-    """One answered request per id, each under its done marker."""
+def outbox(
+    keys: Keys, ids: list[str], outcome: str = "ok", *, cancels: bool = False, batched: bool = True
+) -> Outbox:
+    """One answered request per id, each under its done marker (and, with ``cancels``,
+    its cancellation marker), to a gateway that reads several replies an entry unless
+    ``batched`` is False (one of an earlier release)."""
     out = Outbox()
     for rid in ids:
         if outcome == "ok":
             reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": 1})
         else:
             reply = Reply(id=rid, stage="s", outcome=Outcome.ERROR, error="boom", status=500)
-        to = harness.keys.reply_stream("t")
-        effects = Effects(marker_ttl_s=60, replies=[(to, reply)], batched=True)
-        out.effects[harness.keys.done(rid, "s")] = effects
+        to = keys.reply_stream("t")
+        effects = Effects(marker_ttl_s=60, replies=[(to, reply)], batched=batched)
+        if cancels:
+            effects.cancel_marker = keys.cancelled(rid)
+        out.effects[keys.done(rid, "s")] = effects
     return out
 
 
@@ -37,9 +43,12 @@ async def entries_of(redis: aioredis.Redis, stream: str) -> list[dict[bytes, byt
 
 
 async def read_batch(redis: aioredis.Redis, stream: str, n: int) -> list[bytes]:
+    """``n`` entries added to ``stream`` and read by consumer c1: their ids."""
     await ensure_group(redis, stream)
+    pipe = redis.pipeline(transaction=False)
     for i in range(n):
-        await redis.xadd(stream, {"e": str(i)})
+        pipe.xadd(stream, {"e": str(i)})
+    await pipe.execute()
     read: Any = await redis.xreadgroup(GROUP, "c1", {stream: ">"})
     return [eid for eid, _ in read[0][1]]
 
@@ -72,7 +81,7 @@ async def test_a_repeated_call_is_a_complete_no_op(harness: Harness, redis: aior
     # not even what no done marker guards (batch stats, dead letters).
     keys = harness.keys
     ids = await read_batch(redis, keys.stage_stream("s"), 3)
-    out = outbox(harness, ["a", "b"])
+    out = outbox(harness.keys, ["a", "b"])
     for again in (False, True):
         published = await publish_batch(
             redis,
@@ -102,8 +111,8 @@ async def test_outcomes_are_counted_once_per_request_answered(
     keys = harness.keys
     ids = await read_batch(redis, keys.stage_stream("s"), 3)
     for worker in ("first", "second"):
-        out = outbox(harness, ["a", "b"])
-        out.effects.update(outbox(harness, ["c"], outcome=Outcome.ERROR).effects)
+        out = outbox(harness.keys, ["a", "b"])
+        out.effects.update(outbox(harness.keys, ["c"], outcome=Outcome.ERROR).effects)
         await publish_batch(redis, keys, out, ids, worker, 3)
     got = await harness.stats("s")
     assert (got["items:ok"], got["items:error"]) == (2, 1)  # 4 and 2 before
@@ -145,12 +154,12 @@ async def test_a_call_that_would_meet_a_key_of_another_type_writes_nothing(
     # request whose effects would fail, with the key and what it holds.
     keys = harness.keys
     ids = await read_batch(redis, keys.stage_stream("s"), 4)
-    out = outbox(harness, ["a", "b"])
+    out = outbox(harness.keys, ["a", "b"])
     bad = keys.reply_stream("forged")
     await redis.set(bad, "not a stream")
     culprit = Reply(id="c", stage="s", outcome=Outcome.OK, result={"v": 1})
     out.effects[keys.done("c", "s")] = Effects(marker_ttl_s=60, replies=[(bad, culprit)])
-    out.effects.update(outbox(harness, ["d"]).effects)
+    out.effects.update(outbox(harness.keys, ["d"]).effects)
     published = await publish_batch(
         redis,
         keys,
@@ -183,7 +192,7 @@ async def test_own_keys_of_another_type_are_skipped_and_the_batch_answered(
     published = await publish_batch(
         redis,
         keys,
-        outbox(harness, ["a", "b"]),
+        outbox(harness.keys, ["a", "b"]),
         ids,
         "own",
         2,
@@ -206,7 +215,7 @@ async def test_a_batch_s_replies_to_one_gateway_are_one_entry_in_order(
     # reply, to another stream) still writes its reply first, in an entry of its own.
     keys = harness.keys
     ids = await read_batch(redis, keys.stage_stream("s"), 7)
-    out = outbox(harness, ["a", "b", "c", "d", "e"])
+    out = outbox(harness.keys, ["a", "b", "c", "d", "e"])
     other = keys.reply_stream("u")
     for rid in ("f", "g"):
         reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": 2})
@@ -236,7 +245,7 @@ async def test_a_run_of_requests_meeting_a_key_of_another_type_is_refused_whole(
     ids = await read_batch(redis, keys.stage_stream("s"), 7)
     bad = keys.reply_stream("forged")
     await redis.set(bad, "not a stream")
-    out = outbox(harness, ["a", "b", "c"])
+    out = outbox(harness.keys, ["a", "b", "c"])
     for rid in ("x", "y", "z"):
         reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": 1})
         effects = Effects(marker_ttl_s=60, replies=[(bad, reply)], batched=True)
@@ -246,10 +255,10 @@ async def test_a_run_of_requests_meeting_a_key_of_another_type_is_refused_whole(
     assert not await redis.exists(keys.reply_stream("t"), keys.done("a", "s"))
     # Published once, then again with three more: the first three are skipped.
     assert (
-        await publish_batch(redis, keys, outbox(harness, ["a", "b", "c"]), ids[:3], "p1", 3)
+        await publish_batch(redis, keys, outbox(harness.keys, ["a", "b", "c"]), ids[:3], "p1", 3)
         == Published()
     )
-    again = outbox(harness, ["a", "b", "c", "d"])
+    again = outbox(harness.keys, ["a", "b", "c", "d"])
     assert await publish_batch(redis, keys, again, ids[3:], "p2", 4) == Published(skipped=3)
     got = [r.id for f in await entries_of(redis, keys.reply_stream("t")) for r in decode_replies(f)]
     assert got == ["a", "b", "c", "d"]

@@ -15,36 +15,11 @@ from gateway.replies import ReplyDispatcher
 from pipelines.envelope import Reply, decode_replies, encode
 from pipelines.keys import GROUP, Keys
 from pipelines.outcomes import Outcome
-from runtime.redisio import ensure_group
 from tests.helpers import Harness, replies_in
+from tests.workers.test_publish import entries_of, outbox, read_batch
 from workers.plan import Call, compile_plan
 from workers.publish import publish
 from workers.values import Effects, Outbox, Published
-
-
-def outbox(keys: Keys, ids: list[str], cancels: bool = False, batched: bool = True) -> Outbox:
-    """One answered request per id, each under its done marker (and, with ``cancels``,
-    its cancellation marker), to a gateway that reads several replies an entry unless
-    ``batched`` is False (one of an earlier release)."""
-    out = Outbox()
-    for rid in ids:
-        reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": 1})
-        to = keys.reply_stream("t")
-        effects = Effects(marker_ttl_s=60, replies=[(to, reply)], batched=batched)
-        if cancels:
-            effects.cancel_marker = keys.cancelled(rid)
-        out.effects[keys.done(rid, "s")] = effects
-    return out
-
-
-async def read_batch(redis: aioredis.Redis, stream: str, n: int) -> list[bytes]:
-    await ensure_group(redis, stream)
-    pipe = redis.pipeline(transaction=False)
-    for i in range(n):
-        pipe.xadd(stream, {"e": str(i)})
-    await pipe.execute()
-    read: Any = await redis.xreadgroup(GROUP, "c1", {stream: ">"})
-    return [eid for eid, _ in read[0][1]]
 
 
 def call_of(keys: Keys, out: Outbox, ids: list[bytes], token: str, **extra: Any) -> Call:
@@ -60,8 +35,8 @@ def call_of(keys: Keys, out: Outbox, ids: list[bytes], token: str, **extra: Any)
 
 
 async def got_ids(redis: aioredis.Redis, stream: str) -> list[list[str]]:
-    entries = cast(list[Any], await redis.xrange(stream))
-    return [[r.id for r in decode_replies(f)] for _, f in entries]
+    """The request ids each entry of ``stream`` answers, entry by entry."""
+    return [[r.id for r in decode_replies(f)] for f in await entries_of(redis, stream)]
 
 
 def is_one_run(call: Call) -> bool:
@@ -88,7 +63,7 @@ async def test_cancelled_and_skipped_requests_inside_a_run(
     assert published == Published(
         skipped=1, cancelled=frozenset({keys.done("b", "s"), keys.done("e", "s")})
     )
-    [fields] = [f for _, f in cast(list[Any], await redis.xrange(keys.reply_stream("t")))]
+    [fields] = await entries_of(redis, keys.reply_stream("t"))
     assert list(fields) == [b"e", b"e1", b"e2", b"e3"]
     assert [r.id for r in decode_replies(fields)] == ["a", "c", "f", "g"]
     stats = await harness.stats("s")
