@@ -22,12 +22,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.alarms import Alarms
 from gateway.protocol import HEADERS_TOO_LARGE
 from gateway.sessions import LOGIN_URL, LOGOUT_URL, SESSION, Sessions, operator_page
+from runtime.logs import hold_per_iteration
 from runtime.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines
 
 logger = logging.getLogger(__name__)
 access = logging.getLogger("gateway.access")
 """One INFO line per answered request (:func:`log_access`); ``CONVEYOR_ACCESS_LOG=false``
-turns it off."""
+turns it off. Its lines are written once per loop iteration (:mod:`runtime.logs`)."""
+hold_per_iteration(access.name)
 
 HTTP_REQUESTS = Family(
     "conveyor_http_requests_total",

@@ -1,9 +1,11 @@
 """The access log (gateway/edge.py): one INFO line per request on ``gateway.access``, with
 its method, route template, status, milliseconds and request id, as text and as JSON
-keys; ``CONVEYOR_ACCESS_LOG=false`` writes none."""
+keys; ``CONVEYOR_ACCESS_LOG=false`` writes none; its lines are written once per loop
+iteration (runtime/logs.py), in order with the others."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -12,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import Doubler, GatewayProcess, Harness, number_stage
+from runtime.logs import LineHandler, hold_per_iteration
+from tests.helpers import Doubler, GatewayProcess, Harness, number_stage, wait_for_line
 
 ACCESS = "gateway.access"
 PLAIN = {"Content-Type": "application/json"}  # a plain sync call: the hot path takes it
@@ -131,3 +134,83 @@ def test_json_lines_carry_the_fields_as_keys(redis_url: str, tmp_path: Path) -> 
         404,
         None,
     )
+
+
+class Writes:
+    """A stream that keeps each write apart."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.writes.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def held_handler() -> tuple[LineHandler, Writes, logging.Logger, logging.Logger]:
+    """A :class:`LineHandler` on a :class:`Writes`, with a logger whose lines it holds
+    and one whose lines it does not (neither propagating)."""
+    stream = Writes()
+    handler = LineHandler(stream)
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+    held, plain = logging.getLogger("test.held"), logging.getLogger("test.plain")
+    hold_per_iteration(held.name)
+    for logger in (held, plain):
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    return handler, stream, held, plain
+
+
+async def test_held_lines_of_one_loop_iteration_are_one_write_in_order() -> None:
+    _, stream, held, plain = held_handler()
+    for i in range(5):
+        held.info("line %d", i)
+    assert stream.writes == []  # held: the iteration has not ended
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert stream.writes == ["".join(f"test.held INFO line {i}\n" for i in range(5))]
+
+    held.info("before")
+    held.warning("a warning is written at once, after what is held")
+    held.info("after")
+    plain.info("another logger's line too")
+    assert stream.writes[1:] == [
+        "test.held INFO before\ntest.held WARNING a warning is written at once, after what is "
+        "held\n",
+        "test.held INFO after\ntest.plain INFO another logger's line too\n",
+    ]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert len(stream.writes) == 3  # nothing was left held
+
+
+def test_off_a_loop_a_held_logger_s_line_is_written_at_once() -> None:
+    _, stream, held, _ = held_handler()
+    held.info("no loop runs here")
+    assert stream.writes == ["test.held INFO no loop runs here\n"]
+
+
+async def test_flush_writes_what_is_held_as_an_exit_does() -> None:
+    handler, stream, held, _ = held_handler()
+    held.info("held")
+    handler.flush()  # what logging.shutdown() does at exit
+    assert stream.writes == ["test.held INFO held\n"]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert stream.writes == ["test.held INFO held\n"]  # the loop's turn found nothing
+
+
+def test_a_running_gateway_writes_its_access_lines_as_it_answers(
+    redis_url: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "gateway.log"
+    with GatewayProcess(redis_url, log, CONVEYOR_PIPELINES="chain") as gw:
+        assert gw.proc is not None
+        for i in range(3):
+            answer = httpx.get(f"{gw.base}/nowhere-{i}", timeout=10)
+            assert answer.status_code == 404
+            # Written while it runs (at the end of the loop's turn), not only at its exit.
+            wait_for_line(log, f"GET /nowhere-{i} 404", gw.proc, limit_s=30)
