@@ -15,8 +15,8 @@ A line is written as it is logged, except a line of a logger named by
 :func:`hold_per_iteration` (the gateway's access line, one a request) logged below
 ``WARNING`` on a running event loop: it is held until the end of the loop's iteration and
 written with the others of that iteration in one write, so that a gateway under load does
-not make a system call per request for its log (a write a line was ~14% of its CPU at 64
-clients). Any other line writes what is held first, so lines stay in order; so does an exit.
+not make a system call per request for its log. Any other line writes what is held first,
+so lines stay in order; so does an exit.
 
 The model libraries are kept quiet in a worker (:func:`quiet_model_libraries`): their
 progress bars are tty decoration, and in a log they are hundreds of carriage-returned
