@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -44,6 +45,7 @@ from bench.hotpath_report import (
     TITLE,
     Counted,
     Measured,
+    per_request,
     place_section,
     section,
     tree,
@@ -205,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--traced", type=int, default=1000, help="requests traced at 1 client")
     parser.add_argument("--gap-ms", type=float, default=0.2, help="a round trip's longest gap")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("RESULTS.md"))
+    parser.add_argument(
+        "--json", type=Path, help="also write each load's per-request figures here (bench.sitting)"
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     from bench.report import machine  # imports torch: only once the arguments are good
@@ -218,6 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     text = section(measured, args, machine(), code, took, load_avg)
     old = args.out.read_text() if args.out.exists() else ""
     args.out.write_text(place_section(old, TITLE, text))
+    if args.json is not None:
+        figures = {
+            workload: [per_request(c, w) for c, w in zip(m.counted, m.watched, strict=True)]
+            for workload, m in measured.items()
+        }
+        args.json.write_text(json.dumps(figures, indent=1, ensure_ascii=False))
     print(text)
     print(f"wrote {args.out}")
 

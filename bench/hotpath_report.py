@@ -94,6 +94,53 @@ def command_rows(c: Counted, w: Watched) -> list[str]:
     ]
 
 
+FIGURES: tuple[tuple[str, int], ...] = (
+    ("clients", 0),
+    ("requests", 0),
+    ("req/s", 0),
+    ("p50 ms", 2),
+    ("p99 ms", 2),
+    ("mean batch", 1),
+    ("Redis commands", 2),
+    ("Redis CPU µs", 0),
+    ("command µs, top level", 1),
+    ("of which scripts' own", 1),
+    ("gateway CPU µs", 0),
+    ("worker CPU µs", 0),
+    ("gateway round trips", 2),
+    ("worker round trips", 2),
+)
+"""The figures of one counted and watched load, per request (``--json``; the table of
+each workload's section has all but the round trips), with the digits they are shown to."""
+
+PER_REQUEST_ROW = tuple(name for name, _ in FIGURES[:12])
+"""The columns of a section's per-request table."""
+
+
+def per_request(c: Counted, w: Watched) -> dict[str, float]:
+    """:data:`FIGURES` of one load: ``c`` counted, ``w`` watched."""
+    n = c.requests
+    trips = dict.fromkeys(("gateway", "worker"), 0)
+    for (role, _), count in w.trips.items():
+        if role in trips:
+            trips[role] += count
+    return {
+        "clients": c.clients,
+        "requests": n,
+        "req/s": c.result.throughput,
+        "p50 ms": c.result.pct(0.5),
+        "p99 ms": c.result.pct(0.99),
+        "mean batch": c.items / max(1.0, c.batches),
+        "Redis commands": sum(x.calls for x in c.commands.values()) / n,
+        "Redis CPU µs": 1e6 * c.redis_cpu_s / n,
+        "command µs, top level": top_level_usec(c.commands, w.nested) / n,
+        "of which scripts' own": script_own_usec(c.commands, w.scripted) / n,
+        "gateway CPU µs": 1e6 * c.gateway_cpu_s / n,
+        "worker CPU µs": 1e6 * c.worker_cpu_s / n,
+        **{f"{role} round trips": n_trips / max(1, w.requests) for role, n_trips in trips.items()},
+    }
+
+
 def section(
     measured: Mapping[str, Measured],
     args: argparse.Namespace,
@@ -150,15 +197,13 @@ def section(
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c, w in pairs:
-            n = c.requests
+            f = per_request(c, w)
             lines.append(
-                f"| {c.clients} | {n} | {c.result.throughput:.0f} | {c.result.pct(0.5):.2f} | "
-                f"{c.result.pct(0.99):.2f} | {c.items / max(1.0, c.batches):.1f} | "
-                f"{sum(x.calls for x in c.commands.values()) / n:.2f} | "
-                f"{1e6 * c.redis_cpu_s / n:.0f} | "
-                f"{top_level_usec(c.commands, w.nested) / n:.1f} | "
-                f"{script_own_usec(c.commands, w.scripted) / n:.1f} | "
-                f"{1e6 * c.gateway_cpu_s / n:.0f} | {1e6 * c.worker_cpu_s / n:.0f} |"
+                "| "
+                + " | ".join(
+                    f"{f[name]:.{digits}f}" for name, digits in FIGURES if name in PER_REQUEST_ROW
+                )
+                + " |"
             )
         for c, w in pairs:
             lines += [
