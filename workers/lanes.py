@@ -14,8 +14,9 @@ Bulk waits for the model beyond its reserve: while an earlier batch holds it, a 
 being assembled takes bulk entries only up to the reserve, so it cannot fill up with bulk
 and hold a later interactive arrival back by a whole batch; the window tops it up when the
 model frees (:class:`workers.window.Window`). Interactive takes the reserve too when bulk
-has none, so under interactive load the next batch is whole before the model frees and
-nothing is read between two batches.
+has none, so under interactive load the next batch of a model that runs long enough to be
+looked at meanwhile (:meth:`workers.window.Window.look_pace_s`) is whole before the model
+frees and nothing is read between two batches.
 
 A read looks at both lanes without waiting, in one round trip (two XREADGROUPs in a
 pipeline); only when every lane gave nothing and the window wants to wait does one

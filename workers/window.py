@@ -3,9 +3,11 @@
 A batch closes when it is full or when ``batch_wait_ms`` has passed since its *oldest*
 entry arrived (the stream id carries the arrival time); later arrivals never extend it.
 With adaptive batching it goes sooner when waiting would not pay (:mod:`workers.policy`).
-While an earlier batch holds the model, a batch past its window could not start anyway:
-it keeps taking arrivals, in short reads, until the model frees, and then once more
-without waiting (what the reads held back while the model was busy: bulk work).
+While an earlier batch holds the model, a batch could not start anyway: it gives the
+model time to free (:meth:`Window.look_pace_s`), takes arrivals in a short read only when
+the model is still busy after that, and once it frees reads once more without waiting
+(what came meanwhile, and what the reads held back while it was busy: bulk work). A fast
+model's next batch is so read in one read after it frees, not in a look per arrival.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from pipelines.stages import Stage
 from runtime.redisio import REDIS_DOWN, RedisClock, arrival
 from runtime.stats import COST_A, COST_B
+from workers.lanes import BUSY_BLOCK_MS
 from workers.lengths import account
 from workers.load import Load
 from workers.policy import FLAT_OVERHEAD_TOKENS, OVERHEAD_PRIOR_TOKENS, BatchPolicy
@@ -24,6 +27,11 @@ from workers.settings import WorkerSettings
 from workers.values import Batch, Entry, Ran
 
 logger = logging.getLogger(__name__)
+
+LOOK_PACE_S = 0.002
+"""The least time between two looks for new entries while the model is busy: about what
+its claim and a fast model's call take, so that a batch of echo-fast calls is read in one
+read after the model frees, not in a look per arrival while it runs."""
 
 Read = Callable[[int, int | None], Awaitable[list[Entry]]]
 """Reads up to ``count`` new entries, blocking up to ``block_ms`` (None: not at all)."""
@@ -76,10 +84,19 @@ class Window:
         # Not later than now: an id ahead of the clock would hold the window open for as
         # long as it is ahead (a forged future id makes every later id so).
         close_at = arrival(entries[0].id, self._clock.now()) + self.wait_s
+        paced = False
         while len(entries) < self.max_batch and not self._stopping.is_set():
             now = self._clock.now()
             if self.policy and not self._load.busy and self.policy.go_now(len(entries), now):
                 break  # waiting longer would not pay (see workers/policy.py)
+            if self._load.busy and not paced:
+                # Nothing read now could run before the model frees: it is given time to
+                # (what comes meanwhile waits in the stream for one read then), and looked
+                # at again only if it has not, a few times a run (a look a round trip).
+                waited_on_model = paced = True
+                await self._load.freed(self.look_pace_s())
+                continue
+            paced = False
             remaining_ms = int((close_at - now) * 1000)
             if remaining_ms < 1:
                 if not self._load.busy:
@@ -95,6 +112,13 @@ class Window:
             # workers/lanes.py) fills the batch, without waiting.
             entries += await self._more(self.max_batch - len(entries), None) or []
         return entries
+
+    def look_pace_s(self) -> float:
+        """How long a batch being assembled waits for a busy model to free before it looks
+        for new entries: a quarter of the last model call, within
+        [:data:`LOOK_PACE_S`, :data:`~workers.lanes.BUSY_BLOCK_MS`]: a model that frees
+        sooner is never looked past, one that runs long keeps its next batch filling."""
+        return max(LOOK_PACE_S, min(BUSY_BLOCK_MS / 1000, self._load.last_run_s / 4))
 
     async def _more(self, count: int, block_ms: int | None) -> list[Entry] | None:
         """A read that fills a batch already begun; None when Redis refused it or could
