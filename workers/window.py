@@ -3,9 +3,10 @@
 A batch closes when it is full or when ``batch_wait_ms`` has passed since its *oldest*
 entry arrived (the stream id carries the arrival time); later arrivals never extend it.
 With adaptive batching it goes sooner when waiting would not pay (:mod:`workers.policy`).
-While an earlier batch holds the model, a batch could not start anyway: it gives the
-model time to free (:meth:`Window.look_pace_s`), takes arrivals in a short read only when
-the model is still busy after that, and once it frees reads once more without waiting
+While an earlier batch holds the model, a batch could not start anyway: before its first
+read and between its reads it gives the model time to free (:meth:`Window.look_pace_s`),
+takes arrivals in a short read only when the model is still busy after that, and once it
+frees reads once more without waiting
 (what came meanwhile, and what the reads held back while it was busy: bulk work). A fast
 model's next batch is so read in one read after it frees, not in a look per arrival.
 """
@@ -77,6 +78,10 @@ class Window:
 
     async def assemble(self, block_ms: int | None) -> list[Entry]:
         """The next batch; empty when nothing new came within ``block_ms``."""
+        if self._load.busy and block_ms is not None:
+            # This batch could not start before the model frees: it is given time to
+            # first, as below (a read that may not wait, burst mode's, does not).
+            await self._load.freed(self.look_pace_s())
         waited_on_model = bool(self._load.busy)  # a read while it is busy holds bulk back
         entries = await self._take(self.max_batch, block_ms)
         if not entries:

@@ -56,10 +56,10 @@ async def test_a_model_that_frees_within_the_pace_is_never_looked_past() -> None
     model = Model(busy_for=1, last_run_s=0.0001)
     win, asked = window(model)
     batch = await win.assemble(1000)
-    # The first read, then the model's time to free, then one read of what came.
-    assert model.calls == [("read", 1000), ("freed", LOOK_PACE_S), ("read", None)]
-    assert asked == [8, 7]
-    assert len(batch) == 2
+    # The model's time to free first, then one read of what came meanwhile.
+    assert model.calls == [("freed", LOOK_PACE_S), ("read", 1000)]
+    assert asked == [8]
+    assert len(batch) == 1
 
 
 async def test_a_slow_model_is_looked_at_once_a_pace_never_twice_in_a_row() -> None:
@@ -68,10 +68,17 @@ async def test_a_slow_model_is_looked_at_once_a_pace_never_twice_in_a_row() -> N
     batch = await win.assemble(1000)
     pace = BUSY_BLOCK_MS / 1000  # a quarter of a second's call, within the bound
     kinds = [kind for kind, _ in model.calls]
-    assert kinds == ["read", "freed", "read", "freed", "read", "freed", "read"]
+    assert kinds == ["freed", "read", "freed", "read", "freed", "read"]
     assert [t for kind, t in model.calls if kind == "freed"] == [pace] * 3
     assert model.calls[-1] == ("read", None)  # freed: what is left, without waiting
-    assert len(batch) == 4
+    assert len(batch) == 3
+
+
+async def test_a_read_that_may_not_wait_does_not_wait_for_the_model_first() -> None:
+    model = Model(busy_for=1, last_run_s=0.0001)
+    win, _ = window(model)
+    await win.assemble(None)  # burst mode's: an empty answer means nothing is left
+    assert model.calls[0] == ("read", None)
 
 
 async def test_the_pace_follows_the_model_s_last_call_within_its_bounds() -> None:
