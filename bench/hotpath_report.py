@@ -113,8 +113,8 @@ FIGURES: tuple[tuple[str, int], ...] = (
 """The figures of one counted and watched load, per request (``--json``; the table of
 each workload's section has all but the round trips), with the digits they are shown to."""
 
-PER_REQUEST_ROW = tuple(name for name, _ in FIGURES[:12])
-"""The columns of a section's per-request table."""
+TABLE = FIGURES[:12]
+"""The columns of a section's per-request table, with their digits."""
 
 
 def per_request(c: Counted, w: Watched) -> dict[str, float]:
@@ -191,20 +191,12 @@ def section(
             "",
             f"### {workload}: per request",
             "",
-            "| clients | requests | req/s | p50 ms | p99 ms | mean batch | Redis commands "
-            "| Redis CPU µs | command µs, top level | of which scripts' own | gateway CPU µs "
-            "| worker CPU µs |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| " + " | ".join(name for name, _ in TABLE) + " |",
+            "|" + "---|" * len(TABLE),
         ]
         for c, w in pairs:
             f = per_request(c, w)
-            lines.append(
-                "| "
-                + " | ".join(
-                    f"{f[name]:.{digits}f}" for name, digits in FIGURES if name in PER_REQUEST_ROW
-                )
-                + " |"
-            )
+            lines.append("| " + " | ".join(f"{f[name]:.{d}f}" for name, d in TABLE) + " |")
         for c, w in pairs:
             lines += [
                 "",

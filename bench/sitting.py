@@ -29,22 +29,26 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.hotpath_report import FIGURES
+
 REPO = Path(__file__).resolve().parent.parent
 
-SHOWN: tuple[tuple[str, int], ...] = (
-    ("req/s", 0),
-    ("p50 ms", 2),
-    ("mean batch", 1),
-    ("Redis commands", 2),
-    ("command µs, top level", 1),
-    ("Redis CPU µs", 0),
-    ("gateway CPU µs", 0),
-    ("worker CPU µs", 0),
-    ("gateway round trips", 2),
-    ("worker round trips", 2),
+SHOWN: tuple[str, ...] = (
+    "req/s",
+    "p50 ms",
+    "mean batch",
+    "Redis commands",
+    "command µs, top level",
+    "Redis CPU µs",
+    "gateway CPU µs",
+    "worker CPU µs",
+    "gateway round trips",
+    "worker round trips",
 )
-"""The figures the table shows (per request, as ``bench.hotpath --json`` writes them),
-with their digits."""
+"""The figures the table shows (per request, as ``bench.hotpath --json`` writes them;
+shown to the digits of :data:`bench.hotpath_report.FIGURES`)."""
+
+DIGITS = dict(FIGURES)
 
 Rounds = dict[str, dict[str, dict[int, dict[str, list[float]]]]]
 """Values by revision, workload, clients and figure: one a round."""
@@ -89,7 +93,7 @@ def collect(rounds: Rounds, rev: str, figures: Mapping[str, Sequence[Mapping[str
         for load in loads:
             into = rounds.setdefault(rev, {}).setdefault(workload, {})
             values = into.setdefault(int(load["clients"]), {})
-            for name, _ in SHOWN:
+            for name in SHOWN:
                 values.setdefault(name, []).append(float(load[name]))
 
 
@@ -108,7 +112,8 @@ def table(rounds: Rounds, revs: Sequence[str]) -> list[str]:
                 "| figure | " + " | ".join(head) + " |",
                 "|---|" + "---:|" * len(head),
             ]
-            for name, digits in SHOWN:
+            for name in SHOWN:
+                digits = DIGITS[name]
                 medians: dict[str, float] = {}
                 cells = []
                 for rev in revs:
@@ -147,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="conveyor-sitting-") as tmp:
         trees = {}
         for rev in revs:
-            commit = export(rev, Path(tmp) / rev.replace("/", "_"))
-            trees[commit] = Path(tmp) / rev.replace("/", "_")
+            tree = Path(tmp) / rev.replace("/", "_")
+            trees[export(rev, tree)] = tree
         for n in range(1, args.rounds + 1):
             for commit, tree in trees.items():
                 started = time.monotonic()

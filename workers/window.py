@@ -6,9 +6,9 @@ With adaptive batching it goes sooner when waiting would not pay (:mod:`workers.
 While an earlier batch holds the model, a batch could not start anyway: before its first
 read and between its reads it gives the model time to free (:meth:`Window.look_pace_s`),
 takes arrivals in a short read only when the model is still busy after that, and once it
-frees reads once more without waiting
-(what came meanwhile, and what the reads held back while it was busy: bulk work). A fast
-model's next batch is so read in one read after it frees, not in a look per arrival.
+frees reads once more without waiting (what came meanwhile, and what the reads held back
+while it was busy: bulk work). A fast model's next batch is so read in one read after it
+frees, not in a look per arrival.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Window:
                 if not self._load.busy:
                     break
                 waited_on_model = True
-                remaining_ms = max(1, min(20, int(self._load.last_run_s * 250)))
+                remaining_ms = max(1, min(BUSY_BLOCK_MS, int(self._load.last_run_s * 250)))
             more = await self._more(self.max_batch - len(entries), remaining_ms)
             if more is None:
                 return entries

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def load(clients: int, scale: float) -> dict[str, float]:
     """One load's figures, each ``scale`` times its index plus one."""
-    return {"clients": clients, **{name: scale * (i + 1) for i, (name, _) in enumerate(SHOWN)}}
+    return {"clients": clients, **{name: scale * (i + 1) for i, name in enumerate(SHOWN)}}
 
 
 def test_rounds_are_tabled_as_medians_with_each_round_and_ratios_to_the_last() -> None:

@@ -37,7 +37,7 @@ class Model:
         await asyncio.sleep(0)
 
 
-def window(model: Model) -> tuple[Window, list[int]]:
+def window(model: Model, stopping: asyncio.Event | None = None) -> tuple[Window, list[int]]:
     """A window on ``model`` whose every read brings one new entry; the counts asked."""
     asked: list[int] = []
 
@@ -49,7 +49,8 @@ def window(model: Model) -> tuple[Window, list[int]]:
 
     settings = WorkerSettings(adaptive_batching=False, batch_wait_ms=0)
     stage = number_stage(max_batch_size=8)
-    return Window(stage, settings, read, RedisClock(), model, asyncio.Event()), asked
+    stopping = stopping or asyncio.Event()
+    return Window(stage, settings, read, RedisClock(), model, stopping), asked
 
 
 async def test_a_model_that_frees_within_the_pace_is_never_looked_past() -> None:
@@ -85,3 +86,22 @@ async def test_the_pace_follows_the_model_s_last_call_within_its_bounds() -> Non
     for last_run_s, pace in ((0.0, LOOK_PACE_S), (0.02, 0.005), (10.0, BUSY_BLOCK_MS / 1000)):
         win, _ = window(Model(busy_for=0, last_run_s=last_run_s))
         assert win.look_pace_s() == pace
+
+
+async def test_a_model_that_never_frees_does_not_hold_a_stopping_worker() -> None:
+    # A hung model (the watchdog ends its process later): the batch being assembled
+    # looks once a pace and goes as it is once the worker stops, not when the model frees.
+    model = Model(busy_for=10**9, last_run_s=1.0)
+    stopping = asyncio.Event()
+    win, _ = window(model, stopping)
+    freed = model.freed
+
+    async def freed_then_stop(timeout_s: float) -> None:
+        await freed(timeout_s)
+        if len(model.calls) >= 4:
+            stopping.set()
+
+    model.freed = freed_then_stop  # type: ignore[method-assign]
+    batch = await asyncio.wait_for(win.assemble(1000), 10)
+    assert 1 <= len(batch) < 8
+    assert [kind for kind, _ in model.calls][:4] == ["freed", "read", "freed", "read"]
