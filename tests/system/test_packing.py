@@ -1,0 +1,128 @@
+"""Commands packed by hiredis (runtime/redisio.py ``packing``): the same bytes as
+redis-py's own packer for every type a command takes, refusals as redis-py's, and values
+that reach a real Redis (plain and cluster) whole. Real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+from redis.exceptions import DataError
+
+from conveyor.embedded import cluster
+from pipelines.settings import CommonSettings
+from runtime.redisio import connect, packing
+
+ODD = [
+    "plain",
+    "é and 漢字 and an emoji 🙂",
+    b"\x00\xff\r\n$*binary",
+    bytearray(b"a bytearray"),
+    memoryview(b"a memoryview"),
+    0,
+    -7,
+    2**70,
+    0.1 + 0.2,
+    -0.0,
+    1e300,
+    float("inf"),
+    "",
+    b"",
+    "x" * 100_000,  # past redis-py's chunking cutoff
+]
+
+
+def packed_both(*args: Any) -> tuple[bytes, bytes]:
+    ours = packing(Connection)()
+    theirs = Connection()
+    return b"".join(ours.pack_command(*args)), b"".join(
+        bytes(chunk) for chunk in theirs.pack_command(*args)
+    )
+
+
+@pytest.mark.parametrize("value", ODD, ids=lambda v: type(v).__name__)
+def test_every_value_type_packs_to_redis_pys_bytes(value: object) -> None:
+    ours, theirs = packed_both("SET", "key", value)
+    assert ours == theirs
+
+
+def test_a_command_name_with_spaces_is_split_as_redis_py_splits_it() -> None:
+    for head in ("CONFIG GET", b"CONFIG GET", "OBJECT ENCODING"):
+        ours, theirs = packed_both(head, "maxmemory")
+        assert ours == theirs
+        assert ours.startswith(b"*3\r\n")
+
+
+@pytest.mark.parametrize("bad", [None, True, object(), ["a list"]], ids=repr)
+def test_what_redis_py_refuses_is_refused_with_its_error(bad: Any) -> None:
+    with pytest.raises(DataError):
+        packing(Connection)().pack_command("SET", "key", bad)
+    with pytest.raises(DataError):
+        Connection().pack_command("SET", "key", bad)
+
+
+def test_another_encoding_packs_as_redis_py_does() -> None:
+    conn = packing(Connection)(encoding="latin-1")
+    assert (
+        b"".join(conn.pack_command("SET", "k", "é"))
+        == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n\xe9\r\n"
+    )
+
+
+def test_each_connection_class_keeps_its_own_kind() -> None:
+    unix = packing(UnixDomainSocketConnection)
+    assert issubclass(unix, UnixDomainSocketConnection)
+    assert packing(unix) is unix
+    assert packing(Connection) is packing(Connection)
+
+
+async def test_values_of_every_type_reach_redis_whole(env: None) -> None:
+    client = connect(CommonSettings())
+    assert issubclass(client.connection_pool.connection_class, Connection)
+    key = f"t{uuid.uuid4().hex}"
+    try:
+        for value in ODD:
+            await client.set(key, value)  # type: ignore[arg-type]
+            got = await client.get(key)
+            want = value if isinstance(value, bytes) else None
+            if isinstance(value, str):
+                want = value.encode()
+            elif isinstance(value, bytearray | memoryview):
+                want = bytes(value)
+            elif isinstance(value, int | float):
+                want = repr(value).encode()
+            assert got == want
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.xadd(key + ":s", {"f": "é", "g": b"\x00"})
+            pipe.xlen(key + ":s")
+            _, length = await pipe.execute()
+        assert length == 1
+        with pytest.raises(DataError):
+            await client.set(key, None)  # type: ignore[arg-type]
+        assert await client.ping()  # the refused command left the connection usable
+    finally:
+        await client.delete(key, key + ":s")
+        await client.aclose()
+
+
+async def test_a_cluster_clients_nodes_pack_with_hiredis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with cluster(tmp_path) as nodes:
+        monkeypatch.setenv("CONVEYOR_REDIS_URL", nodes.url.replace("redis://", "redis+cluster://"))
+        client = connect(CommonSettings())
+        try:
+            for i in range(20):  # keys over every node
+                await client.set(f"k{i}", "é" * i)
+            for i in range(20):
+                assert await client.get(f"k{i}") == ("é" * i).encode()
+            nodes_seen = client.get_nodes()  # type: ignore[attr-defined]
+            assert len(nodes_seen) == 3
+            for node in nodes_seen:
+                assert node.connection_class is packing(node.connection_class)
+                assert node.connection_class.__name__ == "PackedConnection"
+        finally:
+            await client.aclose()
