@@ -15,6 +15,11 @@ Starts a redis-server of its own on a free loopback port and measures, in this p
   already in its stream, in burst mode, at each of ``--batches``: its CPU per batch and
   per request, Redis's commands and command µs per request (``INFO commandstats``, reset
   before), and Redis's socket reads per batch (its round trips).
+- ``packing``: CPU per command packed, redis-py's own (Python) packer against conveyor's
+  (hiredis, :func:`runtime.redisio.packing`), for a publish's ``EVALSHA`` of a batch of
+  16 (its shape: markers, cancellation keys, the plan, a reply each; ~70 arguments) and
+  a gateway's ``XADD``; then the same worker at each of ``--batches`` with its
+  connections packing either way, alternating for ``--rounds``.
 
 CPU is this process's (``time.process_time``), so the machine's other work matters less
 than to wall times; still compare within one run.
@@ -24,15 +29,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
 
+import runtime.redisio
 from bench.workloads import stage_request
 from conveyor.embedded import free_port, start_redis
 from pipelines.keys import Keys
@@ -113,7 +122,7 @@ def script_costs(port: int, n: int, calls: int) -> list[str]:
 
 async def worker_costs(url: str, requests: int, batch: int) -> str:
     """One worker draining ``requests`` echo requests in batches of ``batch``."""
-    namespace = f"costs{batch}"
+    namespace = f"costs{batch}-{uuid.uuid4().hex[:8]}"  # a fresh stream each run
     keys = Keys(namespace)
     stage = Stage("echo", TextIn, Echo, batch_wait_ms=0, max_batch_size=batch)
     settings = WorkerSettings(redis_url=url, namespace=namespace, block_ms=50)
@@ -143,11 +152,79 @@ async def worker_costs(url: str, requests: int, batch: int) -> str:
     )
 
 
+@contextlib.contextmanager
+def _packer(hiredis: bool) -> Iterator[None]:
+    """Clients made within pack as conveyor's do (hiredis), or with redis-py's packer."""
+    kept = runtime.redisio.packing
+    if not hiredis:
+        runtime.redisio.packing = lambda connection_class: connection_class
+    try:
+        yield
+    finally:
+        runtime.redisio.packing = kept
+
+
+PACKED: dict[str, tuple[str | bytes | int, ...]] = {
+    "a publish's EVALSHA, a batch of 16": (
+        "EVALSHA",
+        "0" * 40,
+        50,
+        *(f"{{conveyor}}:done:{i:032x}" for i in range(48)),
+        "{conveyor}:stats:echo",
+        "{conveyor}:replies:0",
+        b'{"t":"","r":0,"tt":600,"m":32,"g":[["R",16,-1,1,600,-17,1,"ok",-50,2,1]]}',
+        *([REPLY] * 16),
+    ),
+    "a gateway's XADD": (
+        "XADD",
+        "{conveyor}:stage:echo",
+        "MAXLEN",
+        "~",
+        100_000,
+        "*",
+        "e",
+        b'{"v":1,"id":"0123456789abcdef0123456789abcdef","pipeline":"echo","payload":{}}',
+        "c",
+        4,
+    ),
+}
+"""Commands shaped as conveyor's hot path sends them, for the packers to pack."""
+
+
+async def packing_costs(url: str, requests: int, batches: list[int], rounds: int) -> list[str]:
+    """CPU per command of :data:`PACKED` with each packer; then :func:`worker_costs` with
+    redis-py's packer against hiredis, alternating."""
+    ours, theirs = runtime.redisio.packing(Connection)(), Connection()
+    lines = ["| command | args | redis-py's packer, µs | hiredis, µs |", "|---|---:|---:|---:|"]
+    for name, args in PACKED.items():
+        assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
+        times = []
+        for conn in (theirs, ours):
+            started = time.process_time()
+            for _ in range(2000):
+                conn.pack_command(*args)
+            times.append((time.process_time() - started) / 2000 * 1e6)
+        lines.append(f"| {name} | {len(args)} | {times[0]:.1f} | {times[1]:.1f} |")
+    lines += ["", f"| packer {WORKER_HEADER}", "|---|" + "---:|" * 7]
+    for _ in range(rounds):
+        for batch in batches:
+            for hiredis, name in ((False, "redis-py (Python)"), (True, "hiredis (conveyor)")):
+                with _packer(hiredis):
+                    lines.append(f"| {name} {await worker_costs(url, requests, batch)}")
+    return lines
+
+
+WORKER_HEADER = (
+    "| batch | batches | worker CPU ms/batch | µs/request | Redis commands/request "
+    "| command µs/request | socket reads/batch |"
+)
+
+
 def main() -> None:
     """Measure what is asked and print Markdown tables."""
     parser = argparse.ArgumentParser(prog="python -m bench.costs", description=__doc__)
     parser.add_argument("--parts", default="pool,script,worker", help="comma-separated")
-    parser.add_argument("--rounds", type=int, default=2, help="pool: alternations")
+    parser.add_argument("--rounds", type=int, default=2, help="pool, packing: alternations")
     parser.add_argument("--batch", type=int, default=16, help="script: requests a batch")
     parser.add_argument("--requests", type=int, default=4000, help="worker: requests")
     parser.add_argument("--batches", default="1,16,32", help="worker: batch sizes")
@@ -162,14 +239,15 @@ def main() -> None:
                 print("\n".join(asyncio.run(pool_costs(url, args.rounds))), end="\n\n")
             if "script" in parts:
                 print("\n".join(script_costs(port, args.batch, 2000)), end="\n\n")
+            batches = [int(b) for b in args.batches.split(",")]
             if "worker" in parts:
-                print(
-                    "| batch | batches | worker CPU ms/batch | µs/request | Redis commands"
-                    "/request | command µs/request | socket reads/batch |"
-                )
+                print(WORKER_HEADER)
                 print("|---:|---:|---:|---:|---:|---:|---:|")
-                for batch in map(int, args.batches.split(",")):
+                for batch in batches:
                     print(asyncio.run(worker_costs(url, args.requests, batch)))
+            if "packing" in parts:
+                lines = asyncio.run(packing_costs(url, args.requests, batches, args.rounds))
+                print("\n".join(lines), end="\n\n")
         finally:
             server.terminate()
             server.wait()
