@@ -246,55 +246,49 @@ def _access(log: Path) -> list[dict[str, Any]]:
     return [line for line in parsed if line["logger"] == ACCESS]
 
 
+def _signalled_mid_burst(
+    redis_url: str, log: Path, sig: signal.Signals
+) -> tuple[list[str], list[str], int]:
+    """A gateway sent ``sig`` once 200 of a 32-client burst are answered: the paths
+    answered, the paths of its access lines (the log's every line whole JSON), and its
+    exit status."""
+    with GatewayProcess(
+        redis_url, log, CONVEYOR_LOG_FORMAT="json", CONVEYOR_PIPELINES="chain"
+    ) as gw:
+        assert gw.proc is not None
+        proc = gw.proc
+
+        async def burst_then_signal() -> list[str]:
+            going = asyncio.Event()
+            burst = asyncio.ensure_future(_burst(gw.base, 100_000, 32, going))
+            await asyncio.wait_for(going.wait(), 60)  # lines are being held and written
+            proc.send_signal(sig)
+            return await burst
+
+        answered = asyncio.run(burst_then_signal())
+        status = proc.wait(timeout=30)
+    assert 200 <= len(answered) < 100_000  # signalled in the middle
+    written = [line["message"].split()[1] for line in _access(log) if "nowhere" in line["message"]]
+    assert len(written) == len(set(written))  # each once
+    return answered, written, status
+
+
 def test_a_stopped_gateway_has_written_every_held_line_once_and_whole(
     redis_url: str, tmp_path: Path
 ) -> None:
     """An attack on the held lines: SIGTERM in the middle of a burst whose lines are held
     turn after turn. The gateway answers what it has begun before it exits; every answer a
     client got has exactly one line, whole: none is lost in the last turn or at exit."""
-    log = tmp_path / "gateway.log"
-    with GatewayProcess(
-        redis_url, log, CONVEYOR_LOG_FORMAT="json", CONVEYOR_PIPELINES="chain"
-    ) as gw:
-        assert gw.proc is not None
-        proc = gw.proc
-
-        async def burst_then_stop() -> list[str]:
-            going = asyncio.Event()
-            burst = asyncio.ensure_future(_burst(gw.base, 100_000, 32, going))
-            await asyncio.wait_for(going.wait(), 60)
-            proc.terminate()
-            return await burst
-
-        answered = asyncio.run(burst_then_stop())
-        # uvicorn ends by raising the signal it caught once it has shut down cleanly
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-    assert 200 <= len(answered) < 100_000
-    written = [line["message"].split()[1] for line in _access(log) if "nowhere" in line["message"]]
-    assert len(written) == len(set(written))  # each once
+    answered, written, status = _signalled_mid_burst(
+        redis_url, tmp_path / "gateway.log", signal.SIGTERM
+    )
+    assert status in (0, -signal.SIGTERM)  # uvicorn raises what it caught, once shut down
     assert set(answered) <= set(written)  # every answer given has its line
 
 
 def test_a_killed_gateway_leaves_only_whole_lines(redis_url: str, tmp_path: Path) -> None:
     """SIGKILL in the middle of a burst may lose the last turn's held lines (docs/logs.md)
-    but never leaves half a line, and no line for a request that was not answered."""
-    log = tmp_path / "gateway.log"
-    with GatewayProcess(
-        redis_url, log, CONVEYOR_LOG_FORMAT="json", CONVEYOR_PIPELINES="chain"
-    ) as gw:
-        assert gw.proc is not None
-        proc = gw.proc
-
-        async def burst_then_kill() -> list[str]:
-            going = asyncio.Event()
-            burst = asyncio.ensure_future(_burst(gw.base, 100_000, 16, going))
-            await asyncio.wait_for(going.wait(), 60)  # lines are being held and written
-            proc.kill()
-            return await burst
-
-        answered = asyncio.run(burst_then_kill())
-        proc.wait(timeout=10)
-    assert 0 < len(answered) < 100_000  # killed in the middle
-    written = [line["message"].split()[1] for line in _access(log) if "nowhere" in line["message"]]
+    but never leaves half a line, nor two lines for one request."""
+    _, written, status = _signalled_mid_burst(redis_url, tmp_path / "gateway.log", signal.SIGKILL)
+    assert status == -signal.SIGKILL
     assert written  # some were written before the kill
-    assert len(written) == len(set(written))  # each once
