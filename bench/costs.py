@@ -30,10 +30,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,33 @@ def script_costs(port: int, n: int, calls: int) -> list[str]:
 
 
 async def worker_costs(url: str, requests: int, batch: int) -> str:
+    """One worker draining ``requests`` echo requests in batches of ``batch``: a row of
+    :data:`WORKER_HEADER`."""
+    return _row(await _drain(url, requests, batch))
+
+
+@dataclass
+class Drained:
+    """What one worker cost draining its stream (:func:`_drain`)."""
+
+    batch: int
+    batches: int
+    requests: int
+    cpu_s: float
+    calls: int
+    usec: int
+    reads: int
+
+
+def _row(d: Drained) -> str:
+    return (
+        f"| {d.batch} | {d.batches} | {1e3 * d.cpu_s / d.batches:.2f} | "
+        f"{1e6 * d.cpu_s / d.requests:.0f} | {d.calls / d.requests:.2f} | "
+        f"{d.usec / d.requests:.1f} | {d.reads / d.batches:.2f} |"
+    )
+
+
+async def _drain(url: str, requests: int, batch: int) -> Drained:
     """One worker draining ``requests`` echo requests in batches of ``batch``."""
     namespace = f"costs{batch}-{uuid.uuid4().hex[:8]}"  # a fresh stream each run
     keys = Keys(namespace)
@@ -146,10 +175,7 @@ async def worker_costs(url: str, requests: int, batch: int) -> str:
     counted = {k: v for k, v in stats.items() if k != "cmdstat_config|resetstat"}
     calls = sum(v["calls"] for k, v in counted.items() if k != "cmdstat_info")
     usec = sum(v["usec"] for k, v in counted.items() if k != "cmdstat_info")
-    return (
-        f"| {batch} | {batches} | {1e3 * cpu / batches:.2f} | {1e6 * cpu / requests:.0f} | "
-        f"{calls / requests:.2f} | {usec / requests:.1f} | {reads / batches:.2f} |"
-    )
+    return Drained(batch, batches, requests, cpu, calls, usec, reads)
 
 
 @contextlib.contextmanager
@@ -206,12 +232,31 @@ async def packing_costs(url: str, requests: int, batches: list[int], rounds: int
             times.append((time.process_time() - started) / 2000 * 1e6)
         lines.append(f"| {name} | {len(args)} | {times[0]:.1f} | {times[1]:.1f} |")
     lines += ["", f"| packer {WORKER_HEADER}", "|---|" + "---:|" * 7]
+    cpu: dict[tuple[int, bool], list[float]] = {}
     for _ in range(rounds):
         for batch in batches:
-            for hiredis, name in ((False, "redis-py (Python)"), (True, "hiredis (conveyor)")):
+            for hiredis in (False, True):
                 with _packer(hiredis):
-                    lines.append(f"| {name} {await worker_costs(url, requests, batch)}")
+                    drained = await _drain(url, requests, batch)
+                cpu.setdefault((batch, hiredis), []).append(drained.cpu_s / drained.batches)
+                lines.append(f"| {PACKERS[hiredis]} {_row(drained)}")
+    lines += [
+        "",
+        "| batch | worker CPU ms/batch, redis-py's packer (median; rounds) | hiredis | ratio |",
+        "|---:|---|---|---:|",
+    ]
+    for batch in batches:
+        slow, fast = cpu[batch, False], cpu[batch, True]
+        shown = [
+            f"**{1e3 * statistics.median(v):.2f}** ({', '.join(f'{1e3 * x:.2f}' for x in v)})"
+            for v in (slow, fast)
+        ]
+        ratio = statistics.median(fast) / statistics.median(slow)
+        lines.append(f"| {batch} | {shown[0]} | {shown[1]} | {ratio:.2f}x |")
     return lines
+
+
+PACKERS = {False: "redis-py (Python)", True: "hiredis (conveyor)"}
 
 
 WORKER_HEADER = (

@@ -17,3 +17,6 @@ async def test_the_packing_part_measures_both_packers_on_a_draining_worker(
     for line in workers:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert cells[1:3] == ["8", "3"]  # batch 8: 24 requests drained in 3 batches
+    summary = lines[-1].strip("|").split("|")
+    assert summary[0].strip() == "8"
+    assert summary[-1].strip().endswith("x")
