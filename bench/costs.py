@@ -16,7 +16,7 @@ Starts a redis-server of its own on a free loopback port and measures, in this p
   per request, Redis's commands and command µs per request (``INFO commandstats``, reset
   before), and Redis's socket reads per batch (its round trips).
 - ``packing``: CPU per command packed, redis-py's own (Python) packer against conveyor's
-  (hiredis, :func:`runtime.redisio.packing`), for a publish's ``EVALSHA`` of a batch of
+  (hiredis, :func:`runtime.packing.packing`), for a publish's ``EVALSHA`` of a batch of
   16 (its shape: markers, cancellation keys, the plan, a reply each; ~70 arguments) and
   a gateway's ``XADD``; then the same worker at each of ``--batches`` with its
   connections packing either way, alternating for ``--rounds``.
@@ -38,16 +38,17 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
 
-import runtime.redisio
 from bench.workloads import stage_request
 from conveyor.embedded import free_port, start_redis
 from pipelines.keys import Keys
 from pipelines.stages import Stage, TextIn
+from runtime.packing import packing
 from runtime.pool import Pool
 from runtime.redisio import enqueue
 from workers.loop import Worker
@@ -122,6 +123,13 @@ def script_costs(port: int, n: int, calls: int) -> list[str]:
     return lines
 
 
+WORKER_HEADER = (
+    "| batch | batches | worker CPU ms/batch | µs/request | Redis commands/request "
+    "| command µs/request | socket reads/batch |"
+)
+"""The columns of a drain's row (:func:`worker_costs`)."""
+
+
 async def worker_costs(url: str, requests: int, batch: int) -> str:
     """One worker draining ``requests`` echo requests in batches of ``batch``: a row of
     :data:`WORKER_HEADER`."""
@@ -130,7 +138,17 @@ async def worker_costs(url: str, requests: int, batch: int) -> str:
 
 @dataclass
 class Drained:
-    """What one worker cost draining its stream (:func:`_drain`)."""
+    """What one worker cost draining its stream (:func:`_drain`).
+
+    Attributes:
+        batch: the stage's max batch size.
+        batches: model calls it made.
+        requests: requests it drained.
+        cpu_s: this process's CPU seconds meanwhile.
+        calls: Redis commands run meanwhile (``INFO commandstats``).
+        usec: their µs.
+        reads: Redis's socket reads meanwhile (round trips).
+    """
 
     batch: int
     batches: int
@@ -150,7 +168,8 @@ def _row(d: Drained) -> str:
 
 
 async def _drain(url: str, requests: int, batch: int) -> Drained:
-    """One worker draining ``requests`` echo requests in batches of ``batch``."""
+    """One worker draining ``requests`` echo requests, put in its stream first, in
+    batches of ``batch`` (burst mode), on a namespace of its own on ``url``."""
     namespace = f"costs{batch}-{uuid.uuid4().hex[:8]}"  # a fresh stream each run
     keys = Keys(namespace)
     stage = Stage("echo", TextIn, Echo, batch_wait_ms=0, max_batch_size=batch)
@@ -178,16 +197,20 @@ async def _drain(url: str, requests: int, batch: int) -> Drained:
     return Drained(batch, batches, requests, cpu, calls, usec, reads)
 
 
+PACKERS = {False: "redis-py (Python)", True: "hiredis (conveyor)"}
+"""The two packers :func:`packing_costs` compares, by whether it is hiredis."""
+
+
 @contextlib.contextmanager
 def _packer(hiredis: bool) -> Iterator[None]:
-    """Clients made within pack as conveyor's do (hiredis), or with redis-py's packer."""
-    kept = runtime.redisio.packing
-    if not hiredis:
-        runtime.redisio.packing = lambda connection_class: connection_class
-    try:
+    """Clients :func:`runtime.redisio.connect` makes within pack as conveyor's do
+    (hiredis), or with redis-py's packer (the class ``connect`` would hand to
+    :func:`runtime.packing.packing` is kept as it is)."""
+    if hiredis:
         yield
-    finally:
-        runtime.redisio.packing = kept
+        return
+    with mock.patch("runtime.redisio.packing", lambda connection_class: connection_class):
+        yield
 
 
 PACKED: dict[str, tuple[str | bytes | int, ...]] = {
@@ -214,13 +237,40 @@ PACKED: dict[str, tuple[str | bytes | int, ...]] = {
         4,
     ),
 }
-"""Commands shaped as conveyor's hot path sends them, for the packers to pack."""
+_EMBEDDING = b'{"v":1,"outcome":"ok","result":{"embedding":[' + b"0.0123456789," * 600 + b"0]}}"
+PACKED["a publish's EVALSHA, 32 embeddings (past LARGE: redis-py's packer)"] = (
+    "EVALSHA",
+    "0" * 40,
+    98,
+    *(f"{{conveyor}}:done:{i:032x}" for i in range(96)),
+    "{conveyor}:stats:embed",
+    "{conveyor}:replies:0",
+    b"{}",
+    *([_EMBEDDING] * 32),
+)
+PACKED["a gateway's XADD of a 1 MB body (past LARGE)"] = (
+    "XADD",
+    "{conveyor}:stage:echo",
+    "*",
+    "e",
+    b"x" * 1_000_000,
+)
+"""Commands shaped as conveyor's hot path sends them, for the packers to pack; the last
+two hold more than :data:`runtime.packing.LARGE`, which conveyor's packer leaves to
+redis-py's."""
 
 
 async def packing_costs(url: str, requests: int, batches: list[int], rounds: int) -> list[str]:
-    """CPU per command of :data:`PACKED` with each packer; then :func:`worker_costs` with
-    redis-py's packer against hiredis, alternating."""
-    ours, theirs = runtime.redisio.packing(Connection)(), Connection()
+    """CPU per command of :data:`PACKED` with each packer; then :func:`_drain` with
+    redis-py's packer against hiredis, alternating.
+
+    Args:
+        url: the Redis to drain on.
+        requests: echo requests each drain takes.
+        batches: the batch sizes drained, each in turn.
+        rounds: how many times each pair of drains runs.
+    """
+    ours, theirs = packing(Connection)(), Connection()
     lines = ["| command | args | redis-py's packer, µs | hiredis, µs |", "|---|---:|---:|---:|"]
     for name, args in PACKED.items():
         assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
@@ -254,15 +304,6 @@ async def packing_costs(url: str, requests: int, batches: list[int], rounds: int
         ratio = statistics.median(fast) / statistics.median(slow)
         lines.append(f"| {batch} | {shown[0]} | {shown[1]} | {ratio:.2f}x |")
     return lines
-
-
-PACKERS = {False: "redis-py (Python)", True: "hiredis (conveyor)"}
-
-
-WORKER_HEADER = (
-    "| batch | batches | worker CPU ms/batch | µs/request | Redis commands/request "
-    "| command µs/request | socket reads/batch |"
-)
 
 
 def main() -> None:

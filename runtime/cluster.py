@@ -16,11 +16,14 @@ from contextvars import ContextVar
 from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from runtime.packing import packing
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +127,12 @@ class Cluster(RedisCluster):
             self.connection_kwargs["parser_class"] = parser
             for node in self.nodes_manager.startup_nodes.values():
                 node.connection_kwargs["parser_class"] = parser
+        # Every node's connections pack with hiredis (runtime/packing.py): the nodes found
+        # later are made from connection_kwargs, the startup nodes were made already.
+        made = self.connection_kwargs
+        made["connection_class"] = packing(made.get("connection_class", Connection))
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = packing(node.connection_class)
 
     async def initialize(
         self,

@@ -11,13 +11,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar, cast
 
 import redis.asyncio as aioredis
-from hiredis import pack_command
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import AbstractConnection, DefaultParser
+from redis.asyncio.connection import DefaultParser
 from redis.exceptions import (
     BusyLoadingError,
     ClusterError,
-    DataError,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -33,6 +31,7 @@ from pipelines.errors import ConfigError
 from pipelines.keys import GROUP, Keys
 from pipelines.settings import CommonSettings
 from runtime.cluster import Cluster
+from runtime.packing import packing
 from runtime.pool import SATURATED, Pool
 from runtime.waiting import Backoff
 
@@ -62,49 +61,6 @@ class _Parser(DefaultParser):  # type: ignore[misc,valid-type]
     """redis-py's reply parser, raising :class:`RedisRefused` for :data:`REFUSALS`."""
 
     EXCEPTION_CLASSES: ClassVar[dict[str, Any]] = {**DefaultParser.EXCEPTION_CLASSES, **REFUSALS}
-
-
-class _HiredisPacking(AbstractConnection):
-    """A connection whose commands are packed by hiredis (C) instead of redis-py's asyncio
-    packer (Python), which costs per argument: a publish's ``EVALSHA`` for a batch of 16
-    (70 arguments) packs in a sixth of the time, a gateway's ``XADD`` in a quarter
-    (``python -m bench.costs --parts packing``). The bytes are the same (a command name
-    with spaces still split in words); a value of a type Redis takes no text of raises
-    redis-py's ``DataError``, as its packer does. A client encoding other than strict
-    UTF-8 packs as before."""
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        utf8 = self.encoder.encoding.lower().replace("-", "") == "utf8"
-        if not utf8 or self.encoder.encoding_errors != "strict":
-            return super().pack_command(*args)
-        head = args[0]
-        if isinstance(head, str):
-            args = (*head.encode().split(), *args[1:])
-        elif b" " in head:
-            args = (*head.split(), *args[1:])
-        try:
-            return [pack_command(args)]
-        except TypeError:  # hiredis takes no bytearray: as bytes, as redis-py sends one
-            args = tuple(bytes(arg) if isinstance(arg, bytearray) else arg for arg in args)
-        try:
-            return [pack_command(args)]
-        except TypeError as exc:  # None, a bool, another object: what redis-py refuses
-            raise DataError(f"Invalid input: {exc}") from exc
-
-
-_PACKING: dict[type[Any], type[Any]] = {}
-
-
-def packing(connection_class: type[Any]) -> type[Any]:
-    """``connection_class`` (plain, TLS or Unix socket, as the URL chose) packing its
-    commands with hiredis (:class:`_HiredisPacking`); one class per class."""
-    if issubclass(connection_class, _HiredisPacking):
-        return connection_class
-    made = _PACKING.get(connection_class)
-    if made is None:
-        name = f"Packed{connection_class.__name__}"
-        made = _PACKING[connection_class] = type(name, (_HiredisPacking, connection_class), {})
-    return made
 
 
 REFUSED = (RedisRefused, OutOfMemoryError, ReadOnlyError, BusyLoadingError)
@@ -215,12 +171,6 @@ def connect(
             health_check_interval=30,
             parser_class=_Parser,
         )
-        # Its nodes' connections are made from connection_kwargs (the startup nodes were
-        # made already): every one packs with hiredis too.
-        made = cluster.connection_kwargs
-        made["connection_class"] = packing(made.get("connection_class", aioredis.Connection))
-        for node in cluster.nodes_manager.startup_nodes.values():
-            node.connection_class = packing(node.connection_class)
         # The cluster client takes the same commands, routing each by its keys' slot;
         # conveyor's multi-key commands keep to one partition, hence one slot.
         return cast(aioredis.Redis, cluster)

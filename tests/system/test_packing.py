@@ -1,20 +1,23 @@
-"""Commands packed by hiredis (runtime/redisio.py ``packing``): the same bytes as
-redis-py's own packer for every type a command takes, refusals as redis-py's, and values
-that reach a real Redis (plain and cluster) whole. Real Redis."""
+"""Commands packed by hiredis (runtime/packing.py): the same bytes as redis-py's own
+packer for every type a command takes (large values, memoryviews and other types left to
+redis-py's), refusals as redis-py's, every client ``connect`` makes (plain, TLS, Unix
+socket, cluster) packing so, and values that reach a real Redis whole."""
 
 from __future__ import annotations
 
+import enum
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
 from conveyor.embedded import cluster
 from pipelines.settings import CommonSettings
-from runtime.redisio import connect, packing
+from runtime.packing import LARGE, packing
+from runtime.redisio import connect
 
 ODD = [
     "plain",
@@ -31,7 +34,8 @@ ODD = [
     float("inf"),
     "",
     b"",
-    "x" * 100_000,  # past redis-py's chunking cutoff
+    "x" * 10_000,  # past redis-py's chunking cutoff
+    b"y" * (LARGE + 1),  # past LARGE: redis-py's packer
 ]
 
 
@@ -64,6 +68,31 @@ def test_what_redis_py_refuses_is_refused_with_its_error(bad: Any) -> None:
         Connection().pack_command("SET", "key", bad)
 
 
+def test_a_large_command_is_left_to_redis_py_which_does_not_copy_its_values() -> None:
+    value = b"z" * (LARGE + 1)
+    chunks = packing(Connection)().pack_command("XADD", "s", "*", "e", value)
+    assert any(chunk is value for chunk in chunks)  # passed on, not copied
+    small = packing(Connection)().pack_command("XADD", "s", "*", "e", b"z" * 100)
+    assert len(small) == 1
+
+
+def test_a_memoryview_is_left_to_redis_py() -> None:
+    view = memoryview(b"abcdef")[::2]  # not contiguous: hiredis would send "abc"
+    ours = packing(Connection)().pack_command("SET", "key", view)
+    assert any(chunk is view for chunk in ours)
+    assert [bytes(c) for c in ours] == [
+        bytes(c) for c in Connection().pack_command("SET", "key", view)
+    ]
+
+
+def test_an_int_subclass_packs_as_redis_py_packs_it() -> None:
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    ours, theirs = packed_both("SET", "key", Level.HIGH)
+    assert ours == theirs
+
+
 def test_another_encoding_packs_as_redis_py_does() -> None:
     conn = packing(Connection)(encoding="latin-1")
     assert (
@@ -79,9 +108,29 @@ def test_each_connection_class_keeps_its_own_kind() -> None:
     assert packing(Connection) is packing(Connection)
 
 
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("redis://127.0.0.1:1/0", Connection),
+        ("rediss://127.0.0.1:1/0", SSLConnection),
+        ("unix:///tmp/nowhere.sock", UnixDomainSocketConnection),
+    ],
+)
+def test_every_plain_client_connect_makes_packs_with_hiredis(
+    url: str, kind: type[Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", url)
+    client = connect(CommonSettings())  # its pool connects lazily: no server needed
+    made = client.connection_pool.connection_class
+    assert made is packing(kind)
+    assert made.__mro__[2] is kind  # the URL's kind of connection, packing with hiredis
+    connection = made(**client.connection_pool.connection_kwargs)  # made, not connected
+    assert connection.pack_command("GET", "k") == [b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"]
+
+
 async def test_values_of_every_type_reach_redis_whole(env: None) -> None:
     client = connect(CommonSettings())
-    assert issubclass(client.connection_pool.connection_class, Connection)
+    assert client.connection_pool.connection_class is packing(Connection)
     key = f"t{uuid.uuid4().hex}"
     try:
         for value in ODD:
