@@ -93,6 +93,18 @@ def targets(res: Results) -> list[Target]:
                 ratio >= SERVING_RATIO,
             )
         )
+    ours, loop = res.row("conveyor", "echo", top), res.row("hf-batching", "echo", top)
+    if ours and loop:  # issue 37: the queue against no queue, on a model that costs nothing
+        ratio = ours.load.throughput / loop.load.throughput
+        out.append(
+            Target(
+                f"echo: conveyor c={top} vs {LABELS['hf-batching']} (one process, no queue)",
+                f"{ratio:.2f} ({ours.load.throughput:.0f} / {loop.load.throughput:.0f} per s; "
+                f"CPU {ours.cpu_ms:.2f} / {loop.cpu_ms:.2f} ms a request)",
+                ">= 1.00",
+                ratio >= 1.0,
+            )
+        )
     for threads, lim, row in res.threads:
         ratio = row.load.throughput / lim.throughput
         out.append(
