@@ -213,6 +213,9 @@ def _packer(hiredis: bool) -> Iterator[None]:
         yield
 
 
+_EMBEDDING = b'{"v":1,"outcome":"ok","result":{"embedding":[' + b"0.0123456789," * 600 + b"0]}}"
+"""A reply of a MiniLM-sized embedding (~7.6 KB)."""
+
 PACKED: dict[str, tuple[str | bytes | int, ...]] = {
     "a publish's EVALSHA, a batch of 16": (
         "EVALSHA",
@@ -236,25 +239,24 @@ PACKED: dict[str, tuple[str | bytes | int, ...]] = {
         "c",
         4,
     ),
+    "a publish's EVALSHA, 32 embeddings (past LARGE: redis-py's packer)": (
+        "EVALSHA",
+        "0" * 40,
+        98,
+        *(f"{{conveyor}}:done:{i:032x}" for i in range(96)),
+        "{conveyor}:stats:embed",
+        "{conveyor}:replies:0",
+        b"{}",
+        *([_EMBEDDING] * 32),
+    ),
+    "a gateway's XADD of a 1 MB body (past LARGE)": (
+        "XADD",
+        "{conveyor}:stage:echo",
+        "*",
+        "e",
+        b"x" * 1_000_000,
+    ),
 }
-_EMBEDDING = b'{"v":1,"outcome":"ok","result":{"embedding":[' + b"0.0123456789," * 600 + b"0]}}"
-PACKED["a publish's EVALSHA, 32 embeddings (past LARGE: redis-py's packer)"] = (
-    "EVALSHA",
-    "0" * 40,
-    98,
-    *(f"{{conveyor}}:done:{i:032x}" for i in range(96)),
-    "{conveyor}:stats:embed",
-    "{conveyor}:replies:0",
-    b"{}",
-    *([_EMBEDDING] * 32),
-)
-PACKED["a gateway's XADD of a 1 MB body (past LARGE)"] = (
-    "XADD",
-    "{conveyor}:stage:echo",
-    "*",
-    "e",
-    b"x" * 1_000_000,
-)
 """Commands shaped as conveyor's hot path sends them, for the packers to pack; the last
 two hold more than :data:`runtime.packing.LARGE`, which conveyor's packer leaves to
 redis-py's."""
