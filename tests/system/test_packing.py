@@ -5,6 +5,7 @@ socket, cluster) packing so, and values that reach a real Redis whole."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import uuid
 from pathlib import Path
@@ -16,8 +17,11 @@ from redis.exceptions import DataError
 
 from conveyor.embedded import cluster
 from pipelines.settings import CommonSettings
+from pipelines.stages import Stage, TextIn
 from runtime.packing import LARGE, packing
 from runtime.redisio import connect
+from tests.helpers import Harness
+from workers.models.toy import Echo
 
 ODD = [
     "plain",
@@ -175,3 +179,31 @@ async def test_a_cluster_clients_nodes_pack_with_hiredis(
                 assert node.connection_class.__name__ == "PackedConnection"
         finally:
             await client.aclose()
+
+
+async def test_a_batch_mixing_small_and_large_bodies_comes_back_whole_through_http(
+    harness: Harness,
+) -> None:
+    """An attack on the two packing paths at once: concurrent calls whose texts are small
+    (hiredis packs their XADDs and their batch's publish), past ``LARGE`` (redis-py's) or
+    full of what encoders trip on (quotes, CR/LF, RESP's own ``$``/``*``, astral
+    characters), batched together by a real worker behind a real gateway. Every answer
+    is its own text, byte for byte."""
+    stage = Stage("echo", TextIn, Echo, batch_wait_ms=20, max_batch_size=16)
+    worker = harness.worker(stage, Echo())
+    await worker.start()
+    harness.run(worker)
+    http = await harness.gateway([stage])
+    odd = 'a "quote", \\ back, \r\n$5\r\n*2\r\n, é, 漢字, 🙂, \x00'
+    texts = [
+        *(f"small {i} {odd}" for i in range(12)),
+        *(f"large {i} " + odd * (LARGE // len(odd) + 1) for i in range(3)),  # > LARGE each
+    ]
+
+    async def call(text: str) -> str:
+        answer = await http.post("/v1/echo", json={"text": text}, timeout=60)
+        assert answer.status_code == 200, answer.text[:300]
+        result: str = answer.json()["text"]
+        return result
+
+    assert await asyncio.gather(*(call(t) for t in texts)) == texts
