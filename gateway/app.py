@@ -240,13 +240,13 @@ def create_app(
 
     add_ops_routes(app, gw, edge)
     add_job_routes(app, gw, edge)
-    add_openai_routes(app, gw, edge)
+    openai = add_openai_routes(app, gw, edge)
     add_pipeline_routes(app, gw, edge)
     sessions = Sessions(settings.api_keys, settings.session_ttl_s) if settings.api_keys else None
     if sessions is not None:
         add_login_routes(app, sessions, settings.api_keys)
     # Innermost: the hot path is still behind the edge and CORS, in front of FastAPI.
-    app.add_middleware(SyncCalls, gateway=gw, error_response=error_response)
+    app.add_middleware(SyncCalls, gateway=gw, error_response=error_response, openai=openai)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -1,24 +1,28 @@
-"""The hot path: ``POST /v1/{pipeline}`` answered without FastAPI's per-request machinery.
+"""The hot path: ``POST /v1/{pipeline}`` and the OpenAI-compatible POST routes
+(``/v1/embeddings``, ``/v1/completions``, ``/v1/chat/completions``) answered without
+FastAPI's per-request machinery.
 
 FastAPI resolves a route's dependencies, headers and body anew for every request; on a
-small, fast model that costs more CPU than the rest of the gateway together. This
-middleware, inside the edge (keys, body limit, metrics) and CORS, takes a sync call whose
-request is unremarkable, the common case, and does what the FastAPI route would do with
-it: parse the body as :mod:`gateway.body` does, validate it with the pipeline's input
-model, read the request headers (:mod:`gateway.headers`), call :meth:`Gateway.call
-<gateway.service.Gateway.call>` and answer as :func:`~gateway.routes.pipelines.reply_response`
-does.
+small, fast model that costs more CPU than the rest of the gateway together (on the
+OpenAI embeddings route, half the requests a second of a fast stage). This middleware,
+inside the edge (keys, body limit, metrics) and CORS, takes a call whose request is
+unremarkable, the common case, and does what the FastAPI route would do with it: parse
+the body as :mod:`gateway.body` does, validate it with the pipeline's input model (an
+OpenAI route's body model, its ``model`` found), read the request headers
+(:mod:`gateway.headers`), call :meth:`Gateway.call <gateway.service.Gateway.call>` (an
+OpenAI route's own answer, :class:`~gateway.routes.openai.serving.Direct`) and answer as
+the route does, its errors in the route's shape.
 
 Anything it is not sure of goes to the FastAPI route with what was read of its body
-replayed, so every refusal is FastAPI's own (the same 422, the same loc, the same
-OpenAPI document): a header that is not plainly valid or appears twice, a content type
-other than JSON, a body that is empty, not JSON, holds what the wire cannot carry, or
-fails validation, a client gone while its body was read.
+replayed, so every refusal is FastAPI's own (the same 422 or OpenAI 400, the same loc,
+the same OpenAPI document): a header that is not plainly valid or appears twice, a
+content type other than JSON, a body that is empty, not JSON, holds what the wire cannot
+carry, or fails validation, an unknown ``model``, a client gone while its body was read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi.responses import Response
@@ -26,6 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.body import parse_body
 from gateway.headers import HEADERS, UNCLEAR, Sent
+from gateway.routes.openai.errors import error_of
+from gateway.routes.openai.serving import Direct
 from gateway.routes.pipelines import reply_response
 from gateway.service import Gateway
 from pipelines.errors import ConveyorError
@@ -76,12 +82,14 @@ def replay(messages: list[Message], receive: Receive) -> Receive:
 
 
 class SyncCalls:
-    """ASGI middleware answering plain ``POST /v1/{pipeline}`` calls itself (module doc).
+    """ASGI middleware answering plain ``POST /v1/{pipeline}`` calls and OpenAI-compatible
+    POSTs itself (module doc).
 
     Args:
         app: the application (the FastAPI routes), which answers everything else.
         gateway: the gateway that enqueues the requests and awaits their replies.
         error_response: the HTTP answer for a conveyor error (the one mapping).
+        openai: the OpenAI-compatible POST routes, by path (none: left to FastAPI).
 
     Attributes:
         answered: calls it answered itself (the rest went to the route).
@@ -92,16 +100,20 @@ class SyncCalls:
         app: ASGIApp,
         gateway: Gateway,
         error_response: Callable[[ConveyorError], Response],
+        openai: Mapping[str, Direct] | None = None,
     ) -> None:
         self.app = app
         self.gateway = gateway
         self.error_response = error_response
-        self.routes = {f"/v1/{name}": p for name, p in gateway.registry.pipelines.items()}
+        self.routes: dict[str, Pipeline | Direct] = {
+            f"/v1/{name}": p for name, p in gateway.registry.pipelines.items()
+        }
+        self.routes.update(openai or {})  # no pipeline takes their names (RESERVED)
         self.answered = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pipeline = self.routes.get(scope["path"]) if scope["type"] == "http" else None
-        if pipeline is None or scope["method"] != "POST" or scope.get("root_path"):
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST" or scope.get("root_path"):
             await self.app(scope, receive, send)
             return
         sent = plain_headers(scope["headers"])
@@ -119,25 +131,44 @@ class SyncCalls:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        payload = self._validated(pipeline, b"".join(chunks))
-        if payload is None:
+        raw = b"".join(chunks)
+        if isinstance(route, Direct):
+            response = await self._direct(route, raw, sent, receive)
+        else:
+            payload = self._validated(route, raw)
+            response = (
+                None if payload is None else await self._answer(route, payload, sent, receive)
+            )
+        if response is None:
             await self.app(scope, replay(messages, receive), send)
             return
-        response = await self._answer(pipeline, payload, sent, receive)
         self.answered += 1
         await response(scope, receive, send)
 
     @staticmethod
     def _validated(pipeline: Pipeline, raw: bytes) -> dict[str, Any] | None:
         """The body as the route would hand it on, or None where the route refuses it."""
-        if not raw:
+        value = _parsed(raw)
+        if value is None:
             return None
         try:
-            return pipeline.input_model.model_validate(parse_body(raw)).model_dump(mode="json")
-        except Exception:
-            # Not JSON, not carried by the wire, not valid (or anything else): the route
-            # meets it again and answers it its own way.
+            return pipeline.input_model.model_validate(value).model_dump(mode="json")
+        except Exception:  # not valid (or anything else): the route's to answer
             return None
+
+    async def _direct(
+        self, route: Direct, raw: bytes, sent: Sent, receive: Receive
+    ) -> Response | None:
+        """An OpenAI-compatible POST's answer, as its route would give it (a refusal in
+        OpenAI's shape included); None where the route should answer it."""
+        value = _parsed(raw)
+        read = None if value is None else route.read(value)
+        if read is None:
+            return None
+        try:
+            return await route(*read, sent, receive)
+        except ConveyorError as exc:
+            return error_of(exc, self.error_response(exc))
 
     async def _answer(
         self, pipeline: Pipeline, payload: dict[str, Any], sent: Sent, receive: Receive
@@ -149,3 +180,14 @@ class SyncCalls:
             return reply_response(reply, request_id)
         except ConveyorError as exc:
             return self.error_response(exc)
+
+
+def _parsed(raw: bytes) -> Any:
+    """The body's JSON value as :mod:`gateway.body` reads it; None where the route should
+    meet it: empty, not JSON, not carried by the wire (or anything else)."""
+    if not raw:
+        return None
+    try:
+        return parse_body(raw)
+    except Exception:
+        return None

@@ -170,7 +170,8 @@ def sent_on(route: RouteKind) -> Any:
     """A FastAPI dependency reading every header for a ``route`` kind of route: annotate
     a parameter ``Annotated[Sent, sent_on("call")]``."""
 
-    def read(**values: Any) -> Sent:
+    # async: FastAPI runs a plain function dependency in a thread, a hop per request.
+    async def read(**values: Any) -> Sent:
         return Sent.of(route, values)
 
     read.__signature__ = inspect.Signature(parameters())  # type: ignore[attr-defined]

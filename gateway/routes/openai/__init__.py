@@ -23,22 +23,21 @@ One module each, imported one way (each only from those listed before it):
 and every route is added here, from one table (:func:`add_openai_routes`).
 """
 
-import functools
-
 from fastapi import FastAPI
 
 from gateway.responses import declared
 from gateway.routes.openai.completions import chat, completions
 from gateway.routes.openai.embeddings import embeddings, model_routes
 from gateway.routes.openai.errors import openai_errors, post_errors
-from gateway.routes.openai.serving import posted
+from gateway.routes.openai.serving import Direct, posted
 from gateway.routes.openai.wire import ChatIn, CompletionsIn, EmbeddingsIn
 from gateway.service import Gateway
 from gateway.share import Shares
 
 
-def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
-    """Add the OpenAI-compatible routes.
+def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> dict[str, Direct]:
+    """Add the OpenAI-compatible routes; returns the POST routes as the hot path answers
+    them (:class:`~gateway.routes.openai.serving.Direct`), by path.
 
     Args:
         app: the application.
@@ -50,11 +49,13 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
     # A stage's window, whichever route fills it; the share is the host's, split among
     # its gateway processes (each holds its own window).
     shares = Shares(gw.settings.request_share / gw.settings.gateways)
-    post = functools.partial(posted, gw, shares)
+    posts = (
+        ("/v1/embeddings", Direct(gw, shares, EmbeddingsIn, embeddings), "Embeddings"),
+        ("/v1/completions", Direct(gw, shares, CompletionsIn, completions), "Completions"),
+        ("/v1/chat/completions", Direct(gw, shares, ChatIn, chat), "Chat completions"),
+    )
     for method, path, endpoint, summary, responses in (
-        ("POST", "/v1/embeddings", post(EmbeddingsIn, embeddings), "Embeddings", sent),
-        ("POST", "/v1/completions", post(CompletionsIn, completions), "Completions", sent),
-        ("POST", "/v1/chat/completions", post(ChatIn, chat), "Chat completions", sent),
+        *(("POST", p, posted(d), s, sent) for p, d, s in posts),
         ("GET", "/v1/models", models, "Models", listed),
         ("GET", "/v1/models/{name}", model, "A model", {**listed, **openai_errors((404,))}),
     ):
@@ -66,3 +67,4 @@ def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
             tags=["openai"],
             responses=responses,
         )
+    return {path: direct for path, direct, _ in posts}

@@ -8,11 +8,11 @@ tokens are estimated (:func:`pipelines.tokens.estimate`).
 """
 
 import base64
-import math
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import Response
+from pydantic import Field, TypeAdapter, ValidationError
 
 from gateway.routes import json_response
 from gateway.routes.openai.errors import Refused
@@ -78,12 +78,25 @@ def _model(pipeline: Pipeline) -> dict[str, Any]:
     return {"id": pipeline.name, "object": "model", "created": 0, "owned_by": "conveyor"}
 
 
+_VECTOR = TypeAdapter(list[Annotated[float, Field(strict=True, allow_inf_nan=False)]])
+"""An embedding as a stage's reply must hold it: a list of finite numbers (ints taken as
+floats; a bool, a string, a number past a float's range refused). Checked in one pass of
+pydantic's core: a Python loop over a 384-float vector cost ~0.2 ms a text."""
+
+
 def _vector(result: dict[str, Any], base64_: bool) -> list[float] | str:
-    vector = result.get("embedding")
-    if not isinstance(vector, list) or not all(
-        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in vector
-    ):
-        raise ItemFailed("the stage answered no embedding (a list of numbers)", status=502)
+    try:
+        vector = _VECTOR.validate_python(result.get("embedding"))
+    except ValidationError:
+        raise ItemFailed(
+            "the stage answered no embedding (a list of finite numbers)", status=502
+        ) from None
     if base64_:  # OpenAI's: little-endian float32, base64
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-    return [float(v) for v in vector]
+        try:
+            packed = struct.pack(f"<{len(vector)}f", *vector)
+        except OverflowError:  # finite, but past float32's range
+            raise ItemFailed(
+                "the stage answered an embedding past float32's range (base64)", status=502
+            ) from None
+        return base64.b64encode(packed).decode()
+    return vector

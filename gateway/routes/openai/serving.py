@@ -10,7 +10,7 @@ them all.
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import Body, Request
 from fastapi.responses import Response
@@ -184,36 +184,66 @@ class Asked:
         return await self.gw.call(self.pipeline, payload, sent, self.receive)
 
 
-In = TypeVar("In", bound=ModelIn)
 Endpoint = Callable[..., Awaitable[Response]]
 """A FastAPI endpoint."""
 
 
-def posted(
-    gw: Gateway,
-    shares: Shares,
-    wire: type[In],
-    answer: Callable[[Asked, In], Awaitable[Response]],
-) -> Endpoint:
-    """The endpoint of an OpenAI-compatible POST route: its body read as ``wire``, the
-    pipeline its ``model`` names found (:func:`served`), then answered by ``answer``.
+@dataclass(frozen=True)
+class Direct:
+    """An OpenAI-compatible POST route as the hot path (:mod:`gateway.fastpath`) answers
+    it: the same answer as :func:`posted`'s endpoint, without FastAPI's per-request
+    machinery.
+
+    Attributes:
+        gw: the gateway that runs the requests.
+        shares: the windows of requests of many items (the routes' own).
+        wire: the route's request body.
+        answer: what answers it.
+    """
+
+    gw: Gateway
+    shares: Shares
+    wire: type[ModelIn]
+    answer: Callable[[Asked, Any], Awaitable[Response]]
+
+    def read(self, value: Any) -> tuple[ModelIn, Pipeline] | None:
+        """The body (parsed JSON) read as the route reads it, with the pipeline its
+        ``model`` names; None where the route would refuse it (it answers that itself)."""
+        try:
+            body = self.wire.model_validate(value)
+            return body, served(self.gw, body.model, self.wire.kind)
+        except Exception:  # invalid, or no such model: the route's answer
+            return None
+
+    async def __call__(
+        self, body: ModelIn, pipeline: Pipeline, sent: Sent, receive: Receive
+    ) -> Response:
+        """The route's answer to ``body`` (read by :meth:`read`).
+
+        Raises:
+            ConveyorError: as the route raises it (answered in OpenAI's shape).
+        """
+        return await self.answer(Asked(self.gw, pipeline, sent, receive, self.shares), body)
+
+
+def posted(direct: Direct) -> Endpoint:
+    """The FastAPI endpoint of an OpenAI-compatible POST route: its body read as
+    ``direct.wire``, the pipeline its ``model`` names found (:func:`served`), then
+    answered by ``direct`` (as the hot path answers what it takes).
 
     Args:
-        gw: the gateway that runs the requests.
-        shares: the windows of requests of many items (one for every route).
-        wire: the route's request body.
-        answer: what answers it; its name is the route's (in the OpenAPI operation id).
+        direct: the route.
     """
 
     async def endpoint(
         http: Request, body: Any, sent: Annotated[Sent, sent_on("call")]
     ) -> Response:
-        pipeline = served(gw, body.model, wire.kind)
-        return await answer(Asked(gw, pipeline, sent, http.receive, shares), body)
+        pipeline = served(direct.gw, body.model, direct.wire.kind)
+        return await direct(body, pipeline, sent, http.receive)
 
     # FastAPI reads the body model from the annotation; each route has its own.
-    endpoint.__annotations__["body"] = Annotated[wire, Body()]
-    endpoint.__name__ = answer.__name__
+    endpoint.__annotations__["body"] = Annotated[direct.wire, Body()]
+    endpoint.__name__ = direct.answer.__name__
     return endpoint
 
 

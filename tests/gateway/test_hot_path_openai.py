@@ -1,0 +1,185 @@
+"""The hot path (gateway/fastpath.py) on the OpenAI-compatible POST routes: it answers
+``/v1/embeddings``, ``/v1/completions`` and ``/v1/chat/completions`` exactly as their
+FastAPI routes would (refusals included, in OpenAI's shape) and hands the routes what it
+is not sure of; a stage that answers no usable embedding is a 502, never a 500. Real
+workers and a real Redis; the app called in process (ASGI) so the hot path's own count
+tells who answered."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from pipelines.graph import single
+from pipelines.model import Item, Result
+from pipelines.registry import Registry
+from pipelines.stages import GenerateIn, Stage, TextIn
+from tests.gateway.test_hot_path import PLAIN, ROUTE, hot_path, seen
+from tests.helpers import Harness
+
+BAD = {
+    "strings": ["0.5", "1"],
+    "bools": [True, False],
+    "nested": [[0.5]],
+    "empty": None,  # no embedding at all
+    "huge": [1e300, 1.0],  # finite: a float, past float32 (base64 cannot carry it)
+}
+
+
+class Vectors:
+    """``"<word>"`` embeds as ``[len(word), 0.5, -1]``; a word of :data:`BAD` as its bad
+    vector (what a user's stage might answer)."""
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        out: list[Result] = []
+        for item in items:
+            text = item["text"]
+            if text in BAD:
+                vector = BAD[text]
+                out.append({} if vector is None else {"embedding": vector})
+            else:
+                out.append({"embedding": [len(text), 0.5, -1.0]})
+        return out
+
+
+class Reverser:
+    """Answers a prompt reversed (a completions stage without a model)."""
+
+    def predict(self, items: list[Item]) -> list[Result]:
+        return [{"generated_text": i["text"][::-1], "finish_reason": "stop"} for i in items]
+
+
+VEC = Stage("vec", TextIn, runner="tests.gateway.test_hot_path_openai:Vectors", openai="embeddings")
+TALK = Stage(
+    "talk", GenerateIn, runner="tests.gateway.test_hot_path_openai:Reverser", openai="completions"
+)
+
+E, C, CHAT = "/v1/embeddings", "/v1/completions", "/v1/chat/completions"
+# (path, body, whether the hot path takes it)
+CASES: list[tuple[str, Any, bool]] = [
+    (E, {"model": "vec", "input": "a cat"}, True),
+    (E, {"model": "vec", "input": ["a", "bb", "ccc"]}, True),
+    (E, {"model": "vec", "input": "a cat", "encoding_format": "base64"}, True),
+    (E, {"model": "vec", "input": "a", "user": "u1", "unknown": 3}, True),  # ignored
+    (E, {"model": "vec", "input": "a", "dimensions": 2}, True),  # refused by the answer: 400
+    (E, {"model": "vec", "input": {"text": "a"}}, True),  # refused by the answer: 400
+    (E, {"model": "vec", "input": [1, 2, 3]}, True),  # token arrays: 400
+    (E, {"model": "vec", "input": []}, True),
+    (E, {"model": "vec", "input": "strings"}, True),  # the stage's bad answer: 502
+    (E, {"model": "vec", "input": "huge", "encoding_format": "base64"}, True),  # 502
+    (E, {"model": "vec", "input": "huge"}, True),  # finite: answered as floats
+    (E, {"model": "nope", "input": "a"}, False),  # the route's 404
+    (E, {"model": "talk", "input": "a"}, False),  # serves another route: the route's 400
+    (E, {"model": "", "input": "a"}, False),
+    (E, {"input": "a"}, False),
+    (E, {"model": "vec", "input": "a", "encoding_format": "hex"}, False),
+    (E, {"model": "vec", "input": "a", "dimensions": 0}, False),
+    (E, [], False),
+    (E, None, False),
+    (C, {"model": "talk", "prompt": "abc"}, True),
+    (C, {"model": "talk", "prompt": ["abc", "de"], "n": 2}, True),
+    (C, {"model": "talk", "prompt": "abc", "echo": True}, True),  # refused by the answer
+    (C, {"model": "talk", "prompt": "abc", "n": 9}, False),
+    (C, {"model": "talk", "prompt": "abc", "max_tokens": 0}, False),
+    (C, {"model": "vec", "prompt": "abc"}, False),
+    (CHAT, {"model": "talk", "messages": [{"role": "user", "content": "hi"}]}, True),
+    (CHAT, {"model": "talk", "messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, True),
+    (CHAT, {"model": "talk", "messages": []}, False),
+]
+
+
+@pytest.fixture
+async def served(harness: Harness) -> Any:
+    for stage in (VEC, TALK):
+        worker = harness.worker(stage, Vectors() if stage is VEC else Reverser())
+        await worker.start()
+        harness.run(worker)
+    app = create_app(GatewaySettings(reply_block_ms=100), Registry([single(VEC), single(TALK)]))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http,
+    ):
+        await http.get("/healthz")
+        yield app, http
+
+
+def same(resp: httpx.Response) -> tuple[int, Any, set[str]]:
+    """What a client sees (:func:`seen`), less a completion's own id and time."""
+    status, body, headers = seen(resp)
+    if isinstance(body, dict):
+        body.pop("id", None)
+        body.pop("created", None)
+    return status, body, headers
+
+
+async def test_the_hot_path_answers_the_openai_routes_as_they_do(served: Any) -> None:
+    app, http = served
+    calls = hot_path(app)
+    for path, body, plain in CASES:
+        raw = orjson.dumps(body)
+        before = calls.answered
+        hot = await http.post(path, content=raw, headers=PLAIN)
+        assert calls.answered == before + plain, (path, body, hot.text)
+        route = await http.post(path, content=raw, headers=ROUTE)
+        assert calls.answered == before + plain
+        assert same(hot) == same(route), (path, body, hot.text, route.text)
+        assert hot.status_code < 500 or hot.status_code == 502, (path, body, hot.text)
+        if hot.status_code >= 400:  # OpenAI's shape, whoever answered
+            assert set(hot.json()) == {"error"}, hot.text
+
+
+async def test_what_the_hot_path_answers_is_the_routes_answer(served: Any) -> None:
+    _, http = served
+    one = (await http.post(E, json={"model": "vec", "input": "a cat"})).json()
+    assert one["data"] == [{"object": "embedding", "index": 0, "embedding": [5.0, 0.5, -1.0]}]
+    assert one["model"] == "vec"
+    assert one["usage"]["prompt_tokens"] > 0
+    packed = (
+        await http.post(E, json={"model": "vec", "input": "ab", "encoding_format": "base64"})
+    ).json()
+    vector = struct.unpack("<3f", base64.b64decode(packed["data"][0]["embedding"]))
+    assert vector == (2.0, 0.5, -1.0)
+    talk = (await http.post(C, json={"model": "talk", "prompt": "abc"})).json()
+    assert talk["choices"][0]["text"] == "cba"
+
+
+@pytest.mark.parametrize("word", sorted(BAD))
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+async def test_a_stage_answering_no_usable_embedding_is_a_502(
+    served: Any, word: str, encoding: str
+) -> None:
+    # Before: the check looped in Python over every number (~0.2 ms a 384-vector), and a
+    # finite number past float32's range raised OverflowError packing base64: a 500.
+    _, http = served
+    body = {"model": "vec", "input": ["fine", word], "encoding_format": encoding}
+    resp = await http.post(E, json=body)
+    if word == "huge" and encoding == "float":
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["data"][1]["embedding"] == [1e300, 1.0]
+        return
+    assert resp.status_code == 502, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "server_error"
+    assert "embedding" in error["message"], error
+
+
+async def test_many_concurrent_hot_embeddings_each_get_their_own(served: Any) -> None:
+    app, http = served
+    calls = hot_path(app)
+    before = calls.answered
+    words = ["x" * (i + 1) for i in range(40)]
+    answers = await asyncio.gather(
+        *(http.post(E, json={"model": "vec", "input": [w, w + "y"]}) for w in words)
+    )
+    assert calls.answered == before + len(words)
+    for word, resp in zip(words, answers, strict=True):
+        data = resp.json()["data"]
+        assert [d["embedding"][0] for d in data] == [len(word), len(word) + 1]
