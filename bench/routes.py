@@ -8,7 +8,9 @@ keep-alive HTTP clients, one text a request, through ``--routes`` in turn, alter
 ``--rounds``:
 
 - ``native``: ``POST /v1/instant`` (``{"text": ...}``);
-- ``openai``: ``POST /v1/embeddings`` (``{"model": "instant", "input": ...}``).
+- ``openai``: ``POST /v1/embeddings`` (``{"model": "instant", "input": ...}``);
+- ``openai-list``: the same with :data:`LIST` texts a request (its figures are per HTTP
+  request, each of :data:`LIST` requests through the stage).
 
 Per route and round: requests/s (while every client was busy), p50 latency, and the
 gateway's CPU µs per request (``/proc``, from the end of the warm-up to the end of the
@@ -26,6 +28,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.loadgen import closed_loop
 from bench.systems import Options, conveyor, cpu_seconds
@@ -59,9 +62,17 @@ def _openai(text: str) -> dict[str, str]:
     return {"model": STAGE, "input": text}
 
 
-ROUTES: dict[str, tuple[str, Callable[[str], dict[str, str]]]] = {
+def _openai_list(text: str) -> dict[str, Any]:
+    return {"model": STAGE, "input": [f"{text} {i}" for i in range(LIST)]}
+
+
+LIST = 16
+"""Texts in one request of the ``openai-list`` route."""
+
+ROUTES: dict[str, tuple[str, Callable[[str], dict[str, Any]]]] = {
     "native": (f"/v1/{STAGE}", _native),
     "openai": ("/v1/embeddings", _openai),
+    "openai-list": ("/v1/embeddings", _openai_list),
 }
 """Each route's path and request body for a text."""
 

@@ -30,6 +30,7 @@ from gateway.routes.login import add_login_routes
 from gateway.routes.openai import add_openai_routes
 from gateway.routes.openai.errors import PATHS, is_openai_path, openai_error, without_422
 from gateway.routes.openai.errors import error_of as openai_error_of
+from gateway.routes.openai.errors import http_error as openai_http_error
 from gateway.routes.openai.serving import check_names
 from gateway.routes.ops import add_ops_routes
 from gateway.routes.pipelines import add_pipeline_routes
@@ -223,7 +224,7 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if is_openai_path(request.url.path):
-            return openai_error(exc.status_code, str(exc.detail))
+            return openai_http_error(exc)
         # POST /v1/jobs/{name} of no pipeline matches GET /v1/jobs/{id}'s path: a 405.
         name = unknown_pipeline(request.method, request.url.path, registry)
         if name is not None and exc.status_code in (404, 405):

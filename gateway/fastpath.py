@@ -26,14 +26,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.body import parse_body
 from gateway.headers import HEADERS, UNCLEAR, Sent
-from gateway.routes.openai.errors import error_of
+from gateway.routes.openai.errors import error_of, http_error
 from gateway.routes.openai.serving import Direct
 from gateway.routes.pipelines import reply_response
 from gateway.service import Gateway
+from gateway.traces import ROUTE
 from pipelines.errors import ConveyorError
 from pipelines.graph import Pipeline
 
@@ -100,12 +102,12 @@ class SyncCalls:
         app: ASGIApp,
         gateway: Gateway,
         error_response: Callable[[ConveyorError], Response],
-        openai: Mapping[str, Direct] | None = None,
+        openai: Mapping[str, Direct[Any]] | None = None,
     ) -> None:
         self.app = app
         self.gateway = gateway
         self.error_response = error_response
-        self.routes: dict[str, Pipeline | Direct] = {
+        self.routes: dict[str, Pipeline | Direct[Any]] = {
             f"/v1/{name}": p for name, p in gateway.registry.pipelines.items()
         }
         self.routes.update(openai or {})  # no pipeline takes their names (RESERVED)
@@ -133,15 +135,22 @@ class SyncCalls:
                 break
         raw = b"".join(chunks)
         if isinstance(route, Direct):
-            response = await self._direct(route, raw, sent, receive)
-        else:
-            payload = self._validated(route, raw)
-            response = (
-                None if payload is None else await self._answer(route, payload, sent, receive)
-            )
-        if response is None:
+            named = ROUTE.set(scope["path"])  # its requests' traces name this route
+            try:
+                response = await self._direct(route, raw, sent, receive)
+                if response is None:
+                    await self.app(scope, replay(messages, receive), send)
+                else:
+                    self.answered += 1
+                    await response(scope, receive, send)  # a stream is admitted here
+            finally:
+                ROUTE.reset(named)
+            return
+        payload = self._validated(route, raw)
+        if payload is None:
             await self.app(scope, replay(messages, receive), send)
             return
+        response = await self._answer(route, payload, sent, receive)
         self.answered += 1
         await response(scope, receive, send)
 
@@ -157,7 +166,7 @@ class SyncCalls:
             return None
 
     async def _direct(
-        self, route: Direct, raw: bytes, sent: Sent, receive: Receive
+        self, route: Direct[Any], raw: bytes, sent: Sent, receive: Receive
     ) -> Response | None:
         """An OpenAI-compatible POST's answer, as its route would give it (a refusal in
         OpenAI's shape included); None where the route should answer it."""
@@ -169,6 +178,8 @@ class SyncCalls:
             return await route(*read, sent, receive)
         except ConveyorError as exc:
             return error_of(exc, self.error_response(exc))
+        except HTTPException as exc:  # as the app's handler answers it on these routes
+            return http_error(exc)
 
     async def _answer(
         self, pipeline: Pipeline, payload: dict[str, Any], sent: Sent, receive: Receive

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -28,6 +29,11 @@ from runtime import tracing
 from runtime.redisio import RedisClock
 
 logger = logging.getLogger(__name__)
+
+ROUTE: ContextVar[str | None] = ContextVar("conveyor_route", default=None)
+"""The route the hot path answers a request as where it is not its pipeline's own (an
+OpenAI-compatible route, set by :mod:`gateway.fastpath` while it answers): the root span
+is named after it."""
 
 
 def current() -> Span | None:
@@ -62,8 +68,10 @@ class Enqueueing:
         if self.root is None:
             return
         # FastAPI names the span after the route that answered; the hot path has none.
-        route = f"/v1/jobs/{pipeline}" if job else f"/v1/{pipeline}"
-        route += "/stream" if stream else ""
+        route = ROUTE.get()
+        if route is None:
+            route = f"/v1/jobs/{pipeline}" if job else f"/v1/{pipeline}"
+            route += "/stream" if stream else ""
         self.root.update_name(f"POST {route}")
         self.root.set_attribute("http.route", route)
         self.admitted = self.clock.now()

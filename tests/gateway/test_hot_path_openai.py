@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,12 +19,15 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from pipelines.graph import single
+from pipelines.graph import Pipeline, single
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from pipelines.stages import GenerateIn, Stage, TextIn
 from tests.gateway.test_hot_path import PLAIN, ROUTE, hot_path, seen
-from tests.helpers import Harness
+from tests.helpers import GatewayProcess, Harness
+from tests.support.faultapp import spawn, stop
+from tests.support.otlp import receiver
+from tests.system.test_tracing import wait_for_spans
 
 BAD = {
     "strings": ["0.5", "1"],
@@ -64,7 +68,13 @@ TALK = Stage(
 
 E, C, CHAT = "/v1/embeddings", "/v1/completions", "/v1/chat/completions"
 # (path, body, whether the hot path takes it)
-CASES: list[tuple[str, Any, bool]] = [
+CASES: list[tuple[str, Any, bool] | tuple[str, Any, bool, dict[str, str]]] = [
+    (E, {"model": "vec", "input": "a"}, True, {"X-Conveyor-Timeout": "5"}),
+    (E, {"model": "vec", "input": "a"}, True, {"X-Conveyor-Priority": "bulk"}),
+    (E, {"model": "vec", "input": "a"}, False, {"X-Conveyor-Timeout": "0.5e1"}),
+    (E, {"model": "vec", "input": "a"}, False, {"X-Conveyor-Priority": "Bulk"}),
+    (C, {"model": "talk", "prompt": "abc", "stream": True}, True),  # cannot stream: 400
+    (C, {"model": "talk", "prompt": ["a", "b"], "stream": True}, True),  # one prompt: 400
     (E, {"model": "vec", "input": "a cat"}, True),
     (E, {"model": "vec", "input": ["a", "bb", "ccc"]}, True),
     (E, {"model": "vec", "input": "a cat", "encoding_format": "base64"}, True),
@@ -96,6 +106,11 @@ CASES: list[tuple[str, Any, bool]] = [
 ]
 
 
+def pipelines() -> list[Pipeline]:
+    """This file's stages, for real processes (``CONVEYOR_APP``)."""
+    return [single(VEC), single(TALK)]
+
+
 @pytest.fixture
 async def served(harness: Harness) -> Any:
     for stage in (VEC, TALK):
@@ -123,12 +138,13 @@ def same(resp: httpx.Response) -> tuple[int, Any, set[str]]:
 async def test_the_hot_path_answers_the_openai_routes_as_they_do(served: Any) -> None:
     app, http = served
     calls = hot_path(app)
-    for path, body, plain in CASES:
+    for path, body, plain, *more in CASES:
         raw = orjson.dumps(body)
+        headers = more[0] if more else {}
         before = calls.answered
-        hot = await http.post(path, content=raw, headers=PLAIN)
+        hot = await http.post(path, content=raw, headers={**PLAIN, **headers})
         assert calls.answered == before + plain, (path, body, hot.text)
-        route = await http.post(path, content=raw, headers=ROUTE)
+        route = await http.post(path, content=raw, headers={**ROUTE, **headers})
         assert calls.answered == before + plain
         assert same(hot) == same(route), (path, body, hot.text, route.text)
         assert hot.status_code < 500 or hot.status_code == 502, (path, body, hot.text)
@@ -183,3 +199,34 @@ async def test_many_concurrent_hot_embeddings_each_get_their_own(served: Any) ->
     for word, resp in zip(words, answers, strict=True):
         data = resp.json()["data"]
         assert [d["embedding"][0] for d in data] == [len(word), len(word) + 1]
+
+
+def test_a_hot_openai_call_is_traced_as_its_route(redis_url: str, tmp_path: Path) -> None:
+    # Before: the hot path's admission named every root span after the pipeline
+    # (POST /v1/vec), where the route names it after itself (POST /v1/embeddings).
+    with receiver() as got:
+        otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": got.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        app = {"CONVEYOR_APP": "tests.gateway.test_hot_path_openai:pipelines"}
+        with GatewayProcess(redis_url, tmp_path / "gateway.log", **app, **otel) as gateway:
+            worker = spawn(
+                "workers",
+                "vec",
+                log=tmp_path / "worker.log",
+                **app,
+                CONVEYOR_REDIS_URL=redis_url,
+                CONVEYOR_NAMESPACE=gateway.env["CONVEYOR_NAMESPACE"],
+            )
+            try:
+                roots = {}
+                for body in ({"model": "vec", "input": "a"}, {"text": "a"}):
+                    path = E if "model" in body else "/v1/vec"
+                    resp = httpx.post(f"{gateway.base}{path}", json=body, timeout=60)
+                    assert resp.status_code == 200, resp.text
+                    _, trace_id, root_id, _ = resp.headers["traceparent"].split("-")
+                    spans = wait_for_spans(got, trace_id, {"admission", "enqueue", "reply"})
+                    roots[path] = next(s for s in spans if s.span_id == root_id)
+            finally:
+                stop(worker)
+    for path, root in roots.items():
+        assert root.name == f"POST {path}", (path, root.name)
+        assert root.attributes["http.route"] == path

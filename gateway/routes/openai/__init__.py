@@ -23,6 +23,8 @@ One module each, imported one way (each only from those listed before it):
 and every route is added here, from one table (:func:`add_openai_routes`).
 """
 
+from typing import Any
+
 from fastapi import FastAPI
 
 from gateway.responses import declared
@@ -35,7 +37,7 @@ from gateway.service import Gateway
 from gateway.share import Shares
 
 
-def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> dict[str, Direct]:
+def add_openai_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> dict[str, Direct[Any]]:
     """Add the OpenAI-compatible routes; returns the POST routes as the hot path answers
     them (:class:`~gateway.routes.openai.serving.Direct`), by path.
 

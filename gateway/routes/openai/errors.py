@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
 from gateway.responses import WHY, declared
 from gateway.routes import json_response
@@ -93,6 +94,11 @@ def error_of(exc: ConveyorError, response: Response) -> Response:
         code=getattr(exc, "code", None),
         headers=headers,
     )
+
+
+def http_error(exc: HTTPException) -> Response:
+    """An HTTP exception raised on one of these routes, in OpenAI's shape."""
+    return openai_error(exc.status_code, str(exc.detail))
 
 
 class OpenAIErrorDetail(BaseModel):

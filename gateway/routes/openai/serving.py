@@ -10,7 +10,7 @@ them all.
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 from fastapi import Body, Request
 from fastapi.responses import Response
@@ -188,8 +188,11 @@ Endpoint = Callable[..., Awaitable[Response]]
 """A FastAPI endpoint."""
 
 
+In = TypeVar("In", bound=ModelIn)
+
+
 @dataclass(frozen=True)
-class Direct:
+class Direct(Generic[In]):
     """An OpenAI-compatible POST route as the hot path (:mod:`gateway.fastpath`) answers
     it: the same answer as :func:`posted`'s endpoint, without FastAPI's per-request
     machinery.
@@ -203,10 +206,10 @@ class Direct:
 
     gw: Gateway
     shares: Shares
-    wire: type[ModelIn]
-    answer: Callable[[Asked, Any], Awaitable[Response]]
+    wire: type[In]
+    answer: Callable[[Asked, In], Awaitable[Response]]
 
-    def read(self, value: Any) -> tuple[ModelIn, Pipeline] | None:
+    def read(self, value: Any) -> tuple[In, Pipeline] | None:
         """The body (parsed JSON) read as the route reads it, with the pipeline its
         ``model`` names; None where the route would refuse it (it answers that itself)."""
         try:
@@ -216,7 +219,7 @@ class Direct:
             return None
 
     async def __call__(
-        self, body: ModelIn, pipeline: Pipeline, sent: Sent, receive: Receive
+        self, body: In, pipeline: Pipeline, sent: Sent, receive: Receive
     ) -> Response:
         """The route's answer to ``body`` (read by :meth:`read`).
 
@@ -226,7 +229,7 @@ class Direct:
         return await self.answer(Asked(self.gw, pipeline, sent, receive, self.shares), body)
 
 
-def posted(direct: Direct) -> Endpoint:
+def posted(direct: Direct[Any]) -> Endpoint:
     """The FastAPI endpoint of an OpenAI-compatible POST route: its body read as
     ``direct.wire``, the pipeline its ``model`` names found (:func:`served`), then
     answered by ``direct`` (as the hot path answers what it takes).
