@@ -7,10 +7,10 @@ Starts a redis-server of its own on a free loopback port and measures, in this p
   (the same pool with a short way for a free connection), alternating.
 - ``script``: what a publish's per-request writes cost inside a Lua script, by Redis's own
   ``INFO commandstats`` (µs per ``EVALSHA``): ``n`` done markers as ``SET .. EX`` each
-  (the publish's) against one ``HSET`` of ``n`` fields and an ``EXPIRE`` (what markers
-  per batch would cost), and ``n`` replies as one ``XADD`` each (the publish's before
-  97f0709) against one ``XADD`` of ``n`` fields (since: a batch's replies to a gateway
-  are one entry).
+  (the publish's; new keys every call, as a publish's are) against one ``HSET`` of ``n``
+  fields and an ``EXPIRE`` in a new hash (what markers per batch would cost), and ``n``
+  replies as one ``XADD`` each (the publish's before 97f0709) against one ``XADD`` of
+  ``n`` fields (since: a batch's replies to a gateway are one entry).
 - ``worker``: one worker alone (no gateway, no HTTP) draining ``--requests`` echo requests
   already in its stream, in burst mode, at each of ``--batches``: its CPU per batch and
   per request, Redis's commands and command µs per request (``INFO commandstats``, reset
@@ -92,8 +92,8 @@ SCRIPTS = {
     ),
     "one HSET of n fields + EXPIRE": (
         "local f = {} for i = 1, #KEYS do f[#f + 1] = KEYS[i] f[#f + 1] = '1' end "
-        "redis.call('HSET', 'bench:done', unpack(f)) redis.call('EXPIRE', 'bench:done', 60) "
-        "return 1"
+        "local h = KEYS[1] .. ':batch' "
+        "redis.call('HSET', h, unpack(f)) redis.call('EXPIRE', h, 60) return 1"
     ),
     "n XADD (a reply each)": (
         "for i = 1, #ARGV do redis.call('XADD', 'bench:r1', 'MAXLEN', '~', 1000, '*', 'e', "
@@ -108,14 +108,21 @@ SCRIPTS = {
 
 
 def script_costs(port: int, n: int, calls: int) -> list[str]:
-    """µs per EVALSHA of each script of :data:`SCRIPTS` on a batch of ``n``."""
+    """µs per EVALSHA of each script of :data:`SCRIPTS` on a batch of ``n``.
+
+    Every call names ``n`` keys never written before, shaped as a done marker's (a
+    namespace, a request id, a step), as a publish's markers are: a new key costs Redis
+    more than one written again (5.4-7.2 µs against 2.8-4.0 a ``SET .. EX`` in a loop of
+    16, 2026-11-29), so markers written again would understate the per-request cost."""
     client = redis.Redis(port=port)
-    keys = [f"bench:m:{i}" for i in range(n)]
     lines = [f"| a batch of {n}: script | µs per call | µs per request |", "|---|---:|---:|"]
     for name, source in SCRIPTS.items():
         sha = client.script_load(source)
+        batches = [
+            [f"{{bench}}:done:{uuid.uuid4().hex}:echo" for _ in range(n)] for _ in range(calls)
+        ]
         client.config_resetstat()
-        for _ in range(calls):
+        for keys in batches:
             client.evalsha(sha, n, *keys, *([REPLY] * n))
         us = float(client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
         lines.append(f"| {name} | {us:.1f} | {us / n:.2f} |")

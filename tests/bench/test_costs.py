@@ -1,11 +1,14 @@
-"""``python -m bench.costs --parts packing``: both packers pack conveyor's commands to the
-same bytes, and the worker drains its stream either way (a real worker, real Redis)."""
+"""``python -m bench.costs``: both packers pack conveyor's commands to the same bytes, and
+the worker drains its stream either way (a real worker, real Redis); the script part
+writes markers as a publish does, new ones every call."""
 
 from __future__ import annotations
 
+import pytest
+import redis
 import redis.asyncio as aioredis
 
-from bench.costs import PACKED, packing_costs
+from bench.costs import PACKED, SCRIPTS, packing_costs, script_costs
 
 
 async def test_the_packing_part_measures_both_packers_on_a_draining_worker(
@@ -29,3 +32,26 @@ async def test_the_packing_part_measures_both_packers_on_a_draining_worker(
     summary = lines[-1].strip("|").split("|")
     assert summary[0].strip() == "8"
     assert summary[-1].strip().endswith("x")
+
+
+def test_the_script_part_writes_new_markers_every_call(redis_url: str) -> None:
+    # A marker written again costs Redis less than a new one, and a publish's markers are
+    # all new: the bench's must be too.
+    client = redis.Redis.from_url(redis_url)
+    try:
+        port = client.connection_pool.connection_kwargs["port"]
+        lines = script_costs(port, n=4, calls=5)
+        markers = list(client.scan_iter(match="{bench}:done:*:echo"))
+        hashes = list(client.scan_iter(match="{bench}:done:*:batch"))
+        assert len(markers) == 4 * 5
+        assert len(hashes) == 5
+        assert len(client.hkeys(hashes[0])) == 4
+        client.delete(*markers, *hashes, "bench:r1", "bench:r2")
+    finally:
+        client.close()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| a batch")]
+    assert [row.split(" | ")[0][2:] for row in rows] == list(SCRIPTS)
+    for row in rows:
+        per_call, per_request = (float(c) for c in row.strip("|").split("|")[1:])
+        assert per_call > 0
+        assert per_request == pytest.approx(per_call / 4, abs=0.01)
