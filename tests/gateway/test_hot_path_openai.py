@@ -1,7 +1,9 @@
 """The hot path (gateway/fastpath.py) on the OpenAI-compatible POST routes: it answers
 ``/v1/embeddings``, ``/v1/completions`` and ``/v1/chat/completions`` exactly as their
 FastAPI routes would (refusals included, in OpenAI's shape) and hands the routes what it
-is not sure of; a stage that answers no usable embedding is a 502, never a 500. Real
+is not sure of; a stage that answers no usable embedding is a 502, never a 500; 150
+seeded random bodies (many invalid, some not JSON the wire carries) get the same answer
+from both paths and never a 500, and a burst of calls each get their own vectors. Real
 workers and a real Redis; the app called in process (ASGI) so the hot path's own count
 tells who answered."""
 
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import random
 import struct
 from pathlib import Path
 from typing import Any
@@ -230,3 +234,125 @@ def test_a_hot_openai_call_is_traced_as_its_route(redis_url: str, tmp_path: Path
     for path, root in roots.items():
         assert root.name == f"POST {path}", (path, root.name)
         assert root.attributes["http.route"] == path
+
+
+def _text(rng: random.Random) -> str:
+    """A text as a client might send one, or an odd one: empty, long, astral, control
+    characters, RESP's own framing."""
+    pools = ["a cat", "", "x" * rng.randint(1, 3000), "😀👍🏽", "\x00\r\n$5\r\n*2", "é" * 7, " "]
+    return rng.choice(pools) + rng.choice(["", str(rng.randint(0, 10**6))])
+
+
+def _value(rng: random.Random, depth: int = 0) -> Any:
+    """Any JSON value, sometimes nested."""
+    kind = rng.randint(0, 7 if depth < 3 else 4)
+    if kind == 0:
+        return _text(rng)
+    if kind == 1:
+        return rng.choice([0, -1, 2**63, -(2**64), 3.5, -0.0, 1e308, True, False, None])
+    if kind == 2:
+        return [_text(rng) for _ in range(rng.randint(0, 5))]
+    if kind == 3:
+        return rng.randint(-5, 3000)
+    if kind == 4:
+        return rng.choice(["float", "base64", "hex", "", None])
+    if kind == 5:
+        return [_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {_text(rng)[:10]: _value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def _body(rng: random.Random) -> bytes:
+    """A request body for one of the routes: mostly plausible, some fields wrong, some
+    not JSON at all (raw bytes the wire refuses: NaN, 1e400, lone surrogates, bad UTF-8)."""
+    roll = rng.random()
+    if roll < 0.08:  # not a body the wire carries
+        return rng.choice(
+            [
+                b"",
+                b"{",
+                b"null",
+                b'{"model": "vec", "input": NaN}',
+                b'{"model": "vec", "input": 1e400}',
+                b'{"model": "vec", "input": "\\ud800"}',
+                b'{"model": "vec", "input": "\xff"}',
+                b"[" * 80 + b"]" * 80,
+            ]
+        )
+    if roll < 0.5:  # plausible: mostly answered, by the hot path
+        texts = [_text(rng) or "z" for _ in range(rng.randint(1, 5))]
+        plausible: dict[str, Any] = {"model": "vec", "input": rng.choice([texts, texts[0]])}
+        if rng.random() < 0.3:
+            plausible["encoding_format"] = rng.choice(["float", "base64"])
+        return json.dumps(plausible).encode()
+    body: dict[str, Any] = {"model": rng.choice(["vec", "vec", "vec", "talk", "nope", "", 5])}
+    for field, weight in (
+        ("input", 0.9),
+        ("encoding_format", 0.3),
+        ("dimensions", 0.1),
+        ("user", 0.1),
+        ("prompt", 0.2),
+        ("n", 0.1),
+        ("messages", 0.1),
+    ):
+        if rng.random() < weight:
+            body[field] = (
+                _value(rng)
+                if rng.random() < 0.3
+                else (
+                    [_text(rng) for _ in range(rng.randint(1, 4))]
+                    if field == "input"
+                    else _value(rng)
+                )
+            )
+    return json.dumps(body).encode()  # the standard library writes ints past 64 bits
+
+
+async def test_random_bodies_get_the_same_answer_from_both_paths_and_never_a_500(
+    served: Any,
+) -> None:
+    # An attack on what the hot path now takes: 150 bodies, seeded, many invalid; each
+    # sent to the hot path and to the route. Never a 500; every refusal in OpenAI's shape;
+    # both paths answer alike; a 200's vectors are its own texts'.
+    app, http = served
+    rng = random.Random(37)
+    calls = hot_path(app)
+    took = 0
+    statuses: dict[int, int] = {}
+    for _ in range(150):
+        raw = _body(rng)
+        path = rng.choice([E, E, E, E, C, CHAT])
+        before = calls.answered
+        hot = await http.post(path, content=raw, headers=PLAIN)
+        took += calls.answered - before
+        route = await http.post(path, content=raw, headers=ROUTE)
+        assert same(hot) == same(route), (path, raw[:200], hot.text[:300], route.text[:300])
+        assert hot.status_code in (200, 400, 404, 502), (path, raw[:200], hot.text[:300])
+        statuses[hot.status_code] = statuses.get(hot.status_code, 0) + 1
+        if hot.status_code != 200:
+            assert set(hot.json()) == {"error"}, hot.text
+        elif path == E:
+            asked = json.loads(raw)
+            texts = [asked["input"]] if isinstance(asked["input"], str) else asked["input"]
+            got = [_first(d["embedding"]) for d in hot.json()["data"]]
+            assert got == [float(len(t)) for t in texts], (raw[:200], got)
+    assert statuses.get(200, 0) > 40, statuses  # a good share answered, and checked
+    assert took > 40, took  # by the hot path itself
+
+
+def _first(embedding: Any) -> float:
+    """An embedding's first number, as floats or as OpenAI's base64 (float32)."""
+    if isinstance(embedding, str):
+        return float(struct.unpack_from("<f", base64.b64decode(embedding))[0])
+    return float(embedding[0])
+
+
+async def test_a_burst_of_random_valid_calls_each_get_their_own_vectors(served: Any) -> None:
+    _, http = served
+    rng = random.Random(38)
+    bodies = [[_text(rng) or "z" for _ in range(rng.randint(1, 6))] for _ in range(60)]
+    answers = await asyncio.gather(
+        *(http.post(E, json={"model": "vec", "input": texts}) for texts in bodies)
+    )
+    for texts, resp in zip(bodies, answers, strict=True):
+        assert resp.status_code == 200, resp.text
+        assert [d["embedding"][0] for d in resp.json()["data"]] == [float(len(t)) for t in texts]
