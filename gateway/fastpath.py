@@ -133,26 +133,27 @@ class SyncCalls:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        raw = b"".join(chunks)
+        # Its requests' traces name the route it answers as (the FastAPI route's name).
+        named = ROUTE.set(scope["path"])
+        try:
+            response = await self._respond(route, b"".join(chunks), sent, receive)
+            if response is None:
+                await self.app(scope, replay(messages, receive), send)
+            else:
+                self.answered += 1
+                await response(scope, receive, send)  # a stream is admitted here
+        finally:
+            ROUTE.reset(named)
+
+    async def _respond(
+        self, route: Pipeline | Direct[Any], raw: bytes, sent: Sent, receive: Receive
+    ) -> Response | None:
+        """The call's answer, as its route would give it; None where the route should
+        answer it."""
         if isinstance(route, Direct):
-            named = ROUTE.set(scope["path"])  # its requests' traces name this route
-            try:
-                response = await self._direct(route, raw, sent, receive)
-                if response is None:
-                    await self.app(scope, replay(messages, receive), send)
-                else:
-                    self.answered += 1
-                    await response(scope, receive, send)  # a stream is admitted here
-            finally:
-                ROUTE.reset(named)
-            return
+            return await self._direct(route, raw, sent, receive)
         payload = self._validated(route, raw)
-        if payload is None:
-            await self.app(scope, replay(messages, receive), send)
-            return
-        response = await self._answer(route, payload, sent, receive)
-        self.answered += 1
-        await response(scope, receive, send)
+        return None if payload is None else await self._answer(route, payload, sent, receive)
 
     @staticmethod
     def _validated(pipeline: Pipeline, raw: bytes) -> dict[str, Any] | None:

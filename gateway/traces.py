@@ -31,9 +31,10 @@ from runtime.redisio import RedisClock
 logger = logging.getLogger(__name__)
 
 ROUTE: ContextVar[str | None] = ContextVar("conveyor_route", default=None)
-"""The route the hot path answers a request as where it is not its pipeline's own (an
-OpenAI-compatible route, set by :mod:`gateway.fastpath` while it answers): the root span
-is named after it."""
+"""The route the hot path answers a request as (its path: ``/v1/{pipeline}``, or an
+OpenAI-compatible route, whose requests are each a pipeline's), set by
+:mod:`gateway.fastpath` while it answers: the root span is named after it, where FastAPI,
+which names it after the route that answered, never ran."""
 
 
 def current() -> Span | None:
@@ -67,7 +68,7 @@ class Enqueueing:
         """The request to ``pipeline`` was admitted: its ``admission`` span ends now."""
         if self.root is None:
             return
-        # FastAPI names the span after the route that answered; the hot path has none.
+        # FastAPI names the span after the route that answered; the hot path says its own.
         route = ROUTE.get()
         if route is None:
             route = f"/v1/jobs/{pipeline}" if job else f"/v1/{pipeline}"
