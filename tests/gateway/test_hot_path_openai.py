@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
@@ -27,8 +28,9 @@ from pipelines.graph import Pipeline, single
 from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from pipelines.stages import GenerateIn, Stage, TextIn
+from tests.gateway.test_cancel import cancelled, queued, raw_request, watchers
 from tests.gateway.test_hot_path import PLAIN, ROUTE, hot_path, seen
-from tests.helpers import GatewayProcess, Harness
+from tests.helpers import GatewayProcess, Harness, until
 from tests.support.faultapp import spawn, stop
 from tests.support.otlp import receiver
 from tests.system.test_tracing import wait_for_spans
@@ -356,3 +358,32 @@ async def test_a_burst_of_random_valid_calls_each_get_their_own_vectors(served: 
     for texts, resp in zip(bodies, answers, strict=True):
         assert resp.status_code == 200, resp.text
         assert [d["embedding"][0] for d in resp.json()["data"]] == [float(len(t)) for t in texts]
+
+
+async def test_a_client_gone_from_a_hot_embeddings_call_cancels_each_of_its_texts(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # No worker: the texts wait in the stream while the client goes away mid-call.
+    waiting = Stage("waiting", TextIn, runner="unused", openai="embeddings")
+    base = await harness.http_server([waiting])
+    body = json.dumps({"model": "waiting", "input": ["one", "two", "three"]}).encode()
+    writer = await raw_request(
+        base, "POST /v1/embeddings HTTP/1.1\r\nContent-Type: application/json\r\n", body
+    )
+    texts = [await queued(redis, harness, "waiting", nth) for nth in range(3)]
+    assert sorted(r.payload["text"] for r in texts) == ["one", "three", "two"]
+    assert watchers()  # the hot path's call waits, watching its client
+
+    writer.close()
+    await writer.wait_closed()
+
+    async def all_cancelled() -> bool:
+        marked = [await cancelled(redis, harness, r.id) for r in texts]
+        return all(marked)
+
+    await until(all_cancelled, 10)
+    await until(_no_watchers, 10)
+
+
+async def _no_watchers() -> bool:
+    return watchers() == []
