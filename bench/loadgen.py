@@ -20,7 +20,7 @@ class LoadResult:
 
     Attributes:
         requests: requests sent (fewer than the bodies when the duration ran out).
-        errors: responses other than 200 (and connection failures).
+        errors: responses other than the success status (and connection failures).
         seconds: wall time of the run.
         latencies: per request, seconds.
         statuses: count per status code.
@@ -120,6 +120,7 @@ async def closed_loop(
     warmup: float = 0.0,
     on_measure: Callable[[], object] | None = None,
     request_timeout: float = 60.0,
+    ok: int = 200,
 ) -> LoadResult:
     """``concurrency`` clients, each sending its next body as soon as its last returns.
 
@@ -142,6 +143,8 @@ async def closed_loop(
         on_measure: called in a thread as the measurement starts (e.g. to read counters).
         request_timeout: a request unanswered this long fails (status 0), so a lost reply
             cannot stall the run.
+        ok: the status of a success (202 for a route that queues a job); any other is
+            an error.
     """
     latencies: list[float] = []
     statuses: dict[int, int] = {}
@@ -166,7 +169,7 @@ async def closed_loop(
         try:
             while bodies and time.perf_counter() < measuring:
                 status, _ = await post(conn, bodies[next(warm_index) % len(bodies)])
-                if status == 200:
+                if status == ok:
                     ok_at.append(time.perf_counter())  # counts if it lands in the window
             for i in next_index:
                 if time.perf_counter() >= deadline:
@@ -176,7 +179,7 @@ async def closed_loop(
                 done = time.perf_counter()
                 latencies.append(done - sent)
                 statuses[status] = statuses.get(status, 0) + 1
-                if status == 200:
+                if status == ok:
                     ok_at.append(done)
                 if on_response is not None:
                     on_response(status, payload)
@@ -191,7 +194,7 @@ async def closed_loop(
 
     await asyncio.gather(start_measuring(), *(client() for _ in range(concurrency)))
     ended = time.perf_counter()
-    errors = sum(n for status, n in statuses.items() if status != 200)
+    errors = sum(n for status, n in statuses.items() if status != ok)
     window_end = min(first_idle[0], ended)
     steady_ok = sum(1 for t in ok_at if measuring <= t <= window_end)
     return LoadResult(

@@ -10,7 +10,9 @@ keep-alive HTTP clients, one text a request, through ``--routes`` in turn, alter
 - ``native``: ``POST /v1/instant`` (``{"text": ...}``);
 - ``openai``: ``POST /v1/embeddings`` (``{"model": "instant", "input": ...}``);
 - ``openai-list``: the same with :data:`LIST` texts a request (its figures are per HTTP
-  request, each of :data:`LIST` requests through the stage).
+  request, each of :data:`LIST` requests through the stage);
+- ``jobs``: ``POST /v1/jobs/instant`` (``{"text": ...}``), answered 202 once queued; the
+  stage runs the jobs meanwhile, in the bulk lane.
 
 Per route and round: requests/s (while every client was busy), p50 latency, and the
 gateway's CPU µs per request (``/proc``, from the end of the warm-up to the end of the
@@ -73,6 +75,7 @@ ROUTES: dict[str, tuple[str, Callable[[str], dict[str, Any]]]] = {
     "native": (f"/v1/{STAGE}", _native),
     "openai": ("/v1/embeddings", _openai),
     "openai-list": ("/v1/embeddings", _openai_list),
+    "jobs": (f"/v1/jobs/{STAGE}", _native),
 }
 """Each route's path and request body for a text."""
 
@@ -101,10 +104,13 @@ async def _round(
         duration=args.seconds,
         warmup=args.warmup,
         on_measure=lambda: marks.append(cpu_seconds([gateway])),
+        ok=202 if route == "jobs" else 200,
     )
     used = cpu_seconds([gateway]) - marks[0]
     if result.errors:
-        raise SystemExit(f"{route}: {result.errors} of {result.requests} requests failed")
+        raise SystemExit(
+            f"{route}: {result.errors} of {result.requests} requests failed: {result.statuses}"
+        )
     rate = result.steady_ok / max(result.steady_seconds, 1e-9)
     return rate, 1e3 * statistics.median(result.latencies), 1e6 * used / result.requests
 

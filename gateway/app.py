@@ -259,7 +259,11 @@ def create_app(
         EdgeMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=gw.metrics,
-        routes=[*(f"/v1/{name}" for name in registry.pipelines), *PATHS],
+        routes=[
+            *(f"/v1/{name}" for name in registry.pipelines),
+            *(f"/v1/jobs/{name}" for name in registry.pipelines),
+            *PATHS,
+        ],
         api_keys=settings.api_keys,
         client_timeout_s=settings.client_timeout_s,
         access_log=settings.access_log,

@@ -161,8 +161,9 @@ class EdgeMiddleware:
         app: the wrapped application.
         max_body_bytes: the limit.
         metrics: where finished requests are recorded.
-        routes: the pipelines' paths, recorded under their own label when no route
-            template is known (see :meth:`_label`).
+        routes: the pipelines' paths (calls, jobs' submissions, the OpenAI routes),
+            recorded under their own label when no route template is known (see
+            :meth:`_label`).
         api_keys: accepted keys; empty: no authentication.
         client_timeout_s: how long a request's body may take to arrive (None: no limit).
         access_log: write an access line per request (:func:`log_access`) when the

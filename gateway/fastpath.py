@@ -1,6 +1,7 @@
-"""The hot path: ``POST /v1/{pipeline}`` and the OpenAI-compatible POST routes
-(``/v1/embeddings``, ``/v1/completions``, ``/v1/chat/completions``) answered without
-FastAPI's per-request machinery.
+"""The hot path: ``POST /v1/{pipeline}``, a job's submission (``POST
+/v1/jobs/{pipeline}``) and the OpenAI-compatible POST routes (``/v1/embeddings``,
+``/v1/completions``, ``/v1/chat/completions``) answered without FastAPI's per-request
+machinery.
 
 FastAPI resolves a route's dependencies, headers and body anew for every request; on a
 small, fast model that costs more CPU than the rest of the gateway together (on the
@@ -9,9 +10,11 @@ inside the edge (keys, body limit, metrics) and CORS, takes a call whose request
 unremarkable, the common case, and does what the FastAPI route would do with it: parse
 the body as :mod:`gateway.body` does, validate it with the pipeline's input model (an
 OpenAI route's body model, its ``model`` found), read the request headers
-(:mod:`gateway.headers`), call :meth:`Gateway.call <gateway.service.Gateway.call>` (an
-OpenAI route's own answer, :class:`~gateway.routes.openai.serving.Direct`) and answer as
-the route does, its errors in the route's shape.
+(:mod:`gateway.headers`, with the route's defaults: a job's lane is bulk), call
+:meth:`Gateway.call <gateway.service.Gateway.call>` (a job's route's own answer,
+:func:`~gateway.routes.jobs.submit_job`; an OpenAI route's,
+:class:`~gateway.routes.openai.serving.Direct`) and answer as the route does, its errors
+in the route's shape.
 
 Anything it is not sure of goes to the FastAPI route with what was read of its body
 replayed, so every refusal is FastAPI's own (the same 422 or OpenAI 400, the same loc,
@@ -23,6 +26,7 @@ carry, or fails validation, an unknown ``model``, a client gone while its body w
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import Response
@@ -30,7 +34,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.body import parse_body
-from gateway.headers import HEADERS, UNCLEAR, Sent
+from gateway.headers import HEADERS, UNCLEAR, RouteKind, Sent
+from gateway.routes.jobs import submit_job
 from gateway.routes.openai.errors import error_of, http_error
 from gateway.routes.openai.serving import Direct
 from gateway.routes.pipelines import reply_response
@@ -43,14 +48,26 @@ _CONTENT_TYPE = b"content-type"
 _READ = {h.key: h for h in HEADERS}
 _WATCHED = frozenset({*_READ, _CONTENT_TYPE})
 _JSON = frozenset({b"application/json", b"application/json; charset=utf-8"})
-_NONE_SENT = Sent.of("call", {})  # none of them sent, the common case (a frozen value)
+# None of them sent, the common case (frozen values), per kind of route taken.
+_NONE_SENT: dict[RouteKind, Sent] = {kind: Sent.of(kind, {}) for kind in ("call", "job")}
 
 
-def plain_headers(headers: list[tuple[bytes, bytes]]) -> Sent | None:
-    """The request's headers as a sync call's route reads them (each declared header's
-    own parser, :mod:`gateway.headers`), or None where the route should decide: one of
-    them is sent twice or holds anything but a plainly valid value, or the body is not
-    declared JSON."""
+@dataclass(frozen=True)
+class Job:
+    """A pipeline's job submission route (``POST /v1/jobs/{name}``)."""
+
+    pipeline: Pipeline
+
+
+Route = Pipeline | Job | Direct[Any]
+"""A route the hot path answers: a pipeline's call, its job's submission, an OpenAI one."""
+
+
+def plain_headers(headers: list[tuple[bytes, bytes]], kind: RouteKind = "call") -> Sent | None:
+    """The request's headers as a ``kind`` of route reads them (each declared header's
+    own parser, :mod:`gateway.headers`, and the route's defaults), or None where the route
+    should decide: one of them is sent twice or holds anything but a plainly valid value,
+    or the body is not declared JSON."""
     seen: dict[bytes, bytes] = {}
     for name, value in headers:
         if name in _WATCHED:
@@ -60,7 +77,7 @@ def plain_headers(headers: list[tuple[bytes, bytes]]) -> Sent | None:
     if seen.pop(_CONTENT_TYPE, b"").lower() not in _JSON:
         return None
     if not seen:
-        return _NONE_SENT
+        return _NONE_SENT[kind]
     values: dict[str, Any] = {}
     for key, raw in seen.items():
         header = _READ[key]
@@ -68,7 +85,7 @@ def plain_headers(headers: list[tuple[bytes, bytes]]) -> Sent | None:
         if value is UNCLEAR:
             return None
         values[header.param] = value
-    return Sent.of("call", values)
+    return Sent.of(kind, values)
 
 
 def replay(messages: list[Message], receive: Receive) -> Receive:
@@ -84,8 +101,8 @@ def replay(messages: list[Message], receive: Receive) -> Receive:
 
 
 class SyncCalls:
-    """ASGI middleware answering plain ``POST /v1/{pipeline}`` calls and OpenAI-compatible
-    POSTs itself (module doc).
+    """ASGI middleware answering plain ``POST /v1/{pipeline}`` calls, job submissions and
+    OpenAI-compatible POSTs itself (module doc).
 
     Args:
         app: the application (the FastAPI routes), which answers everything else.
@@ -107,9 +124,9 @@ class SyncCalls:
         self.app = app
         self.gateway = gateway
         self.error_response = error_response
-        self.routes: dict[str, Pipeline | Direct[Any]] = {
-            f"/v1/{name}": p for name, p in gateway.registry.pipelines.items()
-        }
+        pipelines = gateway.registry.pipelines.items()
+        self.routes: dict[str, Route] = {f"/v1/{name}": p for name, p in pipelines}
+        self.routes.update({f"/v1/jobs/{name}": Job(p) for name, p in pipelines})
         self.routes.update(openai or {})  # no pipeline takes their names (RESERVED)
         self.answered = 0
 
@@ -118,7 +135,7 @@ class SyncCalls:
         if route is None or scope["method"] != "POST" or scope.get("root_path"):
             await self.app(scope, receive, send)
             return
-        sent = plain_headers(scope["headers"])
+        sent = plain_headers(scope["headers"], "job" if isinstance(route, Job) else "call")
         if sent is None:
             await self.app(scope, receive, send)
             return
@@ -136,7 +153,7 @@ class SyncCalls:
         # Its requests' traces name the route it answers as (the FastAPI route's name).
         named = ROUTE.set(scope["path"])
         try:
-            response = await self._respond(route, b"".join(chunks), sent, receive)
+            response = await self._respond(route, b"".join(chunks), sent, scope, receive)
             if response is None:
                 await self.app(scope, replay(messages, receive), send)
             else:
@@ -146,14 +163,24 @@ class SyncCalls:
             ROUTE.reset(named)
 
     async def _respond(
-        self, route: Pipeline | Direct[Any], raw: bytes, sent: Sent, receive: Receive
+        self, route: Route, raw: bytes, sent: Sent, scope: Scope, receive: Receive
     ) -> Response | None:
         """The call's answer, as its route would give it; None where the route should
         answer it."""
         if isinstance(route, Direct):
             return await self._direct(route, raw, sent, receive)
-        payload = self._validated(route, raw)
-        return None if payload is None else await self._answer(route, payload, sent, receive)
+        pipeline = route.pipeline if isinstance(route, Job) else route
+        payload = self._validated(pipeline, raw)
+        if payload is None:
+            return None
+        try:
+            if isinstance(route, Job):
+                return await submit_job(self.gateway, pipeline, payload, sent, scope)
+            # The body is read: what receive says next is the client going away.
+            request_id, reply = await self.gateway.call(pipeline, payload, sent, receive)
+            return reply_response(reply, request_id)
+        except ConveyorError as exc:
+            return self.error_response(exc)
 
     @staticmethod
     def _validated(pipeline: Pipeline, raw: bytes) -> dict[str, Any] | None:
@@ -181,17 +208,6 @@ class SyncCalls:
             return error_of(exc, self.error_response(exc))
         except HTTPException as exc:  # as the app's handler answers it on these routes
             return http_error(exc)
-
-    async def _answer(
-        self, pipeline: Pipeline, payload: dict[str, Any], sent: Sent, receive: Receive
-    ) -> Response:
-        """The call's answer, as the route would give it (a refusal included)."""
-        try:
-            # The body is read: what receive says next is the client going away.
-            request_id, reply = await self.gateway.call(pipeline, payload, sent, receive)
-            return reply_response(reply, request_id)
-        except ConveyorError as exc:
-            return self.error_response(exc)
 
 
 def _parsed(raw: bytes) -> Any:

@@ -1,11 +1,12 @@
 """Async jobs: ``POST /v1/jobs/{pipeline}`` queues one (202); ``GET /v1/jobs/{id}`` reads it;
 ``DELETE /v1/jobs/{id}`` cancels it."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Path, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
+from starlette.types import Scope
 
 from gateway.edge import principal
 from gateway.headers import Sent, sent_on
@@ -64,16 +65,27 @@ def add_job_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         _add_submit_route(app, gw, pipeline, edge)
 
 
+async def submit_job(
+    gw: Gateway, pipeline: Pipeline, data: dict[str, Any], sent: Sent, scope: Scope
+) -> Response:
+    """Queue a job of ``pipeline`` (its validated input ``data``), owned by the caller
+    the edge named in ``scope``: its 202, as the route answers it and the hot path
+    (:mod:`gateway.fastpath`) too.
+
+    Raises:
+        ConveyorError: refused, as :meth:`Gateway.enqueue` refuses (nothing was queued).
+    """
+    request = await gw.enqueue(pipeline, data, sent, job=True, owner=principal(scope))
+    location = f"/v1/jobs/{request.id}"
+    body = {JobField.ID: request.id, JobField.STATUS: QUEUED, "url": location}
+    return json_response(body, 202, {"Location": location, "X-Request-Id": request.id})
+
+
 def _add_submit_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) -> None:
     async def submit(
         http: Request, payload: BaseModel, sent: Annotated[Sent, sent_on("job")]
     ) -> Response:
-        data = payload.model_dump(mode="json")
-        owner = principal(http.scope)
-        request = await gw.enqueue(pipeline, data, sent, job=True, owner=owner)
-        location = f"/v1/jobs/{request.id}"
-        body = {JobField.ID: request.id, JobField.STATUS: QUEUED, "url": location}
-        return json_response(body, 202, {"Location": location, "X-Request-Id": request.id})
+        return await submit_job(gw, pipeline, payload.model_dump(mode="json"), sent, http.scope)
 
     submit.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
     app.add_api_route(

@@ -1,6 +1,7 @@
 """``python -m bench.routes``: both routes measured on a real conveyor (redis-server, the
-gateway, a worker), every request answered 200 (a failed one ends the bench), and a row per
-figure with a value per round and the second route against the first."""
+gateway, a worker), every request answered 200 (202 for a job's submission; a failed one
+ends the bench), and a row per figure with a value per round and the second route against
+the first."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ def test_the_stage_answers_every_text_at_once() -> None:
     assert len(VECTOR) == 384
 
 
-def test_both_routes_are_measured_in_turn(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("routes", ["native,openai", "native,jobs"])
+def test_both_routes_are_measured_in_turn(routes: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A job's submission succeeds with a 202 (counted as such, not as a failure).
     main(
         [
+            "--routes",
+            routes,
             "--rounds",
             "2",
             "--seconds",
@@ -34,8 +39,8 @@ def test_both_routes_are_measured_in_turn(capsys: pytest.CaptureFixture[str]) ->
     assert set(rows) >= {"req/s", "p50 ms", "gateway CPU µs/request"}
     for name in ("req/s", "p50 ms", "gateway CPU µs/request"):
         cells = [c.strip() for c in rows[name].strip("|").split("|")]
-        native, openai, ratio = cells[1:]
-        for cell in (native, openai):
+        first, second, ratio = cells[1:]
+        for cell in (first, second):
             rounds = cell.split("(")[1].rstrip(")").split(", ")
             assert len(rounds) == 2, cell
             assert all(float(v) > 0 for v in rounds), cell

@@ -61,6 +61,17 @@ CASES: list[tuple[bytes, dict[str, str], bool]] = [
 ]
 
 
+@contextlib.asynccontextmanager
+async def started(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client on ``app`` in this process, its lifespan entered and answering."""
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http,
+    ):
+        await http.get("/healthz")
+        yield http
+
+
 def hot_path(app: FastAPI) -> SyncCalls:
     """The app's :class:`SyncCalls` (its middleware stack is built by the first request)."""
     layer: Any = app.middleware_stack
@@ -87,11 +98,7 @@ async def test_the_hot_path_answers_as_the_route_does(harness: Harness) -> None:
     await worker.start()
     harness.run(worker)
     app = create_app(GatewaySettings(reply_block_ms=100), Registry([single(stage)]))
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http,
-    ):
-        await http.get("/healthz")
+    async with started(app) as http:
         calls = hot_path(app)
         for body, headers, plain in CASES:
             before = calls.answered

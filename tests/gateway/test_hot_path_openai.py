@@ -29,7 +29,7 @@ from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from pipelines.stages import GenerateIn, Stage, TextIn
 from tests.gateway.test_cancel import cancelled, queued, raw_request, watchers
-from tests.gateway.test_hot_path import PLAIN, ROUTE, hot_path, seen
+from tests.gateway.test_hot_path import PLAIN, ROUTE, hot_path, seen, started
 from tests.helpers import GatewayProcess, Harness, until
 from tests.support.faultapp import spawn, stop
 from tests.support.otlp import receiver
@@ -124,11 +124,7 @@ async def served(harness: Harness) -> Any:
         await worker.start()
         harness.run(worker)
     app = create_app(GatewaySettings(reply_block_ms=100), Registry([single(VEC), single(TALK)]))
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http,
-    ):
-        await http.get("/healthz")
+    async with started(app) as http:
         yield app, http
 
 
