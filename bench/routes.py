@@ -12,7 +12,8 @@ keep-alive HTTP clients, one text a request, through ``--routes`` in turn, alter
 - ``openai-list``: the same with :data:`LIST` texts a request (its figures are per HTTP
   request, each of :data:`LIST` requests through the stage);
 - ``jobs``: ``POST /v1/jobs/instant`` (``{"text": ...}``), answered 202 once queued; the
-  stage runs the jobs meanwhile, in the bulk lane.
+  stage runs the jobs meanwhile, in the bulk lane, and the next round starts once it has
+  run the last one.
 
 Per route and round: requests/s (while every client was busy), p50 latency, and the
 gateway's CPU µs per request (``/proc``, from the end of the warm-up to the end of the
@@ -27,10 +28,13 @@ import asyncio
 import json
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from bench.loadgen import closed_loop
 from bench.systems import Options, conveyor, cpu_seconds
@@ -95,6 +99,12 @@ async def _round(
     path, body = ROUTES[route]
     bodies = [json.dumps(body(t)).encode() for t in texts(args.requests)]
     marks: list[float] = []
+    last: list[bytes] = [b""]  # the last job accepted
+
+    def accepted(status: int, payload: bytes) -> None:
+        if status == 202:
+            last[0] = payload
+
     result = await closed_loop(
         "127.0.0.1",
         port,
@@ -105,14 +115,28 @@ async def _round(
         warmup=args.warmup,
         on_measure=lambda: marks.append(cpu_seconds([gateway])),
         ok=202 if route == "jobs" else 200,
+        on_response=accepted,
     )
     used = cpu_seconds([gateway]) - marks[0]
+    if last[0]:  # the stage runs the jobs after: the next round starts once it has
+        await _drained(port, json.loads(last[0])["id"])
     if result.errors:
         raise SystemExit(
             f"{route}: {result.errors} of {result.requests} requests failed: {result.statuses}"
         )
     rate = result.steady_ok / max(result.steady_seconds, 1e-9)
     return rate, 1e3 * statistics.median(result.latencies), 1e6 * used / result.requests
+
+
+async def _drained(port: int, job: str, limit_s: float = 300.0) -> None:
+    """Wait until ``job``, the last one a round submitted, has left the queue (the stage
+    takes its bulk lane in order: the earlier ones have, too)."""
+    give_up = time.monotonic() + limit_s
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        while (await http.get(f"/v1/jobs/{job}")).json()["status"] == "queued":
+            if time.monotonic() > give_up:
+                raise SystemExit(f"jobs: job {job} still queued after {limit_s:g} s")
+            await asyncio.sleep(0.05)  # polled: a job's reader has nothing to await
 
 
 def _row(name: str, values: dict[str, list[float]], routes: list[str], fmt: str) -> str:

@@ -37,7 +37,7 @@ from gateway.routes.pipelines import add_pipeline_routes
 from gateway.service import Gateway
 from gateway.sessions import Sessions
 from gateway.settings import GatewaySettings
-from gateway.traces import TraceHeaders
+from gateway.traces import TELEMETRY, TraceHeaders
 from pipelines.errors import RETRY_AFTER_MAX_S, ConfigError, ConveyorError, InvalidInput
 from pipelines.registry import Registry, load_registry
 from pipelines.settings import load_settings
@@ -113,7 +113,7 @@ class GatewayApp(FastAPI):
         if (
             direct is not None
             and scope["type"] == "http"
-            and _TELEMETRY not in scope
+            and TELEMETRY not in scope  # set by an app this one is mounted in
             and _BODY_LIMIT not in scope
         ):
             scope["app"] = self
@@ -122,8 +122,6 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-_TELEMETRY = "fastapi.telemetry"
-"""The scope key of FastAPI's per-request telemetry (set by an app this one is mounted in)."""
 _BODY_LIMIT = "starlette.max_body_size"
 """The scope key of a parent app's body limit (Starlette's ``MAX_BODY_SIZE_SCOPE_KEY``)."""
 _IDLE = frozenset(
@@ -259,12 +257,9 @@ def create_app(
         EdgeMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=gw.metrics,
-        routes=[
-            *(f"/v1/{name}" for name in registry.pipelines),
-            *(f"/v1/jobs/{name}" for name in registry.pipelines),
-            *PATHS,
-        ],
+        routes=[*(f"/v1/{name}" for name in registry.pipelines), *PATHS],
         api_keys=settings.api_keys,
+        submissions=[f"/v1/jobs/{name}" for name in registry.pipelines],
         client_timeout_s=settings.client_timeout_s,
         access_log=settings.access_log,
         sessions=sessions,

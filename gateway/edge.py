@@ -72,6 +72,8 @@ class RequestMetrics:
 
 OTHER = "other"
 """The ``route`` label of a request no route matched."""
+_SUBMITTING = frozenset({"POST", "OPTIONS"})
+"""The methods of a job's submission (and its CORS preflight)."""
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 """Paths answered without an API key (probes)."""
@@ -161,9 +163,11 @@ class EdgeMiddleware:
         app: the wrapped application.
         max_body_bytes: the limit.
         metrics: where finished requests are recorded.
-        routes: the pipelines' paths (calls, jobs' submissions, the OpenAI routes),
-            recorded under their own label when no route template is known (see
-            :meth:`_label`).
+        routes: the pipelines' paths and the OpenAI routes', recorded under their own
+            label when no route template is known (see :meth:`_label`).
+        submissions: the paths of the jobs' submissions (``/v1/jobs/{name}``): the
+            same, for a ``POST`` (or its CORS preflight) alone; any other method there
+            reads a job whose id is that name (``/v1/jobs/{job_id}``).
         api_keys: accepted keys; empty: no authentication.
         client_timeout_s: how long a request's body may take to arrive (None: no limit).
         access_log: write an access line per request (:func:`log_access`) when the
@@ -178,6 +182,7 @@ class EdgeMiddleware:
         metrics: RequestMetrics,
         routes: Iterable[str],
         api_keys: Sequence[str] = (),
+        submissions: Iterable[str] = (),
         client_timeout_s: float | None = None,
         access_log: bool = True,
         sessions: Sessions | None = None,
@@ -186,6 +191,7 @@ class EdgeMiddleware:
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.routes = frozenset(routes)
+        self.submissions = frozenset(submissions)
         self.api_keys = [k.encode() for k in api_keys]
         self.client_timeout_s = client_timeout_s
         self.access_log = access_log
@@ -330,8 +336,9 @@ class EdgeMiddleware:
 
     def _label(self, scope: Scope) -> str:
         """A request's ``route`` label: the template of the route that answered it
-        (``/v1/jobs/{job_id}``), set in the scope by the router; a pipeline's path when
-        it was answered before routing (refused at the edge, or by the hot path); else
+        (``/v1/jobs/{job_id}``), set in the scope by the router; a pipeline's path (a
+        job's submission's, for a ``POST``) when it was answered before routing (refused
+        at the edge, or by the hot path); else
         ``other`` (no route matched: its path is left out, so a scan cannot make a
         label per path)."""
         route = scope.get("route")
@@ -339,7 +346,9 @@ class EdgeMiddleware:
         if isinstance(template, str):
             return template
         path: str = scope["path"]
-        return path if path in self.routes else OTHER
+        if path in self.routes or (path in self.submissions and scope["method"] in _SUBMITTING):
+            return path
+        return OTHER
 
     async def _too_large(self, send: Send) -> None:
         detail = f"request body is larger than {self.max_body_bytes} bytes"

@@ -40,7 +40,7 @@ from gateway.routes.openai.errors import error_of, http_error
 from gateway.routes.openai.serving import Direct
 from gateway.routes.pipelines import reply_response
 from gateway.service import Gateway
-from gateway.traces import ROUTE
+from gateway.traces import answered_as
 from pipelines.errors import ConveyorError
 from pipelines.graph import Pipeline
 
@@ -150,17 +150,12 @@ class SyncCalls:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        # Its requests' traces name the route it answers as (the FastAPI route's name).
-        named = ROUTE.set(scope["path"])
-        try:
-            response = await self._respond(route, b"".join(chunks), sent, scope, receive)
-            if response is None:
-                await self.app(scope, replay(messages, receive), send)
-            else:
-                self.answered += 1
-                await response(scope, receive, send)  # a stream is admitted here
-        finally:
-            ROUTE.reset(named)
+        response = await self._respond(route, b"".join(chunks), sent, scope, receive)
+        if response is None:
+            await self.app(scope, replay(messages, receive), send)
+        else:
+            self.answered += 1
+            await response(scope, receive, send)  # a stream is admitted here
 
     async def _respond(
         self, route: Route, raw: bytes, sent: Sent, scope: Scope, receive: Receive
@@ -168,11 +163,12 @@ class SyncCalls:
         """The call's answer, as its route would give it; None where the route should
         answer it."""
         if isinstance(route, Direct):
-            return await self._direct(route, raw, sent, receive)
+            return await self._direct(route, raw, sent, scope, receive)
         pipeline = route.pipeline if isinstance(route, Job) else route
         payload = self._validated(pipeline, raw)
         if payload is None:
             return None
+        answered_as(scope, scope["path"])  # its trace named as the route would name it
         try:
             if isinstance(route, Job):
                 return await submit_job(self.gateway, pipeline, payload, sent, scope)
@@ -194,7 +190,7 @@ class SyncCalls:
             return None
 
     async def _direct(
-        self, route: Direct[Any], raw: bytes, sent: Sent, receive: Receive
+        self, route: Direct[Any], raw: bytes, sent: Sent, scope: Scope, receive: Receive
     ) -> Response | None:
         """An OpenAI-compatible POST's answer, as its route would give it (a refusal in
         OpenAI's shape included); None where the route should answer it."""
@@ -202,6 +198,7 @@ class SyncCalls:
         read = None if value is None else route.read(value)
         if read is None:
             return None
+        answered_as(scope, scope["path"])
         try:
             return await route(*read, sent, receive)
         except ConveyorError as exc:

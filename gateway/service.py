@@ -233,7 +233,7 @@ class Gateway:
         timeout_s = self.timeout_for(sent.timeout_s, job=job)
         spans = traces.Enqueueing(self.clock)
         await self._admit(pipeline.entry.stage, timeout_s, sent.lane)
-        spans.admission(pipeline.name, sent.lane, job=job, stream=stream)
+        spans.admission(sent.lane)
         request_id = request_id or new_request_id()
         keys = self.keys.of(request_id)  # the partition of everything it touches
         ctx = {"input": payload}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextvars import ContextVar
+from collections.abc import Callable
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -30,11 +30,35 @@ from runtime.redisio import RedisClock
 
 logger = logging.getLogger(__name__)
 
-ROUTE: ContextVar[str | None] = ContextVar("conveyor_route", default=None)
-"""The route the hot path answers a request as (its path: ``/v1/{pipeline}``, or an
-OpenAI-compatible route, whose requests are each a pipeline's), set by
-:mod:`gateway.fastpath` while it answers: the root span is named after it, where FastAPI,
-which names it after the route that answered, never ran."""
+_route_selected: Callable[..., None] | None
+try:  # FastAPI's router names a request's telemetry after the route it selected, by this
+    from fastapi.telemetry._api import _route_selected
+except ImportError:  # a FastAPI without telemetry of its own: the span is named below
+    _route_selected = None
+
+TELEMETRY = "fastapi.telemetry"
+"""The scope key of FastAPI's per-request telemetry (its root span, the route its duration
+metric and log events carry)."""
+
+
+def answered_as(scope: Scope, route: str) -> None:
+    """The hot path (:mod:`gateway.fastpath`) answers the request as ``route`` (its path:
+    ``/v1/{pipeline}``, ``/v1/jobs/{pipeline}``, or an OpenAI-compatible route), where
+    FastAPI's router never runs: its root span, and FastAPI's own telemetry of it, are
+    named after that route as the router names them, whatever its answer (a refusal
+    included)."""
+    if not tracing.STATE.enabled and TELEMETRY not in scope:
+        return
+    if _route_selected is not None and TELEMETRY in scope:
+        try:
+            _route_selected(scope=scope, path=route)
+            return
+        except TypeError:  # its private signature changed: name the span, at least
+            pass
+    root = current()
+    if root is not None:
+        root.update_name(f"{scope['method']} {route}")
+        root.set_attribute("http.route", route)
 
 
 def current() -> Span | None:
@@ -64,17 +88,10 @@ class Enqueueing:
         self.started = clock.now() if self.root is not None else 0.0
         self.admitted = 0.0
 
-    def admission(self, pipeline: str, lane: Lane, *, job: bool, stream: bool) -> None:
-        """The request to ``pipeline`` was admitted: its ``admission`` span ends now."""
+    def admission(self, lane: Lane) -> None:
+        """The request was admitted: its ``admission`` span ends now."""
         if self.root is None:
             return
-        # FastAPI names the span after the route that answered; the hot path says its own.
-        route = ROUTE.get()
-        if route is None:
-            route = f"/v1/jobs/{pipeline}" if job else f"/v1/{pipeline}"
-            route += "/stream" if stream else ""
-        self.root.update_name(f"POST {route}")
-        self.root.set_attribute("http.route", route)
         self.admitted = self.clock.now()
         child(self.root, "admission", self.started, self.admitted, **{"conveyor.lane": lane})
 

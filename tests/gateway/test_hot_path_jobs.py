@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,11 +21,13 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from pipelines.graph import single
-from pipelines.keys import Keys
+from pipelines.envelope import Request, decode_request
+from pipelines.graph import Pipeline, single
+from pipelines.keys import LANES, Keys
 from pipelines.registry import Registry
 from tests.gateway.test_hot_path import CASES, PLAIN, ROUTE, hot_path, started
-from tests.helpers import Doubler, Harness, number_stage, until
+from tests.helpers import Doubler, GatewayProcess, Harness, number_stage, until
+from tests.support.otlp import Received, Receiver, receiver
 
 SUBMIT = "/v1/jobs/double"
 KEY_A = "alpha-secret-key"
@@ -47,22 +51,24 @@ async def served(harness: Harness) -> AsyncIterator[tuple[FastAPI, httpx.AsyncCl
         yield app, http
 
 
-def seen(resp: httpx.Response) -> tuple[int, Any, set[str]]:
-    """What a client sees of a submission, less the job's own id (in its body, its url
-    and its Location)."""
+def seen(resp: httpx.Response) -> tuple[int, Any, dict[str, str]]:
+    """What a client sees of a submission, less the job's own id (in its body, its url,
+    its Location and its X-Request-Id)."""
     try:
         body = resp.json()
     except ValueError:
         body = resp.text
+    own = str(body.get("id") or body.get("request_id")) if isinstance(body, dict) else None
     if isinstance(body, dict):
-        for own in ("id", "url", "request_id"):
-            body.pop(own, None)
-    named = {"x-request-id", "retry-after", "content-type", "location"}
-    headers = {h for h in resp.headers if h in named}
+        for field in ("id", "url", "request_id"):
+            body.pop(field, None)
+    named = {"x-request-id", "retry-after", "content-type", "location", "content-length"}
+    headers = {h: v for h, v in resp.headers.items() if h in named}
+    if own:
+        headers = {h: v.replace(own, "<id>") for h, v in headers.items()}
     if resp.status_code == 202:
-        job = resp.json()["id"]
-        assert resp.headers["location"] == resp.json()["url"] == f"/v1/jobs/{job}"
-        assert resp.headers["x-request-id"] == job
+        assert headers["location"] == "/v1/jobs/<id>" == resp.json()["url"].replace(own, "<id>")
+        assert headers["x-request-id"] == "<id>"
     return resp.status_code, body, headers
 
 
@@ -118,6 +124,67 @@ async def test_a_hot_job_is_in_the_bulk_lane_unless_asked_otherwise(
         assert await redis.xlen(keys.stage_stream("double", "interactive")) == 3
 
 
+async def _queued(redis: aioredis.Redis, keys: Keys) -> dict[str, Request]:
+    """The requests in the stage's streams, by id."""
+    found = {}
+    for lane in LANES:
+        entries: Any = await redis.xrange(keys.stage_stream("double", lane))
+        for _, fields in entries:
+            request = decode_request(fields)
+            found[request.id] = request
+    return found
+
+
+async def test_a_hot_job_is_queued_as_the_routes_with_its_headers(
+    harness: Harness, redis: aioredis.Redis, namespace: str
+) -> None:
+    # No worker: each job's record and entry stay as the submission wrote them. The two
+    # paths must write the same deadline (a job's, 50 s, not a call's 7 s, unless asked
+    # for less), lane, trace id, owner and reply key.
+    app = await _app(harness, worker=False, job_timeout_s=50, default_timeout_s=7)
+    keys = Keys(namespace)
+    asked = [
+        {},
+        {"X-Conveyor-Timeout": "5"},
+        {"X-Trace-Id": "trace-abc"},
+        {"X-Conveyor-Priority": "interactive"},
+        {"X-Conveyor-Timeout": "20", "X-Trace-Id": "t2", "X-Conveyor-Priority": "bulk"},
+    ]
+    async with started(app) as http:
+        calls = hot_path(app)
+        pairs = []
+        for headers in asked:
+            ids = []
+            for content in (PLAIN, ROUTE):
+                now = await harness.redis.time()
+                resp = await http.post(SUBMIT, json={"value": 2}, headers={**content, **headers})
+                assert resp.status_code == 202, resp.text
+                ids.append((resp.json()["id"], now[0] + now[1] / 1e6))
+            pairs.append((headers, ids))
+        assert calls.answered == len(asked)
+        queued = await _queued(redis, keys)
+        for headers, ids in pairs:
+            views = []
+            for job, sent_at in ids:
+                request = queued[job]
+                record = await redis.hgetall(keys.job(job))
+                views.append(
+                    {
+                        "budget": round(request.deadline - sent_at),
+                        "record_deadline": round(float(record[b"deadline"]) - sent_at),
+                        "lane": request.lane,
+                        "trace": request.trace_id if "X-Trace-Id" in headers else None,
+                        "owner": record[b"owner"],
+                        "reply_to": request.reply_to == keys.job(job),
+                        "pipeline": record[b"pipeline"],
+                    }
+                )
+            assert views[0] == views[1], (headers, views)
+            budget = float(headers.get("X-Conveyor-Timeout", 50))
+            assert views[0]["budget"] == views[0]["record_deadline"] == budget, views
+            assert views[0]["lane"] == headers.get("X-Conveyor-Priority", "bulk")
+
+
 async def test_a_hot_job_is_its_submitters_alone(harness: Harness) -> None:
     app = await _app(harness, api_keys=[KEY_A, KEY_B])
     async with started(app) as http:
@@ -138,17 +205,23 @@ async def test_a_hot_job_is_its_submitters_alone(harness: Harness) -> None:
         assert other.status_code == 404, other.text
 
 
-async def test_a_hot_job_is_labelled_as_its_route(
-    served: tuple[FastAPI, httpx.AsyncClient],
-) -> None:
-    app, http = served
-    for headers in (PLAIN, ROUTE):
-        assert (await http.post(SUBMIT, json={"value": 1}, headers=headers)).status_code == 202
-    assert hot_path(app).answered == 1
-    metrics = (await http.get("/metrics")).text
-    line = 'conveyor_http_requests_total{route="/v1/jobs/double",status="202"} 2'
-    assert line in metrics, [m for m in metrics.splitlines() if "jobs" in m]
-    assert 'route="other"' not in metrics
+async def test_a_hot_job_is_labelled_as_its_route(harness: Harness) -> None:
+    app = await _app(harness, api_keys=[KEY_A])
+    key = {"Authorization": f"Bearer {KEY_A}"}
+    async with started(app) as http:
+        for headers in (PLAIN, ROUTE):
+            resp = await http.post(SUBMIT, json={"value": 1}, headers={**headers, **key})
+            assert resp.status_code == 202, resp.text
+        assert hot_path(app).answered == 1
+        # Refused at the edge: a submission is its route's; a read of a job whose id is
+        # the pipeline's name is not (the router would label it /v1/jobs/{job_id}).
+        assert (await http.post(SUBMIT, json={"value": 1})).status_code == 401
+        assert (await http.get(SUBMIT)).status_code == 401
+        metrics = (await http.get("/metrics", headers=key)).text
+    jobs = [m for m in metrics.splitlines() if m.startswith("conveyor_http_requests_total")]
+    assert 'conveyor_http_requests_total{route="/v1/jobs/double",status="202"} 2' in jobs, jobs
+    assert 'conveyor_http_requests_total{route="/v1/jobs/double",status="401"} 1' in jobs, jobs
+    assert 'conveyor_http_requests_total{route="other",status="401"} 1' in jobs, jobs
 
 
 def _value(rng: random.Random) -> Any:
@@ -225,3 +298,46 @@ async def test_a_hot_job_redis_refuses_is_a_503_and_leaves_nothing(
         again = await http.post(SUBMIT, json={"value": 5}, headers=PLAIN)
         assert again.status_code == 202, again.text
         assert await redis.xlen(Keys(namespace).stage_stream("double", "bulk")) == 1
+
+
+def pipelines() -> list[Pipeline]:
+    """This file's stage, for a real gateway process (``CONVEYOR_APP``)."""
+    return [single(number_stage())]
+
+
+def test_a_refused_hot_request_is_traced_as_its_route(redis_url: str, tmp_path: Path) -> None:
+    # Before: the hot path named a request's root span at its admission, so one refused
+    # before it (a full backlog, draining, Redis down) kept FastAPI's bare "POST", where
+    # the route names it after itself whatever it answers.
+    with receiver() as got:
+        otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": got.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        app = {"CONVEYOR_APP": "tests.gateway.test_hot_path_jobs:pipelines"}
+        bound = {"CONVEYOR_MAX_BACKLOG": "2"}  # no worker: the jobs fill it
+        with GatewayProcess(redis_url, tmp_path / "gateway.log", **app, **otel, **bound) as gw:
+            roots = {}
+            for path in (SUBMIT, "/v1/double"):
+                for _ in range(20):  # admitted (a call's 504 a second later) until full
+                    resp = httpx.post(
+                        f"{gw.base}{path}",
+                        json={"value": 1},
+                        headers={"X-Conveyor-Timeout": "1"},
+                        timeout=60,
+                    )
+                    if resp.status_code not in (202, 504):
+                        break
+                assert resp.status_code == 503, resp.text
+                _, trace_id, root_id, _ = resp.headers["traceparent"].split("-")
+                roots[path] = _root(got, trace_id, root_id)
+    for path, root in roots.items():
+        assert root.name == f"POST {path}", (path, root.name)
+        assert root.attributes["http.route"] == path
+
+
+def _root(got: Receiver, trace_id: str, root_id: str) -> Received:
+    give_up = time.monotonic() + 30
+    while True:
+        for span in got.of_trace(trace_id):
+            if span.span_id == root_id:
+                return span
+        assert time.monotonic() < give_up, "the root span was never exported"
+        time.sleep(0.1)  # the exporter sends every 100 ms; nothing here to await
