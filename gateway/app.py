@@ -25,7 +25,7 @@ from gateway.fastpath import SyncCalls
 from gateway.headers import CORS_HEADERS
 from gateway.responses import openapi_document, validation_issues
 from gateway.routes import json_response
-from gateway.routes.jobs import add_job_routes
+from gateway.routes.jobs import add_job_routes, submission_path
 from gateway.routes.login import add_login_routes
 from gateway.routes.openai import add_openai_routes
 from gateway.routes.openai.errors import PATHS, is_openai_path, openai_error, without_422
@@ -259,7 +259,7 @@ def create_app(
         metrics=gw.metrics,
         routes=[*(f"/v1/{name}" for name in registry.pipelines), *PATHS],
         api_keys=settings.api_keys,
-        submissions=[f"/v1/jobs/{name}" for name in registry.pipelines],
+        submissions=[submission_path(name) for name in registry.pipelines],
         client_timeout_s=settings.client_timeout_s,
         access_log=settings.access_log,
         sessions=sessions,

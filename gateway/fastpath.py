@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.body import parse_body
 from gateway.headers import HEADERS, UNCLEAR, RouteKind, Sent
-from gateway.routes.jobs import submit_job
+from gateway.routes.jobs import submission_path, submit_job
 from gateway.routes.openai.errors import error_of, http_error
 from gateway.routes.openai.serving import Direct
 from gateway.routes.pipelines import reply_response
@@ -126,7 +126,7 @@ class SyncCalls:
         self.error_response = error_response
         pipelines = gateway.registry.pipelines.items()
         self.routes: dict[str, Route] = {f"/v1/{name}": p for name, p in pipelines}
-        self.routes.update({f"/v1/jobs/{name}": Job(p) for name, p in pipelines})
+        self.routes.update({submission_path(name): Job(p) for name, p in pipelines})
         self.routes.update(openai or {})  # no pipeline takes their names (RESERVED)
         self.answered = 0
 

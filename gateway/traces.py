@@ -47,8 +47,6 @@ def answered_as(scope: Scope, route: str) -> None:
     FastAPI's router never runs: its root span, and FastAPI's own telemetry of it, are
     named after that route as the router names them, whatever its answer (a refusal
     included)."""
-    if not tracing.STATE.enabled and TELEMETRY not in scope:
-        return
     if _route_selected is not None and TELEMETRY in scope:
         try:
             _route_selected(scope=scope, path=route)

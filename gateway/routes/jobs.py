@@ -65,6 +65,11 @@ def add_job_routes(app: FastAPI, gw: Gateway, edge: list[int]) -> None:
         _add_submit_route(app, gw, pipeline, edge)
 
 
+def submission_path(pipeline: str) -> str:
+    """Where a job of ``pipeline`` is submitted (``POST``)."""
+    return f"/v1/jobs/{pipeline}"
+
+
 async def submit_job(
     gw: Gateway, pipeline: Pipeline, data: dict[str, Any], sent: Sent, scope: Scope
 ) -> Response:
@@ -89,7 +94,7 @@ def _add_submit_route(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[
 
     submit.__annotations__["payload"] = Annotated[pipeline.input_model, Body()]
     app.add_api_route(
-        f"/v1/jobs/{pipeline.name}",
+        submission_path(pipeline.name),
         submit,
         methods=["POST"],
         status_code=202,
