@@ -29,7 +29,7 @@ from pipelines.model import Item, Result
 from pipelines.registry import Registry
 from pipelines.stages import GenerateIn, Stage, TextIn
 from tests.gateway.test_cancel import cancelled, queued, raw_request, watchers
-from tests.gateway.test_hot_path import PLAIN, ROUTE, hot_path, seen, started
+from tests.gateway.test_hot_path import both_ways, hot_path, seen, started
 from tests.helpers import GatewayProcess, Harness, until
 from tests.support.faultapp import spawn, stop
 from tests.support.otlp import receiver
@@ -143,11 +143,8 @@ async def test_the_hot_path_answers_the_openai_routes_as_they_do(served: Any) ->
     for path, body, plain, *more in CASES:
         raw = orjson.dumps(body)
         headers = more[0] if more else {}
-        before = calls.answered
-        hot = await http.post(path, content=raw, headers={**PLAIN, **headers})
-        assert calls.answered == before + plain, (path, body, hot.text)
-        route = await http.post(path, content=raw, headers={**ROUTE, **headers})
-        assert calls.answered == before + plain
+        hot, route, took = await both_ways(http, calls, path, raw, headers)
+        assert took == plain, (path, body, hot.text)
         assert same(hot) == same(route), (path, body, hot.text, route.text)
         assert hot.status_code < 500 or hot.status_code == 502, (path, body, hot.text)
         if hot.status_code >= 400:  # OpenAI's shape, whoever answered
@@ -319,10 +316,8 @@ async def test_random_bodies_get_the_same_answer_from_both_paths_and_never_a_500
     for _ in range(150):
         raw = _body(rng)
         path = rng.choice([E, E, E, E, C, CHAT])
-        before = calls.answered
-        hot = await http.post(path, content=raw, headers=PLAIN)
-        took += calls.answered - before
-        route = await http.post(path, content=raw, headers=ROUTE)
+        hot, route, hot_took = await both_ways(http, calls, path, raw)
+        took += hot_took
         assert same(hot) == same(route), (path, raw[:200], hot.text[:300], route.text[:300])
         assert hot.status_code in (200, 400, 404, 502), (path, raw[:200], hot.text[:300])
         statuses[hot.status_code] = statuses.get(hot.status_code, 0) + 1

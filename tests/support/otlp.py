@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,18 +64,20 @@ class Receiver:
 
     endpoint: str = ""
     spans: list[Received] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+    """Held to read or add spans; notified when an export's spans are added."""
 
     def add(self, body: bytes) -> None:
         """Decode one export request and keep its spans."""
         request = ExportTraceServiceRequest()
         request.ParseFromString(body)
+        received: list[Received] = []
         for resource_spans in request.resource_spans:
             attrs = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             service = str(attrs.get("service.name", ""))
             for scope in resource_spans.scope_spans:
                 for s in scope.spans:
-                    received = Received(
+                    span = Received(
                         service,
                         s.name,
                         s.trace_id.hex(),
@@ -86,15 +88,23 @@ class Receiver:
                         {a.key: _value(a.value) for a in s.attributes},
                         tuple((link.trace_id.hex(), link.span_id.hex()) for link in s.links),
                     )
-                    with self.lock:
-                        self.spans.append(received)
+                    received.append(span)
+        with self.arrived:
+            self.spans += received
+            self.arrived.notify_all()
 
     def of_trace(self, trace_id: str) -> list[Received]:
         """The spans of one trace, by start time."""
-        with self.lock:
+        with self.arrived:
             return sorted(
                 (s for s in self.spans if s.trace_id == trace_id), key=lambda s: s.start_ns
             )
+
+    def wait(self, done: Callable[[], bool], limit_s: float) -> bool:
+        """Wait until ``done()`` holds, checked as each export arrives; whether it did
+        within ``limit_s``."""
+        with self.arrived:  # its lock is re-entrant: done() may read the spans
+            return self.arrived.wait_for(done, timeout=limit_s)
 
 
 @contextmanager
