@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -22,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.alarms import Alarms
 from gateway.protocol import HEADERS_TOO_LARGE
 from gateway.sessions import LOGIN_URL, LOGOUT_URL, SESSION, Sessions, operator_page
-from runtime.logs import hold_per_iteration
+from runtime.logs import hold_per_iteration, log_line
 from runtime.metrics import BUCKETS, Exposition, Family, Histogram, histogram_lines
 
 logger = logging.getLogger(__name__)
@@ -123,23 +122,7 @@ def log_access(
     ms = round(seconds * 1000, 3)
     method = scope["method"]
     extra = {"method": method, "route": route, "status": status, "ms": ms, "request_id": request_id}
-    # The record access.info() would make, less its walk up the stack for the caller
-    # (always this line): the same file, line and function, handled as it would be.
-    here = sys._getframe()
-    code = here.f_code
-    args = (method, route, status, ms, request_id or "-")
-    record = access.makeRecord(
-        access.name,
-        logging.INFO,
-        code.co_filename,
-        here.f_lineno,
-        _LINE,
-        args,
-        None,
-        code.co_name,
-        extra,
-    )
-    access.handle(record)
+    log_line(access, logging.INFO, _LINE, (method, route, status, ms, request_id or "-"), extra)
 
 
 class EdgeMiddleware:

@@ -11,12 +11,19 @@ import logging
 import signal
 from asyncio import FIRST_COMPLETED
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 
-from runtime.logs import LineHandler, hold_per_iteration
+from runtime.logs import (
+    JsonFormatter,
+    LineHandler,
+    TextFormatter,
+    direct_line,
+    hold_per_iteration,
+    log_line,
+)
 from tests.helpers import Doubler, GatewayProcess, Harness, number_stage, wait_for_line
 
 ACCESS = "gateway.access"
@@ -299,3 +306,129 @@ def test_a_killed_gateway_leaves_only_whole_lines(redis_url: str, tmp_path: Path
     _, written, status = _signalled_mid_burst(redis_url, tmp_path / "gateway.log", signal.SIGKILL)
     assert status == -signal.SIGKILL
     assert written  # some were written before the kill
+
+
+def direct_logger(formatter: logging.Formatter) -> tuple[LineHandler, Writes, logging.Logger]:
+    """A held logger under a root whose one handler is a :class:`LineHandler` with
+    ``formatter``, as :func:`~runtime.logs.configure_logging` sets it up (the root's
+    handlers are put back by the caller's ``finally``)."""
+    stream = Writes()
+    handler = LineHandler(stream)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    logger = logging.getLogger("test.direct.access")
+    logger.handlers[:], logger.filters[:] = [], []
+    logger.propagate, logger.disabled = True, False
+    logger.setLevel(logging.INFO)
+    hold_per_iteration(logger.name)
+    return handler, stream, logger
+
+
+def by_record(logger: logging.Logger, formatter: logging.Formatter, created: float) -> str:
+    """What ``formatter`` writes of the record ``logger.info`` makes of the test's line,
+    made at ``created``."""
+    record = logger.makeRecord(
+        logger.name, logging.INFO, "f.py", 1, "%s %d %.1fms", ("GET", 200, 1.5), None, "f", EXTRA
+    )
+    record.created = created
+    record.msecs = int((created - int(created)) * 1000) + 0.0
+    return formatter.format(record)
+
+
+EXTRA = {"method": "GET", "status": 200, "ms": 1.5, "request_id": None}
+
+
+@pytest.mark.parametrize("formatter", [TextFormatter(), JsonFormatter()], ids=["text", "json"])
+def test_a_direct_line_is_the_line_its_record_would_format_to(
+    formatter: logging.Formatter,
+) -> None:
+    """Across second boundaries and milliseconds near 0 and 999, in both formats."""
+    root = logging.getLogger()
+    kept = root.handlers[:]
+    try:
+        _, _, logger = direct_logger(formatter)
+        line = cast(TextFormatter | JsonFormatter, formatter).line
+        base = 1_796_000_000.0
+        for created in [
+            base,
+            base + 0.0009,
+            base + 0.9995,
+            base + 1.0,
+            base + 59.999,
+            base + 3600.5,
+        ]:
+            direct = line(logger.name, "INFO", created, "GET 200 1.5ms", EXTRA)
+            assert direct == by_record(logger, formatter, created), created
+        # The cached second is not kept past it.
+        assert line(logger.name, "INFO", base + 1.25, "m", EXTRA) != line(
+            logger.name, "INFO", base + 2.25, "m", EXTRA
+        )
+    finally:
+        root.handlers[:] = kept
+
+
+def test_a_direct_line_is_written_as_the_record_would_be() -> None:
+    root = logging.getLogger()
+    kept = root.handlers[:]
+    try:
+        _, stream, logger = direct_logger(TextFormatter())
+        assert direct_line(logger, logging.INFO) is not None
+        log_line(logger, logging.INFO, "%s %d %.1fms", ("GET", 200, 1.5), EXTRA)
+        logger.warning("a warning")  # written at once, after the held line
+        first, second = "".join(stream.writes).splitlines()
+        assert first.endswith(" INFO test.direct.access: GET 200 1.5ms")
+        assert second.endswith(" WARNING test.direct.access: a warning")
+        log_line(logger, logging.DEBUG, "below the level", (), {})
+        assert len("".join(stream.writes).splitlines()) == 2
+    finally:
+        root.handlers[:] = kept
+
+
+def test_a_line_goes_through_records_wherever_something_else_may_see_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A filter, a second handler (caplog's), a handler's level or another formatter:
+    the line is a record, handled as ``Logger.info`` would handle it."""
+    root = logging.getLogger()
+    kept = root.handlers[:]
+    try:
+        handler, stream, logger = direct_logger(TextFormatter())
+        assert direct_line(logger, logging.INFO) is handler
+
+        def check(undo: Any) -> None:
+            assert direct_line(logger, logging.INFO) is None
+            undo()
+            assert direct_line(logger, logging.INFO) is handler
+
+        logger.addFilter(lambda record: True)
+        check(lambda: logger.filters.clear())
+        handler.addFilter(lambda record: True)
+        check(lambda: handler.filters.clear())
+        handler.setLevel(logging.WARNING)
+        check(lambda: handler.setLevel(logging.NOTSET))
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        check(lambda: handler.setFormatter(TextFormatter()))
+        logger.disabled = True
+        check(lambda: setattr(logger, "disabled", False))
+        between = logging.getLogger("test.direct")
+        between.addHandler(logging.NullHandler())
+        check(lambda: between.handlers.clear())
+        logger.propagate = False  # nothing of it reaches the root's handler
+        check(lambda: setattr(logger, "propagate", True))
+
+        root.addHandler(caplog.handler)  # what caplog does: a second handler
+        try:
+            assert direct_line(logger, logging.INFO) is None
+            log_line(logger, logging.INFO, "%s %d %.1fms", ("GET", 200, 1.5), EXTRA)
+        finally:
+            root.removeHandler(caplog.handler)
+        (record,) = [r for r in caplog.records if r.name == logger.name]
+        assert record.getMessage() == "GET 200 1.5ms"
+        assert (record.__dict__["status"], record.funcName) == (
+            200,
+            "test_a_line_goes_through_records_wherever_something_else_may_see_it",
+        )
+        assert "".join(stream.writes).rstrip().endswith("GET 200 1.5ms")  # and written
+    finally:
+        root.handlers[:] = kept
