@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from types import TracebackType
 from typing import Any, cast
 
@@ -174,12 +174,13 @@ class LogSettings(BaseSettings):
 class TextFormatter(logging.Formatter):
     """``CONVEYOR_LOG_FORMAT=text``: :data:`TEXT_FORMAT`, its time as the standard
     library writes it (local time, ``2026-11-29 17:08:14,834``), the part before the
-    milliseconds formatted once a second."""
+    milliseconds formatted once a second (again if its ``converter`` or
+    ``default_time_format`` changed; a time zone changed by ``time.tzset()`` shows from
+    the next second)."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
-        self._second = -1
-        self._stamp = ""
+        self._cache: tuple[Any, str] = (None, "")  # one value: read and replaced whole
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         """The record's time, as :class:`logging.Formatter` writes it."""
@@ -188,21 +189,20 @@ class TextFormatter(logging.Formatter):
         return self._time(record.created, record.msecs)
 
     def _time(self, created: float, msecs: float) -> str:
-        second = int(created)
-        if second != self._second:
-            self._stamp = time.strftime(self.default_time_format, self.converter(created))
-            self._second = second
-        return f"{self._stamp},{int(msecs):03d}"
+        key = (int(created), self.converter, self.default_time_format)
+        cache = self._cache
+        if cache[0] != key:
+            cache = (key, time.strftime(self.default_time_format, self.converter(created)))
+            self._cache = cache
+        msec_format = self.default_msec_format
+        return msec_format % (cache[1], msecs) if msec_format else cache[1]
 
-    def line(self, name: str, levelname: str, created: float, message: str, extra: Any) -> str:
+    def line(
+        self, name: str, levelname: str, created: float, msecs: float, message: str, extra: Any
+    ) -> str:
         """The line :meth:`format` writes of a record with these fields and no
         exception (``extra`` is not written in text)."""
-        return f"{self._time(created, _msecs(created))} {levelname} {name}: {message}"
-
-
-def _msecs(created: float) -> float:
-    """A record's ``msecs`` of its ``created``, as :class:`logging.LogRecord` sets it."""
-    return int((created - int(created)) * 1000) + 0.0
+        return f"{self._time(created, msecs)} {levelname} {name}: {message}"
 
 
 class JsonFormatter(logging.Formatter):
@@ -212,9 +212,8 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         """The record as one line of JSON."""
-        fields = {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
         line = self._fields(
-            record.name, record.levelname, record.created, record.getMessage(), fields
+            record.name, record.levelname, record.created, record.getMessage(), record.__dict__
         )
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
@@ -225,7 +224,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, ensure_ascii=False)
 
     def line(
-        self, name: str, levelname: str, created: float, message: str, extra: dict[str, Any]
+        self,
+        name: str,
+        levelname: str,
+        created: float,
+        msecs: float,
+        message: str,
+        extra: dict[str, Any],
     ) -> str:
         """The line :meth:`format` writes of a record with these fields, ``extra`` its
         own, and no exception."""
@@ -234,14 +239,16 @@ class JsonFormatter(logging.Formatter):
 
     @staticmethod
     def _fields(
-        name: str, levelname: str, created: float, message: str, extra: dict[str, Any]
+        name: str, levelname: str, created: float, message: str, fields: dict[str, Any]
     ) -> dict[str, Any]:
+        """The line's object; of ``fields``, those a record does not carry of itself."""
+        skip = _STANDARD | {"time", "level", "logger"}
         return {
             "time": _utc(created),
             "level": levelname,
             "logger": name,
             "message": message,
-            **{k: v for k, v in extra.items() if k not in ("time", "level", "logger")},
+            **{k: v for k, v in fields.items() if k not in skip},
         }
 
 
@@ -250,15 +257,36 @@ LINE_FORMATTERS = (TextFormatter, JsonFormatter)
 LineFormatter = TextFormatter | JsonFormatter
 
 
+_AS_RECORDS = (
+    logging.LogRecord,
+    logging.Logger.makeRecord,
+    logging.Logger.handle,
+    logging.Logger.callHandlers,
+)
+"""What makes and hands on a record, as the standard library has it: where any is
+replaced (a record factory adding trace ids, Sentry's breadcrumbs patching
+``callHandlers``), a line is a record, for it to see."""
+
+
 def direct_line(logger: logging.Logger, levelno: int) -> LineHandler | None:
     """The one handler a line of ``logger`` at ``levelno`` would reach, where writing it
-    needs no :class:`logging.LogRecord`: the line is enabled, no filter or other handler
-    is on its way (none on the logger or its parents but the root's one
-    :class:`LineHandler`, itself with no filter), and that handler's formatter is
-    conveyor's own (:data:`LINE_FORMATTERS`); else None (then log as usual). A record's
-    making and handling cost a gateway about a tenth of its CPU per request, for its
-    access line; this check costs a few attribute reads."""
+    needs no :class:`logging.LogRecord`: the line is enabled, nothing is on its way that
+    could see a record (a filter, another handler on the logger or its parents, a record
+    factory or :class:`logging.Logger` method of someone else's, a logger of another
+    class) but the root's one :class:`LineHandler`, itself with no filter, and that
+    handler's formatter is conveyor's own (:data:`LINE_FORMATTERS`, with no ``datefmt``);
+    else None (then log as usual). A record's making and handling cost a gateway about a
+    tenth of its CPU per request, for its access line; this check costs a few attribute
+    reads."""
     if logger.disabled or logger.filters or not logger.isEnabledFor(levelno):
+        return None
+    standard = (
+        logging.getLogRecordFactory(),
+        logging.Logger.makeRecord,
+        logging.Logger.handle,
+        logging.Logger.callHandlers,
+    )
+    if type(logger) is not logging.Logger or standard != _AS_RECORDS:
         return None
     found: LineHandler | None = None
     current: logging.Logger | None = logger
@@ -272,7 +300,14 @@ def direct_line(logger: logging.Logger, levelno: int) -> LineHandler | None:
         current = current.parent
     if found is None or found.filters or levelno < found.level:
         return None
-    return found if type(found.formatter) in LINE_FORMATTERS else None
+    formatter = found.formatter
+    if type(formatter) not in LINE_FORMATTERS or cast(LineFormatter, formatter).datefmt:
+        return None
+    return found
+
+
+_RESERVED = _STANDARD | {"message", "asctime"}
+"""Keys ``extra`` may not hold (:meth:`logging.Logger.makeRecord` refuses them)."""
 
 
 def log_line(
@@ -281,32 +316,56 @@ def log_line(
     """Log ``msg % args`` with ``extra`` on ``logger``, as ``logger.log(levelno, msg,
     *args, extra=extra)`` would from the caller's line, but cheaply: where
     :func:`direct_line` finds its one handler, the line is made and written without a
-    record; else the record is made without the standard library's walk up the stack for
-    the caller (it is the caller of this function) and handled as usual."""
+    record (the same line, held or written as its record would be); else, and wherever
+    making it fails (a message its arguments do not fit, a key ``extra`` may not hold),
+    the record is made, without the standard library's walk up the stack for the caller
+    (it is the caller of this function), and handled as usual: an error so goes where
+    the standard library sends it."""
     handler = direct_line(logger, levelno)
-    if handler is not None:
-        formatter = cast(LineFormatter, handler.formatter)
-        level = logging.getLevelName(levelno)
-        handler.emit_line(
-            logger.name, levelno, formatter.line(logger.name, level, time.time(), msg % args, extra)
-        )
-        return
+    if handler is not None and _RESERVED.isdisjoint(extra):
+        try:
+            created, msecs = _now()
+            level = logging.getLevelName(levelno)
+            message = _message(msg, args)
+            formatter = cast(LineFormatter, handler.formatter)
+            text = formatter.line(logger.name, level, created, msecs, message, extra)
+        except Exception:  # the record's way says it as the standard library would
+            pass
+        else:
+            handler.emit_line(logger.name, levelno, text)
+            return
     if not logger.isEnabledFor(levelno):
         return
     caller = sys._getframe(1)
-    code = caller.f_code
+    where = (caller.f_code.co_filename, caller.f_lineno)
     record = logger.makeRecord(
-        logger.name,
-        levelno,
-        code.co_filename,
-        caller.f_lineno,
-        msg,
-        args,
-        None,
-        code.co_name,
-        extra,
+        logger.name, levelno, *where, msg, args, None, caller.f_code.co_name, extra
     )
     logger.handle(record)
+
+
+def _message(msg: str, args: tuple[Any, ...]) -> str:
+    """:meth:`logging.LogRecord.getMessage` of a record of ``msg`` and ``args``."""
+    text = str(msg)
+    if not args:
+        return text
+    if len(args) == 1 and isinstance(args[0], Mapping) and args[0]:
+        return text % args[0]
+    return text % args
+
+
+def _now() -> tuple[float, float]:
+    """``created`` and ``msecs`` of a record made now, as this Python's
+    :class:`logging.LogRecord` sets them (from 3.13 on, from ``time.time_ns()``)."""
+    if sys.version_info >= (3, 13):
+        ns = time.time_ns()
+        created = ns / 1e9
+        msecs = (ns % 1_000_000_000) // 1_000_000 + 0.0
+        if msecs == 999.0 and int(created) != ns // 1_000_000_000:
+            msecs = 0.0  # as LogRecord: rounding made created the next second
+        return created, msecs
+    created = time.time()
+    return created, int((created - int(created)) * 1000) + 0.0
 
 
 def _utc(created: float) -> str:

@@ -5,6 +5,7 @@ logging set-up it changed put back."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 
@@ -26,11 +27,18 @@ def test_each_format_and_way_is_measured(
         return await measure(n)
 
     monkeypatch.setattr(bench_access, "_lines", lines)
+    # What configure_logging changes for the process, put back after it.
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    libraries = [logging.getLogger(name) for name in ("httpx", "httpcore")]
+    levels = [lib.level for lib in libraries]
+    root.handlers[:] = []  # basicConfig(force=True) closes what it replaces: not pytest's
     try:
         bench_access.main(["--lines", "50", "--rounds", "1"])
     finally:
         root.handlers[:] = kept
         root.setLevel(level)
+        for lib, was in zip(libraries, levels, strict=True):
+            lib.setLevel(was)
     rows = [line.split("|")[1:3] for line in capsys.readouterr().out.splitlines()[2:]]
     assert [[cell.strip() for cell in row] for row in rows] == [
         ["text", "direct"],

@@ -9,14 +9,17 @@ import asyncio
 import json
 import logging
 import signal
+import time
 from asyncio import FIRST_COMPLETED
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
 
 from runtime.logs import (
+    TEXT_FORMAT,
     JsonFormatter,
     LineHandler,
     TextFormatter,
@@ -311,12 +314,11 @@ def test_a_killed_gateway_leaves_only_whole_lines(redis_url: str, tmp_path: Path
 def direct_logger(formatter: logging.Formatter) -> tuple[LineHandler, Writes, logging.Logger]:
     """A held logger under a root whose one handler is a :class:`LineHandler` with
     ``formatter``, as :func:`~runtime.logs.configure_logging` sets it up (the root's
-    handlers are put back by the caller's ``finally``)."""
+    handlers are put back by the fixture)."""
     stream = Writes()
     handler = LineHandler(stream)
     handler.setFormatter(formatter)
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
+    logging.getLogger().handlers[:] = [handler]
     logger = logging.getLogger("test.direct.access")
     logger.handlers[:], logger.filters[:] = [], []
     logger.propagate, logger.disabled = True, False
@@ -325,110 +327,164 @@ def direct_logger(formatter: logging.Formatter) -> tuple[LineHandler, Writes, lo
     return handler, stream, logger
 
 
-def by_record(logger: logging.Logger, formatter: logging.Formatter, created: float) -> str:
-    """What ``formatter`` writes of the record ``logger.info`` makes of the test's line,
-    made at ``created``."""
-    record = logger.makeRecord(
-        logger.name, logging.INFO, "f.py", 1, "%s %d %.1fms", ("GET", 200, 1.5), None, "f", EXTRA
-    )
-    record.created = created
-    record.msecs = int((created - int(created)) * 1000) + 0.0
-    return formatter.format(record)
-
-
-EXTRA = {"method": "GET", "status": 200, "ms": 1.5, "request_id": None}
-
-
-@pytest.mark.parametrize("formatter", [TextFormatter(), JsonFormatter()], ids=["text", "json"])
-def test_a_direct_line_is_the_line_its_record_would_format_to(
-    formatter: logging.Formatter,
-) -> None:
-    """Across second boundaries and milliseconds near 0 and 999, in both formats."""
+@pytest.fixture
+def root_kept() -> Iterator[None]:
+    """The root's handlers and level, put back after the test."""
     root = logging.getLogger()
-    kept = root.handlers[:]
+    kept, level = root.handlers[:], root.level
     try:
-        _, _, logger = direct_logger(formatter)
-        line = cast(TextFormatter | JsonFormatter, formatter).line
-        base = 1_796_000_000.0
-        for created in [
-            base,
-            base + 0.0009,
-            base + 0.9995,
-            base + 1.0,
-            base + 59.999,
-            base + 3600.5,
-        ]:
-            direct = line(logger.name, "INFO", created, "GET 200 1.5ms", EXTRA)
-            assert direct == by_record(logger, formatter, created), created
-        # The cached second is not kept past it.
-        assert line(logger.name, "INFO", base + 1.25, "m", EXTRA) != line(
-            logger.name, "INFO", base + 2.25, "m", EXTRA
-        )
+        yield
     finally:
         root.handlers[:] = kept
+        root.setLevel(level)
 
 
-def test_a_direct_line_is_written_as_the_record_would_be() -> None:
-    root = logging.getLogger()
-    kept = root.handlers[:]
+@pytest.fixture
+def new_york(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Local time is New York's (not UTC: a line written in UTC would show)."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
     try:
-        _, stream, logger = direct_logger(TextFormatter())
-        assert direct_line(logger, logging.INFO) is not None
-        log_line(logger, logging.INFO, "%s %d %.1fms", ("GET", 200, 1.5), EXTRA)
-        logger.warning("a warning")  # written at once, after the held line
-        first, second = "".join(stream.writes).splitlines()
-        assert first.endswith(" INFO test.direct.access: GET 200 1.5ms")
-        assert second.endswith(" WARNING test.direct.access: a warning")
-        log_line(logger, logging.DEBUG, "below the level", (), {})
-        assert len("".join(stream.writes).splitlines()) == 2
+        yield
     finally:
-        root.handlers[:] = kept
+        monkeypatch.undo()
+        time.tzset()
 
 
-def test_a_line_goes_through_records_wherever_something_else_may_see_it(
-    caplog: pytest.LogCaptureFixture,
+LINE = "%s %s %d %.1fms %s"
+ARGS = ("POST", "/v1/echo", 200, 1.5, "-")
+EXTRA = {"method": "POST", "route": "/v1/echo", "status": 200, "ms": 1.5, "request_id": None}
+BASE_NS = 1_796_000_000 * 10**9
+INSTANTS_NS = [  # second boundaries, milliseconds near 0 and 999, a minute and an hour on
+    BASE_NS,
+    BASE_NS + 900_000,
+    BASE_NS + 122_999_950,
+    BASE_NS + 999_500_000,
+    BASE_NS + 999_999_999,
+    BASE_NS + 10**9,
+    BASE_NS + 59_999_000_000,
+    BASE_NS + 3_600_500_000_000,
+]
+
+
+def passes(record: logging.LogRecord) -> bool:
+    return True
+
+
+@pytest.mark.usefixtures("root_kept", "new_york")
+@pytest.mark.parametrize("formatter", [TextFormatter, JsonFormatter], ids=["text", "json"])
+async def test_a_direct_line_is_the_line_its_record_writes_held_as_it_would_be(
+    formatter: type[logging.Formatter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A filter, a second handler (caplog's), a handler's level or another formatter:
-    the line is a record, handled as ``Logger.info`` would handle it."""
-    root = logging.getLogger()
-    kept = root.handlers[:]
-    try:
-        handler, stream, logger = direct_logger(TextFormatter())
+    """The same instants for both ways (the clock frozen, as LogRecord and log_line read
+    it), the record's way forced by a filter that passes everything."""
+    handler, stream, logger = direct_logger(formatter())
+    formatted: list[logging.LogRecord] = []
+    format_record = handler.format
+
+    def counting(record: logging.LogRecord) -> str:
+        formatted.append(record)
+        return format_record(record)
+
+    monkeypatch.setattr(handler, "format", counting)
+    for ns in INSTANTS_NS:
+        monkeypatch.setattr(time, "time_ns", lambda ns=ns: ns)
+        monkeypatch.setattr(time, "time", lambda ns=ns: ns / 1e9)
+        log_line(logger, logging.INFO, LINE, ARGS, EXTRA)
+        assert not formatted  # made directly
+        assert stream.writes == []  # held: the loop's turn has not ended
+        logger.addFilter(passes)
+        log_line(logger, logging.INFO, LINE, ARGS, EXTRA)
+        logger.removeFilter(passes)
+        assert len(formatted) == 1  # through a record
+        formatted.clear()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        (written,) = stream.writes
+        direct, by_record = written.splitlines()
+        assert direct == by_record, ns
+        stream.writes.clear()
+        if formatter is TextFormatter:  # and the standard library's own formatter's line
+            record = logging.LogRecord(logger.name, logging.INFO, "f.py", 1, LINE, ARGS, None)
+            assert direct == logging.Formatter(TEXT_FORMAT).format(record), ns
+    moment = time.localtime(BASE_NS / 1e9)  # New York's local time, not UTC
+    assert moment.tm_hour != time.gmtime(BASE_NS / 1e9).tm_hour
+
+
+@pytest.mark.usefixtures("root_kept")
+def test_a_line_is_a_record_wherever_something_else_may_see_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filter, a second handler (caplog's), a handler's level, another formatter or a
+    date format, a record factory, a patched Logger method, another logger class: the
+    line is a record, handled as ``Logger.info`` would handle it."""
+    handler, stream, logger = direct_logger(TextFormatter())
+    assert direct_line(logger, logging.INFO) is handler
+
+    def check(change: Callable[[], object], undo: Callable[[], object]) -> None:
+        change()
+        assert direct_line(logger, logging.INFO) is None
+        undo()
         assert direct_line(logger, logging.INFO) is handler
 
-        def check(undo: Any) -> None:
-            assert direct_line(logger, logging.INFO) is None
-            undo()
-            assert direct_line(logger, logging.INFO) is handler
+    check(lambda: logger.addFilter(passes), lambda: logger.removeFilter(passes))
+    check(lambda: handler.addFilter(passes), lambda: handler.removeFilter(passes))
+    check(lambda: handler.setLevel(logging.WARNING), lambda: handler.setLevel(logging.NOTSET))
+    check(
+        lambda: handler.setFormatter(logging.Formatter("%(message)s")),
+        lambda: handler.setFormatter(TextFormatter()),
+    )
+    dated = TextFormatter()
+    dated.datefmt = "%H:%M:%S"
+    check(lambda: handler.setFormatter(dated), lambda: handler.setFormatter(TextFormatter()))
+    check(lambda: setattr(logger, "disabled", True), lambda: setattr(logger, "disabled", False))
+    between = logging.getLogger("test.direct")
+    null = logging.NullHandler()
+    check(lambda: between.addHandler(null), lambda: between.removeHandler(null))
+    second = LineHandler(Writes())
+    root = logging.getLogger()
+    check(lambda: root.addHandler(second), lambda: root.removeHandler(second))
+    check(lambda: setattr(logger, "propagate", False), lambda: setattr(logger, "propagate", True))
+    factory = logging.getLogRecordFactory()
+    check(
+        lambda: logging.setLogRecordFactory(lambda *a, **k: factory(*a, **k)),
+        lambda: logging.setLogRecordFactory(factory),
+    )
+    call_handlers = logging.Logger.callHandlers
+    check(
+        lambda: setattr(logging.Logger, "callHandlers", lambda self, r: call_handlers(self, r)),
+        lambda: setattr(logging.Logger, "callHandlers", call_handlers),
+    )
+    other_class = type("Other", (logging.Logger,), {})
+    check(
+        lambda: setattr(logger, "__class__", other_class),
+        lambda: setattr(logger, "__class__", logging.Logger),
+    )
 
-        logger.addFilter(lambda record: True)
-        check(lambda: logger.filters.clear())
-        handler.addFilter(lambda record: True)
-        check(lambda: handler.filters.clear())
-        handler.setLevel(logging.WARNING)
-        check(lambda: handler.setLevel(logging.NOTSET))
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        check(lambda: handler.setFormatter(TextFormatter()))
-        logger.disabled = True
-        check(lambda: setattr(logger, "disabled", False))
-        between = logging.getLogger("test.direct")
-        between.addHandler(logging.NullHandler())
-        check(lambda: between.handlers.clear())
-        logger.propagate = False  # nothing of it reaches the root's handler
-        check(lambda: setattr(logger, "propagate", True))
-
-        root.addHandler(caplog.handler)  # what caplog does: a second handler
-        try:
-            assert direct_line(logger, logging.INFO) is None
-            log_line(logger, logging.INFO, "%s %d %.1fms", ("GET", 200, 1.5), EXTRA)
-        finally:
-            root.removeHandler(caplog.handler)
-        (record,) = [r for r in caplog.records if r.name == logger.name]
-        assert record.getMessage() == "GET 200 1.5ms"
-        assert (record.__dict__["status"], record.funcName) == (
-            200,
-            "test_a_line_goes_through_records_wherever_something_else_may_see_it",
-        )
-        assert "".join(stream.writes).rstrip().endswith("GET 200 1.5ms")  # and written
+    root.addHandler(caplog.handler)  # what caplog does: a second handler
+    try:
+        assert direct_line(logger, logging.INFO) is None
+        log_line(logger, logging.INFO, LINE, ARGS, EXTRA)
     finally:
-        root.handlers[:] = kept
+        root.removeHandler(caplog.handler)
+    (record,) = [r for r in caplog.records if r.name == logger.name]
+    assert record.getMessage() == "POST /v1/echo 200 1.5ms -"
+    this = "test_a_line_is_a_record_wherever_something_else_may_see_it"
+    assert (record.__dict__["status"], record.funcName) == (200, this)
+    assert "".join(stream.writes).rstrip().endswith("POST /v1/echo 200 1.5ms -")  # written
+
+
+@pytest.mark.usefixtures("root_kept")
+def test_a_line_made_directly_fails_as_logging_would(capsys: pytest.CaptureFixture[str]) -> None:
+    """A message without arguments is itself; a mapping fills named fields; arguments
+    that do not fit the message are the handler's error (said on stderr), not the
+    caller's; a key ``extra`` may not hold is the caller's, as ``Logger.info`` says."""
+    _, stream, logger = direct_logger(TextFormatter())
+    log_line(logger, logging.WARNING, "100%", (), {})
+    log_line(logger, logging.WARNING, "%(a)s and %(b)s", ({"a": 1, "b": 2},), {})
+    log_line(logger, logging.WARNING, "%d items", ("many",), {})  # does not fit
+    lines = "".join(stream.writes).splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == ["100%", "1 and 2"]
+    assert "Logging error" in capsys.readouterr().err
+    with pytest.raises(KeyError, match="message"):
+        log_line(logger, logging.WARNING, "forged", (), {"message": "forged"})
