@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.body import parse_body
 from gateway.headers import HEADERS, UNCLEAR, RouteKind, Sent
+from gateway.protocol import DISCONNECT
 from gateway.routes.jobs import submission_path, submit_job
 from gateway.routes.openai.errors import error_of, http_error
 from gateway.routes.openai.serving import Direct
@@ -173,7 +174,10 @@ class SyncCalls:
             if isinstance(route, Job):
                 return await submit_job(self.gateway, pipeline, payload, sent, scope)
             # The body is read: what receive says next is the client going away.
-            request_id, reply = await self.gateway.call(pipeline, payload, sent, receive)
+            disconnect = scope.get(DISCONNECT)
+            request_id, reply = await self.gateway.call(
+                pipeline, payload, sent, receive, disconnect
+            )
             return reply_response(reply, request_id)
         except ConveyorError as exc:
             return self.error_response(exc)

@@ -8,7 +8,9 @@ It also sends each response in one write (:class:`Corked`).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+from collections.abc import Callable
+from typing import Any, cast
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -27,6 +29,50 @@ def _raw_response(status: bytes, detail: str) -> bytes:
         b"connection: close\r\n\r\n"
     )
     return head % (status, len(body)) + body
+
+
+DISCONNECT = "conveyor.disconnect"
+"""Scope key of a request's :class:`Disconnect`, set by :func:`header_deadline_protocol`."""
+
+
+class Disconnect:
+    """What runs when a request's client goes away before its response is complete: the
+    protocol puts one in each request's scope and runs it when the connection is lost, so
+    a handler waiting for its answer learns of the loss without a task of its own reading
+    ``receive`` (:func:`gateway.cancel.watch`).
+
+    Args:
+        resume_reading: what lets the connection be read again (flow control paused it
+            while a large body came): a lost connection shows only to a read, as it
+            would to the ``receive`` a watcher task awaited.
+    """
+
+    __slots__ = ("_hooks", "_resume", "lost")
+
+    def __init__(self, resume_reading: Callable[[], None]) -> None:
+        self._resume = resume_reading
+        self._hooks: list[Callable[[], None]] = []
+        self.lost = False
+
+    def add(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once the connection is lost (now, if it already is)."""
+        if self.lost:
+            hook()
+            return
+        self._hooks.append(hook)
+        self._resume()
+
+    def discard(self, hook: Callable[[], None]) -> None:
+        """Do not run ``hook`` (no longer waiting)."""
+        with contextlib.suppress(ValueError):
+            self._hooks.remove(hook)
+
+    def run(self) -> None:
+        """The connection is lost: run the hooks, once."""
+        self.lost = True
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
 
 
 class Corked:
@@ -156,11 +202,17 @@ def header_deadline_protocol(
                 # request): the request still gets its turn, and EdgeMiddleware answers it
                 # 431 then, so the responses before it go out first, in order.
                 self.scope.setdefault("state", {})[HEADERS_TOO_LARGE] = max_header_bytes
+            cast(dict[str, Any], self.scope)[DISCONNECT] = Disconnect(self.flow.resume_reading)
             super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            cycle = self.cycle
             super().connection_lost(exc)
+            if cycle is not None and cycle.disconnected:  # its response is not complete
+                disconnect = cast(dict[str, Any], cycle.scope).get(DISCONNECT)
+                if isinstance(disconnect, Disconnect):
+                    disconnect.run()
 
         def _arm(self) -> None:
             self._disarm()

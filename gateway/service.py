@@ -25,6 +25,7 @@ from gateway.edge import ANONYMOUS, RequestMetrics
 from gateway.enqueue import Writer, refusal
 from gateway.headers import Sent
 from gateway.history import History
+from gateway.protocol import Disconnect
 from gateway.replies import Abandoned, ReplyDispatcher
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, new_request_id, wire_problem
@@ -317,7 +318,12 @@ class Gateway:
             raise Unavailable(self.misconfigured, self.settings.retry_after_s) from None
 
     async def call(
-        self, pipeline: Pipeline, payload: dict[str, Any], sent: Sent, receive: Receive
+        self,
+        pipeline: Pipeline,
+        payload: dict[str, Any],
+        sent: Sent,
+        receive: Receive,
+        disconnect: Disconnect | None = None,
     ) -> tuple[str, Reply]:
         """Run one request through ``pipeline`` and wait for its reply.
 
@@ -327,6 +333,9 @@ class Gateway:
             sent: its headers (time budget, trace id, lane).
             receive: the HTTP request's ASGI receive, its body read: if the client
                 disconnects while the reply is awaited, the request is cancelled.
+            disconnect: the request's scope's :class:`~gateway.protocol.Disconnect`,
+                where the server gives one: the disconnect is learnt from it instead
+                (see :func:`~gateway.cancel.watch`).
 
         Returns:
             The request id and the reply.
@@ -344,7 +353,7 @@ class Gateway:
         watcher = None
         try:
             request = await self.enqueue(pipeline, payload, sent, request_id=request_id)
-            watcher = watch(receive, future, request_id)
+            watcher = watch(receive, future, request_id, disconnect)
             timeout_s = self.timeout_for(sent.timeout_s)
             # Awaited directly (no wait_for task hop, no timeout scope to cancel and
             # uncancel this task): the reply wakes this handler in the loop iteration after

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from gateway.headers import Sent, parameters, sent_on
+from gateway.protocol import DISCONNECT
 from gateway.responses import answer, declared, validation_issues
 from gateway.routes import BODY_ERRORS, json_response
 from gateway.service import Gateway
@@ -66,7 +67,8 @@ def _add_routes(app: FastAPI, gw: Gateway, pipeline: Pipeline, edge: list[int]) 
     async def run(http: Request, payload: BaseModel, sent: Sent) -> Response:
         data = payload.model_dump(mode="json")
         # The body is read: what receive says next is the client going away.
-        request_id, reply = await gw.call(pipeline, data, sent, http.receive)
+        disconnect = http.scope.get(DISCONNECT)
+        request_id, reply = await gw.call(pipeline, data, sent, http.receive, disconnect)
         return reply_response(reply, request_id)
 
     async def post(

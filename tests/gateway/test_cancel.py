@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from functools import partial
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -15,7 +17,10 @@ import redis.asyncio as aioredis
 from starlette.types import Message, Receive, Scope, Send
 
 from conveyor.embedded import free_port, start_redis
+from gateway import cancel
 from gateway.app import create_app
+from gateway.cancel import WATCHING, Watch
+from gateway.protocol import Disconnect
 from gateway.routes.pipelines import reply_response
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Reply, Request, decode_request
@@ -93,9 +98,10 @@ async def raw_request(base: str, head: str, body: bytes = b"") -> asyncio.Stream
     return writer
 
 
-def watchers() -> list[asyncio.Task[object]]:
-    """The gateway's disconnect watchers still alive (the gateway runs on this loop)."""
-    return [t for t in asyncio.all_tasks() if t.get_name().startswith("disconnect-watch-")]
+def watchers() -> list[Watch]:
+    """The gateway's disconnect watches not stopped yet (the gateway runs on this loop),
+    of either kind: a hook on the protocol's Disconnect, or a task reading receive."""
+    return list(WATCHING)
 
 
 async def answered(http: httpx.AsyncClient, status: int) -> bool:
@@ -104,23 +110,30 @@ async def answered(http: httpx.AsyncClient, status: int) -> bool:
     return f'conveyor_http_requests_total{{route="/v1/held",status="{status}"}}' in metrics
 
 
+POST_HELD = "POST /v1/held HTTP/1.1\r\nContent-Type: application/json\r\n"
+
+
 @pytest.mark.parametrize(
-    "head",
-    [
-        "POST /v1/held HTTP/1.1\r\nContent-Type: application/json\r\n",
-        "GET /v1/held?text=hi HTTP/1.1\r\n",
-    ],
-    ids=["post", "get"],
+    ("head", "size"),
+    [(POST_HELD, 2), ("GET /v1/held?text=hi HTTP/1.1\r\n", 0), (POST_HELD, 99_000)],
+    ids=["post", "get", "post-large"],
 )
 async def test_a_sync_client_that_disconnects_cancels_its_request(
-    harness: Harness, redis: aioredis.Redis, head: str
+    harness: Harness, redis: aioredis.Redis, head: str, size: int
 ) -> None:
+    """A large body too (past uvicorn's 64 KiB, where it pauses reading the connection):
+    its client's going is seen."""
     base = await harness.http_server([held_stage()])  # no worker: the request waits
-    body = b'{"text": "hi"}' if head.startswith("POST") else b""
+    body = b'{"text": "%s"}' % (b"x" * size) if size else b""
     writer = await raw_request(base, head, body)
     request = await queued(redis, harness, "held")
     assert not await cancelled(redis, harness, request.id)
-    assert len(watchers()) == 1  # the handler waits, watching its client
+    # The handler waits, watching its client: by a hook the server's protocol runs when
+    # the connection is lost, not a task of its own.
+    (watching,) = watchers()
+    assert watching.task is None
+    assert watching.disconnect is not None
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("disconnect-watch-")]
 
     writer.close()
     await writer.wait_closed()
@@ -331,3 +344,49 @@ def test_a_cancelled_reply_answers_499() -> None:
         reply_response(reply, "r1")
     assert raised.value.status == 499
     assert raised.value.request_id == "r1"
+
+
+async def test_a_watch_without_the_protocol_is_a_task_and_ends_with_its_call(
+    harness: Harness,
+) -> None:
+    """Served without conveyor's protocol (an ASGI transport, another server), a call
+    watches its client with a task reading receive, stopped when the call ends."""
+    stage = number_stage(batch_wait_ms=0)
+    worker = harness.worker(stage, Doubler())
+    await worker.start()
+    harness.run(worker)
+    http = await harness.gateway([stage])
+    kinds: list[bool] = []
+    watch_of = cancel.watch
+
+    def spying(*args: Any) -> Watch:
+        found = watch_of(*args)
+        kinds.append(found.task is not None)
+        return found
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("gateway.service.watch", spying)
+        resp = await http.post("/v1/double", json={"value": 4})
+    assert resp.json() == {"value": 8}
+    assert kinds == [True]
+    assert watchers() == []
+
+
+def test_a_disconnect_runs_each_hook_once_and_a_late_one_at_once() -> None:
+    resumed: list[bool] = []
+    disconnect = Disconnect(lambda: resumed.append(True))
+    ran: list[str] = []
+    disconnect.add(lambda: ran.append("a"))
+    kept = partial(ran.append, "b")
+    disconnect.add(kept)
+    dropped = partial(ran.append, "dropped")
+    disconnect.add(dropped)
+    disconnect.discard(dropped)
+    disconnect.discard(dropped)  # twice: nothing to do
+    assert resumed == [True, True, True]  # a lost connection shows only to a read
+    assert ran == []
+    disconnect.run()
+    disconnect.run()  # lost once
+    assert ran == ["a", "b"]
+    disconnect.add(partial(ran.append, "late"))  # the client went before it was watched
+    assert ran == ["a", "b", "late"]
