@@ -204,7 +204,7 @@ class SyncCalls:
             return None
         answered_as(scope, scope["path"])
         try:
-            return await route(*read, sent, receive)
+            return await route(*read, sent, receive, scope.get(DISCONNECT))
         except ConveyorError as exc:
             return error_of(exc, self.error_response(exc))
         except HTTPException as exc:  # as the app's handler answers it on these routes

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any, cast
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+logger = logging.getLogger(__name__)
 
 HEADERS_TOO_LARGE = "conveyor.headers_too_large"
 """Scope state set by :func:`header_deadline_protocol` on a request whose header block
@@ -49,6 +52,12 @@ class Disconnect:
 
     __slots__ = ("_hooks", "_resume", "lost")
 
+    @property
+    def watched(self) -> bool:
+        """Whether a hook waits on it: what the client still sends of a body is dropped
+        (as a watcher reading ``receive`` dropped it), never paused on unread."""
+        return bool(self._hooks)
+
     def __init__(self, resume_reading: Callable[[], None]) -> None:
         self._resume = resume_reading
         self._hooks: list[Callable[[], None]] = []
@@ -57,7 +66,7 @@ class Disconnect:
     def add(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` once the connection is lost (now, if it already is)."""
         if self.lost:
-            hook()
+            _safely(hook)
             return
         self._hooks.append(hook)
         self._resume()
@@ -72,7 +81,15 @@ class Disconnect:
         self.lost = True
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
-            hook()
+            _safely(hook)
+
+
+def _safely(hook: Callable[[], None]) -> None:
+    """Run ``hook``; what it raises is logged, not the protocol's to meet."""
+    try:
+        hook()
+    except Exception:
+        logger.exception("a disconnect hook failed")
 
 
 class Corked:
@@ -204,6 +221,12 @@ def header_deadline_protocol(
                 self.scope.setdefault("state", {})[HEADERS_TOO_LARGE] = max_header_bytes
             cast(dict[str, Any], self.scope)[DISCONNECT] = Disconnect(self.flow.resume_reading)
             super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            disconnect = cast(dict[str, Any], self.cycle.scope).get(DISCONNECT)
+            if isinstance(disconnect, Disconnect) and disconnect.watched:
+                return  # a body the handler did not read: dropped, reading never paused
+            super().on_body(body)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -88,11 +88,17 @@ async def cancelled(redis: aioredis.Redis, harness: Harness, request_id: str) ->
     return bool(await redis.exists(harness.keys.cancelled(request_id)))
 
 
-async def raw_request(base: str, head: str, body: bytes = b"") -> asyncio.StreamWriter:
-    """Send one HTTP/1.1 request on a fresh connection; returns it, left open."""
+async def raw_request(
+    base: str, head: str, body: bytes = b"", pause_s: float = 0.0
+) -> asyncio.StreamWriter:
+    """Send one HTTP/1.1 request on a fresh connection (its body ``pause_s`` after its
+    headers, in one write); returns it, left open."""
     url = urlsplit(base)
     _, writer = await asyncio.open_connection(url.hostname, url.port)
     writer.write(head.encode() + f"Host: gw\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+    if pause_s:
+        await writer.drain()
+        await asyncio.sleep(pause_s)
     writer.write(body)
     await writer.drain()
     return writer
@@ -111,21 +117,28 @@ async def answered(http: httpx.AsyncClient, status: int) -> bool:
 
 
 POST_HELD = "POST /v1/held HTTP/1.1\r\nContent-Type: application/json\r\n"
+GET_HELD = "GET /v1/held?text=hi HTTP/1.1\r\n"
+LARGE = b'{"text": "%s"}' % (b"x" * 99_000)
 
 
 @pytest.mark.parametrize(
-    ("head", "size"),
-    [(POST_HELD, 2), ("GET /v1/held?text=hi HTTP/1.1\r\n", 0), (POST_HELD, 99_000)],
-    ids=["post", "get", "post-large"],
+    ("head", "body", "pause_s"),
+    [
+        (POST_HELD, b'{"text": "hi"}', 0.0),
+        (GET_HELD, b"", 0.0),
+        # Past uvicorn's 64 KiB in one read, after the headers: it pauses reading.
+        (POST_HELD, LARGE, 0.2),
+        # A body the route never reads (a GET's), past 64 KiB: dropped, not paused on.
+        (GET_HELD, b"y" * 200_000, 0.0),
+    ],
+    ids=["post", "get", "post-large", "get-unread-body"],
 )
 async def test_a_sync_client_that_disconnects_cancels_its_request(
-    harness: Harness, redis: aioredis.Redis, head: str, size: int
+    harness: Harness, redis: aioredis.Redis, head: str, body: bytes, pause_s: float
 ) -> None:
-    """A large body too (past uvicorn's 64 KiB, where it pauses reading the connection):
-    its client's going is seen."""
+    """Large bodies too, read or not: the client's going is seen."""
     base = await harness.http_server([held_stage()])  # no worker: the request waits
-    body = b'{"text": "%s"}' % (b"x" * size) if size else b""
-    writer = await raw_request(base, head, body)
+    writer = await raw_request(base, head, body, pause_s)
     request = await queued(redis, harness, "held")
     assert not await cancelled(redis, harness, request.id)
     # The handler waits, watching its client: by a hook the server's protocol runs when
@@ -390,3 +403,36 @@ def test_a_disconnect_runs_each_hook_once_and_a_late_one_at_once() -> None:
     assert ran == ["a", "b"]
     disconnect.add(partial(ran.append, "late"))  # the client went before it was watched
     assert ran == ["a", "b", "late"]
+
+
+async def test_a_stopped_watch_is_not_run_by_a_later_disconnect() -> None:
+    disconnect = Disconnect(lambda: None)
+    waiting: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+
+    async def never() -> Message:
+        raise AssertionError("a watch on the protocol's Disconnect reads nothing")
+
+    found = cancel.watch(never, waiting, "r1", disconnect)
+    assert found.task is None
+    assert disconnect.watched
+    await cancel.unwatch(found)
+    assert not disconnect.watched
+    assert found not in WATCHING
+    disconnect.run()
+    assert not waiting.done()  # stopped: the later loss is not its
+
+
+def test_a_failing_hook_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    disconnect = Disconnect(lambda: None)
+    ran: list[str] = []
+
+    def fails() -> None:
+        raise RuntimeError("boom")
+
+    disconnect.add(fails)
+    disconnect.add(partial(ran.append, "after"))
+    disconnect.run()
+    assert ran == ["after"]
+    assert "a disconnect hook failed" in caplog.text

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.types import Receive
 
 from gateway.headers import Sent, sent_on
+from gateway.protocol import DISCONNECT, Disconnect
 from gateway.routes.openai.errors import Refused
 from gateway.routes.openai.wire import ModelIn
 from gateway.routes.pipelines import reply_response
@@ -133,6 +134,8 @@ class Asked:
         sent: its headers.
         receive: its ASGI receive, the body read: the client gone cancels its items.
         shares: the windows its items take their turns in, when it has many.
+        disconnect: its scope's :class:`~gateway.protocol.Disconnect`, where the server
+            gives one (see :func:`~gateway.cancel.watch`).
     """
 
     gw: Gateway
@@ -140,6 +143,7 @@ class Asked:
     sent: Sent
     receive: Receive
     shares: Shares
+    disconnect: Disconnect | None = None
 
     async def run_all(self, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each of ``payloads`` one request through the pipeline; their results in order,
@@ -181,7 +185,7 @@ class Asked:
         return await in_parts(part, len(payloads), slots, budget_s)
 
     async def _call(self, payload: dict[str, Any], sent: Sent) -> tuple[str, Reply]:
-        return await self.gw.call(self.pipeline, payload, sent, self.receive)
+        return await self.gw.call(self.pipeline, payload, sent, self.receive, self.disconnect)
 
 
 Endpoint = Callable[..., Awaitable[Response]]
@@ -219,14 +223,20 @@ class Direct(Generic[In]):
             return None
 
     async def __call__(
-        self, body: In, pipeline: Pipeline, sent: Sent, receive: Receive
+        self,
+        body: In,
+        pipeline: Pipeline,
+        sent: Sent,
+        receive: Receive,
+        disconnect: Disconnect | None = None,
     ) -> Response:
         """The route's answer to ``body`` (read by :meth:`read`).
 
         Raises:
             ConveyorError: as the route raises it (answered in OpenAI's shape).
         """
-        return await self.answer(Asked(self.gw, pipeline, sent, receive, self.shares), body)
+        asked = Asked(self.gw, pipeline, sent, receive, self.shares, disconnect)
+        return await self.answer(asked, body)
 
 
 def posted(direct: Direct[Any]) -> Endpoint:
@@ -242,7 +252,7 @@ def posted(direct: Direct[Any]) -> Endpoint:
         http: Request, body: Any, sent: Annotated[Sent, sent_on("call")]
     ) -> Response:
         pipeline = served(direct.gw, body.model, direct.wire.kind)
-        return await direct(body, pipeline, sent, http.receive)
+        return await direct(body, pipeline, sent, http.receive, http.scope.get(DISCONNECT))
 
     # FastAPI reads the body model from the annotation; each route has its own.
     endpoint.__annotations__["body"] = Annotated[direct.wire, Body()]
