@@ -52,16 +52,16 @@ class Disconnect:
 
     __slots__ = ("_hooks", "_resume", "lost")
 
+    def __init__(self, resume_reading: Callable[[], None]) -> None:
+        self._resume = resume_reading
+        self._hooks: list[Callable[[], None]] = []
+        self.lost = False
+
     @property
     def watched(self) -> bool:
         """Whether a hook waits on it: what the client still sends of a body is dropped
         (as a watcher reading ``receive`` dropped it), never paused on unread."""
         return bool(self._hooks)
-
-    def __init__(self, resume_reading: Callable[[], None]) -> None:
-        self._resume = resume_reading
-        self._hooks: list[Callable[[], None]] = []
-        self.lost = False
 
     def add(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` once the connection is lost (now, if it already is)."""

@@ -205,6 +205,10 @@ class TextFormatter(logging.Formatter):
         return f"{self._time(created, msecs)} {levelname} {name}: {message}"
 
 
+_NOT_EXTRA = _STANDARD | {"time", "level", "logger"}
+"""A record's fields the JSON line does not repeat as ``extra`` (its own keys among them)."""
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object a line: ``time`` (UTC, ISO 8601, milliseconds), ``level``,
     ``logger``, ``message``, the record's ``extra`` fields, and ``exc`` (the traceback)
@@ -242,13 +246,12 @@ class JsonFormatter(logging.Formatter):
         name: str, levelname: str, created: float, message: str, fields: dict[str, Any]
     ) -> dict[str, Any]:
         """The line's object; of ``fields``, those a record does not carry of itself."""
-        skip = _STANDARD | {"time", "level", "logger"}
         return {
             "time": _utc(created),
             "level": levelname,
             "logger": name,
             "message": message,
-            **{k: v for k, v in fields.items() if k not in skip},
+            **{k: v for k, v in fields.items() if k not in _NOT_EXTRA},
         }
 
 
@@ -306,10 +309,6 @@ def direct_line(logger: logging.Logger, levelno: int) -> LineHandler | None:
     return found
 
 
-_RESERVED = _STANDARD | {"message", "asctime"}
-"""Keys ``extra`` may not hold (:meth:`logging.Logger.makeRecord` refuses them)."""
-
-
 def log_line(
     logger: logging.Logger, levelno: int, msg: str, args: tuple[Any, ...], extra: dict[str, Any]
 ) -> None:
@@ -322,7 +321,9 @@ def log_line(
     (it is the caller of this function), and handled as usual: an error so goes where
     the standard library sends it."""
     handler = direct_line(logger, levelno)
-    if handler is not None and _RESERVED.isdisjoint(extra):
+    # An extra key a record carries of itself (makeRecord refuses most of them) takes
+    # the record's way, to be refused or handled as the standard library does.
+    if handler is not None and _STANDARD.isdisjoint(extra):
         try:
             created, msecs = _now()
             level = logging.getLevelName(levelno)
