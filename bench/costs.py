@@ -15,6 +15,12 @@ Starts a redis-server of its own on a free loopback port and measures, in this p
   already in its stream, in burst mode, at each of ``--batches``: its CPU per batch and
   per request, Redis's commands and command µs per request (``INFO commandstats``, reset
   before), and Redis's socket reads per batch (its round trips).
+- ``sending``: on uvloop (as conveyor's processes run), CPU and wall time per ``PING`` and
+  per two-command pipeline (the worker's claim), and the same worker at each of
+  ``--batches``, with conveyor's connections writing a command directly
+  (:mod:`runtime.packing`) against redis-py's ``asyncio.wait_for`` (a task per write on
+  Python 3.11), alternating for ``--rounds``. Both take their connections from
+  conveyor's pool, whose release takes no task either way (:mod:`runtime.pool`).
 - ``packing``: CPU per command packed, redis-py's own (Python) packer against conveyor's
   (hiredis, :func:`runtime.packing.packing`), for a publish's ``EVALSHA`` of a batch of
   16 (its shape: markers, cancellation keys, the plan, a reply each; ~70 arguments) and
@@ -34,7 +40,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,15 +48,16 @@ from unittest import mock
 
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import AbstractConnection, Connection
 
 from bench.workloads import stage_request
 from conveyor.embedded import free_port, start_redis
 from pipelines.keys import Keys
+from pipelines.settings import CommonSettings
 from pipelines.stages import Stage, TextIn
 from runtime.packing import packing
 from runtime.pool import Pool
-from runtime.redisio import enqueue
+from runtime.redisio import connect, enqueue
 from workers.loop import Worker
 from workers.models.toy import Echo
 from workers.settings import WorkerSettings
@@ -290,18 +297,34 @@ async def packing_costs(url: str, requests: int, batches: list[int], rounds: int
                 conn.pack_command(*args)
             times.append((time.process_time() - started) / 2000 * 1e6)
         lines.append(f"| {name} | {len(args)} | {times[0]:.1f} | {times[1]:.1f} |")
-    lines += ["", f"| packer {WORKER_HEADER}", "|---|" + "---:|" * 7]
+    lines.append("")
+    return lines + await _drains(url, requests, batches, rounds, _packer, "packer", PACKERS)
+
+
+async def _drains(
+    url: str,
+    requests: int,
+    batches: list[int],
+    rounds: int,
+    way: Callable[[bool], contextlib.AbstractContextManager[None]],
+    what: str,
+    names: dict[bool, str],
+) -> list[str]:
+    """:func:`_drain` at each of ``batches``, the old way (``way(False)``) and the new
+    (``way(True)``), alternating ``rounds`` times: a row each, then each batch's medians
+    and their ratio (``what`` heads the first column, ``names`` name the ways)."""
+    lines = [f"| {what} {WORKER_HEADER}", "|---|" + "---:|" * 7]
     cpu: dict[tuple[int, bool], list[float]] = {}
     for _ in range(rounds):
         for batch in batches:
-            for hiredis in (False, True):
-                with _packer(hiredis):
+            for new in (False, True):
+                with way(new):
                     drained = await _drain(url, requests, batch)
-                cpu.setdefault((batch, hiredis), []).append(drained.cpu_s / drained.batches)
-                lines.append(f"| {PACKERS[hiredis]} {_row(drained)}")
+                cpu.setdefault((batch, new), []).append(drained.cpu_s / drained.batches)
+                lines.append(f"| {names[new]} {_row(drained)}")
     lines += [
         "",
-        "| batch | worker CPU ms/batch, redis-py's packer (median; rounds) | hiredis | ratio |",
+        f"| batch | worker CPU ms/batch, {names[False]} (median; rounds) | {names[True]} | ratio |",
         "|---:|---|---|---:|",
     ]
     for batch in batches:
@@ -315,11 +338,76 @@ async def packing_costs(url: str, requests: int, batches: list[int], rounds: int
     return lines
 
 
+class _WaitForSend(packing(Connection)):  # type: ignore[misc]
+    """Conveyor's connection, but writing as redis-py does (``asyncio.wait_for``)."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        await AbstractConnection.send_packed_command(self, command, check_health)
+
+
+def _uvloop_run() -> Callable[[Coroutine[Any, Any, list[str]]], list[str]]:
+    """``uvloop.run`` where uvloop is installed (conveyor's processes run on it), else
+    ``asyncio.run``."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
+SENDERS = {False: "redis-py's wait_for", True: "direct (conveyor)"}
+"""The two ways :func:`sending_costs` compares, by whether the write is direct."""
+
+
+@contextlib.contextmanager
+def _sender(direct: bool) -> Iterator[None]:
+    """Clients :func:`runtime.redisio.connect` makes within write directly (conveyor's
+    way) or through redis-py's ``wait_for``."""
+    if direct:
+        yield
+        return
+    with mock.patch("runtime.redisio.packing", return_value=_WaitForSend):
+        yield
+
+
+async def sending_costs(url: str, requests: int, batches: list[int], rounds: int) -> list[str]:
+    """Per ``PING`` and per two-command pipeline (µs of CPU, µs of wall), then
+    :func:`_drain`, each way of :data:`SENDERS`, alternating (``rounds`` times)."""
+    settings = CommonSettings(redis_url=url)
+    lines = [
+        "| write | PING: µs CPU | µs wall | pipeline of 2: µs CPU | µs wall |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for _ in range(rounds):
+        for direct in (False, True):
+            with _sender(direct):
+                client = connect(settings)
+
+            async def claim(client: aioredis.Redis = client) -> None:
+                pipe = client.pipeline(transaction=False)
+                pipe.hset("bench:marks", mapping={"a": "1", "b": "2"})
+                pipe.mget("bench:c1", "bench:c2")
+                await pipe.execute()
+
+            row = []
+            for step in (client.ping, claim):
+                await _cpu_us(200, step)  # warm
+                started = time.perf_counter()
+                row.append(await _cpu_us(3000, step))
+                row.append((time.perf_counter() - started) / 3000 * 1e6)
+            await client.aclose()
+            lines.append(f"| {SENDERS[direct]} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
+    lines.append("")
+    return lines + await _drains(url, requests, batches, rounds, _sender, "write", SENDERS)
+
+
 def main() -> None:
     """Measure what is asked and print Markdown tables."""
     parser = argparse.ArgumentParser(prog="python -m bench.costs", description=__doc__)
     parser.add_argument("--parts", default="pool,script,worker", help="comma-separated")
-    parser.add_argument("--rounds", type=int, default=2, help="pool, packing: alternations")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="pool, packing, sending: alternations"
+    )
     parser.add_argument("--batch", type=int, default=16, help="script: requests a batch")
     parser.add_argument("--requests", type=int, default=4000, help="worker: requests")
     parser.add_argument("--batches", default="1,16,32", help="worker: batch sizes")
@@ -340,6 +428,10 @@ def main() -> None:
                 print("|---:|---:|---:|---:|---:|---:|---:|")
                 for batch in batches:
                     print(asyncio.run(worker_costs(url, args.requests, batch)))
+            if "sending" in parts:
+                run = _uvloop_run()
+                lines = run(sending_costs(url, args.requests, batches, args.rounds))
+                print("\n".join(lines), end="\n\n")
             if "packing" in parts:
                 lines = asyncio.run(packing_costs(url, args.requests, batches, args.rounds))
                 print("\n".join(lines), end="\n\n")

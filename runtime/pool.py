@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Awaitable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -37,8 +38,9 @@ class Pool(aioredis.BlockingConnectionPool):
     hooks for every command, also when a connection is free: about a tenth of a worker's
     CPU per batch (issue 37). When a connection is free (or may be made) and nobody
     waits for one, it is handed out (connected, and checked for unread data as redis-py
-    checks it) and taken back without them; otherwise, and on a redis-py whose pool
-    lacks what this reads, the pool's own way runs.
+    checks it) and taken back without them (and without a task: :meth:`release`);
+    otherwise, and on a redis-py whose pool lacks what this reads, the pool's own way
+    runs.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -99,7 +101,24 @@ class Pool(aioredis.BlockingConnectionPool):
                 raise PoolExhausted(self.timeout) from exc
             raise
 
-    async def release(self, connection: Any) -> None:
+    def release(self, connection: Any) -> Awaitable[None]:  # type: ignore[override]
+        """Take ``connection`` back. On the short way the answer is a finished future, not
+        a coroutine: redis-py's pipeline shields its release (``asyncio.shield``), which
+        runs a coroutine as a task of its own (and the caller waits for its turn of the
+        loop) but takes a finished future as it is."""
+        if (
+            self._quiet()
+            and connection in self._in_use_connections
+            and not connection.should_reconnect()
+        ):
+            self._in_use_connections.remove(connection)
+            self._available_connections.append(connection)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._release(connection)
+
+    async def _release(self, connection: Any) -> None:
         if self._quiet() and connection in self._in_use_connections:
             self._in_use_connections.remove(connection)
             if connection.should_reconnect():

@@ -1,6 +1,7 @@
 """``python -m bench.costs``: both packers pack conveyor's commands to the same bytes, and
-the worker drains its stream either way (a real worker, real Redis); the script part
-writes markers as a publish does, new ones every call."""
+the worker drains its stream either way (a real worker, real Redis), as it does with
+either write (direct, redis-py's ``wait_for``); the script part writes markers as a
+publish does, new ones every call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,18 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from bench.costs import PACKED, SCRIPTS, packing_costs, script_costs
+from bench.costs import (
+    PACKED,
+    SCRIPTS,
+    SENDERS,
+    _sender,
+    packing_costs,
+    script_costs,
+    sending_costs,
+)
+from pipelines.settings import CommonSettings
+from runtime.packing import packing
+from runtime.redisio import connect
 
 
 async def test_the_packing_part_measures_both_packers_on_a_draining_worker(
@@ -32,6 +44,37 @@ async def test_the_packing_part_measures_both_packers_on_a_draining_worker(
     summary = lines[-1].strip("|").split("|")
     assert summary[0].strip() == "8"
     assert summary[-1].strip().endswith("x")
+
+
+async def test_the_sending_part_compares_both_writes_on_a_draining_worker(
+    redis_url: str,
+) -> None:
+    lines = await sending_costs(redis_url, requests=24, batches=[8], rounds=1)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [key async for key in client.scan_iter(match="*costs8-*")]
+        assert keys
+        await client.delete(*keys)
+    finally:
+        await client.aclose()
+    rows = [line for line in lines if line.startswith(tuple(f"| {w}" for w in SENDERS.values()))]
+    assert len(rows) == 4  # a PING and pipeline row, then a drain, each way
+    for line in rows[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[1:3] == ["8", "3"]
+    assert lines[-1].strip("|").split("|")[-1].strip().endswith("x")
+
+
+def test_the_sending_part_writes_each_way_it_names(redis_url: str) -> None:
+    settings = CommonSettings(redis_url=redis_url)
+    with _sender(direct=False):
+        theirs = connect(settings).connection_pool.connection_class
+    with _sender(direct=True):
+        ours = connect(settings).connection_pool.connection_class
+    assert ours is packing(ours)
+    assert theirs is not ours
+    assert issubclass(theirs, ours)
+    assert theirs.send_packed_command is not ours.send_packed_command
 
 
 def test_the_script_part_writes_new_markers_every_call(redis_url: str) -> None:
