@@ -9,6 +9,7 @@ speed: "promptly" is proven by making the slow path (the reclaim) impossible.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from conveyor.embedded import free_port, start_redis
 from pipelines.envelope import decode_replies
@@ -290,12 +292,33 @@ async def test_redis_kill_9_under_job_load_completes_every_job_and_admits_again(
     async def accepted_at_least(n: int) -> bool:
         return len(accepted) >= n
 
+    # The most jobs the bulk lane really held undelivered or unacknowledged, read from the
+    # stream itself (its entries past the group's cursor, and its pending ones) while the
+    # load runs: a slow machine restarts the worker late, and meanwhile the backlog is real.
+    deepest = [0]
+    watcher = aioredis.Redis.from_url(server.url)
+    bulk = harness.keys.stage_stream("slow", "bulk")
+
+    async def watch_backlog() -> None:
+        while not done_loading.is_set():
+            with contextlib.suppress(RedisError, OSError):
+                group = next(
+                    (g for g in await watcher.xinfo_groups(bulk) if text(g["name"]) == GROUP),
+                    None,
+                )
+                if group is not None:
+                    last = text(group["last-delivered-id"])
+                    past = await watcher.xrange(bulk, min=f"({last}", max="+", count=4096)
+                    deepest[0] = max(deepest[0], len(past or []) + int(group["pending"]))
+            await asyncio.sleep(0.02)  # a sampling period, not a wait for an event
+
     async def answered_at_least(n: int) -> bool:
         return len(answered) >= n
 
     deadline = {"X-Conveyor-Timeout": "3"}
     loaders = [asyncio.create_task(load(i)) for i in range(4)]
     loaders += [asyncio.create_task(call(1000 + i)) for i in range(2)]
+    loaders.append(asyncio.create_task(watch_backlog()))
     try:
         await until(lambda: accepted_at_least(100))
         server.kill()
@@ -306,6 +329,7 @@ async def test_redis_kill_9_under_job_load_completes_every_job_and_admits_again(
     finally:
         done_loading.set()
         await asyncio.gather(*loaders)
+        await watcher.aclose()
     assert all(doubled == 2 * v for v, doubled in answered)
     fresh = aioredis.Redis.from_url(server.url)
     try:
@@ -320,7 +344,11 @@ async def test_redis_kill_9_under_job_load_completes_every_job_and_admits_again(
         for v, job_id in accepted[:: max(1, len(accepted) // 20)]:
             result = await fresh.hget(harness.keys.job(job_id), "result")
             assert result == f'{{"value":{2 * v}}}'.encode()
-        assert not [r for r in refused if "capacity" in r]  # never refused on a stale lag
+        # Never refused on a stale lag: a refusal at the bound is one the stream bore out
+        # (the bulk lane really held near the bound, less what its batches and the
+        # sampling period can take meanwhile).
+        if [r for r in refused if "capacity" in r]:
+            assert deepest[0] >= SLOW.max_backlog - 256, (deepest[0], refused[-1])
         status = await stage_status(fresh, harness.keys, "slow")
         assert 0 <= status.lag <= status.length
         assert (await http.post("/v1/jobs/slow", json={"value": 0})).status_code == 202
