@@ -106,26 +106,21 @@ class Pool(aioredis.BlockingConnectionPool):
         a coroutine: redis-py's pipeline shields its release (``asyncio.shield``), which
         runs a coroutine as a task of its own (and the caller waits for its turn of the
         loop) but takes a finished future as it is."""
-        if (
-            self._quiet()
-            and connection in self._in_use_connections
-            and not connection.should_reconnect()
-        ):
-            self._in_use_connections.remove(connection)
-            self._available_connections.append(connection)
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
-        return self._release(connection)
+        if not (self._quiet() and connection in self._in_use_connections):
+            return super().release(connection)
+        self._in_use_connections.remove(connection)
+        if connection.should_reconnect():
+            return self._reconnected(connection)
+        self._available_connections.append(connection)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
 
-    async def _release(self, connection: Any) -> None:
-        if self._quiet() and connection in self._in_use_connections:
-            self._in_use_connections.remove(connection)
-            if connection.should_reconnect():
-                await connection.disconnect()
-            self._available_connections.append(connection)
-            return
-        await super().release(connection)
+    async def _reconnected(self, connection: Any) -> None:
+        """Put ``connection``, taken out of use, back once it is disconnected (the short
+        way's one wait: it reconnects when next handed out)."""
+        await connection.disconnect()
+        self._available_connections.append(connection)
 
 
 SATURATED = (PoolExhausted, MaxConnectionsError)

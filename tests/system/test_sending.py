@@ -8,7 +8,6 @@ uvloop, which conveyor's processes run on (it fails a write differently)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import subprocess
 import time
@@ -30,8 +29,16 @@ from pipelines.settings import CommonSettings
 from runtime.packing import packing
 from runtime.pool import Pool
 from runtime.redisio import connect
+from tests.helpers import until
 
 LOOPS = ("asyncio", "uvloop")
+
+
+def _answers(client: redis_sync.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis_sync.RedisError:
+        return False
 
 
 def _run(loop: str, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -149,7 +156,13 @@ async def _killed(conn: Connection, admin: aioredis.Redis) -> None:
     await conn.send_command("CLIENT", "ID")
     own = await conn.read_response()
     await admin.client_kill_filter(_id=own)
-    await asyncio.sleep(0.05)
+    reader = conn._reader
+    assert reader is not None
+
+    async def closed() -> bool:
+        return reader.at_eof()
+
+    await until(closed, limit_s=10)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -170,11 +183,11 @@ def test_a_write_on_a_connection_redis_closed_fails_as_a_connection_error(
     )
     try:
         ready = redis_sync.Redis(port=port, socket_connect_timeout=1)
-        for _ in range(200):
-            with contextlib.suppress(redis_sync.RedisError):
-                if ready.ping() and socket_path.exists():
-                    break
-            time.sleep(0.05)
+        give_up = time.monotonic() + 20
+        while not _answers(ready) or not socket_path.exists():  # it starts: a bounded look
+            if time.monotonic() > give_up or server.poll() is not None:
+                pytest.fail("redis-server with a unix socket did not start")
+            time.sleep(0.02)
         ready.close()
 
         async def main() -> None:
@@ -185,16 +198,17 @@ def test_a_write_on_a_connection_redis_closed_fails_as_a_connection_error(
                 conn = packing(Connection)(host="127.0.0.1", port=port)
             try:
                 await _killed(conn, admin)
-                failed: BaseException | None = None
-                for _ in range(3):  # a write, after the close: one of them is refused
+                failed: list[RedisConnectionError] = []
+
+                async def refused() -> bool:  # writes, after the close: one is refused
                     try:
                         await conn.send_command("PING")
-                    except Exception as exc:
-                        failed = exc
-                        break
-                    await asyncio.sleep(0.05)
-                assert isinstance(failed, RedisConnectionError), failed
-                assert "writing" in str(failed)
+                    except RedisConnectionError as exc:  # anything else fails the test
+                        failed.append(exc)
+                    return bool(failed)
+
+                await until(refused, limit_s=10)
+                assert "writing" in str(failed[0])
                 assert not conn.is_connected
                 await conn.send_command("PING")  # connects again
                 assert await conn.read_response() in (b"PONG", "PONG")
@@ -220,6 +234,9 @@ def test_a_write_redis_does_not_read_times_out_within_the_socket_timeout(
         client = connect(CommonSettings())
         try:
             await client.ping()
+            (conn,) = client.connection_pool._available_connections
+            assert conn._writer is not None
+            transport = conn._writer.transport
             own_redis.send_signal(signal.SIGSTOP)
             started = asyncio.get_running_loop().time()
             with pytest.raises(RedisTimeoutError, match="writing"):  # the write's, not the read's
@@ -227,8 +244,12 @@ def test_a_write_redis_does_not_read_times_out_within_the_socket_timeout(
             assert asyncio.get_running_loop().time() - started < 30  # bounded: not stuck
         finally:
             own_redis.send_signal(signal.SIGCONT)
-            await asyncio.sleep(0.3)  # what the dropped connection held drains: uvloop
-            await client.aclose()  # will not close a loop with a transport still writing
+
+            async def drained() -> bool:  # uvloop will not close a loop with a transport
+                return transport.get_write_buffer_size() == 0  # still writing
+
+            await until(drained, limit_s=30)
+            await client.aclose()
 
     _run(loop, main)
 
@@ -236,7 +257,9 @@ def test_a_write_redis_does_not_read_times_out_within_the_socket_timeout(
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_release_with_someone_waiting_takes_the_pools_own_way(env: None, loop: str) -> None:
     """With every connection out and a command waiting for one, a release is the pool's
-    own (a coroutine that wakes the waiter), and the waiting command runs."""
+    own (a coroutine that wakes the waiter), and the waiting command runs; with nobody
+    waiting it is a finished future, and a connection marked to reconnect is taken back
+    disconnected."""
 
     async def main() -> None:
         pool = Pool.from_url(CommonSettings().redis_url, max_connections=1, timeout=5)
@@ -245,7 +268,11 @@ def test_a_release_with_someone_waiting_takes_the_pools_own_way(env: None, loop:
             await client.ping()
             held = await pool.get_connection()
             waiting = asyncio.ensure_future(client.echo("waited"))
-            await asyncio.sleep(0.05)
+
+            async def queued() -> bool:
+                return bool(pool._condition._waiters)
+
+            await until(queued, limit_s=10)
             assert not waiting.done()  # no connection free: it waits
             released = pool.release(held)
             assert asyncio.iscoroutine(released)  # not the short way
@@ -256,6 +283,14 @@ def test_a_release_with_someone_waiting_takes_the_pools_own_way(env: None, loop:
             assert isinstance(quick, asyncio.Future)
             assert quick.done()
             await quick
+            conn = await pool.get_connection()
+            conn.mark_for_reconnect()  # taken back disconnected, then handed out anew
+            again = pool.release(conn)
+            assert asyncio.iscoroutine(again)
+            await again
+            assert not conn.is_connected
+            assert conn in pool._available_connections
+            assert await client.echo("after") == b"after"
         finally:
             await client.aclose()
 
