@@ -6,15 +6,15 @@ request id. On a Redis Cluster one XREAD cannot span slots, so each partition's 
 has a reading loop of its own.
 
 A reply stream holds only what its gateway has not read yet, and fewer than
-:data:`TRIM_EVERY` replies it has: once they are dispatched, the stream is trimmed behind
-them (``XTRIM MINID``, one command per stream, so one slot each). XTRIM rather than XDEL
-of the ids read: the reader is the stream's only one and reads in id order, so all below
-the last id read is read; one short command frees any number of whole nodes (XDEL seeks
-each id: about 3x slower for 1,024 ids of 7.4 KB, 10x for small ones), it removes
-unreadable entries too, and a trim that fails is made good by the next one, with nothing
-to remember. What outlives a dead gateway is bounded by its stream's TTL
-(``CONVEYOR_REPLY_TTL_S``, renewed by each reply written) and by the count cap workers
-write with (``CONVEYOR_REPLY_MAXLEN``).
+:data:`TRIM_EVERY` entries (each a batch's replies) it has read: once they are
+dispatched, the stream is trimmed behind them (``XTRIM MINID``, one command per
+stream, so one slot each). XTRIM rather than XDEL of the ids read: the reader is the
+stream's only one and reads in id order, so all below the last id read is read; one
+short command frees any number of whole nodes (XDEL seeks each id: about 3x slower for
+1,024 ids of 7.4 KB, 10x for small ones), it removes unreadable entries too, and a trim
+that fails is made good by the next one, with nothing to remember. What outlives a dead
+gateway is bounded by its stream's TTL (``CONVEYOR_REPLY_TTL_S``, renewed by each reply
+written) and by the count cap workers write with (``CONVEYOR_REPLY_MAXLEN``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from runtime.waiting import Backoff
 logger = logging.getLogger(__name__)
 
 TRIM_EVERY = 64
-"""Under load, a reply stream is trimmed once this many replies have been read since its
-last trim (and whenever a read finds nothing new): read replies it still holds are fewer."""
+"""Under load, a reply stream is trimmed once this many entries (each holding one batch's
+replies) have been read since its last trim, and whenever a read finds nothing new: read
+entries it still holds are fewer."""
 
 
 class Abandoned(Exception):
