@@ -6,7 +6,7 @@ request id. On a Redis Cluster one XREAD cannot span slots, so each partition's 
 has a reading loop of its own.
 
 A reply stream holds only what its gateway has not read yet, and fewer than
-:data:`TRIM_EVERY` entries (each a batch's replies) it has read: once they are
+:data:`TRIM_EVERY` entries (each one or more replies) it has read: once they are
 dispatched, the stream is trimmed behind them (``XTRIM MINID``, one command per
 stream, so one slot each). XTRIM rather than XDEL of the ids read: the reader is the
 stream's only one and reads in id order, so all below the last id read is read; one
@@ -35,8 +35,8 @@ from runtime.waiting import Backoff
 logger = logging.getLogger(__name__)
 
 TRIM_EVERY = 64
-"""Under load, a reply stream is trimmed once this many entries (each holding one batch's
-replies) have been read since its last trim, and whenever a read finds nothing new: read
+"""Under load, a reply stream is trimmed once this many entries (each holding one reply or
+a batch's) have been read since its last trim, and whenever a read finds nothing new: read
 entries it still holds are fewer."""
 
 
@@ -71,7 +71,7 @@ class ReplyDispatcher:
         self._last_ids = dict.fromkeys(streams, "0-0")
         self._stopping = False
         self._trim_failing = False
-        self._untrimmed = dict.fromkeys(streams, 0)  # replies read since the last trim
+        self._untrimmed = dict.fromkeys(streams, 0)  # entries read since the last trim
         self.written: dict[str, float] = {}
         self._emptied: asyncio.Event | None = None  # set once none waits (settled())
 
@@ -177,7 +177,7 @@ class ReplyDispatcher:
                 # Let the woken handlers answer their clients before the next read is
                 # sent: the read can wait, a client is waiting.
                 await asyncio.sleep(0)
-            # Under load, a trim per TRIM_EVERY replies, not per read (a read often
+            # Under load, a trim per TRIM_EVERY entries, not per read (a read often
             # brings one or two: a command each would cost the gateway ~20% of its
             # calls/s); when a read comes back empty, whatever is left.
             due = [s for s in streams if self._untrimmed[s] >= (TRIM_EVERY if response else 1)]

@@ -35,11 +35,16 @@ DRAIN_MARGIN_S = 5
 cancels what is left (``conveyor up`` waits this long too, and more)."""
 
 YOUNG_EVERY = 20_000
-"""Allocations (less frees) between two collections of the youngest generation once the
-gateway serves, against Python's 700: a request's short-lived objects (its futures,
-models, dicts) filled that so often that the collector showed in the gateway's profile
-under load, and 20,000 took ~9% off its CPU per request at 64 connections on echo (the
-A/B is in bench/RESULTS.md). Garbage in cycles waits a little longer."""
+"""Allocations (less frees) of container objects between two collections of the youngest
+generation once the gateway serves, against Python's 700 (and each older generation every
+20 collections of the one below, against 10): a request's short-lived objects (its
+futures, models, dicts) filled the young generation so often that the collector showed
+in the gateway's profile under load, and this took ~9% off its CPU per request at 64
+connections on echo (the A/B is in bench/RESULTS.md). Garbage in reference cycles waits
+longer to be freed, and only containers count towards the threshold: a cycle that holds
+large bytes (a traceback holding a request body) is freed after as many allocations as
+one that holds none. (Python 3.14's incremental collector reads the older thresholds
+differently.)"""
 
 
 class DrainingServer(uvicorn.Server):
