@@ -106,6 +106,7 @@ def start_redis(
     bound: bool = False,
     maxmemory_mb: int = 0,
     binary: str | None = None,
+    unixsocket: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start redis-server on 127.0.0.1:``port`` and return once it accepts connections.
 
@@ -123,6 +124,7 @@ def start_redis(
             thread that lives as long as the process.
         maxmemory_mb: its ``maxmemory`` (0: none), under ``noeviction``.
         binary: the redis-server to run (None: :func:`find_redis_server`'s).
+        unixsocket: also listen on this Unix socket (made before the port answers).
 
     Raises:
         ConfigError: it exited or did not accept connections within 20 s.
@@ -141,6 +143,8 @@ def start_redis(
     }
     if pidfile is not None:
         config["pidfile"] = str(pidfile)
+    if unixsocket is not None:
+        config["unixsocket"] = str(unixsocket)
     if cluster:
         config |= {
             "cluster-enabled": "yes",

@@ -10,21 +10,19 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis as redis_sync
 import redis.asyncio as aioredis
 import uvloop
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from conveyor.embedded import free_port
+from conveyor.embedded import free_port, start_redis
 from pipelines.settings import CommonSettings
 from runtime.packing import packing
 from runtime.pool import Pool
@@ -32,13 +30,6 @@ from runtime.redisio import connect
 from tests.helpers import until
 
 LOOPS = ("asyncio", "uvloop")
-
-
-def _answers(client: redis_sync.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis_sync.RedisError:
-        return False
 
 
 def _run(loop: str, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -176,19 +167,8 @@ def test_a_write_on_a_connection_redis_closed_fails_as_a_connection_error(
     for its closed transport. The next command connects afresh."""
     port = free_port()
     socket_path = tmp_path / "redis.sock"
-    options = ["--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--unixsocket", str(socket_path), *options],
-        stdout=subprocess.DEVNULL,
-    )
+    server = start_redis(port, tmp_path / "redis", unixsocket=socket_path)
     try:
-        ready = redis_sync.Redis(port=port, socket_connect_timeout=1)
-        give_up = time.monotonic() + 20
-        while not _answers(ready) or not socket_path.exists():  # it starts: a bounded look
-            if time.monotonic() > give_up or server.poll() is not None:
-                pytest.fail("redis-server with a unix socket did not start")
-            time.sleep(0.02)
-        ready.close()
 
         async def main() -> None:
             admin = aioredis.Redis(port=port)
