@@ -57,8 +57,9 @@ WORKER_ENV = {
     "CONVEYOR_TEST_DELAY_S": "0.25",  # model time per batch
     "CONVEYOR_MAX_BATCH_SIZE": "4",  # small batches spread the load over all four workers
     # Long enough that no survivor reclaims the dead host's entries before the client host
-    # has read what it held, even on a loaded machine (the kill's handshake there took
-    # over 0.5 s); short enough for the load to finish soon after.
+    # has read what it held: that read comes after the test host has found, killed and
+    # reaped the host's processes, which a loaded machine makes slow. Short enough for the
+    # load to finish soon after.
     "CONVEYOR_MIN_IDLE_MS": "3000",
     "CONVEYOR_RECLAIM_INTERVAL_MS": "100",
     "CONVEYOR_BLOCK_MS": "100",
