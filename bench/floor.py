@@ -1,46 +1,54 @@
 """``python -m bench.floor``: the least this architecture costs on this machine, measured
-beside conveyor's echo in one run.
+beside conveyor in one run.
 
-The floor is conveyor's topology with nothing on it: the same three processes and the same
-hops, written straight on asyncio protocols (uvloop) with hiredis, and no more work than
-those hops need.
+The floor is conveyor's topology with nothing on it: its three processes and the least
+hops they need, written straight on asyncio protocols (uvloop) with hiredis.
 
 - **serve** (the gateway's place): an HTTP/1.1 keep-alive server. It ``XADD``\\ s each
   request's body, with a fresh request id, to a stage stream, and answers it with the
   reply its blocking ``XREAD`` of a reply stream brings back.
 - **work** (the worker's place): reads the stage stream with ``XREADGROUP`` (``COUNT``
-  32). For each batch it makes one script call, which sets each request's done marker
-  (``SET .. NX EX``: a request already done is not answered twice), writes the batch's
-  replies as one entry (the body itself, an echo), and acknowledges the batch.
+  32). Each batch takes the model's time (``--model-ms``; it sleeps), then one script
+  call sets each request's done marker (``SET .. NX EX``: a request already done is not
+  answered twice), writes the batch's replies as one entry (the body itself, an echo),
+  and acknowledges the batch.
 
-So a request's Redis work is exactly issue 37's "its XADD in, its reply out and its done
-marker", and everything else is per batch. There is nothing else:
+A request's Redis work is so its XADD in, its reply out and its done marker, and
+everything else is per batch: two round trips a batch for the worker, where conveyor's
+makes a third (its cancellation check and on-model marks, when the model is free for the
+batch). There is nothing else:
 
 - no validation;
 - no deadlines, cancellation, leases or on-model marks;
 - no refusals, stats, metrics, tracing or logs;
 - no recovery of a dead worker's entries.
 
-It is not a server to use. It is the bound each figure of conveyor's is read against:
-what the processes, their wake-ups and Redis's own work cost on these cores when no
-line of conveyor runs. Two steps up from it (:data:`LADDER`) put back the libraries
-conveyor stands on, one at a time: its Redis client (redis-py, with conveyor's pool and
-packing), then uvicorn with httptools serving an ASGI app. What conveyor costs above the
-top step is its own code (FastAPI and Starlette's layers included).
+It is not a server to use. It is the bound conveyor's figures are read against: what the
+processes, their wake-ups and Redis's own work cost on these cores when no line of
+conveyor runs. Two steps up from it (:data:`LADDER`) put back the libraries conveyor
+stands on, one at a time: its Redis client (redis-py, with conveyor's pool and packing),
+then uvicorn with httptools serving an ASGI app. What conveyor costs above the top step is
+its own code (FastAPI's and Starlette's layers included) and its third round trip.
 
-Each round starts conveyor (:func:`bench.systems.conveyor`, one echo worker) and then
-each step of the ladder down to the floor, each with its own redis-server, and loads each
-through HTTP with the bench's closed
-loop (:mod:`bench.loadgen`) at each of ``--clients``. A measured loop follows a warm-up
-loop. Around it the bench reads:
+The loads: echo (no model) at each of ``--clients``, and one client behind a model of
+each of ``--model-ms`` (conveyor's synthetic stage held to that time per batch, the floor's
+worker sleeping as long). At one client every process idles while another works, and on a
+VM an idle process's wake-up is dear; the model's time makes each idle as long as a real
+model's would.
+
+Each round starts each system afresh (its own redis-server), in an order turned by one
+each round, and loads it through HTTP with the bench's closed loop (:mod:`bench.loadgen`).
+A measured loop follows a warm-up loop. Around it the bench reads:
 
 - ``CONFIG RESETSTAT`` before, and ``INFO commandstats`` after: commands per request,
   scripts' own commands counted, as ``bench.hotpath`` counts them;
 - ``INFO cpu``: Redis's own CPU;
-- /proc: the CPU of the two other processes.
+- /proc: the CPU of the two other processes, a second after the loop (what a process
+  defers to its idle time counts).
 
-The result is a table of medians over ``--rounds`` (every round listed), with the
-conveyor/floor ratio, written as the section :data:`TITLE` of ``--out``.
+The result is a table per load of medians over ``--rounds`` (every round listed), with
+conveyor over the ladder's top step and over the floor, written as the section
+:data:`TITLE` of ``--out``.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,14 +75,23 @@ from bench.capacity import commandstats
 from bench.floor_roles import serve, work
 from bench.hotpath_report import place_section, tree
 from bench.loadgen import LoadResult, closed_loop
-from bench.systems import HOST, ROOT, Options, _spawn, _stop, conveyor, cpu_seconds
+from bench.systems import (
+    HOST,
+    READY_TIMEOUT_S,
+    ROOT,
+    Options,
+    _spawn,
+    _stop,
+    _stop_all_but_redis,
+    conveyor,
+    cpu_seconds,
+)
 from bench.workloads import bodies
 from conveyor.embedded import free_port, start_redis
 
-TITLE = "The architecture's floor: conveyor's echo beside the same hops with nothing on them"
-PATH = "/v1/echo"
+TITLE = "The architecture's floor: conveyor beside the same hops with nothing on them"
 READY = b'{"text": "ready"}'
-SETTLE_S = 0.5
+SETTLE_S = 1.0
 LADDER = {
     "floor": ("raw", "raw"),
     "floor + redis-py": ("redis-py", "raw"),
@@ -85,70 +103,81 @@ LADDER = {
 
 @dataclass
 class Running:
-    """A system up for the bench: where its HTTP server listens, its processes."""
+    """A system up for the bench: where its HTTP server listens (and the path it serves),
+    its Redis, its processes."""
 
     port: int
+    path: str
     redis_port: int
     pids: dict[str, int]
 
 
 @contextmanager
-def floor(workdir: Path, client: str = "raw", http: str = "raw") -> Iterator[Running]:
+def floor(
+    workdir: Path, client: str = "raw", http: str = "raw", model_ms: float = 0.0
+) -> Iterator[Running]:
     """redis-server, the floor's server and its worker (talking to Redis and speaking HTTP
-    as ``client`` and ``http`` say, :mod:`bench.floor_roles`), until one echo answers."""
-    redis_port, port = free_port(), free_port()
+    as ``client`` and ``http`` say, its batches taking ``model_ms`` each:
+    :mod:`bench.floor_roles`), until one echo answers."""
+    redis_port = free_port()
+    port = free_port(avoid=redis_port)
     log = workdir / "floor.log"
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with ExitStack() as stack:
         procs["redis"] = start_redis(redis_port, workdir / "redis-floor")
-        stack.callback(_stop, procs)
+        stack.callback(_stop, {"redis": procs["redis"]})
+        stack.callback(_stop_all_but_redis, procs)  # runs first: Redis's clients, then Redis
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         base = [sys.executable, "-m", "bench.floor"]
         common = ["--redis-port", str(redis_port), "--client", client]
         procs["serve"] = _spawn(
             [*base, "serve", *common, "--port", str(port), "--http", http], env, log
         )
-        procs["work"] = _spawn([*base, "work", *common], env, log)
-        running = Running(port, redis_port, {k: p.pid for k, p in procs.items()})
+        procs["work"] = _spawn([*base, "work", *common, "--model-ms", str(model_ms)], env, log)
+        running = Running(port, "/v1/echo", redis_port, {k: p.pid for k, p in procs.items()})
         _await_echo(running, procs, log)
         yield running
 
 
 @contextmanager
-def conveyor_echo(workdir: Path) -> Iterator[Running]:
-    """conveyor as the other benches start it, serving echo."""
-    with conveyor(["echo"], Options(), workdir, log_name="conveyor-floor") as server:
+def conveyor_served(workdir: Path, model_ms: float = 0.0) -> Iterator[Running]:
+    """conveyor as the other benches start it, serving ``echo`` or, behind a model of
+    ``model_ms``, the synthetic stage held to that time per batch (:mod:`bench.synthetic`)."""
+    workload = "synthetic" if model_ms else "echo"
+    env = {"BENCH_SYNTHETIC_A_MS": str(model_ms), "BENCH_SYNTHETIC_B_MS": "0"}
+    options = Options(env=env if model_ms else {})
+    with conveyor([workload], options, workdir, log_name="conveyor-floor") as server:
         pids = {role: p.pid for role, p in server.procs.items()}
-        pids["serve"], pids["work"] = pids.pop("gateway"), pids.pop("worker echo 1")
+        pids["serve"], pids["work"] = pids.pop("gateway"), pids.pop(f"worker {workload} 1")
         redis_port = int(server.redis_url.rsplit(":", 1)[1].split("/")[0])
-        yield Running(server.port, redis_port, pids)
+        yield Running(server.port, server.path(workload), redis_port, pids)
 
 
 def _await_echo(running: Running, procs: dict[str, subprocess.Popen[bytes]], log: Path) -> None:
-    give_up = time.monotonic() + 30
+    give_up = time.monotonic() + READY_TIMEOUT_S
     while True:
         for role, proc in procs.items():
             if proc.poll() is not None:
                 raise RuntimeError(f"floor {role} exited with {proc.returncode}; see {log}")
-        try:
-            result = asyncio.run(
-                closed_loop(HOST, running.port, PATH, [READY], 1, request_timeout=1.0)
-            )
-            if result.requests and not result.errors:
-                return
-        except OSError:
-            pass
+        result = asyncio.run(
+            closed_loop(HOST, running.port, running.path, [READY], 1, request_timeout=1.0)
+        )
+        if result.requests and not result.errors:
+            return
         if time.monotonic() > give_up:
-            raise RuntimeError(f"the floor did not answer within 30 s; see {log}")
+            raise RuntimeError(
+                f"the floor did not answer within {READY_TIMEOUT_S:.0f} s; see {log}"
+            )
         time.sleep(0.1)
 
 
 @dataclass
 class Figures:
-    """One measured loop of one system at one client count, per request."""
+    """One measured loop of one system at one load, per request."""
 
     rate: float
     p50_ms: float
+    over_ms: float
     p99_ms: float
     commands: float
     redis_us: float
@@ -162,18 +191,20 @@ def _redis_cpu(client: redis.Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-def measure(running: Running, clients: int, seconds: float) -> Figures:
-    """A 1 s warm-up loop, then a counted one of ``clients`` for ``seconds``."""
+def measure(running: Running, clients: int, seconds: float, model_ms: float = 0.0) -> Figures:
+    """A 1 s warm-up loop, then a counted one of ``clients`` for ``seconds``; CPU and Redis
+    are read :data:`SETTLE_S` after it (what a process defers to its idle time counts)."""
     sent = bodies(100_000, "echo")
-    asyncio.run(closed_loop(HOST, running.port, PATH, sent, clients, duration=1.0))
+    asyncio.run(closed_loop(HOST, running.port, running.path, sent, clients, duration=1.0))
     time.sleep(SETTLE_S)
     with redis.Redis(host=HOST, port=running.redis_port) as r:
         before = {role: cpu_seconds([running.pids[role]]) for role in ("serve", "work")}
         r.config_resetstat()
         redis_before = _redis_cpu(r)
         load: LoadResult = asyncio.run(
-            closed_loop(HOST, running.port, PATH, sent, clients, duration=seconds)
+            closed_loop(HOST, running.port, running.path, sent, clients, duration=seconds)
         )
+        time.sleep(SETTLE_S)
         redis_cpu = _redis_cpu(r) - redis_before
         after = {role: cpu_seconds([running.pids[role]]) for role in ("serve", "work")}
         counted = commandstats(r.info("commandstats"))
@@ -182,6 +213,7 @@ def measure(running: Running, clients: int, seconds: float) -> Figures:
     return Figures(
         rate=load.throughput,
         p50_ms=load.pct(0.5),
+        over_ms=load.pct(0.5) - model_ms,
         p99_ms=load.pct(0.99),
         commands=calls / done,
         redis_us=redis_cpu / done * 1e6,
@@ -191,15 +223,17 @@ def measure(running: Running, clients: int, seconds: float) -> Figures:
     )
 
 
-SYSTEMS: dict[str, Callable[[Path], Any]] = {
-    "conveyor": conveyor_echo,
+SYSTEMS: dict[str, Callable[..., Any]] = {
+    "conveyor": conveyor_served,
     **{name: partial(floor, client=c, http=h) for name, (c, h) in reversed(LADDER.items())},
 }
-"""Every system measured, from conveyor down the ladder to the floor."""
+"""Every system measured, from conveyor down the ladder to the floor; each is started
+with a workdir and a model time (ms per batch)."""
 
 ROWS = (
     ("req/s", "rate", "{:.0f}"),
     ("p50 ms", "p50_ms", "{:.2f}"),
+    ("p50 over the model, ms", "over_ms", "{:.2f}"),
     ("p99 ms", "p99_ms", "{:.2f}"),
     ("Redis commands", "commands", "{:.2f}"),
     ("Redis CPU µs (`INFO cpu`)", "redis_us", "{:.0f}"),
@@ -207,16 +241,26 @@ ROWS = (
     ("worker (work) CPU µs", "work_us", "{:.0f}"),
 )
 
+Load = tuple[float, int]
+"""A measured load: the model's time per batch (ms; 0: echo) and the clients."""
 
-def table(clients: int, runs: dict[str, list[Figures]]) -> list[str]:
-    """A markdown table for one client count: each figure's median and rounds per system
-    measured (``runs``, conveyor first, the floor last), and conveyor over the floor."""
+
+def _title(load: Load) -> str:
+    model_ms, clients = load
+    who = f"{clients} client{'s' if clients > 1 else ''}"
+    return f"a {model_ms:g} ms model, {who}" if model_ms else f"echo, {who}"
+
+
+def table(load: Load, runs: dict[str, list[Figures]]) -> list[str]:
+    """A markdown table for one load: each figure's median and rounds per system measured
+    (``runs``: conveyor first, the floor last), and conveyor over the top step of the
+    ladder (what its own code adds) and over the floor."""
     names = list(runs)
     lines = [
-        f"| echo, {clients} client{'s' if clients > 1 else ''}, per request | "
+        f"| {_title(load)}, per request | "
         + " | ".join(f"{name} (median; rounds)" for name in names)
-        + f" | {names[0]} / {names[-1]} |",
-        "|---|" + "---:|" * (len(names) + 1),
+        + f" | {names[0]} / {names[1]} | {names[0]} / {names[-1]} |",
+        "|---|" + "---:|" * (len(names) + 2),
     ]
     for label, attr, fmt in ROWS:
         cells, medians = [], []
@@ -226,29 +270,57 @@ def table(clients: int, runs: dict[str, list[Figures]]) -> list[str]:
             medians.append(median)
             rounds = ", ".join(fmt.format(v) for v in values)
             cells.append(f"**{fmt.format(median)}** ({rounds})")
-        ratio = f"{medians[0] / medians[-1]:.2f}x" if medians[-1] else "-"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
+        ratios = [f"{medians[0] / m:.2f}x" if m > 0 else "-" for m in (medians[1], medians[-1])]
+        lines.append(f"| {label} | " + " | ".join(cells + ratios) + " |")
     errors = {name: sum(f.errors for f in runs[name]) for name in names}
     if any(errors.values()):
         lines.append(f"\nErrors: {errors}.")
     return lines
 
 
-def section(command: str, results: dict[int, dict[str, list[Figures]]], took_s: float) -> str:
+def section(command: str, results: dict[Load, dict[str, list[Figures]]], notes: str) -> str:
     """The :data:`TITLE` section of ``RESULTS.md``."""
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out = [
         f"## {TITLE}",
         "",
-        f"Written by `{command}` on {when} in {took_s:.0f} s; {tree()[2:]}. "
-        "What the floor is, and what it leaves out: `bench/floor.py`'s docstring. Each "
-        "round starts each system afresh; medians, with every round. Conveyor's figures "
-        "over the floor's are what conveyor's own code costs on top of the hops.",
+        f"Written by `{command}` {notes}; {tree()[2:]}. What the floor is, and what it "
+        "leaves out: `bench/floor.py`'s docstring. Each round starts each system afresh, "
+        "in an order turned by one each round; medians, with every round. A model's load "
+        "runs conveyor's synthetic stage held to that time per batch (it sleeps), and the "
+        "floor's worker sleeps as long per batch. Conveyor over the top step of the ladder "
+        "is what its own code adds; over the floor, that and the libraries.",
         "",
     ]
-    for clients, runs in results.items():
-        out += [*table(clients, runs), ""]
+    for load, runs in results.items():
+        out += [*table(load, runs), ""]
     return "\n".join(out)
+
+
+def _loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def run(
+    names: list[str], loads: list[Load], rounds: int, seconds: float
+) -> dict[Load, dict[str, list[Figures]]]:
+    """Every system at every load, ``rounds`` times, each system started afresh per model
+    time, the systems' order turned by one each round."""
+    results: dict[Load, dict[str, list[Figures]]] = {load: {n: [] for n in names} for load in loads}
+    models = list(dict.fromkeys(model_ms for model_ms, _ in loads))
+    tmp = Path(tempfile.mkdtemp(prefix="floor-"))
+    for i in range(rounds):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            for model_ms in models:
+                workdir = tmp / f"{i}-{name.replace(' ', '')}-{model_ms:g}"
+                workdir.mkdir()
+                with SYSTEMS[name](workdir, model_ms=model_ms) as running:
+                    for load in loads:
+                        if load[0] == model_ms:
+                            figures = measure(running, load[1], seconds, model_ms)
+                            results[load][name].append(figures)
+                            print(f"round {i + 1} {name} {_title(load)}: {figures}", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # kept, with its logs, where a system failed
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -261,9 +333,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help=f"comma-separated, of: {', '.join(SYSTEMS)} (the last is the ratios' base)",
+        help=f"comma-separated, of: {', '.join(SYSTEMS)} (conveyor first, the floor last)",
     )
-    parser.add_argument("--clients", default="1,64", help="closed-loop clients, comma-separated")
+    parser.add_argument("--clients", default="1,64", help="echo's closed-loop clients")
+    parser.add_argument(
+        "--model-ms",
+        default="20",
+        help="also one client behind a model of each of these ms per batch ('': none); "
+        "for a role, its batches' time",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=6.0, help="per measured loop")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
@@ -274,26 +352,22 @@ def main(argv: list[str] | None = None) -> None:
         if args.role == "serve":
             uvloop.run(serve(args.redis_port, args.port, args.client, args.http))
         else:
-            uvloop.run(work(args.redis_port, args.client))
+            uvloop.run(work(args.redis_port, args.client, float(args.model_ms) / 1000))
         return
-    counts = [int(c) for c in args.clients.split(",")]
     names = args.systems.split(",")
     if unknown := set(names) - set(SYSTEMS):
         parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
-    results: dict[int, dict[str, list[Figures]]] = {c: {s: [] for s in names} for c in counts}
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            for j, name in enumerate(names):
-                workdir = Path(tmp) / f"{i}-{j}"
-                workdir.mkdir()
-                with SYSTEMS[name](workdir) as running:
-                    for clients in counts:
-                        figures = measure(running, clients, args.seconds)
-                        results[clients][name].append(figures)
-                        print(f"round {i + 1} {name} c={clients}: {figures}", flush=True)
+    loads: list[Load] = [(0.0, int(c)) for c in args.clients.split(",") if c]
+    loads += [(float(m), 1) for m in args.model_ms.split(",") if m]
+    started, load_before = time.monotonic(), _loadavg()
+    results = run(names, loads, args.rounds, args.seconds)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    notes = (
+        f"on {when} in {time.monotonic() - started:.0f} s, load average (1 min) "
+        f"{load_before:.2f} at the start and {_loadavg():.2f} at the end"
+    )
     command = "python -m bench.floor " + " ".join(argv if argv is not None else sys.argv[1:])
-    body = section(command.strip(), results, time.monotonic() - started)
+    body = section(command.strip(), results, notes)
     print(body)
     text = args.out.read_text() if args.out.exists() else ""
     args.out.write_text(place_section(text, TITLE, body))

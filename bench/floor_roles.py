@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, cast
@@ -120,7 +121,8 @@ def _pairs(fields: Any) -> Iterable[tuple[bytes, bytes]]:
 
 class Http(asyncio.Protocol):
     """One client connection of the bare server: keep-alive requests with a
-    ``Content-Length``, answered in order (the bench's clients send one at a time)."""
+    ``Content-Length``, each answered when its reply comes (in order only for a client
+    that sends one at a time, as the bench's do). Anything else closes the connection."""
 
     def __init__(self, take: Callable[[bytes, Callable[[bytes], None]], None]) -> None:
         self._take = take
@@ -134,13 +136,15 @@ class Http(asyncio.Protocol):
         assert self._transport is not None
         self._buffer += data
         while (end := self._buffer.find(b"\r\n\r\n")) >= 0:
-            head = self._buffer[:end].lower()
-            at = head.find(b"content-length:")
-            if at < 0:
+            head = b"\r\n" + self._buffer[:end].lower() + b"\r\n"
+            at = head.find(b"\r\ncontent-length:")
+            length = -1
+            if at >= 0:
+                value = head[at + 17 : head.find(b"\r\n", at + 2)].strip()
+                length = int(value) if value.isdigit() else -1
+            if length < 0:  # not a request this server reads: the connection is done
                 self._transport.close()
                 return
-            stop = head.find(b"\r\n", at)
-            length = int(head[at + 15 : stop if stop >= 0 else len(head)])
             if len(self._buffer) < end + 4 + length:
                 return
             body = self._buffer[end + 4 : end + 4 + length]
@@ -170,9 +174,13 @@ class Server:
         rid = os.urandom(16).hex().encode()
         self._waiting[rid] = answer
         sent = asyncio.ensure_future(self._writes("XADD", STAGE, "*", "id", rid, "e", body))
-        if not sent.done():
-            self._sending.add(sent)
-            sent.add_done_callback(self._sending.discard)
+        self._sending.add(sent)
+        sent.add_done_callback(self._sent)
+
+    def _sent(self, sent: asyncio.Future[Any]) -> None:
+        self._sending.discard(sent)
+        if not sent.cancelled() and sent.exception() is not None:
+            raise SystemExit(f"floor: XADD failed: {sent.exception()!r}")  # ends the loop
 
     async def read_replies(self) -> None:
         """Forever: the reply stream's new entries, each reply to its request's answer."""
@@ -232,12 +240,19 @@ async def serve(redis_port: int, port: int, client: str, http: str) -> None:
         access_log=False,
         log_level="warning",
     )
-    await uvicorn.Server(config).serve()
+    running = uvicorn.Server(config)
+    # A reader that fails (Redis gone) ends the server, as it ends the bare one: requests
+    # would otherwise wait for replies nobody reads.
+    replies.add_done_callback(lambda _: setattr(running, "should_exit", True))
+    await running.serve()
+    if replies.done():
+        replies.result()  # its error, if it had one
     replies.cancel()
 
 
-async def work(redis_port: int, client: str) -> None:
-    """The floor's worker: batches of the stage stream, each published by one script call."""
+async def work(redis_port: int, client: str, delay_s: float = 0.0) -> None:
+    """The floor's worker: batches of the stage stream, each taking ``delay_s`` (a model
+    of that time per batch, sleeping) and published by one script call."""
     call = await connection(redis_port, client)
     try:
         await call("XGROUP", "CREATE", STAGE, GROUP, "0", "MKSTREAM")
@@ -252,6 +267,8 @@ async def work(redis_port: int, client: str) -> None:
         )  # fmt: skip
         if not got:
             continue
+        if delay_s:  # the model: the process idles (to the millisecond: a loop timer is not)
+            time.sleep(delay_s)  # noqa: ASYNC251
         keys: list[bytes | str] = []
         args: list[Any] = [GROUP]
         for entry_id, fields in got[0][1]:
