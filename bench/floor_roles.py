@@ -209,7 +209,12 @@ def _asgi(server: Server) -> Callable[..., Awaitable[None]]:
             if not message.get("more_body"):
                 break
         replied: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        server.take(body, replied.set_result)
+
+        def answer(reply: bytes) -> None:
+            if not replied.done():  # not given up on (a client gone)
+                replied.set_result(reply)
+
+        server.take(body, answer)
         reply = await replied
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(reply))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
