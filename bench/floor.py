@@ -30,11 +30,16 @@ stands on, one at a time: its Redis client (redis-py, with conveyor's pool and p
 then uvicorn with httptools serving an ASGI app. What conveyor costs above the top step is
 its own code (FastAPI's and Starlette's layers included) and its third round trip.
 
-The loads: echo (no model) at each of ``--clients``, and one client behind a model of
-each of ``--model-ms`` (conveyor's synthetic stage held to that time per batch, the floor's
-worker sleeping as long). At one client every process idles while another works, and on a
-VM an idle process's wake-up is dear; the model's time makes each idle as long as a real
-model's would.
+The loads: echo (no model) at each of ``--clients``, and one client behind each of
+``--models``: a model of that many ms per batch (conveyor's synthetic stage held to that
+time, the floor's worker sleeping as long), or ``minilm``, MiniLM on the CPU (conveyor's
+``embed`` stage; the floor's worker runs the same model as
+:func:`bench.workloads.load_model` builds it, with torch's idle threads as a conveyor
+worker leaves them). At one client every process idles while another works, and on a VM
+an idle process's wake-up is dear; a model's time makes each idle as long as a real
+model's would. MiniLM on the CPU also takes the cores the other processes wake on. Its
+own time for one request, the base of its p50 over the model, is measured in the
+bench's process at the start of each round, as ``python -m bench`` measures it.
 
 Each round starts each system afresh (its own redis-server), in an order turned by one
 each round, and loads it through HTTP with the bench's closed loop (:mod:`bench.loadgen`).
@@ -86,8 +91,9 @@ from bench.systems import (
     conveyor,
     cpu_seconds,
 )
-from bench.workloads import bodies
+from bench.workloads import bodies, in_process
 from conveyor.embedded import free_port, start_redis
+from workers.settings import WorkerSettings
 
 TITLE = "The architecture's floor: conveyor beside the same hops with nothing on them"
 READY = b'{"text": "ready"}'
@@ -114,11 +120,11 @@ class Running:
 
 @contextmanager
 def floor(
-    workdir: Path, client: str = "raw", http: str = "raw", model_ms: float = 0.0
+    workdir: Path, client: str = "raw", http: str = "raw", model: str = "0"
 ) -> Iterator[Running]:
     """redis-server, the floor's server and its worker (talking to Redis and speaking HTTP
-    as ``client`` and ``http`` say, its batches taking ``model_ms`` each:
-    :mod:`bench.floor_roles`), until one echo answers."""
+    as ``client`` and ``http`` say, running ``model``: :mod:`bench.floor_roles`), until
+    one request is answered."""
     redis_port = free_port()
     port = free_port(avoid=redis_port)
     log = workdir / "floor.log"
@@ -133,19 +139,23 @@ def floor(
         procs["serve"] = _spawn(
             [*base, "serve", *common, "--port", str(port), "--http", http], env, log
         )
-        procs["work"] = _spawn([*base, "work", *common, "--model-ms", str(model_ms)], env, log)
+        if model == "minilm":  # torch's idle threads as a conveyor worker leaves them
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            env.setdefault("GOMP_SPINCOUNT", str(WorkerSettings().openmp_spin_count))
+        procs["work"] = _spawn([*base, "work", *common, "--model", model], env, log)
         running = Running(port, "/v1/echo", redis_port, {k: p.pid for k, p in procs.items()})
         _await_echo(running, procs, log)
         yield running
 
 
 @contextmanager
-def conveyor_served(workdir: Path, model_ms: float = 0.0) -> Iterator[Running]:
-    """conveyor as the other benches start it, serving ``echo`` or, behind a model of
-    ``model_ms``, the synthetic stage held to that time per batch (:mod:`bench.synthetic`)."""
-    workload = "synthetic" if model_ms else "echo"
-    env = {"BENCH_SYNTHETIC_A_MS": str(model_ms), "BENCH_SYNTHETIC_B_MS": "0"}
-    options = Options(env=env if model_ms else {})
+def conveyor_served(workdir: Path, model: str = "0") -> Iterator[Running]:
+    """conveyor as the other benches start it, serving ``echo`` (``model`` 0), ``embed``
+    (``minilm``) or the synthetic stage held to ``model`` ms per batch
+    (:mod:`bench.synthetic`)."""
+    workload = {"0": "echo", "minilm": "embed"}.get(model, "synthetic")
+    env = {"BENCH_SYNTHETIC_A_MS": model, "BENCH_SYNTHETIC_B_MS": "0"}
+    options = Options(env=env if workload == "synthetic" else {})
     with conveyor([workload], options, workdir, log_name="conveyor-floor") as server:
         pids = {role: p.pid for role, p in server.procs.items()}
         pids["serve"], pids["work"] = pids.pop("gateway"), pids.pop(f"worker {workload} 1")
@@ -193,7 +203,8 @@ def _redis_cpu(client: redis.Redis) -> float:
 
 def measure(running: Running, clients: int, seconds: float, model_ms: float = 0.0) -> Figures:
     """A 1 s warm-up loop, then a counted one of ``clients`` for ``seconds``; CPU and Redis
-    are read :data:`SETTLE_S` after it (what a process defers to its idle time counts)."""
+    are read :data:`SETTLE_S` after it (what a process defers to its idle time counts).
+    ``model_ms``: the model's own time for one request (the p50 over it)."""
     sent = bodies(100_000, "echo")
     asyncio.run(closed_loop(HOST, running.port, running.path, sent, clients, duration=1.0))
     time.sleep(SETTLE_S)
@@ -241,14 +252,17 @@ ROWS = (
     ("worker (work) CPU µs", "work_us", "{:.0f}"),
 )
 
-Load = tuple[float, int]
-"""A measured load: the model's time per batch (ms; 0: echo) and the clients."""
+Load = tuple[str, int]
+"""A measured load: the model (``0``: echo; a number: that many ms a batch, sleeping;
+``minilm``) and the clients."""
 
 
 def _title(load: Load) -> str:
-    model_ms, clients = load
+    model, clients = load
     who = f"{clients} client{'s' if clients > 1 else ''}"
-    return f"a {model_ms:g} ms model, {who}" if model_ms else f"echo, {who}"
+    if model == "minilm":
+        return f"MiniLM, {who}"
+    return f"a {model} ms model, {who}" if model != "0" else f"echo, {who}"
 
 
 def table(load: Load, runs: dict[str, list[Figures]]) -> list[str]:
@@ -285,10 +299,12 @@ def section(command: str, results: dict[Load, dict[str, list[Figures]]], notes: 
         "",
         f"Written by `{command}` {notes}; {tree()[2:]}. What the floor is, and what it "
         "leaves out: `bench/floor.py`'s docstring. Each round starts each system afresh, "
-        "in an order turned by one each round; medians, with every round. A model's load "
-        "runs conveyor's synthetic stage held to that time per batch (it sleeps), and the "
-        "floor's worker sleeps as long per batch. Conveyor over the top step of the ladder "
-        "is what its own code adds; over the floor, that and the libraries.",
+        "in an order turned by one each round; medians, with every round. A model of some ms "
+        "is conveyor's synthetic stage held to that time per batch (it sleeps), and the "
+        "floor's worker sleeping as long; MiniLM is conveyor's embed stage and the same "
+        "model in the floor's worker, its p50 over the model taken against the model "
+        "alone in the bench's process, measured each round. Conveyor over the top step "
+        "of the ladder is what its own code adds; over the floor, that and the libraries.",
         "",
     ]
     for load, runs in results.items():
@@ -303,20 +319,26 @@ def _loadavg() -> float:
 def run(
     names: list[str], loads: list[Load], rounds: int, seconds: float
 ) -> dict[Load, dict[str, list[Figures]]]:
-    """Every system at every load, ``rounds`` times, each system started afresh per model
-    time, the systems' order turned by one each round."""
+    """Every system at every load, ``rounds`` times, each system started afresh per model,
+    the systems' order turned by one each round. MiniLM's own time for one request is
+    measured in this process at the start of each round (:func:`bench.workloads.in_process`)."""
     results: dict[Load, dict[str, list[Figures]]] = {load: {n: [] for n in names} for load in loads}
-    models = list(dict.fromkeys(model_ms for model_ms, _ in loads))
+    models = list(dict.fromkeys(model for model, _ in loads))
     tmp = Path(tempfile.mkdtemp(prefix="floor-"))
     for i in range(rounds):
+        alone = {m: float(m) for m in models if m != "minilm"}
+        if "minilm" in models:
+            lim = in_process("embed", batch=32, total=64, singles=200, seconds=4, device="cpu")
+            alone["minilm"] = lim.single_p50_ms
+            print(f"round {i + 1} MiniLM alone: p50 {lim.single_p50_ms:.2f} ms", flush=True)
         for name in names[i % len(names) :] + names[: i % len(names)]:
-            for model_ms in models:
-                workdir = tmp / f"{i}-{name.replace(' ', '')}-{model_ms:g}"
+            for model in models:
+                workdir = tmp / f"{i}-{name.replace(' ', '')}-{model}"
                 workdir.mkdir()
-                with SYSTEMS[name](workdir, model_ms=model_ms) as running:
+                with SYSTEMS[name](workdir, model=model) as running:
                     for load in loads:
-                        if load[0] == model_ms:
-                            figures = measure(running, load[1], seconds, model_ms)
+                        if load[0] == model:
+                            figures = measure(running, load[1], seconds, alone[model])
                             results[load][name].append(figures)
                             print(f"round {i + 1} {name} {_title(load)}: {figures}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)  # kept, with its logs, where a system failed
@@ -337,11 +359,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--clients", default="1,64", help="echo's closed-loop clients")
     parser.add_argument(
-        "--model-ms",
-        default="20",
-        help="also one client behind a model of each of these ms per batch ('': none); "
-        "for a role, its batches' time",
+        "--models",
+        default="20,minilm",
+        help="also one client behind each of these models: a number of ms per batch (a "
+        "model that sleeps) or minilm ('': none)",
     )
+    parser.add_argument("--model", default="0", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=6.0, help="per measured loop")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
@@ -352,13 +375,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.role == "serve":
             uvloop.run(serve(args.redis_port, args.port, args.client, args.http))
         else:
-            uvloop.run(work(args.redis_port, args.client, float(args.model_ms) / 1000))
+            uvloop.run(work(args.redis_port, args.client, args.model))
         return
     names = args.systems.split(",")
     if unknown := set(names) - set(SYSTEMS):
         parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
-    loads: list[Load] = [(0.0, int(c)) for c in args.clients.split(",") if c]
-    loads += [(float(m), 1) for m in args.model_ms.split(",") if m]
+    loads: list[Load] = [("0", int(c)) for c in args.clients.split(",") if c]
+    loads += [(m, 1) for m in args.models.split(",") if m]
     started, load_before = time.monotonic(), _loadavg()
     results = run(names, loads, args.rounds, args.seconds)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

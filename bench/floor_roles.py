@@ -255,9 +255,38 @@ async def serve(redis_port: int, port: int, client: str, http: str) -> None:
     replies.cancel()
 
 
-async def work(redis_port: int, client: str, delay_s: float = 0.0) -> None:
-    """The floor's worker: batches of the stage stream, each taking ``delay_s`` (a model
-    of that time per batch, sleeping) and published by one script call."""
+def _model(model: str) -> Callable[[list[bytes]], list[bytes]]:
+    """The floor's model, from a body each to a reply each: ``minilm`` runs MiniLM (as
+    the bench's other systems build it, :func:`bench.workloads.load_model`) on the
+    bodies' texts; a number sleeps that many ms per batch (the process idles, to the
+    millisecond, as a loop timer is not) and echoes the bodies; ``0`` only echoes."""
+    if model == "minilm":
+        import orjson
+
+        from bench.workloads import load_model
+
+        embedder = load_model("embed", "cpu")
+
+        def embed(bodies: list[bytes]) -> list[bytes]:
+            results = embedder.predict([orjson.loads(body) for body in bodies])
+            return [orjson.dumps(result) for result in results]
+
+        return embed
+    delay_s = float(model) / 1000
+
+    def echo(bodies: list[bytes]) -> list[bytes]:
+        if delay_s:
+            time.sleep(delay_s)
+        return bodies
+
+    return echo
+
+
+async def work(redis_port: int, client: str, model: str = "0") -> None:
+    """The floor's worker: batches of the stage stream, each run through ``model``
+    (:func:`_model`, on the loop itself: nothing else runs here meanwhile) and published
+    by one script call."""
+    run = _model(model)
     call = await connection(redis_port, client)
     try:
         await call("XGROUP", "CREATE", STAGE, GROUP, "0", "MKSTREAM")
@@ -272,13 +301,12 @@ async def work(redis_port: int, client: str, delay_s: float = 0.0) -> None:
         )  # fmt: skip
         if not got:
             continue
-        if delay_s:  # the model: the process idles (to the millisecond: a loop timer is not)
-            time.sleep(delay_s)  # noqa: ASYNC251
         keys: list[bytes | str] = []
         args: list[Any] = [GROUP]
-        for entry_id, fields in got[0][1]:
-            values = dict(_pairs(fields))
+        entries = [(entry_id, dict(_pairs(fields))) for entry_id, fields in got[0][1]]
+        replies = run([values[b"e"] for _, values in entries])
+        for (entry_id, values), reply in zip(entries, replies, strict=True):
             rid = values[b"id"]
             keys.append(DONE + rid.decode())
-            args += [entry_id, rid, values[b"e"]]
+            args += [entry_id, rid, reply]
         await call("EVALSHA", sha, len(keys) + 2, *keys, REPLIES, STAGE, *args, REPLY_CAP)

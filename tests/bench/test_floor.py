@@ -11,6 +11,7 @@ import socket
 import uuid
 from pathlib import Path
 
+import orjson
 import pytest
 import redis
 
@@ -63,6 +64,28 @@ def test_the_floor_and_each_step_echo_each_body_to_its_sender_once(
     assert pending == 0
 
 
+def test_the_floor_s_worker_runs_minilm_on_each_body(tmp_path: Path) -> None:
+    texts = [b'{"text": "a cat sat on the mat"}', b'{"text": "queues hold requests"}']
+    with floor(tmp_path, model="minilm") as running:
+        answers = asyncio.run(_post_each(running.port, running.path, texts))
+    vectors = [orjson.loads(answer)["embedding"] for answer in answers]
+    assert [len(v) for v in vectors] == [384, 384]
+    assert vectors[0] != vectors[1]
+
+
+async def _post_each(port: int, path: str, sent: list[bytes]) -> list[bytes]:
+    connection = Connection(HOST, port)
+    try:
+        answers = []
+        for body in sent:
+            status, answer = await asyncio.wait_for(connection.post(path, body), 60)
+            assert status == 200
+            answers.append(answer)
+        return answers
+    finally:
+        await connection.close()
+
+
 def test_a_batch_published_twice_is_answered_once(redis_url: str) -> None:
     tag = uuid.uuid4().hex
     stage, replies, marker = f"{tag}:stage", f"{tag}:replies", f"{tag}:done:r1"
@@ -99,7 +122,7 @@ def test_a_request_the_bare_server_cannot_read_closes_its_connection(
 def test_a_short_run_writes_every_system_s_figures(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     out.write_text("# Results\n\n## What runs\n\nkept\n")
-    args = ["--rounds", "1", "--clients", "2", "--model-ms", "5", "--seconds", "0.5"]
+    args = ["--rounds", "1", "--clients", "2", "--models", "5", "--seconds", "0.5"]
     main([*args, "--out", str(out)])
     text = out.read_text()
     assert f"## {TITLE}\n" in text
