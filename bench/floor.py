@@ -98,6 +98,9 @@ from workers.settings import WorkerSettings
 TITLE = "The architecture's floor: conveyor beside the same hops with nothing on them"
 READY = b'{"text": "ready"}'
 SETTLE_S = 1.0
+"""Idle before each counted loop, and after it before CPU and Redis are read."""
+WARMUP_S = 1.0
+"""The uncounted loop before each counted one."""
 LADDER = {
     "floor": ("raw", "raw"),
     "floor + redis-py": ("redis-py", "raw"),
@@ -202,11 +205,11 @@ def _redis_cpu(client: redis.Redis) -> float:
 
 
 def measure(running: Running, clients: int, seconds: float, model_ms: float = 0.0) -> Figures:
-    """A 1 s warm-up loop, then a counted one of ``clients`` for ``seconds``; CPU and Redis
+    """A warm-up loop, then a counted one of ``clients`` for ``seconds``; CPU and Redis
     are read :data:`SETTLE_S` after it (what a process defers to its idle time counts).
     ``model_ms``: the model's own time for one request (the p50 over it)."""
     sent = bodies(100_000, "echo")
-    asyncio.run(closed_loop(HOST, running.port, running.path, sent, clients, duration=1.0))
+    asyncio.run(closed_loop(HOST, running.port, running.path, sent, clients, duration=WARMUP_S))
     time.sleep(SETTLE_S)
     with redis.Redis(host=HOST, port=running.redis_port) as r:
         before = {role: cpu_seconds([running.pids[role]]) for role in ("serve", "work")}

@@ -15,6 +15,7 @@ import orjson
 import pytest
 import redis
 
+from bench import floor as floor_bench
 from bench.floor import LADDER, TITLE, floor, main
 from bench.floor_roles import DONE, GROUP, SCRIPT, STAGE
 from bench.loadgen import Connection
@@ -119,7 +120,12 @@ def test_a_request_the_bare_server_cannot_read_closes_its_connection(
         assert sock.recv(1024) == b""  # closed, nothing answered
 
 
-def test_a_short_run_writes_every_system_s_figures(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)  # eight systems started, conveyor twice: a minute when busy
+def test_a_short_run_writes_every_system_s_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(floor_bench, "WARMUP_S", 0.2)
+    monkeypatch.setattr(floor_bench, "SETTLE_S", 0.2)
     out = tmp_path / "RESULTS.md"
     out.write_text("# Results\n\n## What runs\n\nkept\n")
     args = ["--rounds", "1", "--clients", "2", "--models", "5", "--seconds", "0.5"]
