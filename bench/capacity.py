@@ -310,7 +310,8 @@ class Point:
         }
 
 
-def _redis_cpu(client: redis.Redis) -> float:
+def redis_cpu(client: redis.Redis) -> float:
+    """Redis's own CPU seconds so far (``INFO cpu``: system + user)."""
     cpu = client.info("cpu")
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
@@ -355,7 +356,7 @@ def measure(
         start["workers"] = cpu_seconds(workers)
         for client in clients:
             client.config_resetstat()
-        start["redis"] = [_redis_cpu(client) for client in clients]
+        start["redis"] = [redis_cpu(client) for client in clients]
 
     sent = bodies(20_000 if load.clients > 1 else 5_000, "echo")
     try:
@@ -368,7 +369,7 @@ def measure(
             )
         )
         per_node = [commandstats(c.info("commandstats")) for c in clients]
-        shard_cpu = [_redis_cpu(c) - was for c, was in zip(clients, start["redis"], strict=True)]
+        shard_cpu = [redis_cpu(c) - was for c, was in zip(clients, start["redis"], strict=True)]
         gateway_cpu = cpu_seconds(gateway) - start["gateway"]
         workers_cpu = cpu_seconds(workers) - start["workers"]
         items, runs = _batches(server, stages)

@@ -73,21 +73,23 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
-from bench.capacity import commandstats
+from bench.capacity import commandstats, redis_cpu
 from bench.floor_roles import serve, work
 from bench.hotpath_report import place_section, tree
 from bench.loadgen import LoadResult, closed_loop
 from bench.systems import (
     HOST,
-    READY_TIMEOUT_S,
     ROOT,
     Options,
+    Server,
     _spawn,
     _stop,
     _stop_all_but_redis,
+    _wait_answers,
     conveyor,
     cpu_seconds,
 )
@@ -96,7 +98,6 @@ from conveyor.embedded import free_port, start_redis
 from workers.settings import WorkerSettings
 
 TITLE = "The architecture's floor: conveyor beside the same hops with nothing on them"
-READY = b'{"text": "ready"}'
 SETTLE_S = 1.0
 """Idle before each counted loop, and after it before CPU and Redis are read."""
 WARMUP_S = 1.0
@@ -146,9 +147,8 @@ def floor(
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             env.setdefault("GOMP_SPINCOUNT", str(WorkerSettings().openmp_spin_count))
         procs["work"] = _spawn([*base, "work", *common, "--model", model], env, log)
-        running = Running(port, "/v1/echo", redis_port, {k: p.pid for k, p in procs.items()})
-        _await_echo(running, procs, log)
-        yield running
+        _wait_answers(Server("floor", port, procs), ["echo"], log)
+        yield Running(port, "/v1/echo", redis_port, {k: p.pid for k, p in procs.items()})
 
 
 @contextmanager
@@ -162,26 +162,8 @@ def conveyor_served(workdir: Path, model: str = "0") -> Iterator[Running]:
     with conveyor([workload], options, workdir, log_name="conveyor-floor") as server:
         pids = {role: p.pid for role, p in server.procs.items()}
         pids["serve"], pids["work"] = pids.pop("gateway"), pids.pop(f"worker {workload} 1")
-        redis_port = int(server.redis_url.rsplit(":", 1)[1].split("/")[0])
+        redis_port = int(urlsplit(server.redis_url).port or 6379)
         yield Running(server.port, server.path(workload), redis_port, pids)
-
-
-def _await_echo(running: Running, procs: dict[str, subprocess.Popen[bytes]], log: Path) -> None:
-    give_up = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        for role, proc in procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"floor {role} exited with {proc.returncode}; see {log}")
-        result = asyncio.run(
-            closed_loop(HOST, running.port, running.path, [READY], 1, request_timeout=1.0)
-        )
-        if result.requests and not result.errors:
-            return
-        if time.monotonic() > give_up:
-            raise RuntimeError(
-                f"the floor did not answer within {READY_TIMEOUT_S:.0f} s; see {log}"
-            )
-        time.sleep(0.1)
 
 
 @dataclass
@@ -199,11 +181,6 @@ class Figures:
     errors: int
 
 
-def _redis_cpu(client: redis.Redis) -> float:
-    cpu = client.info("cpu")
-    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
-
-
 def measure(running: Running, clients: int, seconds: float, model_ms: float = 0.0) -> Figures:
     """A warm-up loop, then a counted one of ``clients`` for ``seconds``; CPU and Redis
     are read :data:`SETTLE_S` after it (what a process defers to its idle time counts).
@@ -214,12 +191,12 @@ def measure(running: Running, clients: int, seconds: float, model_ms: float = 0.
     with redis.Redis(host=HOST, port=running.redis_port) as r:
         before = {role: cpu_seconds([running.pids[role]]) for role in ("serve", "work")}
         r.config_resetstat()
-        redis_before = _redis_cpu(r)
+        redis_before = redis_cpu(r)
         load: LoadResult = asyncio.run(
             closed_loop(HOST, running.port, running.path, sent, clients, duration=seconds)
         )
         time.sleep(SETTLE_S)
-        redis_cpu = _redis_cpu(r) - redis_before
+        redis_used = redis_cpu(r) - redis_before
         after = {role: cpu_seconds([running.pids[role]]) for role in ("serve", "work")}
         counted = commandstats(r.info("commandstats"))
     calls = sum(c.calls for name, c in counted.items() if name != "info")
@@ -230,7 +207,7 @@ def measure(running: Running, clients: int, seconds: float, model_ms: float = 0.
         over_ms=load.pct(0.5) - model_ms,
         p99_ms=load.pct(0.99),
         commands=calls / done,
-        redis_us=redis_cpu / done * 1e6,
+        redis_us=redis_used / done * 1e6,
         serve_us=(after["serve"] - before["serve"]) / done * 1e6,
         work_us=(after["work"] - before["work"]) / done * 1e6,
         errors=load.errors,

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from bench.capacity import commandstats
+from bench.capacity import commandstats, redis_cpu
 from bench.hotpath_report import (
     COMMAND,
     SETTLE_S,
@@ -85,11 +85,6 @@ __all__ = [  # what the tests read here, wherever it is defined
     "socket_ports",
     "tally",
 ]
-
-
-def _redis_cpu(client: redis.Redis) -> float:
-    cpu = client.info("cpu")
-    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
 def _stage_totals(client: redis.Redis, stage: str) -> tuple[float, float]:
@@ -141,16 +136,16 @@ def count(server: ConveyorServer, workload: str, clients: int, seconds: float) -
             start["cpu"] = {role: cpu_seconds(p) for role, p in pids.items()}
             start["ran"] = _stage_totals(r, stage)
             r.config_resetstat()
-            start["redis"] = _redis_cpu(r)
+            start["redis"] = redis_cpu(r)
 
         result = _loop(server, workload, clients, 20_000, seconds, reset)
         commands = commandstats(r.info("commandstats"))
-        redis_cpu = _redis_cpu(r) - start["redis"]
+        used = redis_cpu(r) - start["redis"]
         reads = int(r.info("stats")["total_reads_processed"])
         items, batches = (a - b for a, b in zip(_stage_totals(r, stage), start["ran"], strict=True))
     commands.pop("info", None)  # this bench's own reads
     gateway, worker = (cpu_seconds(p) - start["cpu"][role] for role, p in pids.items())
-    return Counted(clients, result, items, batches, commands, redis_cpu, reads, gateway, worker)
+    return Counted(clients, result, items, batches, commands, used, reads, gateway, worker)
 
 
 def watch(
