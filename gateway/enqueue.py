@@ -30,6 +30,7 @@ from runtime.redisio import (
     RedisClock,
     RedisRefused,
     enqueue,
+    enqueue_burst,
     in_order,
     on_live_connection,
     request_stream,
@@ -274,10 +275,7 @@ class Enqueuer:
             # entry is in (after a plain pipeline's first XADD, it read one entry and
             # came back for the rest). Each XADD still answers alone; one refused as it
             # is queued (OOM) aborts the EXEC, and every caller gets that refusal.
-            pipe = self.client.pipeline(transaction=True)
-            for request in requests:
-                enqueue(pipe, self.keys, request)
-            return list(await pipe.execute(raise_on_error=False))
+            return await enqueue_burst(self.client, self.keys, requests)
         # On a cluster, each partition's XADDs go in a round trip of their own, side by
         # side: a shard down fails its partition's requests, not the others' (one
         # pipeline over every shard fails whole, though the others' entries were added).

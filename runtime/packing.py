@@ -30,12 +30,16 @@ with the connection dropped. Any other connection sends as redis-py does.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import redis.asyncio as aioredis
 from hiredis import pack_command
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
 
 LARGE = 64 * 1024
 """Commands whose ``bytes`` and ``str`` arguments hold more than this many bytes (or
@@ -125,3 +129,79 @@ def packing(connection_class: type[Any]) -> type[Any]:
         name = f"Packed{connection_class.__name__}"
         made = _PACKING[connection_class] = type(name, (_HiredisPacking, connection_class), {})
     return made
+
+
+async def transaction(
+    client: aioredis.Redis, commands: Sequence[Sequence[EncodableT]]
+) -> list[Any]:
+    """Run ``commands`` as one MULTI/EXEC on one pooled connection of ``client`` (a plain
+    client, not a cluster's), as redis-py's transaction pipeline runs them with
+    ``raise_on_error=False``, at a fraction of its CPU.
+
+    redis-py reads each of a transaction's replies (``+OK``, a ``QUEUED`` per command,
+    ``EXEC``'s) through its connection's ``read_response``, a timeout armed and cancelled
+    for every one, then runs each command's response callback: for a gateway's burst of
+    16 enqueues, most of its CPU a request (``python -m bench.enqueue``). Here the
+    commands are packed in one buffer and their replies read from the connection's parser
+    within one timeout (the connection's socket timeout, as redis-py's per reply), each as
+    Redis sent it (no response callbacks: the callers' commands, ``XADD``, have none).
+
+    Returns:
+        Per command, its reply, or the error Redis answered it with (that command alone).
+
+    Raises:
+        redis.exceptions.ResponseError: the first error Redis refused a command with as it
+            was queued (``OOM``: EXEC aborted, nothing ran), else EXEC's own (``BUSY``).
+            The connection is dropped: one whose EXEC was refused may still be inside the
+            transaction on the server.
+        redis.exceptions.ConnectionError, redis.exceptions.TimeoutError: as redis-py's read
+            raises them, the connection dropped.
+    """
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        packed = connection.pack_commands([("MULTI",), *commands, ("EXEC",)])
+        await connection.send_packed_command(packed)
+        replies = await _replies(connection, len(commands) + 2)
+        refused = [r for r in replies[:-1] if isinstance(r, ResponseError)]
+        done = replies[-1]
+        if refused or not isinstance(done, list) or len(done) != len(commands):
+            await connection.disconnect(nowait=True)
+            if refused:
+                raise refused[0]
+            if isinstance(done, ResponseError):
+                raise done
+            raise ResponseError(f"EXEC answered {done!r:.100} for {len(commands)} commands")
+        return done
+    finally:
+        await pool.release(connection)
+
+
+async def _replies(connection: Any, count: int) -> list[Any]:
+    """The next ``count`` replies on ``connection``, errors among them as values, read
+    from its parser within one socket timeout; on any failure the connection is dropped
+    and the failure raised as redis-py's ``read_response`` raises it."""
+    parser = getattr(connection, "_parser", None)
+    if parser is None:  # a redis-py without it: its own read, one reply at a time
+        return [await _reply(connection) for _ in range(count)]
+    try:
+        async with asyncio.timeout(connection.socket_timeout):
+            replies = [await parser.read_response() for _ in range(count)]
+    except BaseException as exc:
+        await connection.disconnect(nowait=True)
+        if isinstance(exc, asyncio.TimeoutError):
+            raise RedisTimeoutError(f"Timeout reading from {connection.host}") from None
+        if isinstance(exc, OSError):
+            raise RedisConnectionError(f"Error while reading: {exc.args}") from exc
+        raise
+    if connection.health_check_interval:  # read_response's own bookkeeping
+        loop = asyncio.get_running_loop()
+        connection.next_health_check = loop.time() + connection.health_check_interval
+    return replies
+
+
+async def _reply(connection: Any) -> Any:
+    try:
+        return await connection.read_response()
+    except ResponseError as exc:
+        return exc

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar, cast
 
 import redis.asyncio as aioredis
@@ -25,13 +25,14 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
 
 from pipelines.envelope import Request, encode
 from pipelines.errors import ConfigError
 from pipelines.keys import GROUP, Keys
 from pipelines.settings import CommonSettings
 from runtime.cluster import Cluster
-from runtime.packing import packing
+from runtime.packing import packing, transaction
 from runtime.pool import SATURATED, Pool
 from runtime.waiting import Backoff
 
@@ -272,6 +273,26 @@ def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[by
         request: what to enqueue.
     """
     return redis.xadd(request_stream(keys, request), encode(request))
+
+
+def enqueue_burst(
+    redis: aioredis.Redis, keys: Keys, requests: Sequence[Request]
+) -> Awaitable[list[Any]]:
+    """XADD each of ``requests`` as :func:`enqueue` would, all in one MULTI/EXEC
+    (:func:`runtime.packing.transaction`) on a plain client: Redis serves a worker blocked
+    on the stream once every entry is in.
+
+    Returns (awaited):
+        Per request, its entry id or the error Redis refused its XADD with.
+    """
+    commands = []
+    for request in requests:
+        fields = encode(request)
+        xadd: list[EncodableT] = ["XADD", request_stream(keys, request), "*"]
+        for name, value in fields.items():
+            xadd += (name, value)
+        commands.append(xadd)
+    return transaction(redis, commands)
 
 
 def request_stream(keys: Keys, request: Request) -> str:

@@ -25,6 +25,7 @@ from gateway.app import create_app
 from gateway.enqueue import Enqueuer
 from gateway.fastpath import SyncCalls
 from gateway.settings import GatewaySettings
+from pipelines.envelope import decode_request, encode
 from pipelines.graph import single
 from pipelines.keys import Keys
 from pipelines.registry import Registry
@@ -237,6 +238,26 @@ async def test_an_xadd_redis_refuses_fails_only_its_own_request(
     assert [o for i, o in enumerate(outcomes) if i != 2] == [None] * 5
     assert await redis.xlen(keys.stage_stream("double")) == 5
     assert await redis.get(keys.stage_stream("broken")) == b"not a stream"
+
+
+async def test_a_burst_reaches_each_stream_it_names_in_order(
+    harness: Harness, redis: aioredis.Redis, namespace: str
+) -> None:
+    # One call, several streams (stages, lanes): each entry on its own, whole, in order.
+    keys = Keys(namespace)
+    enqueuer = Enqueuer(redis, keys, write_s=10)
+    burst = [
+        harness.request("p", stage, stage, {"value": i}, lane=lane)
+        for i, (stage, lane) in enumerate(
+            [("a", "interactive"), ("b", "interactive"), ("a", "bulk"), ("a", "interactive")]
+        )
+    ]
+    await asyncio.gather(*(enqueuer.enqueue(r) for r in burst))
+    for stage, lane, values in [("a", "interactive", [0, 3]), ("b", "interactive", [1])]:
+        entries: Any = await redis.xrange(keys.stage_stream(stage, lane))
+        assert [decode_request(f).payload["value"] for _, f in entries] == values
+        assert all(set(f) == set(encode(burst[0])) for _, f in entries)
+    assert await redis.xlen(keys.stage_stream("a", "bulk")) == 1
 
 
 async def test_a_round_trip_that_fails_fails_every_request_in_it(
