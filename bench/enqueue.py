@@ -14,7 +14,13 @@ conveyor's client on uvloop (as the gateway runs), each way in turn for ``--roun
 
 It prints per request the client's CPU (this process, ``time.process_time``: packing,
 sending, reading, the envelope's encoding included, alike in every way) and Redis's
-(``INFO cpu``, system and user, its network work included); medians of the rounds.
+(``INFO cpu``, system and user, its network work included); medians of the rounds, the
+ways' order turned each round.
+With ``--round-trips`` it also prices a worker's two other round trips each way (client
+CPU per call): its claim, an HSET of on-model marks and an MGET of cancellation markers
+in one pipeline (:func:`runtime.packing.pipelined` against redis-py's), and a publish's
+one ``EVALSHA`` (:func:`runtime.packing.command` against redis-py's ``evalsha``).
+
 CPU, not wall time, so the machine's other work matters less; still compare within a run.
 """
 
@@ -30,6 +36,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 
 from bench.capacity import redis_cpu
 from bench.costs import _uvloop_run
@@ -38,6 +45,7 @@ from pipelines.envelope import FIELD, Request, encode, new_request_id
 from pipelines.keys import Keys
 from pipelines.settings import CommonSettings
 from pipelines.tokens import COST
+from runtime.packing import command, pipelined
 from runtime.redisio import connect, enqueue, enqueue_burst, request_stream
 
 WAYS = ("redis-py", "conveyor", "script")
@@ -86,9 +94,14 @@ async def _script(client: aioredis.Redis, keys: Keys, requests: list[Request]) -
         fields = encode(request)
         values += (fields[FIELD], fields[COST])
     streams = [request_stream(keys, r) for r in requests]
-    script = client.register_script(SCRIPT)  # EVALSHA (EVAL once, on NOSCRIPT)
+    script = _SCRIPTS.get(id(client))
+    if script is None:  # made once per client: EVALSHA (EVAL once, on NOSCRIPT)
+        script = _SCRIPTS[id(client)] = client.register_script(SCRIPT)
     answer: list[Any] = await script(keys=streams, args=[FIELD, COST, *values])
     return answer
+
+
+_SCRIPTS: dict[int, AsyncScript] = {}
 
 
 Send = Callable[[aioredis.Redis, Keys, list[Request]], Awaitable[list[Any]]]
@@ -120,9 +133,10 @@ async def measure(url: str, sizes: list[int], rounds: int, requests: int) -> lis
     keys = Keys("bench")
     found: dict[tuple[int, str], list[tuple[float, float]]] = {}
     try:
-        for _ in range(rounds):
+        for turn in range(rounds):
+            ways = WAYS[turn % len(WAYS) :] + WAYS[: turn % len(WAYS)]  # turned each round
             for size in sizes:
-                for way in WAYS:
+                for way in ways:
                     bursts = max(1, requests // size)
                     got = await _per_request(client, info, keys, SENDS[way], size, bursts)
                     found.setdefault((size, way), []).append(got)
@@ -142,12 +156,65 @@ async def measure(url: str, sizes: list[int], rounds: int, requests: int) -> lis
     return lines
 
 
+CLAIM = [("HSET", "bench:marks", b"1-1", b"m", b"1-2", b"m"), ("MGET", "bench:c1", "bench:c2")]
+"""A worker's claim of a batch of two: its on-model marks and its cancellation check."""
+
+
+async def round_trips(url: str, rounds: int, calls: int) -> list[str]:
+    """Client CPU per round trip, redis-py's way and conveyor's
+    (:func:`runtime.packing.pipelined`, :func:`runtime.packing.command`), alternating:
+    a worker's claim (:data:`CLAIM`) and a publish's one ``EVALSHA``."""
+    client = connect(CommonSettings(redis_url=url))
+    sha = await client.script_load("return {0, {}, {}, {}}")
+    evalsha = ("EVALSHA", sha, 2, "bench:a", "bench:b", "x", "y")
+
+    async def claim_redis_py() -> None:
+        pipe = client.pipeline(transaction=False)
+        for args in CLAIM:
+            pipe.execute_command(*args)
+        await pipe.execute()
+
+    async def claim_conveyor() -> None:
+        await pipelined(client, CLAIM, raise_on_error=True)
+
+    async def eval_redis_py() -> None:
+        await client.evalsha(*evalsha[1:])
+
+    async def eval_conveyor() -> None:
+        await command(client, *evalsha)
+
+    ways: dict[str, Callable[[], Awaitable[None]]] = {
+        "claim (HSET + MGET), redis-py": claim_redis_py,
+        "claim (HSET + MGET), conveyor": claim_conveyor,
+        "EVALSHA, redis-py": eval_redis_py,
+        "EVALSHA, conveyor": eval_conveyor,
+    }
+    found: dict[str, list[float]] = {}
+    try:
+        for _ in range(rounds):
+            for name, call in ways.items():
+                for _ in range(200):  # warm
+                    await call()
+                started = time.process_time()
+                for _ in range(calls):
+                    await call()
+                found.setdefault(name, []).append((time.process_time() - started) / calls)
+    finally:
+        await client.aclose()
+    lines = ["| round trip | client CPU µs |", "|---|---:|"]
+    lines += [f"| {name} | {statistics.median(v) * 1e6:.1f} |" for name, v in found.items()]
+    return lines
+
+
 def main() -> None:
-    """Measure and print a Markdown table."""
+    """Measure and print Markdown tables."""
     parser = argparse.ArgumentParser(prog="python -m bench.enqueue", description=__doc__)
     parser.add_argument("--sizes", default="2,4,16", help="requests a burst, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the ways")
     parser.add_argument("--requests", type=int, default=6000, help="requests per measurement")
+    parser.add_argument(
+        "--round-trips", action="store_true", help="also a worker's claim and EVALSHA, each way"
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     port = free_port()
@@ -155,8 +222,10 @@ def main() -> None:
         server = start_redis(port, Path(data))
         try:
             run = _uvloop_run()
-            lines = run(measure(f"redis://127.0.0.1:{port}/0", sizes, args.rounds, args.requests))
-            print("\n".join(lines))
+            url = f"redis://127.0.0.1:{port}/0"
+            print("\n".join(run(measure(url, sizes, args.rounds, args.requests))), end="\n\n")
+            if args.round_trips:
+                print("\n".join(run(round_trips(url, args.rounds, 3000))))
         finally:
             server.terminate()
             server.wait()

@@ -39,7 +39,7 @@ from pipelines.stages import Stage
 from runtime.redisio import enqueue
 from runtime.stats import read_stats
 from runtime.waiting import cancel_and_wait
-from workers.claims import mark
+from workers.claims import mark_now
 from workers.loop import Worker
 from workers.partitions import partition_workers
 from workers.settings import WorkerSettings
@@ -408,9 +408,7 @@ async def died_running(
     that died running them leaves behind. Returns what was read."""
     got = cast(list[Any], await redis.xreadgroup(GROUP, consumer, {stream: ">"}))
     entries = [Entry(eid, fields, stream) for _, read in got or [] for eid, fields in read]
-    pipe = redis.pipeline(transaction=False)
-    mark(pipe, keys, entries)
-    await pipe.execute()
+    await mark_now(redis, keys, entries)
     return list(got or [])
 
 

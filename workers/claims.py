@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipelines.keys import GROUP, Keys
+from runtime.packing import pipelined
 from runtime.redisio import REDIS_DOWN, group_missing, text
 from workers.values import Claimed, Entry, by_stream
 
@@ -68,36 +69,32 @@ def marks(keys: Keys, entries: Sequence[Entry]) -> dict[str, list[bytes]]:
     return {keys.on_model(stream): ids for stream, ids in by_stream(entries).items()}
 
 
-def mark(pipe: Any, keys: Keys, entries: Sequence[Entry], value: bytes | None = None) -> int:
-    """Queue on ``pipe`` (a Redis pipeline) the marks of ``entries``: on the model as one
-    batch (:func:`batch_mark`), or ``value``; one HSET per stream (and, now and then, an
-    EXPIRE). Returns how many commands it queued."""
+def mark(keys: Keys, entries: Sequence[Entry], value: bytes | None = None) -> list[list[Any]]:
+    """The commands that mark ``entries``: on the model as one batch (:func:`batch_mark`),
+    or ``value``; one HSET per stream (and, now and then, an EXPIRE)."""
     what = batch_mark(entries) if value is None else value
-    queued = 0
+    commands: list[list[Any]] = []
     now = time.monotonic()
     for key, ids in marks(keys, entries).items():
-        pipe.hset(key, mapping=dict.fromkeys(ids, what))
-        queued += 1
+        hset: list[Any] = ["HSET", key]
+        for eid in ids:
+            hset += (eid, what)
+        commands.append(hset)
         if now - _refreshed.get(key, -math.inf) > MARK_REFRESH_S:
             _refreshed[key] = now
-            pipe.expire(key, MARK_TTL_S)
-            queued += 1
-    return queued
+            commands.append(["EXPIRE", key, MARK_TTL_S])
+    return commands
 
 
 async def mark_hung(client: aioredis.Redis, keys: Keys, entries: Sequence[Entry]) -> None:
     """Mark ``entries`` as on the model in a call that hung (``h<size>:<id>``)."""
-    pipe = client.pipeline(transaction=False)
-    mark(pipe, keys, entries, HUNG + batch_mark(entries))
-    await pipe.execute()
+    await pipelined(client, mark(keys, entries, HUNG + batch_mark(entries)), raise_on_error=True)
 
 
 async def mark_now(client: aioredis.Redis, keys: Keys, entries: Sequence[Entry]) -> None:
     """Mark ``entries`` on the model in a round trip of its own (before a staged model's
     host phase, which runs before the batch's turn)."""
-    pipe = client.pipeline(transaction=False)
-    mark(pipe, keys, entries)
-    await pipe.execute()
+    await pipelined(client, mark(keys, entries), raise_on_error=True)
 
 
 async def claim_idle(

@@ -23,6 +23,7 @@ from pipelines.model import Item
 from pipelines.outcomes import Outcome
 from pipelines.stages import Stage
 from runtime.jobs import cancelled_among
+from runtime.packing import pipelined
 from runtime.redisio import REDIS_DOWN, IdsAhead, arrival, on_live_connection, written_at
 from workers import claims
 from workers.route import LATE_S, Router
@@ -131,15 +132,14 @@ class Intake:
         async def ask() -> set[str]:
             if not mark:
                 return await cancelled_among(self.client, keys, ids)
-            pipe = self.client.pipeline(transaction=False)
-            queued = claims.mark(pipe, keys, entries)
+            commands = claims.mark(keys, entries)
+            queued = len(commands)
             markers = [keys.cancelled(rid) for rid in ids]
             if self.one_slot_mget:
-                pipe.mget(markers)
+                commands.append(["MGET", *markers])
             else:  # a GET each: a cluster client's pipeline takes no MGET
-                for marker in markers:
-                    pipe.get(marker)
-            found = (await pipe.execute())[queued:]
+                commands += (["GET", marker] for marker in markers)
+            found = (await pipelined(self.client, commands, raise_on_error=True))[queued:]
             if self.one_slot_mget:
                 found = found[0]
             return {rid for rid, m in zip(ids, found, strict=True) if m is not None}

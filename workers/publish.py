@@ -40,6 +40,7 @@ from redis.exceptions import NoScriptError
 
 from pipelines.keys import Keys
 from runtime.exits import progressed
+from runtime.packing import command
 from runtime.redisio import REDIS_DOWN, on_live_connection, text
 from runtime.waiting import Backoff
 from workers.claims import marks
@@ -230,9 +231,9 @@ async def patiently(call: Callable[[], Awaitable[Published]]) -> Published:
 async def _run(client: aioredis.Redis, plan: Plan) -> Published:
     args = plan.script_args()
     try:
-        answer = await client.evalsha(PUBLISH_SHA, len(plan.keys), *plan.keys, *args)
+        answer = await command(client, "EVALSHA", PUBLISH_SHA, len(plan.keys), *plan.keys, *args)
     except NoScriptError:  # first use on this server (or after a restart): EVAL caches it
-        answer = await client.eval(PUBLISH_SCRIPT, len(plan.keys), *plan.keys, *args)
+        answer = await command(client, "EVAL", PUBLISH_SCRIPT, len(plan.keys), *plan.keys, *args)
     skipped, cancelled, *rest = answer
     refused = list(map(text, rest[0])) if rest else []
     broken = frozenset(map(text, rest[1])) if len(rest) > 1 else frozenset()

@@ -5,19 +5,22 @@ short (a paused Redis, a cancelled caller) leaves nothing on the connection for 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ExecAbortError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from conveyor.embedded import free_port, start_redis
 from pipelines.settings import CommonSettings
-from runtime.packing import transaction
-from runtime.redisio import connect
+from runtime.packing import _cause, transaction
+from runtime.redisio import RedisRefused, connect
 
 
 async def test_each_command_is_answered_in_order_and_an_error_is_its_own(
@@ -94,15 +97,86 @@ async def test_a_cancelled_transaction_leaves_no_reply_behind(
     await cut_short(own_redis, namespace, "cancel")
 
 
-async def test_a_transaction_on_a_connection_redis_closed_fails_as_a_lost_connection(
+async def test_a_transaction_whose_redis_dies_midway_fails_as_a_lost_connection(
+    own_redis: subprocess.Popen[bytes], namespace: str, tmp_path: Path
+) -> None:
+    client = connect(CommonSettings(), connections=1)
+    url = os.environ["CONVEYOR_REDIS_URL"]
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    again = None
+    try:
+        assert await transaction(client, [("SET", f"{namespace}:k", 1)]) == [b"OK"]
+        own_redis.send_signal(signal.SIGSTOP)
+        stuck = asyncio.ensure_future(transaction(client, [("GET", f"{namespace}:k")]))
+        await asyncio.sleep(0.1)  # sent, waiting for its replies
+        own_redis.kill()  # its sockets close under the read
+        own_redis.wait(10)
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(stuck, 10)
+        again = start_redis(port, tmp_path)
+        assert await transaction(
+            client, [("SET", f"{namespace}:k", 2), ("GET", f"{namespace}:k")]
+        ) == [b"OK", b"2"]
+    finally:
+        await client.aclose()
+        if again is not None:
+            again.terminate()
+            again.wait(10)
+
+
+async def test_a_transaction_on_a_unix_socket_past_its_timeout_fails_as_a_timeout(
+    tmp_path: Path, namespace: str
+) -> None:
+    socket = tmp_path / "redis.sock"
+    server = start_redis(free_port(), tmp_path, unixsocket=socket)
+    client = connect(CommonSettings(redis_url=f"unix://{socket}", redis_timeout_s=0.5))
+    try:
+        assert await transaction(client, [("SET", f"{namespace}:k", 1)]) == [b"OK"]
+        server.send_signal(signal.SIGSTOP)
+        with pytest.raises(RedisTimeoutError, match=r"redis\.sock"):
+            await transaction(client, [("GET", f"{namespace}:k")])
+        server.send_signal(signal.SIGCONT)
+        assert await transaction(client, [("GET", f"{namespace}:k")]) == [b"1"]
+    finally:
+        server.send_signal(signal.SIGCONT)
+        await client.aclose()
+        server.terminate()
+        server.wait(10)
+
+
+async def test_a_transaction_redis_discards_raises_its_refusal_and_keeps_the_connection(
     own_redis: subprocess.Popen[bytes], namespace: str
 ) -> None:
     client = connect(CommonSettings(), connections=1)
     try:
-        assert await transaction(client, [("SET", f"{namespace}:k", 1)]) == [b"OK"]
-        await client.client_kill_filter(skipme=False, _type="normal")  # every client, ours too
-        with pytest.raises(RedisConnectionError):
-            await transaction(client, [("GET", f"{namespace}:k")])
-        assert await transaction(client, [("GET", f"{namespace}:k")]) == [b"1"]
+        (first,) = await transaction(client, [("CLIENT", "ID")])
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", 1)
+        for _ in range(3):
+            with pytest.raises(OutOfMemoryError):
+                await transaction(client, [("XADD", f"{namespace}:s", "*", "e", "x")])
+        await client.config_set("maxmemory", 0)
+        # The same connection throughout: Redis left it outside the transaction.
+        assert await transaction(client, [("CLIENT", "ID")]) == [first]
+        assert not await client.exists(f"{namespace}:s")
     finally:
+        await client.config_set("maxmemory", 0)
         await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("said", "kind"),
+    [
+        ("OOM command not allowed when used memory > 'maxmemory'.", OutOfMemoryError),
+        ("BUSY Redis is busy running a script.", RedisRefused),
+        ("READONLY You can't write against a read only replica.", ReadOnlyError),
+        ("ERR something else", ResponseError),
+    ],
+)
+def test_an_exec_refused_alone_is_raised_as_its_cause(said: str, kind: type) -> None:
+    # EXEC refused though every command was queued (Redis 7: EXECABORT, with the cause).
+    connection = connect(CommonSettings()).connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    connection._parser.on_connect(connection)
+    cause = _cause(connection, ExecAbortError(f"Transaction discarded because of: {said}"))
+    assert type(cause) is kind
+    assert said.split(" ", 1)[1] in str(cause)
