@@ -265,17 +265,17 @@ class Enqueuer:
         self.ahead.check(request_stream(self.keys, request), entry_id, now)
 
     async def _send(self, requests: list[Request]) -> list[Any]:
+        if not isinstance(self.client, RedisCluster):
+            # Several in one MULTI/EXEC: Redis serves a worker blocked on the stream once
+            # every entry is in (after a plain pipeline's first XADD, it read one entry
+            # and came back for the rest). Each XADD still answers alone; one refused as
+            # it is queued (OOM) aborts the EXEC, and every caller gets that refusal.
+            return await enqueue_burst(self.client, self.keys, requests)
         if len(requests) == 1:
             try:
                 return [await enqueue(self.client, self.keys, requests[0])]
             except ResponseError as exc:
                 return [exc]
-        if not isinstance(self.client, RedisCluster):
-            # One MULTI/EXEC: Redis serves a worker blocked on the stream once every
-            # entry is in (after a plain pipeline's first XADD, it read one entry and
-            # came back for the rest). Each XADD still answers alone; one refused as it
-            # is queued (OOM) aborts the EXEC, and every caller gets that refusal.
-            return await enqueue_burst(self.client, self.keys, requests)
         # On a cluster, each partition's XADDs go in a round trip of their own, side by
         # side: a shard down fails its partition's requests, not the others' (one
         # pipeline over every shard fails whole, though the others' entries were added).

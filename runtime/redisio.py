@@ -32,7 +32,7 @@ from pipelines.errors import ConfigError
 from pipelines.keys import GROUP, Keys
 from pipelines.settings import CommonSettings
 from runtime.cluster import Cluster
-from runtime.packing import packing, transaction
+from runtime.packing import packing, pipelined, transaction
 from runtime.pool import SATURATED, Pool
 from runtime.waiting import Backoff
 
@@ -278,9 +278,10 @@ def enqueue(redis: aioredis.Redis, keys: Keys, request: Request) -> Awaitable[by
 def enqueue_burst(
     redis: aioredis.Redis, keys: Keys, requests: Sequence[Request]
 ) -> Awaitable[list[Any]]:
-    """XADD each of ``requests`` as :func:`enqueue` would, all in one MULTI/EXEC
-    (:func:`runtime.packing.transaction`) on a plain client: Redis serves a worker blocked
-    on the stream once every entry is in.
+    """XADD each of ``requests`` as :func:`enqueue` would, on a plain client, their replies
+    read as :mod:`runtime.packing` reads them: several in one MULTI/EXEC
+    (:func:`~runtime.packing.transaction`), so Redis serves a worker blocked on the stream
+    once every entry is in; one alone as one XADD (:func:`~runtime.packing.pipelined`).
 
     Returns (awaited):
         Per request, its entry id or the error Redis refused its XADD with.
@@ -292,6 +293,8 @@ def enqueue_burst(
         for name, value in fields.items():
             xadd += (name, value)
         commands.append(xadd)
+    if len(commands) == 1:
+        return pipelined(redis, commands, raise_on_error=False)
     return transaction(redis, commands)
 
 
