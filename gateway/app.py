@@ -18,6 +18,7 @@ from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.body import WireRoute
+from gateway.direct import DirectCalls, direct_calls
 from gateway.docs import add_docs_routes
 from gateway.edge import OPEN_PATHS, EdgeMiddleware
 from gateway.enqueue import refusal
@@ -97,6 +98,9 @@ class GatewayApp(FastAPI):
     """
 
     _direct: ASGIApp | None = None
+    on_connection: DirectCalls | None = None
+    """The calls conveyor's uvicorn protocol answers itself (:mod:`gateway.direct`): set
+    with the direct path, unless tracing is on (a call's root span is FastAPI's)."""
 
     def settle(self) -> None:
         """Decide, once serving starts, whether requests may skip FastAPI's checks."""
@@ -107,6 +111,8 @@ class GatewayApp(FastAPI):
             self.middleware_stack = self.build_middleware_stack()
         limit = getattr(self, "max_body_size", None)  # FastAPI's own, where it has one
         self._direct = _without_idle_layers(self.middleware_stack, limit)
+        if not tracing.STATE.enabled:
+            self.on_connection = direct_calls(self._direct)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         direct = self._direct

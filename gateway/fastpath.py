@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.body import parse_body
 from gateway.headers import HEADERS, UNCLEAR, RouteKind, Sent
-from gateway.protocol import DISCONNECT
+from gateway.protocol import DISCONNECT, REPLAYED
 from gateway.routes.jobs import submission_path, submit_job
 from gateway.routes.openai.errors import error_of, http_error
 from gateway.routes.openai.serving import Direct
@@ -133,7 +133,12 @@ class SyncCalls:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
-        if route is None or scope["method"] != "POST" or scope.get("root_path"):
+        if (
+            route is None
+            or scope["method"] != "POST"
+            or scope.get("root_path")
+            or REPLAYED in scope
+        ):
             await self.app(scope, receive, send)
             return
         sent = plain_headers(scope["headers"], "job" if isinstance(route, Job) else "call")

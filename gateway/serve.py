@@ -18,6 +18,8 @@ import math
 import socket
 
 import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import create_app
 from gateway.protocol import header_deadline_protocol
@@ -112,7 +114,7 @@ def main() -> None:
         # Never reached by a request (the drain answers each by then): this bounds only
         # the writing of the last answers.
         timeout_graceful_shutdown=math.ceil(settings.drain_s) + DRAIN_MARGIN_S,
-        http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
+        http=http_protocol(app, settings),
     )
     server = DrainingServer(config, app.state.gateway, settings.drain_s, settings.reuse_port)
     shared = settings.gateways > 1 or settings.reuse_port
@@ -120,6 +122,17 @@ def main() -> None:
     tracing.shutdown()  # the spans still batched go out
     if not server.started:  # as uvicorn.run: the port was taken, or start-up failed
         exit_for(3, f"the gateway could not start on {settings.host}:{settings.port}")
+
+
+def http_protocol(app: FastAPI, settings: GatewaySettings) -> type[HttpToolsProtocol]:
+    """conveyor's uvicorn protocol for ``app`` (:func:`~gateway.protocol.header_deadline_protocol`):
+    the deadline and bound on a request's headers, and the plain calls it answers on the
+    connection once the app has settled (:mod:`gateway.direct`)."""
+    return header_deadline_protocol(
+        settings.client_timeout_s,
+        settings.max_header_bytes,
+        lambda: getattr(app, "on_connection", None),
+    )
 
 
 def shared_socket(host: str, port: int) -> socket.socket:

@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
 from gateway.app import create_app
-from gateway.protocol import header_deadline_protocol
+from gateway.serve import http_protocol
 from gateway.settings import GatewaySettings
 from pipelines.envelope import Request, new_request_id, reply_values
 from pipelines.graph import single
@@ -248,10 +248,11 @@ class Harness:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
+        app = create_app(settings, registry)
         config = uvicorn.Config(
-            create_app(settings, registry),
+            app,
             log_level="warning",
-            http=header_deadline_protocol(settings.client_timeout_s, settings.max_header_bytes),
+            http=http_protocol(app, settings),  # as python -m gateway serves it
             # As python -m gateway runs it: a connection still open at the end of a test
             # (a keep-alive the client left) is cut then, instead of holding the teardown.
             timeout_graceful_shutdown=10,

@@ -1,0 +1,247 @@
+"""A pipeline's call answered on its connection (gateway/direct.py, gateway/protocol.py):
+the same answer as through the app, in order among pipelined requests, keep-alive and
+``Connection: close`` kept, the edge's refusals (keys, a late body) kept, and whatever
+the path does not take answered by the app as before."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import httpx
+import orjson
+import pytest
+
+from gateway.app import GatewayApp, create_app
+from gateway.settings import GatewaySettings
+from pipelines.graph import single
+from pipelines.registry import Registry
+from runtime import tracing
+from tests.helpers import Doubler, Harness, number_stage
+
+PLAIN = {"Content-Type": "application/json"}
+
+
+async def serve(harness: Harness, **gateway: Any) -> tuple[str, Any]:
+    """A gateway on a loopback port with a doubling worker; its base URL and the calls it
+    answers on the connection."""
+    stage = number_stage()
+    harness.run(harness.worker(stage, Doubler()))
+    base = await harness.http_server([stage], **gateway)
+    keys = {"X-API-Key": gateway["api_keys"][0]} if gateway.get("api_keys") else {}
+    async with httpx.AsyncClient(base_url=base, timeout=30, headers=keys) as client:
+        assert (await client.post("/v1/double", json={"value": 0})).status_code == 200
+    direct = app_of(harness).on_connection
+    assert direct is not None
+    return base, direct
+
+
+def app_of(harness: Harness) -> GatewayApp:
+    """The app of the harness's last HTTP server."""
+    return cast(GatewayApp, harness._servers[-1][0].config.app)
+
+
+def request(body: bytes, *extra: str) -> bytes:
+    head = [
+        "POST /v1/double HTTP/1.1",
+        "Host: gateway",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *extra,
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def responses(
+    reader: asyncio.StreamReader, count: int
+) -> list[tuple[int, dict[str, str], bytes]]:
+    """``count`` responses read off a raw connection: status, headers, body."""
+    found: list[tuple[int, dict[str, str], bytes]] = []
+    while len(found) < count:
+        status_line = await asyncio.wait_for(reader.readline(), 30)
+        status = int(status_line.split()[1])
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if status < 200:  # an interim answer (100 Continue): the final one follows
+            continue
+        body = await reader.readexactly(int(headers["content-length"]))
+        found.append((status, headers, body))
+    return found
+
+
+async def test_a_call_is_answered_on_its_connection_as_the_app_answers_it(
+    harness: Harness,
+) -> None:
+    base, direct = await serve(harness)
+    before = direct.answered
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        for value in range(1, 6):  # one keep-alive connection
+            resp = await client.post("/v1/double", json={"value": value})
+            assert resp.status_code == 200
+            assert resp.json() == {"value": 2 * value}
+        # Through the app (a CORS request is the app's): the same answer, the same headers.
+        through_app = await client.post(
+            "/v1/double", json={"value": 5}, headers={"Origin": "http://elsewhere"}
+        )
+        metrics = (await client.get("/metrics")).text
+    assert direct.answered == before + 5
+    assert through_app.json() == resp.json()
+    assert set(resp.headers) == set(through_app.headers)
+    same = ("content-type", "content-length", "server")
+    assert [resp.headers[h] for h in same] == [through_app.headers[h] for h in same]
+    assert len(resp.headers["x-request-id"]) == 32
+    assert resp.headers["content-type"] == "application/json"
+    assert "date" in resp.headers
+    # Counted under the pipeline's route, as the edge counts a call: 1 + 5 + 1.
+    line = 'conveyor_http_requests_total{route="/v1/double",status="200"} 7'
+    assert line in metrics.splitlines(), [m for m in metrics.splitlines() if "/v1/double" in m]
+
+
+async def test_pipelined_requests_are_answered_in_order_whoever_answers_them(
+    harness: Harness,
+) -> None:
+    base, direct = await serve(harness)
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    before = direct.answered
+    try:
+        writer.write(
+            request(b'{"value": 1}')
+            + request(b'{"value": "not a number"}')  # the app's 422
+            + request(b'{"value": 3}', "Expect: 100-continue")  # the app's
+            + request(b'{"value": 4}')
+            + request(b'{"value": 5}', "Connection: close")
+        )
+        await writer.drain()
+        got = await responses(reader, 5)
+        assert [status for status, _, _ in got] == [200, 422, 200, 200, 200]
+        bodies = [orjson.loads(body) for _, _, body in got]
+        assert bodies[0] == {"value": 2}
+        assert bodies[1]["detail"][0]["loc"] == ["body", "value"]
+        assert bodies[2:] == [{"value": 6}, {"value": 8}, {"value": 10}]
+        assert got[4][1]["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # closed after it
+        # The first on the connection; the rest came while one was answered, and queued
+        # behind it in uvicorn's pipeline.
+        assert direct.answered - before == 1
+    finally:
+        writer.close()
+
+
+async def test_a_body_slower_than_the_client_deadline_is_refused_408(harness: Harness) -> None:
+    base, _ = await serve(harness, client_timeout_s=0.5)
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        whole = request(b'{"value": 7}')
+        writer.write(whole[:-4])  # the body's last bytes never come
+        await writer.drain()
+        ((status, headers, body),) = await responses(reader, 1)
+        assert status == 408
+        assert "body did not arrive within 0.5 s" in orjson.loads(body)["detail"]
+        assert headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 30) == b""
+    finally:
+        writer.close()
+    # A body that comes in pieces within the deadline is answered.
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(whole[:-4])
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(whole[-4:])
+        ((status, _, body),) = await responses(reader, 1)
+        assert (status, orjson.loads(body)) == (200, {"value": 14})
+    finally:
+        writer.close()
+
+
+async def test_keys_are_checked_as_at_the_edge(harness: Harness) -> None:
+    base, direct = await serve(harness, api_keys=["k-1"])
+    before = direct.answered
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        refused = await client.post("/v1/double", json={"value": 1})
+        wrong = await client.post(
+            "/v1/double", json={"value": 1}, headers={"Authorization": "Bearer nope"}
+        )
+        taken = await client.post("/v1/double", json={"value": 1}, headers={"X-API-Key": "k-1"})
+    assert (refused.status_code, wrong.status_code) == (401, 401)
+    assert refused.headers["www-authenticate"] == "Bearer"
+    assert taken.status_code == 200
+    assert direct.answered == before + 1
+
+
+async def test_what_the_path_does_not_take_is_answered_by_the_app(harness: Harness) -> None:
+    base, direct = await serve(harness, max_body_bytes=64)
+    before = direct.answered
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        too_big = await client.post(
+            "/v1/double", content=b'{"value": 1, "pad": "' + b"x" * 80 + b'"}', headers=PLAIN
+        )
+        not_json = await client.post("/v1/double", content=b"{", headers=PLAIN)
+        other_type = await client.post(
+            "/v1/double", content=b'{"value": 1}', headers={"Content-Type": "text/plain"}
+        )
+
+        async def pieces() -> Any:
+            for piece in (b'{"value": ', b"2}"):
+                yield piece
+
+        chunked = await client.post("/v1/double", content=pieces(), headers=PLAIN)
+        query = await client.post("/v1/double?x=1", json={"value": 3})
+    assert too_big.status_code == 413
+    assert not_json.status_code == 422
+    assert not_json.json()["detail"][0]["type"] == "json_invalid"
+    assert other_type.status_code == 422
+    assert (chunked.status_code, chunked.json()) == (200, {"value": 4})
+    assert (query.status_code, query.json()) == (200, {"value": 6})
+    assert direct.answered == before
+
+
+async def test_a_call_whose_body_is_still_coming_at_shutdown_is_answered_then_closed(
+    harness: Harness,
+) -> None:
+    base, direct = await serve(harness)
+    before = direct.answered
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        whole = request(b'{"value": 21}')
+        writer.write(whole[:-4])
+        await writer.drain()
+        await asyncio.sleep(0.2)  # taken: its body is coming
+        harness._servers[-1][0].should_exit = True  # uvicorn's shutdown begins
+        await asyncio.sleep(0.3)
+        writer.write(whole[-4:])
+        ((status, headers, body),) = await responses(reader, 1)
+        assert (status, orjson.loads(body)) == (200, {"value": 42})
+        assert headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 30) == b""
+        assert direct.answered == before + 1
+    finally:
+        writer.close()
+
+
+async def test_without_the_direct_path_a_call_is_answered_by_the_app_as_before(
+    harness: Harness,
+) -> None:
+    base, direct = await serve(harness)
+    app_of(harness).on_connection = None  # as with tracing on
+    before = direct.answered
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        got = [await client.post("/v1/double", json={"value": v}) for v in range(3)]
+    assert [r.json() for r in got] == [{"value": 0}, {"value": 2}, {"value": 4}]
+    assert direct.answered == before
+
+
+@pytest.mark.parametrize("traced", [False, True])
+async def test_tracing_leaves_every_call_to_the_app(
+    traced: bool, env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A traced call's root span is FastAPI's: the protocol takes no call then.
+    monkeypatch.setattr(tracing.STATE, "enabled", traced)
+    app = cast(GatewayApp, create_app(GatewaySettings(), Registry([single(number_stage())])))
+    app.settle()
+    assert (app.on_connection is None) == traced
