@@ -17,7 +17,7 @@ from gateway.settings import GatewaySettings
 from pipelines.graph import single
 from pipelines.registry import Registry
 from runtime import tracing
-from tests.helpers import Doubler, Harness, number_stage
+from tests.helpers import Doubler, Harness, number_stage, until
 
 PLAIN = {"Content-Type": "application/json"}
 
@@ -123,15 +123,15 @@ async def test_pipelined_requests_are_answered_in_order_whoever_answers_them(
         assert bodies[2:] == [{"value": 6}, {"value": 8}, {"value": 10}]
         assert got[4][1]["connection"] == "close"
         assert await asyncio.wait_for(reader.read(), 30) == b""  # closed after it
-        # The first on the connection; the rest came while one was answered, and queued
-        # behind it in uvicorn's pipeline.
-        assert direct.answered - before == 1
+        # The first on the connection at least; the rest came (in the same read, as a
+        # rule) while one was answered, and queued behind it in uvicorn's pipeline.
+        assert 1 <= direct.answered - before <= 3
     finally:
         writer.close()
 
 
 async def test_a_body_slower_than_the_client_deadline_is_refused_408(harness: Harness) -> None:
-    base, _ = await serve(harness, client_timeout_s=0.5)
+    base, _ = await serve(harness, client_timeout_s=1.0)
     host, port = base.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
@@ -140,7 +140,7 @@ async def test_a_body_slower_than_the_client_deadline_is_refused_408(harness: Ha
         await writer.drain()
         ((status, headers, body),) = await responses(reader, 1)
         assert status == 408
-        assert "body did not arrive within 0.5 s" in orjson.loads(body)["detail"]
+        assert "body did not arrive within 1 s" in orjson.loads(body)["detail"]
         assert headers["connection"] == "close"
         assert await asyncio.wait_for(reader.read(), 30) == b""
     finally:
@@ -211,9 +211,21 @@ async def test_a_call_whose_body_is_still_coming_at_shutdown_is_answered_then_cl
         whole = request(b'{"value": 21}')
         writer.write(whole[:-4])
         await writer.drain()
-        await asyncio.sleep(0.2)  # taken: its body is coming
-        harness._servers[-1][0].should_exit = True  # uvicorn's shutdown begins
-        await asyncio.sleep(0.3)
+        server = harness._servers[-1][0]
+
+        def pending() -> list[Any]:
+            found = [getattr(c, "_pending", None) for c in server.server_state.connections]
+            return [p for p in found if p is not None]
+
+        async def taken() -> bool:
+            return bool(pending())
+
+        async def shutting() -> bool:
+            return any(not p.keep_alive for p in pending())
+
+        await until(taken, 30)  # its body is coming
+        server.should_exit = True  # uvicorn's shutdown begins
+        await until(shutting, 30)  # and has reached this connection
         writer.write(whole[-4:])
         ((status, headers, body),) = await responses(reader, 1)
         assert (status, orjson.loads(body)) == (200, {"value": 42})
