@@ -30,7 +30,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from gateway.edge import EdgeMiddleware, log_access
+from gateway.edge import EdgeMiddleware
 from gateway.enqueue import refusal
 from gateway.fastpath import SyncCalls, plain_headers
 from gateway.headers import Sent
@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 _REFUSED_HEADERS = frozenset({b"origin", b"expect", b"transfer-encoding", b"upgrade"})
 """Headers that take a request to the ASGI app: CORS, ``100-continue``, a chunked body,
 an upgrade."""
+
+
+_POST = {"method": "POST"}
+"""What the edge's record reads of a taken call's scope (its label is never ``other``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +139,10 @@ class DirectCalls:
             return json_response({"detail": "internal error"}, 500)
 
     def observe(self, taken: Taken, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """The answered call's metrics and access line, as the edge writes them."""
+        """The answered call's metrics and access line, as the edge records them (under
+        the pipeline's route, as it labels a call the hot path answered)."""
         seconds = time.perf_counter() - taken.started
-        edge = self.edge
-        edge.metrics.observe(taken.path, status, seconds)
-        if edge.access_log and logging.getLogger("gateway.access").isEnabledFor(logging.INFO):
-            log_access({"method": "POST"}, taken.path, status, seconds, headers)
+        self.edge.record(_POST, taken.path, status, seconds, headers)
 
 
 async def _never() -> dict[str, Any]:

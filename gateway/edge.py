@@ -311,11 +311,22 @@ class EdgeMiddleware:
                     await _send_json(send, 500, {"detail": "internal error"}, [])
         finally:
             seconds = time.perf_counter() - started
-            label = self._label(scope)
-            self.metrics.observe(label, status, seconds)
-            if self.access_log and access.isEnabledFor(logging.INFO):
-                route = scope["path"] if label == OTHER else label
-                log_access(scope, route, status, seconds, answered)
+            self.record(scope, self._label(scope), status, seconds, answered)
+
+    def record(
+        self,
+        scope: Scope,
+        label: str,
+        status: int,
+        seconds: float,
+        headers: Iterable[tuple[bytes, bytes]],
+    ) -> None:
+        """Record an answered request: its metric under ``label`` (:meth:`_label`) and,
+        where wanted, its access line (its path where the label is ``other``)."""
+        self.metrics.observe(label, status, seconds)
+        if self.access_log and access.isEnabledFor(logging.INFO):
+            route = scope["path"] if label == OTHER else label
+            log_access(scope, route, status, seconds, headers)
 
     def _label(self, scope: Scope) -> str:
         """A request's ``route`` label: the template of the route that answered it

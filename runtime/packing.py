@@ -43,6 +43,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from hiredis import pack_command
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ExecAbortError, ResponseError
@@ -209,9 +210,7 @@ async def _replies(connection: Any, count: int) -> list[Any]:
     """The next ``count`` replies on ``connection``, errors among them as values, read
     from its parser within one socket timeout; on any failure the connection is dropped
     and the failure raised as redis-py's ``read_response`` raises it."""
-    parser = getattr(connection, "_parser", None)
-    if parser is None:  # a redis-py without it: its own read, one reply at a time
-        return [await _reply(connection) for _ in range(count)]
+    parser = connection._parser
     try:
         async with asyncio.timeout(connection.socket_timeout) as timeout:
             # Where redis-py keeps its read's timeout (a maintenance notice may extend it).
@@ -219,7 +218,7 @@ async def _replies(connection: Any, count: int) -> list[Any]:
             replies = [await parser.read_response() for _ in range(count)]
     except BaseException as exc:
         await connection.disconnect(nowait=True)
-        where = _where(connection)
+        where = connection._host_error()  # as redis-py names the server in its errors
         if isinstance(exc, asyncio.TimeoutError):
             raise RedisTimeoutError(f"Timeout reading from {where}") from None
         if isinstance(exc, OSError):
@@ -231,20 +230,6 @@ async def _replies(connection: Any, count: int) -> list[Any]:
         loop = asyncio.get_running_loop()
         connection.next_health_check = loop.time() + connection.health_check_interval
     return replies
-
-
-def _where(connection: Any) -> str:
-    """The server a connection talks to, as redis-py names it in its errors (a Unix
-    socket's path, a host and port)."""
-    describe = getattr(connection, "_host_error", None)
-    return str(describe()) if callable(describe) else "redis"
-
-
-async def _reply(connection: Any) -> Any:
-    try:
-        return await connection.read_response()
-    except ResponseError as exc:
-        return exc
 
 
 async def pipelined(
@@ -266,13 +251,13 @@ async def pipelined(
         redis.exceptions.ConnectionError, redis.exceptions.TimeoutError: as redis-py's read
             raises them, the connection dropped.
     """
-    pool = getattr(client, "connection_pool", None)
-    if pool is None:  # a cluster client
+    if isinstance(client, RedisCluster):
         pipe = client.pipeline(transaction=False)
         for args in commands:
             pipe.execute_command(*args)
         return list(await pipe.execute(raise_on_error=raise_on_error))
-    connection = await pool.get_connection()
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
         await connection.send_packed_command(connection.pack_commands(commands))
         replies = await _replies(connection, len(commands))
@@ -288,6 +273,6 @@ async def pipelined(
 async def command(client: aioredis.Redis, *args: EncodableT) -> Any:
     """One command's reply, as Redis sent it (:func:`pipelined`), its error raised; a
     cluster client's through its own ``execute_command``."""
-    if getattr(client, "connection_pool", None) is None:
-        return await client.execute_command(*args)  # type: ignore[no-untyped-call]
+    if isinstance(client, RedisCluster):
+        return await client.execute_command(*args)
     return (await pipelined(client, [args], raise_on_error=True))[0]
