@@ -257,3 +257,22 @@ async def test_tracing_leaves_every_call_to_the_app(
     app = cast(GatewayApp, create_app(GatewaySettings(), Registry([single(number_stage())])))
     app.settle()
     assert (app.on_connection is None) == traced
+
+
+async def test_a_client_gone_before_its_body_is_whole_enqueues_nothing(
+    harness: Harness,
+) -> None:
+    base, direct = await serve(harness)
+    stream = harness.keys.stage_stream("double")
+    entries, before = await harness.redis.xlen(stream), direct.answered
+    host, port = base.removeprefix("http://").split(":")
+    for _ in range(3):
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request(b'{"value": 9}')[:-4])  # taken, its body never whole
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:  # still serving
+        assert (await client.post("/v1/double", json={"value": 4})).json() == {"value": 8}
+    assert await harness.redis.xlen(stream) == entries + 1  # the last call's alone
+    assert direct.answered == before + 1
