@@ -1,18 +1,25 @@
-"""A pipeline's call answered on its connection: ``POST /v1/{pipeline}`` read, admitted,
-enqueued, awaited and answered by conveyor's uvicorn protocol (:mod:`gateway.protocol`)
-itself, without an ASGI cycle, when nothing about the request needs more.
+"""Calls answered on their connection: ``POST /v1/{pipeline}``, a job's submission
+(``POST /v1/jobs/{pipeline}``) and ``POST /v1/embeddings`` read, admitted, enqueued,
+awaited and answered by conveyor's uvicorn protocol (:mod:`gateway.protocol`) itself,
+without an ASGI cycle, when nothing about the request needs more.
 
 Through uvicorn, every call passes its request-response cycle, a task running the
 middleware stack (uvicorn's proxy headers, FastAPI's error handler, the edge, the hot path
 of :mod:`gateway.fastpath`) and a Starlette response sent in ASGI messages: on echo at 64
 clients about a quarter of the gateway's CPU a request. A call taken here does what that
 stack would do for it and no more, in the same order: the edge's key check (a request
-without a valid key is left to the edge, which answers 401), its body limit (a declared
-length within it; anything else is the edge's), the hot path's reading of the headers
-and the body (:func:`~gateway.fastpath.plain_headers`, the input model's validation),
-:meth:`Gateway.call <gateway.service.Gateway.call>`, the route's answer
-(:func:`~gateway.routes.pipelines.reply_response`) or error (the app's one mapping), the
-edge's metrics and access line.
+without a valid key is left to the edge, which answers 401; a job is owned by the key's
+identity, as the edge names it), its body limit (a declared length within it; anything
+else is the edge's), the hot path's reading of the headers and the body
+(:func:`~gateway.fastpath.plain_headers` with the route's defaults, the input model's
+validation, or the OpenAI route's body and ``model``), the hot path's answer for the route
+(:meth:`Gateway.call <gateway.service.Gateway.call>` and
+:func:`~gateway.routes.pipelines.reply_response`; :func:`~gateway.routes.jobs.submit_job`;
+the OpenAI route's :class:`~gateway.routes.openai.serving.Direct`) and its errors in the
+route's shape, the edge's metrics and access line.
+
+The completion routes are left to the app: a completion may stream its answer, which is
+written as it comes, not as one response.
 
 The protocol asks :meth:`DirectCalls.take` once a request's headers are complete and
 :meth:`DirectCalls.validated` once its body is; where either says no (a CORS request, an
@@ -28,17 +35,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from gateway.edge import EdgeMiddleware
+from gateway.edge import ANONYMOUS, EdgeMiddleware
 from gateway.enqueue import refusal
-from gateway.fastpath import SyncCalls, plain_headers
+from gateway.fastpath import Job, Route, SyncCalls, parsed, plain_headers
 from gateway.headers import Sent
 from gateway.protocol import Disconnect
 from gateway.routes import json_response
+from gateway.routes.jobs import submit_job
+from gateway.routes.openai.errors import error_of, http_error
+from gateway.routes.openai.serving import Direct
 from gateway.routes.pipelines import reply_response
 from pipelines.errors import ConveyorError
-from pipelines.graph import Pipeline
 from runtime.redisio import REDIS_DOWN
 
 logger = logging.getLogger(__name__)
@@ -54,12 +64,21 @@ _POST = {"method": "POST"}
 
 @dataclass(frozen=True, slots=True)
 class Taken:
-    """A call the protocol answers itself: its pipeline, path and headers as read."""
+    """A call the protocol answers itself: its route, path and headers as read, and who
+    the edge's key check names (a job's owner)."""
 
-    pipeline: Pipeline
+    route: Route
     path: str
     sent: Sent
     started: float
+    principal: str = ANONYMOUS
+
+
+def answerable(route: Route) -> bool:
+    """Whether a call of ``route`` is answered by one response (and may be taken here):
+    a pipeline's, a job's submission, OpenAI's embeddings; not a completion (it may
+    stream)."""
+    return not isinstance(route, Direct) or route.wire.kind == "embeddings"
 
 
 class DirectCalls:
@@ -74,15 +93,13 @@ class DirectCalls:
         self.edge, self.calls, self.gateway = edge, calls, calls.gateway
         self.answered = 0  # calls answered here
         self.routes = {
-            path.encode(): route
-            for path, route in calls.routes.items()
-            if isinstance(route, Pipeline)
+            path.encode(): route for path, route in calls.routes.items() if answerable(route)
         }
 
     def take(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> Taken | None:
         """The call, where its head is one this path answers as the app would; else None."""
-        pipeline = self.routes.get(url) if method == b"POST" else None
-        if pipeline is None:
+        route = self.routes.get(url) if method == b"POST" else None
+        if route is None:
             return None
         length = None
         for name, value in headers:
@@ -94,33 +111,47 @@ class DirectCalls:
                 length = int(value)
         if length is None or length > self.edge.max_body_bytes:
             return None
+        path = url.decode("latin-1")
+        principal = ANONYMOUS
         if self.edge.api_keys:
-            scope = {"headers": headers, "path": url.decode("latin-1"), "method": "POST"}
-            if self.edge._authenticate(scope) is None:
+            scope = {"headers": headers, "path": path, "method": "POST"}
+            who = self.edge._authenticate(scope)
+            if who is None:
                 return None  # the edge's 401
-        sent = plain_headers(headers)
+            principal = who
+        sent = plain_headers(headers, "job" if isinstance(route, Job) else "call")
         if sent is None:
             return None
-        return Taken(pipeline, url.decode("latin-1"), sent, time.perf_counter())
+        return Taken(route, path, sent, time.perf_counter(), principal)
 
-    def validated(self, taken: Taken, body: bytes) -> dict[str, Any] | None:
-        """The call's input as its route would hand it on; None where the route should
-        answer: it refuses the body (FastAPI's own 422), or the input model's validator
-        raised what is no exception (the edge answers 500, as for any other call)."""
+    def validated(self, taken: Taken, body: bytes) -> Any:
+        """The call's input as its route would hand it on (an OpenAI route's body read
+        with the pipeline its ``model`` names); None where the route should answer: it
+        refuses the body (FastAPI's own 422, OpenAI's 400 or 404), or the input model's
+        validator raised what is no exception (the edge answers 500, as for any other
+        call)."""
+        route = taken.route
         try:
-            return self.calls._validated(taken.pipeline, body)
+            if isinstance(route, Direct):
+                value = parsed(body)
+                return None if value is None else route.read(value)
+            return self.calls._validated(route.pipeline if isinstance(route, Job) else route, body)
         except BaseException:  # a user's validator, in the parser's callback: not here
             return None
 
-    async def answer(
-        self, taken: Taken, payload: dict[str, Any], disconnect: Disconnect
-    ) -> Response:
-        """The call's response, as the hot path gives it (its errors the app's)."""
+    async def answer(self, taken: Taken, payload: Any, disconnect: Disconnect) -> Response:
+        """The call's response, as the hot path gives it (its errors the route's)."""
         self.answered += 1
         self.calls.answered += 1
+        route = taken.route
         try:
+            if isinstance(route, Direct):
+                return await self._openai(route, payload, taken.sent, disconnect)
+            if isinstance(route, Job):
+                scope = {"state": {"principal": taken.principal}}  # its owner, as the edge says
+                return await submit_job(self.gateway, route.pipeline, payload, taken.sent, scope)
             request_id, reply = await self.gateway.call(
-                taken.pipeline, payload, taken.sent, _never, disconnect
+                route, payload, taken.sent, _never, disconnect
             )
             return reply_response(reply, request_id)
         except ConveyorError as exc:
@@ -138,9 +169,21 @@ class DirectCalls:
             logger.error("%s raised on %s; answered 500", type(exc).__name__, taken.path)
             return json_response({"detail": "internal error"}, 500)
 
+    async def _openai(
+        self, route: Direct[Any], read: Any, sent: Sent, disconnect: Disconnect
+    ) -> Response:
+        """An OpenAI route's answer, its refusals in OpenAI's shape, as the hot path's."""
+        body, pipeline = read
+        try:
+            return await route(body, pipeline, sent, _never, disconnect)
+        except ConveyorError as exc:
+            return error_of(exc, self.calls.error_response(exc))
+        except HTTPException as exc:
+            return http_error(exc)
+
     def observe(self, taken: Taken, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The answered call's metrics and access line, as the edge records them (under
-        the pipeline's route, as it labels a call the hot path answered)."""
+        its path, as it labels a call the hot path answered)."""
         seconds = time.perf_counter() - taken.started
         self.edge.record(_POST, taken.path, status, seconds, headers)
 

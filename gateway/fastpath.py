@@ -190,7 +190,7 @@ class SyncCalls:
     @staticmethod
     def _validated(pipeline: Pipeline, raw: bytes) -> dict[str, Any] | None:
         """The body as the route would hand it on, or None where the route refuses it."""
-        value = _parsed(raw)
+        value = parsed(raw)
         if value is None:
             return None
         try:
@@ -203,7 +203,7 @@ class SyncCalls:
     ) -> Response | None:
         """An OpenAI-compatible POST's answer, as its route would give it (a refusal in
         OpenAI's shape included); None where the route should answer it."""
-        value = _parsed(raw)
+        value = parsed(raw)
         read = None if value is None else route.read(value)
         if read is None:
             return None
@@ -216,7 +216,7 @@ class SyncCalls:
             return http_error(exc)
 
 
-def _parsed(raw: bytes) -> Any:
+def parsed(raw: bytes) -> Any:
     """The body's JSON value as :mod:`gateway.body` reads it; None where the route should
     meet it: empty, not JSON, not carried by the wire (or anything else)."""
     if not raw:

@@ -2,9 +2,9 @@
 
 It acts before any ASGI code runs (the middleware of :mod:`gateway.edge` sees a request
 only once its headers are complete), so it answers 408 and 431 itself, on the raw socket.
-It also sends each response in one write (:class:`Corked`), and answers a pipeline's
-plain call itself, without uvicorn's cycle and the app's middleware (:mod:`gateway.direct`
-decides which, and what the answer is).
+It also sends each response in one write (:class:`Corked`), and answers a plain call (a
+pipeline's, a job's submission, OpenAI's embeddings) itself, without uvicorn's cycle and
+the app's middleware (:mod:`gateway.direct` decides which, and what the answer is).
 """
 
 from __future__ import annotations
@@ -147,10 +147,10 @@ class DirectCalls(Protocol):
     def take(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> Any:
         """The call, where this head is one answered on the connection; else None."""
 
-    def validated(self, taken: Any, body: bytes) -> dict[str, Any] | None:
+    def validated(self, taken: Any, body: bytes) -> Any:
         """Its input, or None: the app answers it."""
 
-    async def answer(self, taken: Any, payload: dict[str, Any], disconnect: Disconnect) -> Response:
+    async def answer(self, taken: Any, payload: Any, disconnect: Disconnect) -> Response:
         """Its response."""
 
     def observe(self, taken: Any, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -340,9 +340,7 @@ def header_deadline_protocol(
             task.add_done_callback(self.tasks.discard)
             self.tasks.add(task)
 
-        async def _answer(
-            self, pending: _Pending, payload: dict[str, Any], answering: _Answering
-        ) -> None:
+        async def _answer(self, pending: _Pending, payload: Any, answering: _Answering) -> None:
             """Answer a call taken here, as uvicorn's cycle would send its response."""
             try:
                 response = await pending.calls.answer(pending.taken, payload, answering.disconnect)

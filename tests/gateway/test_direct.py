@@ -1,7 +1,8 @@
-"""A pipeline's call answered on its connection (gateway/direct.py, gateway/protocol.py):
-the same answer as through the app, in order among pipelined requests, keep-alive and
-``Connection: close`` kept, the edge's refusals (keys, a late body) kept, and whatever
-the path does not take answered by the app as before."""
+"""A pipeline's call, a job's submission and an embeddings call answered on their
+connection (gateway/direct.py, gateway/protocol.py): the same answer as through the app,
+in order among pipelined requests, keep-alive and ``Connection: close`` kept, the edge's
+refusals (keys, a late body) kept, and whatever the path does not take (a completion,
+which may stream, among them) answered by the app as before."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gateway.settings import GatewaySettings
 from pipelines.graph import single
 from pipelines.registry import Registry
 from runtime import tracing
+from tests.gateway.test_hot_path_openai import TALK, VEC, Reverser, Vectors
 from tests.helpers import Doubler, Harness, number_stage, until
 
 PLAIN = {"Content-Type": "application/json"}
@@ -276,3 +278,79 @@ async def test_a_client_gone_before_its_body_is_whole_enqueues_nothing(
         assert (await client.post("/v1/double", json={"value": 4})).json() == {"value": 8}
     assert await harness.redis.xlen(stream) == entries + 1  # the last call's alone
     assert direct.answered == before + 1
+
+
+async def test_a_job_is_taken_on_its_connection_in_the_bulk_lane_owned_by_its_key(
+    harness: Harness,
+) -> None:
+    base, direct = await serve(harness, api_keys=["k-1", "k-2"])
+    before = direct.answered
+    mine, theirs = {"X-API-Key": "k-1"}, {"X-API-Key": "k-2"}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        taken = await client.post("/v1/jobs/double", json={"value": 4}, headers=mine)
+        assert direct.answered == before + 1
+        app = await client.post(
+            "/v1/jobs/double", json={"value": 5}, headers={**mine, "Origin": "http://elsewhere"}
+        )
+        assert direct.answered == before + 1  # the app's
+        for resp in (taken, app):
+            assert resp.status_code == 202, resp.text
+            job = resp.json()["id"]
+            assert resp.headers["location"] == f"/v1/jobs/{job}" == resp.json()["url"]
+            assert resp.headers["x-request-id"] == job
+            assert resp.json()["status"] == "queued"
+        assert set(taken.headers) == set(app.headers)
+        job = taken.json()["id"]
+
+        async def done() -> bool:
+            view = (await client.get(f"/v1/jobs/{job}", headers=mine)).json()
+            return bool(view["status"] == "done" and view["result"] == {"value": 8})
+
+        await until(done, 30)
+        assert (await client.get(f"/v1/jobs/{job}", headers=theirs)).status_code == 404
+        metrics = (await client.get("/metrics", headers=mine)).text
+    # Both jobs went to the bulk lane; the default lane holds serve()'s one call only.
+    assert await harness.redis.xlen(harness.keys.stage_stream("double", "bulk")) == 2
+    assert await harness.redis.xlen(harness.keys.stage_stream("double")) == 1
+    line = 'conveyor_http_requests_total{route="/v1/jobs/double",status="202"} 2'
+    assert line in metrics.splitlines()
+
+
+async def test_embeddings_are_taken_on_their_connection_and_completions_are_not(
+    harness: Harness,
+) -> None:
+    harness.run(harness.worker(VEC, Vectors()))
+    harness.run(harness.worker(TALK, Reverser()))
+    base = await harness.http_server([VEC, TALK])
+    body = {"model": "vec", "input": ["ab", "abc"]}
+    app_way = {"Origin": "http://elsewhere"}  # a CORS request is the app's
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert (await client.get("/v1/models")).status_code == 200  # the app settles
+        direct = app_of(harness).on_connection
+        assert direct is not None
+        taken = await client.post("/v1/embeddings", json=body)
+        assert direct.answered == 1
+        app = await client.post("/v1/embeddings", json=body, headers=app_way)
+        assert (taken.status_code, app.status_code) == (200, 200), taken.text
+        assert taken.json() == app.json()
+        assert [d["embedding"] for d in taken.json()["data"]] == [[2, 0.5, -1.0], [3, 0.5, -1.0]]
+        assert set(taken.headers) == set(app.headers)
+        # A stage that answers no usable embedding: OpenAI's 502 either way.
+        bad = {"model": "vec", "input": "empty"}
+        refused = await client.post("/v1/embeddings", json=bad)
+        assert direct.answered == 2
+        refused_app = await client.post("/v1/embeddings", json=bad, headers=app_way)
+        assert (refused.status_code, refused_app.status_code) == (502, 502), refused.text
+        assert refused.json()["error"]["type"] == refused_app.json()["error"]["type"]
+        # The route's own refusals (an unknown model) and a completion are the app's.
+        unknown = await client.post("/v1/embeddings", json={"model": "nope", "input": "a"})
+        assert unknown.status_code == 404
+        assert "does not exist" in unknown.json()["error"]["message"]
+        completion = await client.post("/v1/completions", json={"model": "talk", "prompt": "abc"})
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["choices"][0]["text"] == "cba"
+        assert direct.answered == 2
+        metrics = (await client.get("/metrics")).text
+    line = 'conveyor_http_requests_total{route="/v1/embeddings",status="200"} 2'
+    assert line in metrics.splitlines()
+    assert 'route="/v1/embeddings",status="502"} 2' in metrics
