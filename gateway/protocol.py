@@ -204,9 +204,10 @@ def header_deadline_protocol(
     connection that sent nothing is closed silently); and a header block past
     ``max_header_bytes`` gets 431 and the connection is closed, before it grows further.
 
-    A plain call of a pipeline it answers itself, without uvicorn's cycle, where
-    ``calls`` gives what takes it (:mod:`gateway.direct`); its body must then arrive
-    within ``timeout_s`` of its headers (408, as the edge answers a late body).
+    A plain call (a pipeline's, a job's submission, OpenAI's embeddings) it answers
+    itself, without uvicorn's cycle, where ``calls`` gives what takes it
+    (:mod:`gateway.direct`); its body must then arrive within ``timeout_s`` of its
+    headers (408, as the edge answers a late body).
 
     Args:
         timeout_s: the deadline (``CONVEYOR_CLIENT_TIMEOUT_S``).
@@ -295,6 +296,7 @@ def header_deadline_protocol(
                 or self.limit_concurrency is not None
                 or self.parser.get_http_version() != "1.1"
                 or self.parser.should_upgrade()
+                or self.root_path  # mounted under a prefix: the hot path leaves it too
             ):
                 return False
             taken = direct.take(self.parser.get_method(), self.url, self.headers)

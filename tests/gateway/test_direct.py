@@ -308,11 +308,17 @@ async def test_a_job_is_taken_on_its_connection_in_the_bulk_lane_owned_by_its_ke
 
         await until(done, 30)
         assert (await client.get(f"/v1/jobs/{job}", headers=theirs)).status_code == 404
+        # A job asked to run in the interactive lane, taken here too.
+        urgent = {**mine, "X-Conveyor-Priority": "interactive"}
+        asked = await client.post("/v1/jobs/double", json={"value": 6}, headers=urgent)
+        assert asked.status_code == 202, asked.text
+        assert direct.answered == before + 2
         metrics = (await client.get("/metrics", headers=mine)).text
-    # Both jobs went to the bulk lane; the default lane holds serve()'s one call only.
+    # Two jobs went to the bulk lane; the default (interactive) lane holds serve()'s one
+    # call and the job asked to go there.
     assert await harness.redis.xlen(harness.keys.stage_stream("double", "bulk")) == 2
-    assert await harness.redis.xlen(harness.keys.stage_stream("double")) == 1
-    line = 'conveyor_http_requests_total{route="/v1/jobs/double",status="202"} 2'
+    assert await harness.redis.xlen(harness.keys.stage_stream("double")) == 2
+    line = 'conveyor_http_requests_total{route="/v1/jobs/double",status="202"} 3'
     assert line in metrics.splitlines()
 
 

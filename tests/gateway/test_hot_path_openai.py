@@ -15,14 +15,14 @@ import json
 import random
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.app import create_app
+from gateway.app import GatewayApp, create_app
 from gateway.settings import GatewaySettings
 from pipelines.graph import Pipeline, single
 from pipelines.model import Item, Result
@@ -351,16 +351,19 @@ async def test_a_burst_of_random_valid_calls_each_get_their_own_vectors(served: 
         assert [d["embedding"][0] for d in resp.json()["data"]] == [float(len(t)) for t in texts]
 
 
+@pytest.mark.parametrize("on_connection", [True, False])
 async def test_a_client_gone_from_a_hot_embeddings_call_cancels_each_of_its_texts(
-    harness: Harness, redis: aioredis.Redis
+    harness: Harness, redis: aioredis.Redis, on_connection: bool
 ) -> None:
-    # No worker: the texts wait in the stream while the client goes away mid-call.
+    # No worker: the texts wait in the stream while the client goes away mid-call. The
+    # call is answered on its connection (gateway/direct.py), or by the app's hot path
+    # (a CORS request is the app's).
     waiting = Stage("waiting", TextIn, runner="unused", openai="embeddings")
     base = await harness.http_server([waiting])
     body = json.dumps({"model": "waiting", "input": ["one", "two", "three"]}).encode()
-    writer = await raw_request(
-        base, "POST /v1/embeddings HTTP/1.1\r\nContent-Type: application/json\r\n", body
-    )
+    origin = "" if on_connection else "Origin: http://elsewhere\r\n"
+    head = f"POST /v1/embeddings HTTP/1.1\r\nContent-Type: application/json\r\n{origin}"
+    writer = await raw_request(base, head, body)
     texts = [await queued(redis, harness, "waiting", nth) for nth in range(3)]
     assert sorted(r.payload["text"] for r in texts) == ["one", "three", "two"]
     assert watchers()  # the hot path's call waits, watching its client
@@ -374,6 +377,9 @@ async def test_a_client_gone_from_a_hot_embeddings_call_cancels_each_of_its_text
 
     await until(all_cancelled, 10)
     await until(_no_watchers, 10)
+    direct = cast(GatewayApp, harness._servers[-1][0].config.app).on_connection
+    assert direct is not None
+    assert direct.answered == (1 if on_connection else 0)
 
 
 async def _no_watchers() -> bool:
