@@ -1,7 +1,8 @@
 """Calls answered on their connection: ``POST /v1/{pipeline}``, a job's submission
-(``POST /v1/jobs/{pipeline}``) and ``POST /v1/embeddings`` read, admitted, enqueued,
-awaited and answered by conveyor's uvicorn protocol (:mod:`gateway.protocol`) itself,
-without an ASGI cycle, when nothing about the request needs more.
+(``POST /v1/jobs/{pipeline}``) and the OpenAI-compatible POSTs (``/v1/embeddings``, and
+``/v1/completions`` and ``/v1/chat/completions`` not asked to stream) read, admitted,
+enqueued, awaited and answered by conveyor's uvicorn protocol (:mod:`gateway.protocol`)
+itself, without an ASGI cycle, when nothing about the request needs more.
 
 Through uvicorn, every call passes its request-response cycle, a task running the
 middleware stack (uvicorn's proxy headers, FastAPI's error handler, the edge, the hot path
@@ -18,7 +19,7 @@ validation, or the OpenAI route's body and ``model``), the hot path's answer for
 the OpenAI route's :class:`~gateway.routes.openai.serving.Direct`) and its errors in the
 route's shape, the edge's metrics and access line.
 
-The completion routes are left to the app: a completion may stream its answer, which is
+A completion asked to stream (``"stream": true``) is left to the app: its answer is
 written as it comes, not as one response.
 
 The protocol asks :meth:`DirectCalls.take` once a request's headers are complete and
@@ -74,13 +75,6 @@ class Taken:
     principal: str = ANONYMOUS
 
 
-def answerable(route: Route) -> bool:
-    """Whether a call of ``route`` is answered by one response (and may be taken here):
-    a pipeline's, a job's submission, OpenAI's embeddings; not a completion (it may
-    stream)."""
-    return not isinstance(route, Direct) or route.wire.kind == "embeddings"
-
-
 class DirectCalls:
     """The calls a gateway answers on the connection (module doc).
 
@@ -92,9 +86,7 @@ class DirectCalls:
     def __init__(self, edge: EdgeMiddleware, calls: SyncCalls) -> None:
         self.edge, self.calls, self.gateway = edge, calls, calls.gateway
         self.answered = 0  # calls answered here
-        self.routes = {
-            path.encode(): route for path, route in calls.routes.items() if answerable(route)
-        }
+        self.routes = {path.encode(): route for path, route in calls.routes.items()}
 
     def take(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> Taken | None:
         """The call, where its head is one this path answers as the app would; else None."""
@@ -134,7 +126,9 @@ class DirectCalls:
         try:
             if isinstance(route, Direct):
                 value = parsed(body)
-                return None if value is None else route.read(value)
+                read = None if value is None else route.read(value)
+                # A completion asked to stream is written as it comes: the app's cycle.
+                return None if read is None or getattr(read[0], "stream", False) else read
             return self.calls._validated(route.pipeline if isinstance(route, Job) else route, body)
         except BaseException:  # a user's validator, in the parser's callback: not here
             return None

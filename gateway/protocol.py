@@ -3,8 +3,9 @@
 It acts before any ASGI code runs (the middleware of :mod:`gateway.edge` sees a request
 only once its headers are complete), so it answers 408 and 431 itself, on the raw socket.
 It also sends each response in one write (:class:`Corked`), and answers a plain call (a
-pipeline's, a job's submission, OpenAI's embeddings) itself, without uvicorn's cycle and
-the app's middleware (:mod:`gateway.direct` decides which, and what the answer is).
+pipeline's, a job's submission, an OpenAI-compatible one not asked to stream) itself,
+without uvicorn's cycle and the app's middleware (:mod:`gateway.direct` decides which,
+and what the answer is).
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ def header_deadline_protocol(
     connection that sent nothing is closed silently); and a header block past
     ``max_header_bytes`` gets 431 and the connection is closed, before it grows further.
 
-    A plain call (a pipeline's, a job's submission, OpenAI's embeddings) it answers
-    itself, without uvicorn's cycle, where ``calls`` gives what takes it
+    A plain call (a pipeline's, a job's submission, an OpenAI-compatible one not asked to
+    stream) it answers itself, without uvicorn's cycle, where ``calls`` gives what takes it
     (:mod:`gateway.direct`); its body must then arrive within ``timeout_s`` of its
     headers (408, as the edge answers a late body).
 

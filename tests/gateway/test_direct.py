@@ -1,8 +1,8 @@
-"""A pipeline's call, a job's submission and an embeddings call answered on their
+"""A pipeline's call, a job's submission and an OpenAI-compatible call answered on their
 connection (gateway/direct.py, gateway/protocol.py): the same answer as through the app,
 in order among pipelined requests, keep-alive and ``Connection: close`` kept, the edge's
-refusals (keys, a late body) kept, and whatever the path does not take (a completion,
-which may stream, among them) answered by the app as before."""
+refusals (keys, a late body) kept, and whatever the path does not take (a completion
+asked to stream among them) answered by the app as before."""
 
 from __future__ import annotations
 
@@ -322,7 +322,7 @@ async def test_a_job_is_taken_on_its_connection_in_the_bulk_lane_owned_by_its_ke
     assert line in metrics.splitlines()
 
 
-async def test_embeddings_are_taken_on_their_connection_and_completions_are_not(
+async def test_openai_calls_are_taken_on_their_connection_unless_asked_to_stream(
     harness: Harness,
 ) -> None:
     harness.run(harness.worker(VEC, Vectors()))
@@ -348,15 +348,34 @@ async def test_embeddings_are_taken_on_their_connection_and_completions_are_not(
         refused_app = await client.post("/v1/embeddings", json=bad, headers=app_way)
         assert (refused.status_code, refused_app.status_code) == (502, 502), refused.text
         assert refused.json()["error"]["type"] == refused_app.json()["error"]["type"]
-        # The route's own refusals (an unknown model) and a completion are the app's.
+        # The route's own refusals (an unknown model) are the app's.
         unknown = await client.post("/v1/embeddings", json={"model": "nope", "input": "a"})
         assert unknown.status_code == 404
         assert "does not exist" in unknown.json()["error"]["message"]
-        completion = await client.post("/v1/completions", json={"model": "talk", "prompt": "abc"})
-        assert completion.status_code == 200, completion.text
-        assert completion.json()["choices"][0]["text"] == "cba"
         assert direct.answered == 2
+        # A completion and a chat not asked to stream: taken, answered as the app does.
+        asked = {"model": "talk", "prompt": "abc", "n": 2}
+        chat = {"model": "talk", "messages": [{"role": "user", "content": "hi"}]}
+        answers = []
+        for path, sent in (("/v1/completions", asked), ("/v1/chat/completions", chat)):
+            one = await client.post(path, json=sent)
+            other = await client.post(path, json=sent, headers=app_way)
+            assert (one.status_code, other.status_code) == (200, 200), one.text
+            mine, theirs = one.json(), other.json()
+            for answer in (mine, theirs):
+                answer.pop("id"), answer.pop("created")
+            assert mine == theirs
+            answers.append(mine)
+        assert direct.answered == 4
+        assert [c["text"] for c in answers[0]["choices"]] == ["cba", "cba"]
+        assert answers[1]["choices"][0]["message"]["content"] == "ih :resu"
+        # One asked to stream is the app's (which refuses it: this stage does not stream).
+        streamed = await client.post("/v1/completions", json={**asked, "n": 1, "stream": True})
+        assert streamed.status_code == 400, streamed.text
+        assert streamed.json()["error"]["param"] == "stream"
+        assert direct.answered == 4
         metrics = (await client.get("/metrics")).text
     line = 'conveyor_http_requests_total{route="/v1/embeddings",status="200"} 2'
     assert line in metrics.splitlines()
     assert 'route="/v1/embeddings",status="502"} 2' in metrics
+    assert 'conveyor_http_requests_total{route="/v1/chat/completions",status="200"} 2' in metrics
