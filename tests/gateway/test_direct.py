@@ -7,6 +7,7 @@ asked to stream among them) answered by the app as before."""
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any, cast
 
 import httpx
@@ -18,7 +19,17 @@ from gateway.settings import GatewaySettings
 from pipelines.graph import single
 from pipelines.registry import Registry
 from runtime import tracing
-from tests.gateway.test_hot_path_openai import TALK, VEC, Reverser, Vectors
+from tests.gateway.test_hot_path_openai import (
+    CHAT,
+    TALK,
+    VEC,
+    C,
+    E,
+    Reverser,
+    Vectors,
+    _body,
+    same,
+)
 from tests.helpers import Doubler, Harness, number_stage, until
 
 PLAIN = {"Content-Type": "application/json"}
@@ -379,3 +390,32 @@ async def test_openai_calls_are_taken_on_their_connection_unless_asked_to_stream
     assert line in metrics.splitlines()
     assert 'route="/v1/embeddings",status="502"} 2' in metrics
     assert 'conveyor_http_requests_total{route="/v1/chat/completions",status="200"} 2' in metrics
+
+
+async def test_random_openai_bodies_get_the_same_answer_on_the_connection_and_through_the_app(
+    harness: Harness,
+) -> None:
+    # An attack on what the connection now takes: 120 seeded bodies, many invalid, each
+    # sent plain (for the connection) and as a CORS request (the app's). Never a 500;
+    # both answer alike; the connection took a good share.
+    harness.run(harness.worker(VEC, Vectors()))
+    harness.run(harness.worker(TALK, Reverser()))
+    base = await harness.http_server([VEC, TALK])
+    rng = random.Random(3737)
+    statuses: dict[int, int] = {}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert (await client.get("/v1/models")).status_code == 200  # the app settles
+        direct = app_of(harness).on_connection
+        assert direct is not None
+        for _ in range(120):
+            raw, path = _body(rng), rng.choice([E, E, E, C, CHAT])
+            mine = await client.post(path, content=raw, headers=PLAIN)
+            app_way = {**PLAIN, "Origin": "http://elsewhere"}
+            theirs = await client.post(path, content=raw, headers=app_way)
+            assert same(mine) == same(theirs), (path, raw[:200], mine.text[:300], theirs.text[:300])
+            assert mine.status_code in (200, 400, 404, 502), (path, raw[:200], mine.text[:300])
+            if mine.status_code != 200:
+                assert set(mine.json()) == {"error"}, mine.text
+            statuses[mine.status_code] = statuses.get(mine.status_code, 0) + 1
+    assert statuses.get(200, 0) > 30, statuses
+    assert direct.answered > 30, direct.answered
