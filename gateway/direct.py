@@ -43,11 +43,12 @@ from gateway.edge import ANONYMOUS, EdgeMiddleware
 from gateway.enqueue import refusal
 from gateway.fastpath import Job, Route, SyncCalls, parsed, plain_headers
 from gateway.headers import Sent
-from gateway.protocol import Disconnect
+from gateway.protocol import APP, Disconnect
 from gateway.routes import json_response
 from gateway.routes.jobs import submit_job
 from gateway.routes.openai.errors import error_of, http_error
 from gateway.routes.openai.serving import Direct
+from gateway.routes.openai.wire import ChatIn, CompletionsIn
 from gateway.routes.pipelines import reply_response
 from pipelines.errors import ConveyorError
 from runtime.redisio import REDIS_DOWN
@@ -121,14 +122,17 @@ class DirectCalls:
         with the pipeline its ``model`` names); None where the route should answer: it
         refuses the body (FastAPI's own 422, OpenAI's 400 or 404), or the input model's
         validator raised what is no exception (the edge answers 500, as for any other
-        call)."""
+        call); :data:`~gateway.protocol.APP` for a completion asked to stream (the app's
+        hot path streams it)."""
         route = taken.route
         try:
             if isinstance(route, Direct):
                 value = parsed(body)
                 read = None if value is None else route.read(value)
-                # A completion asked to stream is written as it comes: the app's cycle.
-                return None if read is None or getattr(read[0], "stream", False) else read
+                asked = None if read is None else read[0]
+                if isinstance(asked, (CompletionsIn, ChatIn)) and asked.stream:
+                    return APP  # written as it comes: the app's (its hot path's)
+                return read
             return self.calls._validated(route.pipeline if isinstance(route, Job) else route, body)
         except BaseException:  # a user's validator, in the parser's callback: not here
             return None

@@ -2,10 +2,8 @@
 
 It acts before any ASGI code runs (the middleware of :mod:`gateway.edge` sees a request
 only once its headers are complete), so it answers 408 and 431 itself, on the raw socket.
-It also sends each response in one write (:class:`Corked`), and answers a plain call (a
-pipeline's, a job's submission, an OpenAI-compatible one not asked to stream) itself,
-without uvicorn's cycle and the app's middleware (:mod:`gateway.direct` decides which,
-and what the answer is).
+It also sends each response in one write (:class:`Corked`), and answers a plain call
+itself, without uvicorn's cycle and the app's middleware (:mod:`gateway.direct`).
 """
 
 from __future__ import annotations
@@ -39,9 +37,11 @@ def _raw_response(status: bytes, detail: str) -> bytes:
 
 
 REPLAYED = "conveyor.replayed"
-"""Scope key set on a call the protocol took and handed back to the app (its body is not
-valid input): :class:`gateway.fastpath.SyncCalls` leaves it to the route at once, not
-validating it a third time."""
+"""Scope key of a call taken here and handed back as not valid input: the hot path
+(:class:`gateway.fastpath.SyncCalls`) leaves it to the route, not validating it again."""
+
+APP = object()
+"""A valid call :meth:`DirectCalls.validated` hands back untouched (a stream: the hot path's)."""
 
 DISCONNECT = "conveyor.disconnect"
 """Scope key of a request's :class:`Disconnect`, set by :func:`header_deadline_protocol`."""
@@ -149,7 +149,8 @@ class DirectCalls(Protocol):
         """The call, where this head is one answered on the connection; else None."""
 
     def validated(self, taken: Any, body: bytes) -> Any:
-        """Its input, or None: the app answers it."""
+        """Its input; None where the app's route answers it (its body not valid input),
+        :data:`APP` where the app answers it as any other call."""
 
     async def answer(self, taken: Any, payload: Any, disconnect: Disconnect) -> Response:
         """Its response."""
@@ -326,8 +327,9 @@ def header_deadline_protocol(
             self._disarm()
             body = b"".join(pending.chunks)
             payload = pending.calls.validated(pending.taken, body)
-            if payload is None:  # the app's to answer: its cycle, with the body replayed
-                self.scope[REPLAYED] = True  # type: ignore[literal-required]
+            if payload is None or payload is APP:  # the app's: its cycle, the body replayed
+                if payload is None:  # the route's to refuse
+                    self.scope[REPLAYED] = True  # type: ignore[literal-required]
                 self._start_cycle()
                 if not pending.keep_alive:
                     self.cycle.keep_alive = False

@@ -7,6 +7,7 @@ asked to stream among them) answered by the app as before."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from typing import Any, cast
 
@@ -28,6 +29,8 @@ from tests.gateway.test_hot_path_openai import (
     Reverser,
     Vectors,
     _body,
+    _text,
+    _value,
     same,
 )
 from tests.helpers import Doubler, Harness, number_stage, until
@@ -380,11 +383,13 @@ async def test_openai_calls_are_taken_on_their_connection_unless_asked_to_stream
         assert direct.answered == 4
         assert [c["text"] for c in answers[0]["choices"]] == ["cba", "cba"]
         assert answers[1]["choices"][0]["message"]["content"] == "ih :resu"
-        # One asked to stream is the app's (which refuses it: this stage does not stream).
+        # One asked to stream is the app's, whose hot path answers it (here refusing it:
+        # this stage does not stream).
+        hot = direct.calls.answered
         streamed = await client.post("/v1/completions", json={**asked, "n": 1, "stream": True})
         assert streamed.status_code == 400, streamed.text
         assert streamed.json()["error"]["param"] == "stream"
-        assert direct.answered == 4
+        assert (direct.answered, direct.calls.answered) == (4, hot + 1)
         metrics = (await client.get("/metrics")).text
     line = 'conveyor_http_requests_total{route="/v1/embeddings",status="200"} 2'
     assert line in metrics.splitlines()
@@ -392,24 +397,48 @@ async def test_openai_calls_are_taken_on_their_connection_unless_asked_to_stream
     assert 'conveyor_http_requests_total{route="/v1/chat/completions",status="200"} 2' in metrics
 
 
+def _completion(rng: random.Random) -> tuple[str, bytes]:
+    """A completion or a chat for the ``talk`` stage: mostly valid, some fields odd."""
+    body: dict[str, Any] = {"model": rng.choice(["talk", "talk", "talk", "vec", "nope"])}
+    chat = rng.random() < 0.5
+    if chat:
+        said = [{"role": rng.choice(["user", "system", "x"]), "content": _text(rng)}]
+        body["messages"] = said if rng.random() < 0.8 else _value(rng)
+    else:
+        body["prompt"] = rng.choice([_text(rng) or "z", [_text(rng) or "z", "b"], _value(rng)])
+    for field, values in (
+        ("stream", [True, False, "true", 0, None]),
+        ("n", [1, 2, 3, 0, 500, "x"]),
+        ("max_tokens", [1, 8, 0, -1, 10**9]),
+        ("stream_options", [{"include_usage": True}, None, 5]),
+        ("temperature", [0.0, 0.7, -1, "hot"]),
+    ):
+        if rng.random() < 0.3:
+            body[field] = rng.choice(values)
+    return (CHAT if chat else C), json.dumps(body).encode()
+
+
 async def test_random_openai_bodies_get_the_same_answer_on_the_connection_and_through_the_app(
     harness: Harness,
 ) -> None:
-    # An attack on what the connection now takes: 120 seeded bodies, many invalid, each
+    # An attack on what the connection now takes: 200 seeded bodies, many invalid, each
     # sent plain (for the connection) and as a CORS request (the app's). Never a 500;
-    # both answer alike; the connection took a good share.
+    # both answer alike; the connection took a good share of embeddings and completions.
     harness.run(harness.worker(VEC, Vectors()))
     harness.run(harness.worker(TALK, Reverser()))
     base = await harness.http_server([VEC, TALK])
     rng = random.Random(3737)
     statuses: dict[int, int] = {}
+    took: dict[str, int] = {E: 0, C: 0, CHAT: 0}
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         assert (await client.get("/v1/models")).status_code == 200  # the app settles
         direct = app_of(harness).on_connection
         assert direct is not None
-        for _ in range(120):
-            raw, path = _body(rng), rng.choice([E, E, E, C, CHAT])
+        for turn in range(200):
+            path, raw = (E, _body(rng)) if turn % 2 else _completion(rng)
+            before = direct.answered
             mine = await client.post(path, content=raw, headers=PLAIN)
+            took[path] += direct.answered - before
             app_way = {**PLAIN, "Origin": "http://elsewhere"}
             theirs = await client.post(path, content=raw, headers=app_way)
             assert same(mine) == same(theirs), (path, raw[:200], mine.text[:300], theirs.text[:300])
@@ -417,5 +446,6 @@ async def test_random_openai_bodies_get_the_same_answer_on_the_connection_and_th
             if mine.status_code != 200:
                 assert set(mine.json()) == {"error"}, mine.text
             statuses[mine.status_code] = statuses.get(mine.status_code, 0) + 1
-    assert statuses.get(200, 0) > 30, statuses
-    assert direct.answered > 30, direct.answered
+    assert statuses.get(200, 0) > 40, statuses
+    assert took[E] > 20, took
+    assert took[C] + took[CHAT] > 15, took
