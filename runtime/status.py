@@ -47,7 +47,13 @@ async def live_workers(client: aioredis.Redis, keys: Keys, stage: str) -> set[st
         raw = await client.hgetall(keys.alive(stage))
     except ResponseError:  # the key forged to another type
         return set()
-    seconds, micros = await client.time()
+    return _live(raw, await client.time())
+
+
+def _live(raw: dict[Any, Any], now: tuple[Any, Any]) -> set[str]:
+    """The consumer names among heartbeats ``raw`` (an HGETALL) whose beat runs out after
+    ``now`` (a TIME: seconds, microseconds)."""
+    seconds, micros = now
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     live: set[str] = set()
     for name, until in list(raw.items())[:MAX_BEATS]:
@@ -256,17 +262,20 @@ async def stage_status(
             the partitions that learned it.
         lag_cap: as :func:`partition_status`.
     """
-    parts = [
-        await partition_status(client, part, stage, costs=costs, lag_cap=lag_cap)
-        for part in keys.each()
-    ]
-    try:
-        parked = Parked.parse(await client.hget(keys.parked(), stage))
-    except ResponseError:  # the key forged to another type: nobody parked the stage
-        parked = None
+    # Partition 0 holds the parked hash and the heartbeats: read in its round trip.
+    head = [("hget", keys.parked(), stage), ("hgetall", keys.alive(stage)), ("time",)]
+    first, found = await _partition(client, keys.at(0), stage, costs, lag_cap, head)
+    parts = [first]
+    for each in keys.each()[1:]:
+        parts.append((await _partition(client, each, stage, costs, lag_cap, []))[0])
+    hget, beats, now = found
+    if isinstance(now, Exception):
+        raise now
+    # A key forged to another type: nobody parked the stage, no worker beats.
+    parked = None if isinstance(hget, ResponseError) else Parked.parse(_answer(hget))
     if parked is not None and not parked.left_s(time.time()):
         parked = None
-    live = await live_workers(client, keys, stage)
+    live = set() if isinstance(beats, ResponseError) else _live(_answer(beats), now)
     if len(parts) == 1:
         parts[0].parked = parked
         parts[0].consumers = _with_beats(parts[0].consumers, live)
@@ -309,6 +318,21 @@ async def partition_status(
         lag_cap: where a lag must be counted (see :func:`_group_counts`), a range read
             of at most this many entries.
     """
+    status, _ = await _partition(client, keys, stage, costs, lag_cap, [])
+    return status
+
+
+async def _partition(
+    client: aioredis.Redis,
+    keys: Keys,
+    stage: str,
+    costs: bool,
+    lag_cap: int,
+    extra: list[tuple[Any, ...]],
+) -> tuple[StageStatus, list[Any]]:
+    """:func:`partition_status`, with the ``extra`` commands (a client method's name, then
+    its arguments; keys of the partition's slot) in the same round trip: their answers
+    as Redis gave them (an error as its exception)."""
     streams = {lane: keys.stage_stream(stage, lane) for lane in LANES}
     # One transaction: each lag is checked against its length, so all describe one moment.
     pipe = in_order(client)
@@ -318,7 +342,10 @@ async def partition_status(
         pipe.xinfo_consumers(stream, GROUP)
     if costs:
         pipe.hmget(keys.stage_stats(stage), [COST_A, COST_B])
+    for name, *args in extra:
+        getattr(pipe, name)(*args)
     answers = await pipe.execute(raise_on_error=False)
+    answers, found = answers[: len(answers) - len(extra)], answers[len(answers) - len(extra) :]
     a, b = None, None
     if costs:
         if isinstance(answers[-1], Exception):
@@ -336,4 +363,12 @@ async def partition_status(
             _merge(consumers, members)
         status.count(lane, LaneStatus(length, lag, pending))
     status.consumers = list(consumers.values())
-    return status
+    return status, found
+
+
+def _answer(value: Any) -> Any:
+    """An extra command's answer, where Redis could not run it (any error but a wrong
+    type, which the caller reads as nothing there) raised."""
+    if isinstance(value, Exception):
+        raise value
+    return value
