@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from pipelines.keys import GROUP, LANES, Keys, Lane
@@ -262,13 +263,16 @@ async def stage_status(
             the partitions that learned it.
         lag_cap: as :func:`partition_status`.
     """
-    # Partition 0 holds the parked hash and the heartbeats: read in its round trip.
-    head = [("hget", keys.parked(), stage), ("hgetall", keys.alive(stage)), ("time",)]
+    # Partition 0 holds the parked hash and the heartbeats: read in its round trip, with
+    # Redis's clock (a cluster's pipeline refuses TIME: there, a call of its own).
+    cluster = isinstance(client, RedisCluster)
+    head = [("hget", keys.parked(), stage), ("hgetall", keys.alive(stage))]
+    head += [] if cluster else [("time",)]
     first, found = await _partition(client, keys.at(0), stage, costs, lag_cap, head)
     parts = [first]
     for each in keys.each()[1:]:
         parts.append((await _partition(client, each, stage, costs, lag_cap, []))[0])
-    hget, beats, now = found
+    hget, beats, now = found if not cluster else [*found, await client.time()]
     if isinstance(now, Exception):
         raise now
     # A key forged to another type: nobody parked the stage, no worker beats.
@@ -367,8 +371,8 @@ async def _partition(
 
 
 def _answer(value: Any) -> Any:
-    """An extra command's answer, where Redis could not run it (any error but a wrong
-    type, which the caller reads as nothing there) raised."""
+    """An extra command's answer; an error Redis answered it with raised (the callers
+    read a ``ResponseError``, such as a key of another type, as nothing there first)."""
     if isinstance(value, Exception):
         raise value
     return value
