@@ -3,9 +3,10 @@
 ``python -m bench.sitting --revs 5db47d4,936328c,HEAD`` exports each revision (``git
 archive``) into a directory of its own, puts this checkout's ``bench/`` in each (every tree
 is measured by the same code), and runs ``python -m bench.hotpath`` on each in turn,
-``--rounds`` times. The trees alternate within a round, so a drift in the machine's speed
-falls on all of them. It writes one table per load: for each figure, each tree's median
-and every round's value, and the last tree's median against each earlier one's.
+``--rounds`` times. The trees alternate within a round, their order turned by one each
+round (:func:`turned`), so a drift in the machine's speed, and whatever running second
+costs, falls on all of them. It writes one table per load: for each figure, each tree's
+median and every round's value, and the last tree's median against each earlier one's.
 
 On a shared 2-core machine one tree's rounds differ by up to 20%: a ratio from one
 sitting, with its rounds, is what can be quoted; a figure from another sitting is not
@@ -131,6 +132,15 @@ def table(rounds: Rounds, revs: Sequence[str]) -> list[str]:
     return lines
 
 
+def turned(revs: Sequence[str], n: int) -> list[str]:
+    """The order the trees run in round ``n`` (from 1): turned by one each round, so no
+    tree always runs right after another. Two trees run in a fixed order showed the
+    second one's figures worse by a few percent whichever it was (2026-11-30: gateway
+    CPU 1.08x, req/s 0.94x one way round; 1.01x, 1.00x the other)."""
+    shift = (n - 1) % len(revs)
+    return [*revs[shift:], *revs[:shift]]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: ``python -m bench.sitting``."""
     parser = argparse.ArgumentParser(prog="python -m bench.sitting", description=__doc__)
@@ -155,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             tree = Path(tmp) / rev.replace("/", "_")
             trees[export(rev, tree)] = tree
         for n in range(1, args.rounds + 1):
-            for commit, tree in trees.items():
+            for commit in turned(list(trees), n):
+                tree = trees[commit]
                 started = time.monotonic()
                 figures = measure(tree, args, tree / f"round-{n}.json")
                 collect(rounds, commit, figures)
@@ -170,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
             f"## A sitting of {', '.join(trees)} ({began})",
             "",
             f"`{command}`: each tree exported with this checkout's `bench/`, "
-            f"{args.rounds} round(s), the trees in turn within each; figures per request "
+            f"{args.rounds} round(s), the trees in turn within each, the order turned by "
+            "one each round; figures per request "
             "from `bench.hotpath` (its section in bench/RESULTS.md says what each counts).",
             *table(rounds, list(trees)),
         ]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.sitting import SHOWN, Rounds, collect, export, table
+from bench.sitting import SHOWN, Rounds, collect, export, table, turned
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,3 +67,10 @@ def test_a_revision_is_exported_with_this_checkout_s_bench(tmp_path: Path) -> No
     assert (tmp_path / "tree" / "bench" / "sitting.py").read_bytes() == (
         REPO / "bench" / "sitting.py"
     ).read_bytes()
+
+
+def test_the_order_of_the_trees_turns_each_round() -> None:
+    orders = [turned(["a", "b", "c"], n) for n in range(1, 5)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert [turned(["a", "b"], n) for n in (1, 2, 3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert turned(["only"], 7) == ["only"]
