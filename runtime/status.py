@@ -7,7 +7,7 @@ heartbeats), its learned cost and whether ``conveyor up`` parked it (:func:`stag
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,10 +268,14 @@ async def stage_status(
     cluster = isinstance(client, RedisCluster)
     head = [("hget", keys.parked(), stage), ("hgetall", keys.alive(stage))]
     head += [] if cluster else [("time",)]
-    first, found = await _partition(client, keys.at(0), stage, costs, lag_cap, head)
-    parts = [first]
-    for each in keys.each()[1:]:
-        parts.append((await _partition(client, each, stage, costs, lag_cap, []))[0])
+    parts: list[StageStatus] = []
+    found: list[Any] = []  # partition 0's answers to head
+    for each in keys.each():
+        part, answers = await partition_status(
+            client, each, stage, costs=costs, lag_cap=lag_cap, extra=head if not parts else ()
+        )
+        parts.append(part)
+        found = found or answers
     hget, beats, now = found if not cluster else [*found, await client.time()]
     if isinstance(now, Exception):
         raise now
@@ -308,10 +312,16 @@ def _with_beats(consumers: list[Consumer], live: set[str]) -> list[Consumer]:
 
 
 async def partition_status(
-    client: aioredis.Redis, keys: Keys, stage: str, *, costs: bool = False, lag_cap: int = 100_000
-) -> StageStatus:
+    client: aioredis.Redis,
+    keys: Keys,
+    stage: str,
+    *,
+    costs: bool = False,
+    lag_cap: int = 100_000,
+    extra: Sequence[tuple[Any, ...]] = (),
+) -> tuple[StageStatus, list[Any]]:
     """A stage's state in one partition, both lanes read in one round trip (more when a
-    lag must be counted).
+    lag must be counted), with the ``extra`` commands in that round trip.
 
     Args:
         client: Redis client.
@@ -321,22 +331,13 @@ async def partition_status(
             it, and it takes a read of the stats hash (HMGET), which not every ACL user has.
         lag_cap: where a lag must be counted (see :func:`_group_counts`), a range read
             of at most this many entries.
+        extra: commands of keys in the partition's slot, each a client method's name then
+            its arguments.
+
+    Returns:
+        The state, and the ``extra`` commands' answers as Redis gave them (an error as
+        its exception).
     """
-    status, _ = await _partition(client, keys, stage, costs, lag_cap, [])
-    return status
-
-
-async def _partition(
-    client: aioredis.Redis,
-    keys: Keys,
-    stage: str,
-    costs: bool,
-    lag_cap: int,
-    extra: list[tuple[Any, ...]],
-) -> tuple[StageStatus, list[Any]]:
-    """:func:`partition_status`, with the ``extra`` commands (a client method's name, then
-    its arguments; keys of the partition's slot) in the same round trip: their answers
-    as Redis gave them (an error as its exception)."""
     streams = {lane: keys.stage_stream(stage, lane) for lane in LANES}
     # One transaction: each lag is checked against its length, so all describe one moment.
     pipe = in_order(client)
