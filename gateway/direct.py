@@ -36,21 +36,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from gateway.edge import ANONYMOUS, EdgeMiddleware
 from gateway.enqueue import refusal
-from gateway.fastpath import Job, Route, SyncCalls, parsed, plain_headers
+from gateway.fastpath import Job, Route, SyncCalls, plain_headers
 from gateway.headers import Sent
-from gateway.protocol import APP, Disconnect
+from gateway.protocol import APP, DISCONNECT, Disconnect
 from gateway.routes import json_response
-from gateway.routes.jobs import submit_job
-from gateway.routes.openai.errors import error_of, http_error
 from gateway.routes.openai.serving import Direct
 from gateway.routes.openai.wire import ChatIn, CompletionsIn
-from gateway.routes.pipelines import reply_response
-from pipelines.errors import ConveyorError
 from runtime.redisio import REDIS_DOWN
 
 logger = logging.getLogger(__name__)
@@ -124,36 +119,24 @@ class DirectCalls:
         validator raised what is no exception (the edge answers 500, as for any other
         call); :data:`~gateway.protocol.APP` for a completion asked to stream (the app's
         hot path streams it)."""
-        route = taken.route
         try:
-            if isinstance(route, Direct):
-                value = parsed(body)
-                read = None if value is None else route.read(value)
-                asked = None if read is None else read[0]
-                if isinstance(asked, (CompletionsIn, ChatIn)) and asked.stream:
-                    return APP  # written as it comes: the app's (its hot path's)
-                return read
-            return self.calls._validated(route.pipeline if isinstance(route, Job) else route, body)
+            read = self.calls.read(taken.route, body)
         except BaseException:  # a user's validator, in the parser's callback: not here
             return None
+        asked = None if read is None or not isinstance(taken.route, Direct) else read[0]
+        if isinstance(asked, (CompletionsIn, ChatIn)) and asked.stream:
+            return APP  # written as it comes: the app's (its hot path's)
+        return read
 
     async def answer(self, taken: Taken, payload: Any, disconnect: Disconnect) -> Response:
         """The call's response, as the hot path gives it (its errors the route's)."""
         self.answered += 1
         self.calls.answered += 1
-        route = taken.route
+        # What the hot path reads of a call's scope: its owner, as the edge names it, and
+        # its client's Disconnect (the body is read: _never is never called).
+        scope = {"state": {"principal": taken.principal}, DISCONNECT: disconnect}
         try:
-            if isinstance(route, Direct):
-                return await self._openai(route, payload, taken.sent, disconnect)
-            if isinstance(route, Job):
-                scope = {"state": {"principal": taken.principal}}  # its owner, as the edge says
-                return await submit_job(self.gateway, route.pipeline, payload, taken.sent, scope)
-            request_id, reply = await self.gateway.call(
-                route, payload, taken.sent, _never, disconnect
-            )
-            return reply_response(reply, request_id)
-        except ConveyorError as exc:
-            return self.calls.error_response(exc)
+            return await self.calls.answer(taken.route, payload, taken.sent, scope, _never)
         except REDIS_DOWN as exc:  # as the app's handler answers it
             return self.calls.error_response(refusal(exc))
         except Exception:
@@ -166,18 +149,6 @@ class DirectCalls:
             # gateway (past this, asyncio would stop it), as at the edge.
             logger.error("%s raised on %s; answered 500", type(exc).__name__, taken.path)
             return json_response({"detail": "internal error"}, 500)
-
-    async def _openai(
-        self, route: Direct[Any], read: Any, sent: Sent, disconnect: Disconnect
-    ) -> Response:
-        """An OpenAI route's answer, its refusals in OpenAI's shape, as the hot path's."""
-        body, pipeline = read
-        try:
-            return await route(body, pipeline, sent, _never, disconnect)
-        except ConveyorError as exc:
-            return error_of(exc, self.calls.error_response(exc))
-        except HTTPException as exc:
-            return http_error(exc)
 
     def observe(self, taken: Taken, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The answered call's metrics and access line, as the edge records them (under

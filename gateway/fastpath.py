@@ -168,24 +168,47 @@ class SyncCalls:
     ) -> Response | None:
         """The call's answer, as its route would give it; None where the route should
         answer it."""
-        if isinstance(route, Direct):
-            return await self._direct(route, raw, sent, scope, receive)
-        pipeline = route.pipeline if isinstance(route, Job) else route
-        payload = self._validated(pipeline, raw)
-        if payload is None:
+        read = self.read(route, raw)
+        if read is None:
             return None
         answered_as(scope, scope["path"])  # its trace named as the route would name it
+        return await self.answer(route, read, sent, scope, receive)
+
+    def read(self, route: Route, raw: bytes) -> Any:
+        """The body as ``route`` would hand it on (an OpenAI route's read with the
+        pipeline its ``model`` names); None where the route refuses it."""
+        if isinstance(route, Direct):
+            value = parsed(raw)
+            return None if value is None else route.read(value)
+        return self._validated(route.pipeline if isinstance(route, Job) else route, raw)
+
+    async def answer(
+        self, route: Route, read: Any, sent: Sent, scope: Scope, receive: Receive
+    ) -> Response:
+        """The answer to a call whose body ``route`` took (:meth:`read`), its refusals in
+        the route's shape (OpenAI's on its routes). ``scope`` gives the caller the edge
+        named (a job's owner) and the client's :class:`~gateway.protocol.Disconnect`;
+        ``receive`` is what the client says once the body is read (it going away).
+
+        Raises:
+            HTTPException: on a pipeline's or a job's route (the app's handler answers it).
+        """
+        disconnect = scope.get(DISCONNECT)
         try:
+            if isinstance(route, Direct):
+                body, pipeline = read
+                return await route(body, pipeline, sent, receive, disconnect)
             if isinstance(route, Job):
-                return await submit_job(self.gateway, pipeline, payload, sent, scope)
-            # The body is read: what receive says next is the client going away.
-            disconnect = scope.get(DISCONNECT)
-            request_id, reply = await self.gateway.call(
-                pipeline, payload, sent, receive, disconnect
-            )
+                return await submit_job(self.gateway, route.pipeline, read, sent, scope)
+            request_id, reply = await self.gateway.call(route, read, sent, receive, disconnect)
             return reply_response(reply, request_id)
         except ConveyorError as exc:
-            return self.error_response(exc)
+            response = self.error_response(exc)
+            return error_of(exc, response) if isinstance(route, Direct) else response
+        except HTTPException as exc:  # as the app's handler answers it on these routes
+            if not isinstance(route, Direct):
+                raise
+            return http_error(exc)
 
     @staticmethod
     def _validated(pipeline: Pipeline, raw: bytes) -> dict[str, Any] | None:
@@ -197,23 +220,6 @@ class SyncCalls:
             return pipeline.input_model.model_validate(value).model_dump(mode="json")
         except Exception:  # not valid (or anything else): the route's to answer
             return None
-
-    async def _direct(
-        self, route: Direct[Any], raw: bytes, sent: Sent, scope: Scope, receive: Receive
-    ) -> Response | None:
-        """An OpenAI-compatible POST's answer, as its route would give it (a refusal in
-        OpenAI's shape included); None where the route should answer it."""
-        value = parsed(raw)
-        read = None if value is None else route.read(value)
-        if read is None:
-            return None
-        answered_as(scope, scope["path"])
-        try:
-            return await route(*read, sent, receive, scope.get(DISCONNECT))
-        except ConveyorError as exc:
-            return error_of(exc, self.error_response(exc))
-        except HTTPException as exc:  # as the app's handler answers it on these routes
-            return http_error(exc)
 
 
 def parsed(raw: bytes) -> Any:
