@@ -52,6 +52,19 @@ async def serve(harness: Harness, **gateway: Any) -> tuple[str, Any]:
     return base, direct
 
 
+async def serve_openai(harness: Harness) -> tuple[str, Any]:
+    """A gateway on a loopback port with an embeddings stage and a completions stage (no
+    models); its base URL and the calls it answers on the connection."""
+    harness.run(harness.worker(VEC, Vectors()))
+    harness.run(harness.worker(TALK, Reverser()))
+    base = await harness.http_server([VEC, TALK])
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        assert (await client.get("/v1/models")).status_code == 200  # the app settles
+    direct = app_of(harness).on_connection
+    assert direct is not None
+    return base, direct
+
+
 def app_of(harness: Harness) -> GatewayApp:
     """The app of the harness's last HTTP server."""
     return cast(GatewayApp, harness._servers[-1][0].config.app)
@@ -339,15 +352,10 @@ async def test_a_job_is_taken_on_its_connection_in_the_bulk_lane_owned_by_its_ke
 async def test_openai_calls_are_taken_on_their_connection_unless_asked_to_stream(
     harness: Harness,
 ) -> None:
-    harness.run(harness.worker(VEC, Vectors()))
-    harness.run(harness.worker(TALK, Reverser()))
-    base = await harness.http_server([VEC, TALK])
+    base, direct = await serve_openai(harness)
     body = {"model": "vec", "input": ["ab", "abc"]}
     app_way = {"Origin": "http://elsewhere"}  # a CORS request is the app's
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        assert (await client.get("/v1/models")).status_code == 200  # the app settles
-        direct = app_of(harness).on_connection
-        assert direct is not None
         taken = await client.post("/v1/embeddings", json=body)
         assert direct.answered == 1
         app = await client.post("/v1/embeddings", json=body, headers=app_way)
@@ -424,16 +432,11 @@ async def test_random_openai_bodies_get_the_same_answer_on_the_connection_and_th
     # An attack on what the connection now takes: 200 seeded bodies, many invalid, each
     # sent plain (for the connection) and as a CORS request (the app's). Never a 500;
     # both answer alike; the connection took a good share of embeddings and completions.
-    harness.run(harness.worker(VEC, Vectors()))
-    harness.run(harness.worker(TALK, Reverser()))
-    base = await harness.http_server([VEC, TALK])
+    base, direct = await serve_openai(harness)
     rng = random.Random(3737)
     statuses: dict[int, int] = {}
     took: dict[str, int] = {E: 0, C: 0, CHAT: 0}
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        assert (await client.get("/v1/models")).status_code == 200  # the app settles
-        direct = app_of(harness).on_connection
-        assert direct is not None
         for turn in range(200):
             path, raw = (E, _body(rng)) if turn % 2 else _completion(rng)
             before = direct.answered
