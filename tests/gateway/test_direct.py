@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
 from typing import Any, cast
 
 import httpx
@@ -452,3 +453,33 @@ async def test_random_openai_bodies_get_the_same_answer_on_the_connection_and_th
     assert statuses.get(200, 0) > 40, statuses
     assert took[E] > 20, took
     assert took[C] + took[CHAT] > 15, took
+
+
+async def test_calls_redis_refuses_on_the_connection_are_503_and_leave_nothing(
+    own_redis: subprocess.Popen[bytes], harness: Harness, namespace: str
+) -> None:
+    # Redis out of memory under a job and a pipeline's call taken on the connection: each
+    # answered 503 with Retry-After, as the app answers it, nothing written; once Redis
+    # takes writes again, the connection takes them again.
+    redis = harness.redis
+    base, direct = await serve(harness)
+    app_way = {"Origin": "http://elsewhere"}
+    calls = [("/v1/jobs/double", {"value": 5}), ("/v1/double", {"value": 5})]
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        before_keys = {k async for k in redis.scan_iter(f"{namespace}*")}
+        before = direct.answered
+        try:
+            await redis.config_set("maxmemory-policy", "noeviction")
+            await redis.config_set("maxmemory", 1)
+            for path, body in calls:
+                mine = await client.post(path, json=body)
+                theirs = await client.post(path, json=body, headers=app_way)
+                assert (mine.status_code, theirs.status_code) == (503, 503), mine.text
+                assert mine.headers["retry-after"] == theirs.headers["retry-after"]
+                assert mine.json() == theirs.json()
+        finally:
+            await redis.config_set("maxmemory", 0)
+        assert direct.answered == before + len(calls)
+        assert {k async for k in redis.scan_iter(f"{namespace}*")} == before_keys
+        assert (await client.post("/v1/jobs/double", json={"value": 5})).status_code == 202
+        assert (await client.post("/v1/double", json={"value": 5})).json() == {"value": 10}
