@@ -126,12 +126,17 @@ class Admission:
 
     def _refresh_behind(self, stage: str) -> None:
         """Re-measure ``stage`` in the background (the caller checked none is under way)."""
-        task = asyncio.get_running_loop().create_task(self.refresh(stage))
+        task = asyncio.get_running_loop().create_task(self.refresh(stage, behind=True))
         self._refreshing[stage] = task
         task.add_done_callback(lambda t: self._refreshed(stage, t))
 
-    async def refresh(self, stage: str) -> Reading:
-        """Measure ``stage`` now (joining a refresh already under way) and keep the view."""
+    async def refresh(self, stage: str, *, behind: bool = False) -> Reading:
+        """Measure ``stage`` now (joining a refresh already under way) and keep the view;
+        ``behind`` a call (in the background), once the loop has run what is ready: the
+        call that found the view stale sends its write first (its round trip starts in
+        the next iteration too), not after the status read's."""
+        if behind:
+            await asyncio.sleep(0)
         running = self._refreshing.get(stage)
         if running is not None and asyncio.current_task() is not running:
             return await asyncio.shield(running)

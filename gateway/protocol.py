@@ -18,6 +18,8 @@ import orjson
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from gateway.corked import Corked
+
 logger = logging.getLogger(__name__)
 
 HEADERS_TOO_LARGE = "conveyor.headers_too_large"
@@ -99,47 +101,6 @@ def _safely(hook: Callable[[], None]) -> None:
         hook()
     except Exception:
         logger.exception("a disconnect hook failed")
-
-
-class Corked:
-    """A transport whose writes within one loop iteration leave in one ``write``.
-
-    uvicorn writes a response's status line and headers, then its body: two writes, and
-    on loopback TCP each is a system call that also does the receiver's work. Held until
-    the end of the iteration they become one, whatever the app sends in between. A close
-    sends what is held first; everything else is the transport's own.
-
-    Args:
-        transport: the connection's transport.
-        loop: the loop it runs on.
-    """
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: list[bytes] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Hold ``data`` until the end of this loop iteration."""
-        if not self._held:
-            self._loop.call_soon(self.flush)
-        self._held.append(bytes(data))
-
-    def flush(self) -> None:
-        """Write what is held (nothing once the transport is closing)."""
-        if self._held:
-            data = b"".join(self._held) if len(self._held) > 1 else self._held[0]
-            self._held = []
-            if not self._transport.is_closing():
-                self._transport.write(data)
-
-    def close(self) -> None:
-        """Write what is held, then close."""
-        self.flush()
-        self._transport.close()
 
 
 class DirectCalls(Protocol):
@@ -359,7 +320,7 @@ def header_deadline_protocol(
                 headers = response.raw_headers
                 keep_alive = answering.keep_alive
                 if not self.transport.is_closing():
-                    self.transport.write(
+                    cast(Corked, self.transport).send(
                         self._head(STATUS_LINE[response.status_code], headers, keep_alive)
                         + bytes(response.body)
                     )

@@ -55,6 +55,16 @@ async def until(check: Callable[[], Awaitable[bool]], limit_s: float = 60) -> No
         await asyncio.sleep(0.02)
 
 
+async def watch_commands(redis: aioredis.Redis, seen: list[list[str]]) -> None:
+    """Append every command Redis runs (``MONITOR``), as its words, to ``seen`` until
+    cancelled; the first entry is ``["MONITOR"]``, once it watches."""
+    async with redis.monitor() as monitor:
+        seen.append(["MONITOR"])
+        while True:
+            said = await monitor.next_command()
+            seen.append([word.strip("'\"") for word in str(said["command"]).split()])
+
+
 async def replies_in(redis: aioredis.Redis, stream: str) -> int:
     """How many replies reply stream ``stream`` holds: an entry holds each reply a batch
     wrote there (``workers/publish.lua``), so its length counts batches, not replies."""

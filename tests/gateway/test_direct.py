@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from gateway.app import GatewayApp, create_app
+from gateway.corked import Corked
 from gateway.settings import GatewaySettings
 from pipelines.graph import single
 from pipelines.registry import Registry
@@ -127,6 +128,31 @@ async def test_a_call_is_answered_on_its_connection_as_the_app_answers_it(
     # Counted under the pipeline's route, as the edge counts a call: 1 + 5 + 1.
     line = 'conveyor_http_requests_total{route="/v1/double",status="200"} 7'
     assert line in metrics.splitlines(), [m for m in metrics.splitlines() if "/v1/double" in m]
+
+
+async def test_a_call_answered_on_its_connection_leaves_before_it_is_logged(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its response is written at once, whole, before the access line and the metrics
+    (and before any other work of that moment, a reply read's next XREAD among them)."""
+    base, direct = await serve(harness)
+    order: list[str] = []
+    send, observe = Corked.send, direct.observe
+
+    def sending(corked: Corked, data: bytes) -> None:
+        order.append("sent")
+        send(corked, data)
+
+    def observing(*args: Any) -> None:
+        order.append("observed")
+        observe(*args)
+
+    monkeypatch.setattr(Corked, "send", sending)
+    monkeypatch.setattr(direct, "observe", observing)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        resp = await client.post("/v1/double", json={"value": 4})
+    assert resp.json() == {"value": 8}
+    assert order == ["sent", "observed"]
 
 
 async def test_pipelined_requests_are_answered_in_order_whoever_answers_them(

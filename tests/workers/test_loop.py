@@ -19,7 +19,7 @@ from pipelines.keys import Keys
 from pipelines.model import Item, Result
 from pipelines.settings import CommonSettings
 from runtime.redisio import connect, text
-from tests.helpers import Doubler, Harness, number_stage, replies_in, until
+from tests.helpers import Doubler, Harness, number_stage, replies_in, until, watch_commands
 from workers.loop import Worker
 from workers.settings import WorkerSettings
 
@@ -154,3 +154,49 @@ async def test_worker_outlives_a_redis_restart_that_lost_its_group(
         await client.aclose()
         server.terminate()
         server.wait(timeout=10)
+
+
+async def test_a_batch_claims_its_entries_before_the_next_read_is_sent(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    """One request alone: its batch's claim (the on-model marks and the cancellation
+    check, before the model runs) reaches Redis before the worker asks for the next
+    batch. The claim is on the request's path; the next read, at one client, brings
+    nothing and can wait."""
+    seen: list[list[str]] = []
+    watcher = asyncio.create_task(watch_commands(redis, seen))
+    on_model = harness.keys.on_model(harness.keys.stage_stream("double"))
+
+    def position(name: str, key: str) -> int | None:
+        """Where Redis first ran ``name`` on ``key``."""
+        found = (i for i, w in enumerate(seen) if w[0].upper() == name and w[1:2] == [key])
+        return next(found, None)
+
+    async def watching() -> bool:
+        return bool(seen)
+
+    async def read_after_claim() -> bool:
+        claim = position("HSET", key=on_model)
+        return claim is not None and any(w[0].upper() == "XREADGROUP" for w in seen[claim:])
+
+    try:
+        await until(watching, limit_s=10)
+        await harness.enqueue("double", [{"value": 3}])
+        harness.run(harness.worker(number_stage(), Doubler()))
+        await until(read_after_claim, limit_s=30)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    claim = position("HSET", key=on_model)
+    assert claim is not None, seen
+    # What was read before the claim, stream by stream: the one read (a lane once each)
+    # that brought the entry, not the next read too.
+    before = [
+        stream
+        for words in seen[:claim]
+        if words[0].upper() == "XREADGROUP"
+        for stream in words[words.index("STREAMS") + 1 :]
+        if ":stage:" in stream
+    ]
+    assert before, seen[:claim]
+    assert len(before) == len(set(before)), seen[:claim]
