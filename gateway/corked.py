@@ -34,10 +34,13 @@ class Corked:
         self._held.append(bytes(data))
 
     def send(self, data: bytes) -> None:
-        """Write what is held and ``data`` now: a whole response, which nothing else in
+        """Write ``data`` now, after what is held: a whole response, which nothing else in
         this iteration should wait behind (the access line, the next reply read)."""
-        self.write(data)
-        self.flush()
+        if self._held:
+            self._held.append(data)
+            self.flush()
+        elif not self._transport.is_closing():
+            self._transport.write(data)
 
     def flush(self) -> None:
         """Write what is held (nothing once the transport is closing)."""

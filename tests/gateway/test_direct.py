@@ -140,8 +140,8 @@ async def test_a_call_answered_on_its_connection_leaves_before_it_is_logged(
     send, observe = Corked.send, direct.observe
 
     def sending(corked: Corked, data: bytes) -> None:
-        order.append("sent")
         send(corked, data)
+        order.append("held" if corked._held else "sent")  # on the socket, or not yet
 
     def observing(*args: Any) -> None:
         order.append("observed")
