@@ -233,10 +233,6 @@ class Worker:
                     if waiting is not None:
                         await waiting.stop()
                 batches += len(groups)
-                # The batch's first step (its claim, on its requests' path) goes before
-                # the next read is asked for: at one client that read brings nothing, yet
-                # its work would come first, a few hundred µs of each request's time.
-                await asyncio.sleep(0)
             held = parts.lanes.release() if self._stopping.is_set() else []
             if held:  # delivered here past a batch's bound (rare): run, not left pending
                 await slots.acquire()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import threading
 import time
@@ -156,48 +157,38 @@ async def test_worker_outlives_a_redis_restart_that_lost_its_group(
         server.wait(timeout=10)
 
 
-async def test_a_batch_claims_its_entries_before_the_next_read_is_sent(
+async def test_one_client_behind_a_model_costs_one_read_a_batch(
     harness: Harness, redis: aioredis.Redis
 ) -> None:
-    """One request alone: its batch's claim (the on-model marks and the cancellation
-    check, before the model runs) reaches Redis before the worker asks for the next
-    batch. The claim is on the request's path; the next read, at one client, brings
-    nothing and can wait."""
+    """Requests one at a time behind a 30 ms model: between one batch's claim and the
+    next's, the worker reads once (a blocking read over its lanes, in place while the
+    model runs), not a look every few milliseconds at a stream nothing can reach while
+    the one client waits for its answer (round trips, and CPU beside the model's)."""
     seen: list[list[str]] = []
     watcher = asyncio.create_task(watch_commands(redis, seen))
-    lanes = {harness.keys.stage_stream("double", lane) for lane in ("interactive", "bulk")}
     on_model = harness.keys.on_model(harness.keys.stage_stream("double"))
-
-    def position(name: str, key: str) -> int | None:
-        """Where Redis first ran ``name`` on ``key``."""
-        found = (i for i, w in enumerate(seen) if w[0].upper() == name and w[1:2] == [key])
-        return next(found, None)
+    replies = harness.keys.reply_stream("test")
 
     async def watching() -> bool:
         return bool(seen)
 
-    async def read_after_claim() -> bool:
-        claim = position("HSET", key=on_model)
-        return claim is not None and any(w[0].upper() == "XREADGROUP" for w in seen[claim:])
-
     try:
         await until(watching, limit_s=10)
-        await harness.enqueue("double", [{"value": 3}])
-        harness.run(harness.worker(number_stage(), Doubler()))
-        await until(read_after_claim, limit_s=30)
+        harness.run(harness.worker(number_stage(), Doubler(delay_s=0.03), block_ms=5000))
+        for value in range(5):
+            await harness.enqueue("double", [{"value": value}])
+
+            async def answered(count: int = value + 1) -> bool:
+                return await replies_in(redis, replies) >= count
+
+            await until(answered, limit_s=30)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
-    claim = position("HSET", key=on_model)
-    assert claim is not None, seen
-    # What was read before the claim, stream by stream: the one read (a lane once each)
-    # that brought the entry, not the next read too.
-    before = [
-        stream
-        for words in seen[:claim]
-        if words[0].upper() == "XREADGROUP"
-        for stream in words[words.index("STREAMS") + 1 :]
-        if stream in lanes
+    claims = [i for i, words in enumerate(seen) if words[:2] == ["HSET", on_model]]
+    assert len(claims) == 5, seen
+    reads = [
+        sum(1 for words in seen[start:end] if words[0].upper() == "XREADGROUP")
+        for start, end in itertools.pairwise(claims)
     ]
-    assert before, seen[:claim]
-    assert len(before) == len(set(before)), seen[:claim]
+    assert reads == [1, 1, 1, 1], reads
