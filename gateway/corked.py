@@ -36,11 +36,8 @@ class Corked:
     def send(self, data: bytes) -> None:
         """Write ``data`` now, after what is held: a whole response, which nothing else in
         this iteration should wait behind (the access line, the next reply read)."""
-        if self._held:
-            self._held.append(data)
-            self.flush()
-        elif not self._transport.is_closing():
-            self._transport.write(data)
+        self._held.append(data)
+        self.flush()  # alone, it is written as it is (no join)
 
     def flush(self) -> None:
         """Write what is held (nothing once the transport is closing)."""

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -55,14 +55,27 @@ async def until(check: Callable[[], Awaitable[bool]], limit_s: float = 60) -> No
         await asyncio.sleep(0.02)
 
 
-async def watch_commands(redis: aioredis.Redis, seen: list[list[str]]) -> None:
-    """Append every command Redis runs (``MONITOR``), as its words, to ``seen`` until
-    cancelled; the first entry is ``["MONITOR"]``, once it watches."""
-    async with redis.monitor() as monitor:
-        seen.append(["MONITOR"])
-        while True:
-            said = await monitor.next_command()
-            seen.append([word.strip("'\"") for word in str(said["command"]).split()])
+@contextlib.asynccontextmanager
+async def commands_seen(redis: aioredis.Redis) -> AsyncIterator[list[list[str]]]:
+    """Every command Redis runs inside the block (``MONITOR``, watching before the block
+    starts), each as its words, in the list given."""
+    seen: list[list[str]] = []
+    watching = asyncio.Event()
+
+    async def watch() -> None:
+        async with redis.monitor() as monitor:
+            watching.set()
+            while True:
+                said = await monitor.next_command()
+                seen.append([word.strip("'\"") for word in str(said["command"]).split()])
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait_for(watching.wait(), timeout=10)
+        yield seen
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
 
 
 async def replies_in(redis: aioredis.Redis, stream: str) -> int:

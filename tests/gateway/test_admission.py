@@ -13,7 +13,7 @@ from pipelines.errors import Overloaded
 from pipelines.keys import GROUP
 from runtime.redisio import ensure_group, text
 from runtime.status import stage_status
-from tests.helpers import Doubler, Harness, number_stage, until, watch_commands
+from tests.helpers import Doubler, Harness, commands_seen, number_stage, until
 
 
 async def test_a_refusal_is_decided_on_a_fresh_view(
@@ -116,28 +116,19 @@ async def test_a_call_that_finds_the_view_stale_is_written_before_the_refresh(
     client = await harness.gateway([stage], admission_refresh_ms=20)
     harness.run(harness.worker(stage, Doubler()))
     assert (await client.post("/v1/double", json={"value": 1})).status_code == 200
-    seen: list[list[str]] = []
-    watcher = asyncio.create_task(watch_commands(redis, seen))
     stream = harness.keys.stage_stream("double")
+    async with commands_seen(redis) as seen:
 
-    def first(name: str) -> int | None:
-        found = (i for i, w in enumerate(seen) if w[0].upper() == name and w[1:2] == [stream])
-        return next(found, None)
+        def first(name: str) -> int | None:
+            found = (i for i, w in enumerate(seen) if w[0].upper() == name and w[1:2] == [stream])
+            return next(found, None)
 
-    async def watching() -> bool:
-        return bool(seen)
+        async def both_seen() -> bool:
+            return first("XADD") is not None and first("XLEN") is not None
 
-    async def both_seen() -> bool:
-        return first("XADD") is not None and first("XLEN") is not None
-
-    try:
-        await until(watching, limit_s=10)
         await asyncio.sleep(0.1)  # the view is stale (20 ms)
         assert (await client.post("/v1/double", json={"value": 2})).status_code == 200
         await until(both_seen, limit_s=10)
-    finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
     written, read = first("XADD"), first("XLEN")
     assert written is not None, seen
     assert read is not None, seen

@@ -20,7 +20,7 @@ from pipelines.keys import Keys
 from pipelines.model import Item, Result
 from pipelines.settings import CommonSettings
 from runtime.redisio import connect, text
-from tests.helpers import Doubler, Harness, number_stage, replies_in, until, watch_commands
+from tests.helpers import Doubler, Harness, commands_seen, number_stage, replies_in, until
 from workers.loop import Worker
 from workers.settings import WorkerSettings
 
@@ -164,16 +164,9 @@ async def test_one_client_behind_a_model_costs_one_read_a_batch(
     next's, the worker reads once (a blocking read over its lanes, in place while the
     model runs), not a look every few milliseconds at a stream nothing can reach while
     the one client waits for its answer (round trips, and CPU beside the model's)."""
-    seen: list[list[str]] = []
-    watcher = asyncio.create_task(watch_commands(redis, seen))
     on_model = harness.keys.on_model(harness.keys.stage_stream("double"))
     replies = harness.keys.reply_stream("test")
-
-    async def watching() -> bool:
-        return bool(seen)
-
-    try:
-        await until(watching, limit_s=10)
+    async with commands_seen(redis) as seen:
         harness.run(harness.worker(number_stage(), Doubler(delay_s=0.03), block_ms=5000))
         for value in range(5):
             await harness.enqueue("double", [{"value": value}])
@@ -182,9 +175,6 @@ async def test_one_client_behind_a_model_costs_one_read_a_batch(
                 return await replies_in(redis, replies) >= count
 
             await until(answered, limit_s=30)
-    finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
     claims = [i for i, words in enumerate(seen) if words[:2] == ["HSET", on_model]]
     assert len(claims) == 5, seen
     reads = [
