@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import orjson
 from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import BRANCH, FIELD, Reply, encode
+from pipelines.envelope import BRANCH, FIELD, PACKED, Reply, encode
 from pipelines.keys import GROUP
 from pipelines.outcomes import Outcome
 from pipelines.records import job_finished
@@ -61,6 +61,7 @@ class Plan:
         self.groups: list[list[Token]] = []
         self.always: list[Token] = []
         self.batched: list[int] = []  # the streams whose slot replies share an entry
+        self.packed: list[int] = []  # those of them whose entry holds them in one field
         self.reads = 0  # KEYS[1..reads]: the markers read before anything is written
         self.stats = 0  # the stats hash's key number (groups count their outcome there)
         self.reply_maxlen = 0  # the cap of the reply streams (a group's reply is capped)
@@ -128,6 +129,8 @@ class Plan:
             "k": [token for n, kind in checked if kind for token in (n, kind)],
             "s": sorted(self.own),
             "b": self.batched,
+            "p": self.packed,
+            "pf": PACKED.decode(),
         }
         return [orjson.dumps(plan), *self.values]
 
@@ -257,15 +260,20 @@ def compile_plan(call: Call) -> Plan | None:
         plan.stats = -plan.own_key(call.stats_key, HASH)
     streams: set[str] = set()
     shared: dict[int, bool] = {}  # a slot's stream: whether every reply to it may share
+    packed: dict[int, bool] = {}  # ... and be packed in one field
     for marker, effects in out.effects.items():
         head: list[Token] = [plan.key(marker), str(effects.marker_ttl_s)]
         head += [cancels.get(marker, 0), outcomes[marker].stats_field]
         commands = _commands(plan, effects, streams, call)
-        slot = commands[0]
-        if isinstance(slot, int) and slot:
+        slot, value = commands[0], commands[1]
+        if isinstance(slot, int) and slot and isinstance(value, int):
             shared[slot] = shared.get(slot, True) and effects.batched
+            reply = plan.values[value - 1]
+            packable = effects.packed and isinstance(reply, bytes) and b"\n" not in reply
+            packed[slot] = packed.get(slot, True) and packable
         plan.groups.append(head + commands)
     plan.batched = sorted(stream for stream, ok in shared.items() if ok)
+    plan.packed = [stream for stream in plan.batched if packed[stream]]
     for marker in call.dropped:
         error = Outcome.ERROR.stats_field
         plan.groups.append([plan.key(marker), str(DROPPED_TTL_S), 0, error, 0, 0])
