@@ -1,7 +1,8 @@
 """The wire envelope: what one stream entry carries, and its encoding.
 
-Each entry in a stage stream or a reply stream has a field ``e`` holding a JSON object;
-a stage-stream entry also has ``c``, the request's estimated tokens (:mod:`pipelines.tokens`).
+Each entry in a stage stream has a field ``e`` holding a JSON object and ``c``, the
+request's estimated tokens (:mod:`pipelines.tokens`); a reply-stream entry holds one reply
+or several (:func:`reply_values`).
 An entry a join step receives also has one field ``b:<branch>`` per branch, holding that
 branch's output as JSON (written by the join script in Redis, merged into ``state`` on
 decoding). JSON (orjson) rather than msgpack: payloads are mostly text and float lists,
@@ -37,6 +38,9 @@ FIELD = b"e"
 PACKED = b"E"
 """The reply-stream field that holds several replies in one value, each followed by a
 newline but the last (an encoded envelope never holds a raw newline: JSON escapes it)."""
+REPLIES_PER_ENTRY = 500
+"""The most replies one reply-stream entry holds (a batch's replies to one gateway are
+cut into entries of at most this many): a reader takes no more from one entry."""
 BRANCH = b"b:"
 """Prefix of the fields carrying branch outputs into a join step."""
 
@@ -377,17 +381,23 @@ def sender(fields: Mapping[Any, Any]) -> Sender | None:
 
 def reply_values(fields: Mapping[Any, Any]) -> list[bytes]:
     """The replies a reply-stream entry holds, in order: those packed in its
-    :data:`PACKED` field, one a line; else its ``e`` field's, then ``e1``'s, ``e2``'s and
-    so on (a batch's replies to one gateway are one entry: ``workers/publish.lua``); none
-    when it has neither."""
+    :data:`PACKED` field, one a line (an empty line is none); else its ``e`` field's,
+    then ``e1``'s, ``e2``'s and so on (a batch's replies to one gateway are one entry:
+    ``workers/publish.lua``); none when it has neither. At most the first
+    :data:`REPLIES_PER_ENTRY` (no worker writes more): a forged entry of many short
+    lines or fields costs the reader no more than a real one."""
     packed = fields.get(PACKED)
     if packed is not None:
-        return cast(bytes, packed).split(b"\n")
+        lines = cast(bytes, packed).split(b"\n", REPLIES_PER_ENTRY)[:REPLIES_PER_ENTRY]
+        return [line for line in lines if line]
     first = fields.get(FIELD)
     if first is None:
         return []
     values = [first]
-    while (more := fields.get(FIELD + str(len(values)).encode())) is not None:
+    while len(values) < REPLIES_PER_ENTRY:
+        more = fields.get(FIELD + str(len(values)).encode())
+        if more is None:
+            break
         values.append(more)
     return values
 

@@ -11,7 +11,8 @@ from typing import Any, cast
 
 import orjson
 
-from pipelines.envelope import FIELD, Reply, dumps
+import workers.plan as workers_plan
+from pipelines.envelope import FIELD, Reply, dumps, encode
 from pipelines.keys import GROUP, Keys
 from pipelines.outcomes import Outcome
 from workers.plan import Call, Plan, compile_plan
@@ -129,3 +130,34 @@ def test_a_failed_branch_answers_under_its_join_marker_and_a_job_s_reply_is_a_co
     # A job's reply is stored in its hash (HSET, EXPIRE), then the branch's JOIN.
     assert second[4:6] == [0, 0]
     assert [c[0] for c in _commands(second, 6)] == ["HSET", "EXPIRE", "JOIN"]
+
+
+def test_a_stream_s_replies_are_packed_only_if_every_one_may_be(monkeypatch: Any) -> None:
+    # A stream is in "p" (its batch's replies packed in one field, a line each) when
+    # every request replying to it says its gateway reads them so and no reply holds a
+    # raw newline; "p" is always part of "b" (the streams whose replies share an entry).
+    def outbox(packs: dict[str, tuple[str, bool]]) -> Outbox:
+        out = Outbox()
+        for rid, (stream, packed) in packs.items():
+            out.effects[KEYS.done(rid, "s")] = Effects(
+                marker_ttl_s=60, replies=[(stream, _reply(rid))], batched=True, packed=packed
+            )
+        return out
+
+    other = KEYS.reply_stream("h")
+    mixed = {"a": (REPLIES, True), "b": (REPLIES, False), "c": (other, True), "d": (other, True)}
+    plan, decoded = _plan(_call(outbox(mixed), [b"1-0"]))
+    number = {name: -(plan.keys.index(name) + 1) for name in (REPLIES, other)}
+    assert sorted(decoded["b"]) == sorted(number.values())
+    assert decoded["p"] == [number[other]]
+    assert decoded["pf"] == "E"
+    assert decoded["n"] == 500
+
+    def with_a_newline(message: Any) -> Any:  # a reply no JSON encoder writes
+        fields = encode(message)
+        return {FIELD: cast(bytes, fields[FIELD]) + b"\n"} if message.id == "d" else fields
+
+    monkeypatch.setattr(workers_plan, "encode", with_a_newline)
+    plan, decoded = _plan(_call(outbox(mixed), [b"1-0"]))
+    assert decoded["p"] == []
+    assert len(decoded["b"]) == 2

@@ -17,7 +17,7 @@ from pipelines.keys import GROUP, Keys
 from pipelines.outcomes import Outcome
 from tests.helpers import Harness, replies_in
 from tests.workers.test_publish import entries_of, outbox, read_batch
-from workers.plan import Call, compile_plan
+from workers.plan import PACKED_BYTES, Call, compile_plan
 from workers.publish import publish
 from workers.values import Effects, Outbox, Published
 
@@ -123,6 +123,9 @@ async def test_a_large_batch_with_runs_and_plain_groups(
     got = await got_ids(redis, keys.reply_stream("t"))
     batched = [r for r in rids if r not in set(plain)]
     assert [len(e) for e in got] == [1] * len(plain) + [500] * 4 + [len(batched) - 2000]
+    # Packed or not, entries of 500 replies are far past what is packed (PACKED_BYTES).
+    shared = (await entries_of(redis, keys.reply_stream("t")))[len(plain) :]
+    assert [len(fields) for fields in shared] == [len(e) for e in got[len(plain) :]]
     assert [r for e in got for r in e] == plain + batched
     assert [r for e in await got_ids(redis, other) for r in e] == plain
     assert (await harness.stats("s"))["items:ok"] == 2600
@@ -155,6 +158,41 @@ async def test_packed_replies_read_back_byte_for_byte_whatever_their_results_hol
     entries = await entries_of(redis, keys.reply_stream("t"))
     assert list(entries[-1]) == [FIELD]
     assert [r.id for r in decode_replies(entries[-1])] == ["one"]
+
+
+async def test_a_stream_s_replies_are_packed_only_when_every_request_to_it_says_so(
+    harness: Harness, redis: aioredis.Redis
+) -> None:
+    # In one batch: a stream whose every request's gateway reads packed replies gets one
+    # field; a stream where one request says otherwise gets e, e1, ... (one gateway's
+    # requests all say the same: the plan does not rely on it); a stream whose replies
+    # are more than PACKED_BYTES gets a field each too.
+    keys = harness.keys
+    small, big = [f"p{i}" for i in range(5)], [f"b{i}" for i in range(6)]
+    rids = [*small, "m1", "m2", "m3", *big]
+    ids = await read_batch(redis, keys.stage_stream("s"), len(rids))
+    out = outbox(keys, small, packed=True)
+    mixed = outbox(keys, ["m1", "m2"], packed=True)
+    mixed.effects.update(outbox(keys, ["m3"], packed=False).effects)
+    large = outbox(keys, big, packed=True)
+    for rid in big:  # six of 800 bytes: past the bound together, each well under it
+        reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": "x" * 800})
+        large.effects[keys.done(rid, "s")].replies = [(keys.reply_stream("u"), reply)]
+    assert 800 * 2 < PACKED_BYTES < 800 * 6
+    for effects in mixed.effects.values():
+        effects.replies = [(keys.reply_stream("m"), r) for _, r in effects.replies]
+    out.effects.update(mixed.effects | large.effects)
+    assert await publish(redis, call_of(keys, out, ids, "mixed")) == Published()
+    got = {}
+    for name, rid_list in (("t", small), ("m", ["m1", "m2", "m3"]), ("u", big)):
+        [fields] = await entries_of(redis, keys.reply_stream(name))
+        assert [r.id for r in decode_replies(fields)] == rid_list
+        got[name] = list(fields)
+    assert got == {
+        "t": [PACKED],
+        "m": [b"e", b"e1", b"e2"],
+        "u": [FIELD] + [b"e%d" % i for i in range(1, 6)],
+    }
 
 
 @pytest.mark.parametrize(("unread", "batch", "maxlen"), [(800, 100, 1000), (400, 500, 100_000)])
