@@ -28,12 +28,14 @@ Token = str | int | list[int]
 """A plan token: a literal string, a value's number (>= 1), a key's number (<= -1) or, in
 a command, a span of values ``[first, last]`` (each number from first to last)."""
 
-PACKED_BYTES = 4096
+PACKED_BYTES = 16384
 """The most bytes of replies the script packs into one value (:data:`~pipelines.envelope.
-PACKED`); past it they are a field each. Packing spares Redis a value a reply, but the
-script's Lua joins them by copying: measured on Redis 7.0, 19 echo replies (3 KB) cost it
-1.4 µs a reply less packed, 19 of 390 bytes (7 KB) 0.5 µs more, 32 embeddings (240 KB)
-twice as much."""
+PACKED`); past it they are a field each. Packing spares Redis a value a reply, in the
+script, in the stream and in the gateway's read, but the script's Lua joins them by
+copying, more than once past 8 KB: the script alone (Redis 7.0) cost 1.0-1.4 µs a reply
+less for 19 echo replies (3 KB), 0.5-1.4 µs more for 19 of 390 bytes to 1.2 KB (7 to
+22 KB), twice as much for 32 embeddings (240 KB); whole, echo at 64 clients (batches
+of 20 replies, 5.5 KB) cost Redis 0.91x the command time."""
 
 RUN_MIN = 3
 """Groups alike in a row that are passed as one run (see :func:`runs`)."""

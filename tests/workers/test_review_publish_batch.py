@@ -175,10 +175,10 @@ async def test_a_stream_s_replies_are_packed_only_when_every_request_to_it_says_
     mixed = outbox(keys, ["m1", "m2"], packed=True)
     mixed.effects.update(outbox(keys, ["m3"], packed=False).effects)
     large = outbox(keys, big, packed=True)
-    for rid in big:  # six of 800 bytes: past the bound together, each well under it
-        reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": "x" * 800})
+    for rid in big:  # six of 3,000 bytes: past the bound together, each well under it
+        reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": "x" * 3000})
         large.effects[keys.done(rid, "s")].replies = [(keys.reply_stream("u"), reply)]
-    assert 800 * 2 < PACKED_BYTES < 800 * 6
+    assert 3000 * 2 < PACKED_BYTES < 3000 * 6
     for effects in mixed.effects.values():
         effects.replies = [(keys.reply_stream("m"), r) for _, r in effects.replies]
     out.effects.update(mixed.effects | large.effects)
