@@ -76,7 +76,6 @@ def _burst(size: int, keys: Keys) -> list[Request]:
             trace_id=new_request_id(),
             enqueue_by=time.time() + 5,
             reply_batches=True,
-            reply_packed=True,
         )
         for i in range(size)
     ]

@@ -99,7 +99,6 @@ def stage_request(
         reply_to=keys.reply_stream("bench"),
         deadline=deadline,
         reply_batches=True,  # as this release's gateway writes it
-        reply_packed=True,
     )
 
 

@@ -253,7 +253,6 @@ class Gateway:
             lane=sent.lane,
             traceparent=spans.traceparent(),
             reply_batches=not job,  # its reply stream's reader takes several an entry
-            reply_packed=not job,  # ... and packed in one field
         )
         await self.writer.write(request, timeout_s, owner if job else None)
         spans.enqueued(request)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple
 
 import orjson
 import pydantic_core
@@ -35,9 +35,6 @@ from pipelines.tokens import COST, estimate
 
 FIELD = b"e"
 """The stream-entry field that holds the encoded envelope."""
-PACKED = b"E"
-"""The reply-stream field that holds several replies in one value, each followed by a
-newline but the last (an encoded envelope never holds a raw newline: JSON escapes it)."""
 REPLIES_PER_ENTRY = 500
 """The most replies one reply-stream entry holds (a batch's replies to one gateway are
 cut into entries of at most this many): a reader takes no more from one entry."""
@@ -171,10 +168,6 @@ class Request(BaseModel):
             (:func:`reply_values`), so a batch's replies to it may share one; absent (a
             gateway of an earlier release, which reads ``e`` alone), each reply is an
             entry of its own.
-        reply_packed: that gateway also reads the replies of an entry packed in one
-            field (:data:`PACKED`), which the batch's publish writes as one value instead
-            of a field and a value per reply; absent (an earlier release), they are
-            written a field each.
     """
 
     # A newer process's added fields are ignored, so a rolling deploy in either order
@@ -200,7 +193,6 @@ class Request(BaseModel):
     lane: Lane = DEFAULT_LANE
     traceparent: str | None = Field(default=None, max_length=256)
     reply_batches: bool = False
-    reply_packed: bool = False
 
 
 class Reply(BaseModel):
@@ -380,16 +372,11 @@ def sender(fields: Mapping[Any, Any]) -> Sender | None:
 
 
 def reply_values(fields: Mapping[Any, Any]) -> list[bytes]:
-    """The replies a reply-stream entry holds, in order: those packed in its
-    :data:`PACKED` field, one a line (an empty line is none); else its ``e`` field's,
-    then ``e1``'s, ``e2``'s and so on (a batch's replies to one gateway are one entry:
-    ``workers/publish.lua``); none when it has neither. At most the first
-    :data:`REPLIES_PER_ENTRY` (no worker writes more): a forged entry of many short
-    lines or fields costs the reader no more than a real one."""
-    packed = fields.get(PACKED)
-    if packed is not None:
-        lines = cast(bytes, packed).split(b"\n", REPLIES_PER_ENTRY)[:REPLIES_PER_ENTRY]
-        return [line for line in lines if line]
+    """The replies a reply-stream entry holds, in order: its ``e`` field's, then ``e1``'s,
+    ``e2``'s and so on (a batch's replies to one gateway are one entry:
+    ``workers/publish.lua``); none when it has no ``e``. At most the first
+    :data:`REPLIES_PER_ENTRY` (no worker writes more): a forged entry of many fields
+    costs the reader no more than a real one."""
     first = fields.get(FIELD)
     if first is None:
         return []
@@ -443,5 +430,5 @@ def decode_replies(fields: Mapping[Any, Any]) -> list[Reply]:
     """
     values = reply_values(fields)
     if not values:
-        raise EnvelopeError(f"entry has no {FIELD.decode()!r} or {PACKED.decode()!r} field")
+        raise EnvelopeError(f"entry has no {FIELD.decode()!r} field")
     return [decode_reply(raw) for raw in values]

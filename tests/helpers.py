@@ -289,11 +289,10 @@ class Harness:
         self, pipeline: str, stage: str, step: str, payload: dict[str, Any], **fields: Any
     ) -> Request:
         """A request for ``step`` of ``pipeline`` (on ``stage``), as a gateway writes it
-        (deadline a minute away, replies to the test's stream, several an entry and
-        packed, unless ``fields`` say)."""
+        (deadline a minute away, replies to the test's stream, several an entry, unless
+        ``fields`` say)."""
         fields.setdefault("deadline", time.time() + 60.0)
         fields.setdefault("reply_batches", True)
-        fields.setdefault("reply_packed", True)
         fields.setdefault("reply_to", self.keys.reply_stream("test"))
         return Request(
             id=new_request_id(),

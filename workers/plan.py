@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import orjson
 from redis.typing import EncodableT, FieldT
 
-from pipelines.envelope import BRANCH, FIELD, PACKED, REPLIES_PER_ENTRY, Reply, encode
+from pipelines.envelope import BRANCH, FIELD, REPLIES_PER_ENTRY, Reply, encode
 from pipelines.keys import GROUP
 from pipelines.outcomes import Outcome
 from pipelines.records import job_finished
@@ -27,15 +27,6 @@ hold the same entry while it is pending, which a stall of this length would outl
 Token = str | int | list[int]
 """A plan token: a literal string, a value's number (>= 1), a key's number (<= -1) or, in
 a command, a span of values ``[first, last]`` (each number from first to last)."""
-
-PACKED_BYTES = 16384
-"""The most bytes of replies the script packs into one value (:data:`~pipelines.envelope.
-PACKED`); past it they are a field each. Packing spares Redis a value a reply, in the
-script, in the stream and in the gateway's read, but the script's Lua joins them by
-copying, more than once past 8 KB: the script alone (Redis 7.0) cost 1.0-1.4 µs a reply
-less for 19 echo replies (3 KB), 0.5-1.4 µs more for 19 of 390 bytes to 1.2 KB (7 to
-22 KB), twice as much for 32 embeddings (240 KB); whole, echo at 64 clients (batches
-of 20 replies, 5.5 KB) cost Redis 0.91x the command time."""
 
 RUN_MIN = 3
 """Groups alike in a row that are passed as one run (see :func:`runs`)."""
@@ -70,7 +61,6 @@ class Plan:
         self.groups: list[list[Token]] = []
         self.always: list[Token] = []
         self.batched: list[int] = []  # the streams whose slot replies share an entry
-        self.packed: list[int] = []  # those of them whose replies may be in one field
         self.reads = 0  # KEYS[1..reads]: the markers read before anything is written
         self.stats = 0  # the stats hash's key number (groups count their outcome there)
         self.reply_maxlen = 0  # the cap of the reply streams (a group's reply is capped)
@@ -138,10 +128,7 @@ class Plan:
             "k": [token for n, kind in checked if kind for token in (n, kind)],
             "s": sorted(self.own),
             "b": self.batched,
-            "p": self.packed,
-            "pf": PACKED.decode(),
             "n": REPLIES_PER_ENTRY,
-            "pb": PACKED_BYTES,
         }
         return [orjson.dumps(plan), *self.values]
 
@@ -271,20 +258,15 @@ def compile_plan(call: Call) -> Plan | None:
         plan.stats = -plan.own_key(call.stats_key, HASH)
     streams: set[str] = set()
     shared: dict[int, bool] = {}  # a slot's stream: whether every reply to it may share
-    packed: dict[int, bool] = {}  # ... and be packed in one field
     for marker, effects in out.effects.items():
         head: list[Token] = [plan.key(marker), str(effects.marker_ttl_s)]
         head += [cancels.get(marker, 0), outcomes[marker].stats_field]
         commands = _commands(plan, effects, streams, call)
-        slot, value = commands[0], commands[1]
-        if isinstance(slot, int) and slot and isinstance(value, int):
+        slot = commands[0]
+        if isinstance(slot, int) and slot:
             shared[slot] = shared.get(slot, True) and effects.batched
-            reply = plan.values[value - 1]
-            packable = effects.packed and isinstance(reply, bytes) and b"\n" not in reply
-            packed[slot] = packed.get(slot, True) and packable
         plan.groups.append(head + commands)
     plan.batched = sorted(stream for stream, ok in shared.items() if ok)
-    plan.packed = [stream for stream in plan.batched if packed[stream]]
     for marker in call.dropped:
         error = Outcome.ERROR.stats_field
         plan.groups.append([plan.key(marker), str(DROPPED_TTL_S), 0, error, 0, 0])

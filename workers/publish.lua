@@ -1,8 +1,7 @@
 -- KEYS: every key the batch touches, the read ones first. ARGV[1]: the plan (JSON);
 -- ARGV[2..]: the values. The plan is {"t": token, "r": retry, "tt": ttl, "m": reads,
 -- "h": stats hash, "c": cancelled field, "f": reply field, "x": reply cap, "g": groups,
--- "a": commands, "k": types, "s": own, "b": shared, "p": packed, "pf": packed field,
--- "n": replies an entry, "pb": bytes packed at most}.
+-- "a": commands, "k": types, "s": own, "b": shared, "n": replies an entry}.
 -- The plan is flat (one table per group, and one for "a"), so that decoding it and walking
 -- it cost little per request: the script's own work, not the commands it runs, was most
 -- of a batch's Redis time.
@@ -21,10 +20,7 @@
 -- groups' one command, passed without a command's tokens. To a stream of plan.b (whose
 -- gateway reads several replies an entry), the replies of groups with no command beyond
 -- it are instead one entry for the call, XADD stream MAXLEN ~ x * f reply1 f1 reply2 f2
--- reply3 ..., written after the groups; to one of plan.p, when they are plan.pb bytes
--- or fewer, XADD stream MAXLEN ~ x * pf "reply1\nreply2\n...": one value of the
--- replies, each a line (none holds a raw newline), instead of a field and a value each
--- (a value passed to Redis costs it more than a small reply's bytes joined here).
+-- reply3 ..., written after the groups.
 -- A run ["R", n, marker, dm, ttl, cancel, dc, field, stream, reply, dr] stands for n
 -- groups with no command beyond their reply, the i-th (from 0) being [marker + i * dm,
 -- ttl, cancel + i * dc, field, stream, reply + i * dr]: a batch's groups are most often
@@ -235,9 +231,8 @@ end
 local skipped, cancelled = 0, {}
 local tally, fields = {}, {}  -- outcomes counted, by field; their fields in order
 local batched, streams = {}, {}  -- replies written per stream at the end; those streams
-local shared, packed = {}, {}  -- the streams of plan.b, of plan.p
+local shared = {}  -- the streams of plan.b
 for _, s in ipairs(plan.b) do shared[s] = true end
-for _, s in ipairs(plan.p) do packed[s] = true end
 walk(function(m, ttl, cancel, field, s, reply, group)
   m = -m
   if found[m] then
@@ -272,9 +267,7 @@ walk(function(m, ttl, cancel, field, s, reply, group)
   tally[field] = tally[field] + 1
 end)
 -- An entry holds at most plan.n replies (unpack takes a few thousand values at most, and
--- a reader takes no more): packed (pf, a reply a line) when they are more than one to a
--- stream of plan.p, and plan.pb bytes or fewer with their newlines; else f, then f1, f2,
--- ... name them in order. The cap x counts
+-- a reader takes no more): f, then f1, f2, ... name them in order. The cap x counts
 -- entries, as for one reply: an entry of a batch's replies is never trimmed sooner than
 -- one reply's would be.
 local ENTRY = plan.n
@@ -282,22 +275,12 @@ for _, s in ipairs(streams) do
   local values = batched[s]
   for first = 1, #values, ENTRY do
     local last = math.min(first + ENTRY - 1, #values)
-    local size = plan.pb + 1
-    if packed[s] and last > first then
-      size = last - first
-      for i = first, last do size = size + #values[i] end
+    local args = {'XADD', KEYS[-s], 'MAXLEN', '~', plan.x, '*', plan.f, values[first]}
+    for i = first + 1, last do
+      args[#args + 1] = plan.f .. (i - first)
+      args[#args + 1] = values[i]
     end
-    if size <= plan.pb then
-      local reply = table.concat(values, '\n', first, last)
-      redis.call('XADD', KEYS[-s], 'MAXLEN', '~', plan.x, '*', plan.pf, reply)
-    else
-      local args = {'XADD', KEYS[-s], 'MAXLEN', '~', plan.x, '*', plan.f, values[first]}
-      for i = first + 1, last do
-        args[#args + 1] = plan.f .. (i - first)
-        args[#args + 1] = values[i]
-      end
-      redis.call(unpack(args))
-    end
+    redis.call(unpack(args))
   end
 end
 for _, field in ipairs(fields) do count('HINCRBY', plan.h, field, tally[field]) end

@@ -271,10 +271,7 @@ class Router:
         if marker not in out.effects:
             ttl_s, cancel_marker = self._ttl(req, now), self.keys.cancelled(req.id)
             out.effects[marker] = Effects(
-                marker_ttl_s=ttl_s,
-                cancel_marker=cancel_marker,
-                batched=req.reply_batches,
-                packed=req.reply_packed,
+                marker_ttl_s=ttl_s, cancel_marker=cancel_marker, batched=req.reply_batches
             )
         return out.effects[marker]
 

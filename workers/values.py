@@ -70,8 +70,6 @@ class Effects:
             cancelled while its step ran) and the request counts as ``cancelled``.
         batched: its first reply may share an entry with the batch's other replies to
             its stream (its gateway reads several an entry: ``Request.reply_batches``).
-        packed: that entry may hold them packed in one field (its gateway reads that
-            too: ``Request.reply_packed``).
     """
 
     marker_ttl_s: int
@@ -82,7 +80,6 @@ class Effects:
     answer_marker: str | None = None
     cancel_marker: str | None = None
     batched: bool = False
-    packed: bool = False
 
     def outcome(self) -> Outcome:
         """The request's outcome at this step: its failure reply's, else ``ok`` (answered,

@@ -27,7 +27,6 @@ from gateway.replies import TRIM_EVERY
 from gateway.routes.pipelines import reply_response
 from pipelines.envelope import (
     FIELD,
-    PACKED,
     Reply,
     Request,
     decode_reply,
@@ -274,25 +273,6 @@ async def test_an_entry_of_several_replies_answers_each_and_a_forged_one_502(
     assert answered[0].json() == {"value": 0}
     assert answered[2].json() == {"value": 2}
     assert last.json() == {"value": 3}
-
-
-@pytest.mark.timeout(60)
-async def test_a_packed_entry_answers_each_line_alone_and_a_forged_line_502(
-    harness: Harness, redis: aioredis.Redis
-) -> None:
-    # A batch's replies to this release's gateway are packed in one field, a line each
-    # (Request.reply_packed). The field is untrusted: each line is validated alone, so a
-    # forged line answers its own request 502, an empty line or one with no request id
-    # answers nobody, and the lines around them answer theirs.
-    async with _doubling(harness, redis, 3) as (calls, requests, replies):
-        assert all(r.reply_batches and r.reply_packed for r in requests)
-        forged = orjson.dumps({"v": 1, "id": requests[1].id, "stage": "double", "status": 0})
-        lines = [replies[0], b"", forged, b'{"no": "id"}', b"\xff\xfe", replies[2]]
-        await redis.xadd(requests[0].reply_to, {PACKED: b"\n".join(lines)})
-        answered = await asyncio.gather(*calls)
-    assert [a.status_code for a in answered] == [200, 502, 200]
-    assert answered[0].json() == {"value": 0}
-    assert answered[2].json() == {"value": 2}
 
 
 JOB_FORGERIES: dict[str, dict[FieldT, EncodableT]] = {

@@ -11,8 +11,7 @@ from typing import Any, cast
 
 import orjson
 
-import workers.plan as workers_plan
-from pipelines.envelope import FIELD, Reply, dumps, encode
+from pipelines.envelope import FIELD, REPLIES_PER_ENTRY, Reply, dumps
 from pipelines.keys import GROUP, Keys
 from pipelines.outcomes import Outcome
 from workers.plan import Call, Plan, compile_plan
@@ -89,6 +88,7 @@ def test_a_batch_of_replies_is_one_flat_group_each_and_reads_come_first() -> Non
         assert (ttl, counted, to) == ("60", "items:ok", stream)
         assert plan.values[value - 1] == dumps(_reply(rid))
     assert decoded["f"] == FIELD.decode()
+    assert decoded["n"] == REPLIES_PER_ENTRY  # replies an entry: what a gateway reads of one
     assert plan.keys[decoded["h"] - 1] == KEYS.stage_stats("s")
     # Each entry id is passed once, for its ack and for its on-model mark alike.
     assert sorted(v for v in plan.values if isinstance(v, bytes) and v in ids) == ids
@@ -130,34 +130,3 @@ def test_a_failed_branch_answers_under_its_join_marker_and_a_job_s_reply_is_a_co
     # A job's reply is stored in its hash (HSET, EXPIRE), then the branch's JOIN.
     assert second[4:6] == [0, 0]
     assert [c[0] for c in _commands(second, 6)] == ["HSET", "EXPIRE", "JOIN"]
-
-
-def test_a_stream_s_replies_are_packed_only_if_every_one_may_be(monkeypatch: Any) -> None:
-    # A stream is in "p" (its batch's replies packed in one field, a line each) when
-    # every request replying to it says its gateway reads them so and no reply holds a
-    # raw newline; "p" is always part of "b" (the streams whose replies share an entry).
-    def outbox(packs: dict[str, tuple[str, bool]]) -> Outbox:
-        out = Outbox()
-        for rid, (stream, packed) in packs.items():
-            out.effects[KEYS.done(rid, "s")] = Effects(
-                marker_ttl_s=60, replies=[(stream, _reply(rid))], batched=True, packed=packed
-            )
-        return out
-
-    other = KEYS.reply_stream("h")
-    mixed = {"a": (REPLIES, True), "b": (REPLIES, False), "c": (other, True), "d": (other, True)}
-    plan, decoded = _plan(_call(outbox(mixed), [b"1-0"]))
-    number = {name: -(plan.keys.index(name) + 1) for name in (REPLIES, other)}
-    assert sorted(decoded["b"]) == sorted(number.values())
-    assert decoded["p"] == [number[other]]
-    assert decoded["pf"] == "E"
-    assert decoded["n"] == 500
-
-    def with_a_newline(message: Any) -> Any:  # a reply no JSON encoder writes
-        fields = encode(message)
-        return {FIELD: cast(bytes, fields[FIELD]) + b"\n"} if message.id == "d" else fields
-
-    monkeypatch.setattr(workers_plan, "encode", with_a_newline)
-    plan, decoded = _plan(_call(outbox(mixed), [b"1-0"]))
-    assert decoded["p"] == []
-    assert len(decoded["b"]) == 2

@@ -18,18 +18,11 @@ from workers.values import Effects, Outbox, Published
 
 
 def outbox(
-    keys: Keys,
-    ids: list[str],
-    outcome: str = "ok",
-    *,
-    cancels: bool = False,
-    batched: bool = True,
-    packed: bool = False,
+    keys: Keys, ids: list[str], outcome: str = "ok", *, cancels: bool = False, batched: bool = True
 ) -> Outbox:
     """One answered request per id, each under its done marker (and, with ``cancels``,
     its cancellation marker), to a gateway that reads several replies an entry unless
-    ``batched`` is False (one of an earlier release), and them packed in one field with
-    ``packed``."""
+    ``batched`` is False (one of an earlier release)."""
     out = Outbox()
     for rid in ids:
         if outcome == "ok":
@@ -37,7 +30,7 @@ def outbox(
         else:
             reply = Reply(id=rid, stage="s", outcome=Outcome.ERROR, error="boom", status=500)
         to = keys.reply_stream("t")
-        effects = Effects(marker_ttl_s=60, replies=[(to, reply)], batched=batched, packed=packed)
+        effects = Effects(marker_ttl_s=60, replies=[(to, reply)], batched=batched)
         if cancels:
             effects.cancel_marker = keys.cancelled(rid)
         out.effects[keys.done(rid, "s")] = effects

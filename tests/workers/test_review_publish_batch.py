@@ -12,12 +12,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.replies import ReplyDispatcher
-from pipelines.envelope import FIELD, PACKED, Reply, decode_replies, encode
+from pipelines.envelope import Reply, decode_replies, encode
 from pipelines.keys import GROUP, Keys
 from pipelines.outcomes import Outcome
 from tests.helpers import Harness, replies_in
 from tests.workers.test_publish import entries_of, outbox, read_batch
-from workers.plan import PACKED_BYTES, Call, compile_plan
+from workers.plan import Call, compile_plan
 from workers.publish import publish
 from workers.values import Effects, Outbox, Published
 
@@ -46,27 +46,25 @@ def is_one_run(call: Call) -> bool:
     return [g[0] for g in groups] == ["R"]
 
 
-@pytest.mark.parametrize("packed", [False, True])
 async def test_cancelled_and_skipped_requests_inside_a_run(
-    harness: Harness, redis: aioredis.Redis, packed: bool
+    harness: Harness, redis: aioredis.Redis
 ) -> None:
     # Seven alike requests (one run): b and e cancelled while they ran, d published
-    # before. The others' replies are one entry, named e, e1, e2, ... without gaps, or
-    # packed in its one field E, a line each.
+    # before. The others' replies are one entry, named e, e1, e2, ... without gaps.
     keys = harness.keys
     rids = list("abcdefg")
     ids = await read_batch(redis, keys.stage_stream("s"), len(rids))
     await redis.set(keys.cancelled("b"), "1")
     await redis.set(keys.cancelled("e"), "1")
     await redis.set(keys.done("d", "s"), "1")
-    call = call_of(keys, outbox(keys, rids, cancels=True, packed=packed), ids, "cs")
+    call = call_of(keys, outbox(keys, rids, cancels=True), ids, "cs")
     assert is_one_run(call)
     published = await publish(redis, call)
     assert published == Published(
         skipped=1, cancelled=frozenset({keys.done("b", "s"), keys.done("e", "s")})
     )
     [fields] = await entries_of(redis, keys.reply_stream("t"))
-    assert list(fields) == ([PACKED] if packed else [b"e", b"e1", b"e2", b"e3"])
+    assert list(fields) == [b"e", b"e1", b"e2", b"e3"]
     assert [r.id for r in decode_replies(fields)] == ["a", "c", "f", "g"]
     stats = await harness.stats("s")
     assert (stats["items:ok"], stats["items:cancelled"]) == (4, 2)
@@ -102,17 +100,16 @@ async def test_a_retried_call_writes_its_batched_entry_once(
     assert (await harness.stats("s"))["batches"] == 1
 
 
-@pytest.mark.parametrize("packed", [False, True])
 async def test_a_large_batch_with_runs_and_plain_groups(
-    harness: Harness, redis: aioredis.Redis, packed: bool
+    harness: Harness, redis: aioredis.Redis
 ) -> None:
     # 2,600 requests: runs broken every 7th by a request with a second reply (a plain
-    # group, its entry written first), cut at 500 per entry, packed or not; the cap
-    # stays an integer (a cap high enough that nothing is trimmed).
+    # group, its entry written first), cut at 500 per entry; the cap stays an integer
+    # (a cap high enough that nothing is trimmed).
     keys = harness.keys
     rids = [f"r{i}" for i in range(2600)]
     ids = await read_batch(redis, keys.stage_stream("s"), len(rids))
-    out = outbox(keys, rids, packed=packed)
+    out = outbox(keys, rids)
     other = keys.reply_stream("u")
     plain = rids[::7]
     for rid in plain:
@@ -123,76 +120,10 @@ async def test_a_large_batch_with_runs_and_plain_groups(
     got = await got_ids(redis, keys.reply_stream("t"))
     batched = [r for r in rids if r not in set(plain)]
     assert [len(e) for e in got] == [1] * len(plain) + [500] * 4 + [len(batched) - 2000]
-    # Packed or not, entries of 500 replies are far past what is packed (PACKED_BYTES).
-    shared = (await entries_of(redis, keys.reply_stream("t")))[len(plain) :]
-    assert [len(fields) for fields in shared] == [len(e) for e in got[len(plain) :]]
     assert [r for e in got for r in e] == plain + batched
     assert [r for e in await got_ids(redis, other) for r in e] == plain
     assert (await harness.stats("s"))["items:ok"] == 2600
     assert (await redis.xpending(keys.stage_stream("s"), GROUP))["pending"] == 0
-
-
-async def test_packed_replies_read_back_byte_for_byte_whatever_their_results_hold(
-    harness: Harness, redis: aioredis.Redis
-) -> None:
-    # Packed replies are split on newlines: a result's newlines, carriage returns, line
-    # and paragraph separators, escapes and non-ASCII text are escaped or kept by the
-    # JSON encoding, never a raw newline, so each reply reads back exactly. A batch's
-    # one reply is written as e, as before.
-    keys = harness.keys
-    texts = ["a\nb", "\r\n\n", "\u2028\u2029\x85", "\\n", "é\n中文\n🙂", '"\n"', "\x00\n\x1f"]
-    rids = [f"t{i}" for i in range(len(texts))]
-    ids = await read_batch(redis, keys.stage_stream("s"), len(rids) + 1)
-    out = outbox(keys, rids, packed=True)
-    for rid, text in zip(rids, texts, strict=True):
-        reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"text": text, "n": [text]})
-        out.effects[keys.done(rid, "s")].replies = [(keys.reply_stream("t"), reply)]
-    assert await publish(redis, call_of(keys, out, ids[:-1], "bytes")) == Published()
-    [fields] = await entries_of(redis, keys.reply_stream("t"))
-    assert list(fields) == [PACKED]
-    assert [(r.id, r.result) for r in decode_replies(fields)] == [
-        (rid, {"text": text, "n": [text]}) for rid, text in zip(rids, texts, strict=True)
-    ]
-    alone = outbox(keys, ["one"], packed=True)
-    assert await publish(redis, call_of(keys, alone, ids[-1:], "alone")) == Published()
-    entries = await entries_of(redis, keys.reply_stream("t"))
-    assert list(entries[-1]) == [FIELD]
-    assert [r.id for r in decode_replies(entries[-1])] == ["one"]
-
-
-async def test_a_stream_s_replies_are_packed_only_when_every_request_to_it_says_so(
-    harness: Harness, redis: aioredis.Redis
-) -> None:
-    # In one batch: a stream whose every request's gateway reads packed replies gets one
-    # field; a stream where one request says otherwise gets e, e1, ... (one gateway's
-    # requests all say the same: the plan does not rely on it); a stream whose replies
-    # are more than PACKED_BYTES gets a field each too.
-    keys = harness.keys
-    small, big = [f"p{i}" for i in range(5)], [f"b{i}" for i in range(6)]
-    rids = [*small, "m1", "m2", "m3", *big]
-    ids = await read_batch(redis, keys.stage_stream("s"), len(rids))
-    out = outbox(keys, small, packed=True)
-    mixed = outbox(keys, ["m1", "m2"], packed=True)
-    mixed.effects.update(outbox(keys, ["m3"], packed=False).effects)
-    large = outbox(keys, big, packed=True)
-    for rid in big:  # six of 3,000 bytes: past the bound together, each well under it
-        reply = Reply(id=rid, stage="s", outcome=Outcome.OK, result={"v": "x" * 3000})
-        large.effects[keys.done(rid, "s")].replies = [(keys.reply_stream("u"), reply)]
-    assert 3000 * 2 < PACKED_BYTES < 3000 * 6
-    for effects in mixed.effects.values():
-        effects.replies = [(keys.reply_stream("m"), r) for _, r in effects.replies]
-    out.effects.update(mixed.effects | large.effects)
-    assert await publish(redis, call_of(keys, out, ids, "mixed")) == Published()
-    got = {}
-    for name, rid_list in (("t", small), ("m", ["m1", "m2", "m3"]), ("u", big)):
-        [fields] = await entries_of(redis, keys.reply_stream(name))
-        assert [r.id for r in decode_replies(fields)] == rid_list
-        got[name] = list(fields)
-    assert got == {
-        "t": [PACKED],
-        "m": [b"e", b"e1", b"e2"],
-        "u": [FIELD] + [b"e%d" % i for i in range(1, 6)],
-    }
 
 
 @pytest.mark.parametrize(("unread", "batch", "maxlen"), [(800, 100, 1000), (400, 500, 100_000)])
