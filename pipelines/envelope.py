@@ -375,8 +375,9 @@ def reply_values(fields: Mapping[Any, Any]) -> list[bytes]:
     """The replies a reply-stream entry holds, in order: its ``e`` field's, then ``e1``'s,
     ``e2``'s and so on (a batch's replies to one gateway are one entry:
     ``workers/publish.lua``); none when it has no ``e``. At most the first
-    :data:`REPLIES_PER_ENTRY` (no worker writes more): a forged entry of many fields
-    costs the reader no more than a real one."""
+    :data:`REPLIES_PER_ENTRY` (no worker writes more): the gateway decodes, answers and
+    logs no more from a forged entry of many fields than from a real one (reading it off
+    the connection still costs its size)."""
     first = fields.get(FIELD)
     if first is None:
         return []

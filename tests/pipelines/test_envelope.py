@@ -190,9 +190,9 @@ def test_an_envelope_that_decodes_can_always_be_ended(
 
 
 def test_a_reply_entry_is_read_to_its_bound_whatever_it_holds() -> None:
-    # A reply-stream entry is untrusted: one of fields e, e1, ... e600 costs the reader no
-    # more than a real one (no worker writes more than 500 replies an entry); a field
-    # past a gap is not read.
+    # A reply-stream entry is untrusted: of one of fields e, e1, ... e600 the gateway
+    # decodes no more than of a real one (no worker writes more than 500 replies an
+    # entry); a field past a gap is not read.
     fields = {FIELD: b"x0"} | {FIELD + b"%d" % i: b"x%d" % i for i in range(1, 601)}
     assert reply_values(fields) == [b"x%d" % i for i in range(REPLIES_PER_ENTRY)]
     assert reply_values({FIELD: b"a", b"e1": b"b", b"e3": b"d"}) == [b"a", b"b"]
