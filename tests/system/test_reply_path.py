@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -218,37 +216,6 @@ async def test_a_forged_partial_ends_a_stream_with_a_502_event(
     assert json.loads(events[1].removeprefix("data: "))["status"] == 502
 
 
-@asynccontextmanager
-async def _doubling(
-    harness: Harness, redis: aioredis.Redis, n: int
-) -> AsyncIterator[tuple[list[asyncio.Task[httpx.Response]], list[Request], list[bytes]]]:
-    """``n`` calls of /v1/double (values 0 to n - 1) under way through a gateway with no
-    worker, their requests as it enqueued them and, for each, the reply a worker would
-    write (the test answers them)."""
-    base = await harness.http_server([number_stage()])
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        headers = {"X-Conveyor-Timeout": "20"}
-        calls = [
-            asyncio.create_task(client.post("/v1/double", json={"value": i}, headers=headers))
-            for i in range(n)
-        ]
-        found: list[Any] = []
-
-        async def enqueued() -> bool:
-            found[:] = await redis.xrange(harness.keys.stage_stream("double")) or []
-            return len(found) == n
-
-        await until(enqueued, 10)
-        requests = sorted((decode_request(f) for _, f in found), key=lambda r: r.payload["value"])
-        replies = [
-            orjson.dumps(
-                {"v": 1, "id": r.id, "stage": "double", "outcome": "ok", "result": {"value": i}}
-            )
-            for i, r in enumerate(requests)
-        ]
-        yield calls, requests, replies
-
-
 @pytest.mark.timeout(60)
 async def test_an_entry_of_several_replies_answers_each_and_a_forged_one_502(
     harness: Harness, redis: aioredis.Redis
@@ -257,17 +224,42 @@ async def test_an_entry_of_several_replies_answers_each_and_a_forged_one_502(
     # validated alone: a forged one in the middle answers its own request 502, and the
     # replies before and after it answer theirs; a field past a gap (e4
     # where there is no e3) is not read as a reply.
-    async with _doubling(harness, redis, 4) as (calls, requests, replies):
+    stage = number_stage()
+    base = await harness.http_server([stage])
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        headers = {"X-Conveyor-Timeout": "20"}
+        calls = [
+            asyncio.create_task(client.post("/v1/double", json={"value": i}, headers=headers))
+            for i in range(4)
+        ]
+        found: list[Any] = []
+
+        async def enqueued() -> bool:
+            found[:] = await redis.xrange(harness.keys.stage_stream("double")) or []
+            return len(found) == 4
+
+        await until(enqueued, 10)
+        requests = sorted((decode_request(f) for _, f in found), key=lambda r: r.payload["value"])
         assert all(r.reply_batches for r in requests)  # this gateway reads several an entry
-        forged = {"v": 1, "id": requests[1].id, "stage": "double", "outcome": "error", "status": 0}
-        fields: dict[FieldT, EncodableT] = {FIELD: replies[0]}
-        fields[b"e1"] = orjson.dumps(forged)
-        fields[b"e2"] = replies[2]
-        fields[b"e4"] = replies[3]  # past the gap: not a reply of the entry
+        replies = [
+            {"v": 1, "id": r.id, "stage": "double", "outcome": "ok", "result": {"value": i}}
+            for i, r in enumerate(requests)
+        ]
+        replies[1] = {
+            "v": 1,
+            "id": requests[1].id,
+            "stage": "double",
+            "outcome": "error",
+            "status": 0,
+        }
+        fields: dict[FieldT, EncodableT] = {FIELD: orjson.dumps(replies[0])}
+        fields[b"e1"] = orjson.dumps(replies[1])
+        fields[b"e2"] = orjson.dumps(replies[2])
+        fields[b"e4"] = orjson.dumps(replies[3])  # past the gap: not a reply of the entry
         await redis.xadd(requests[0].reply_to, fields)
         answered = await asyncio.gather(*calls[:3])
         assert not calls[3].done()
-        await redis.xadd(requests[0].reply_to, {FIELD: replies[3]})
+        await redis.xadd(requests[0].reply_to, {FIELD: orjson.dumps(replies[3])})
         last = await calls[3]
     assert [a.status_code for a in answered] == [200, 502, 200]
     assert answered[0].json() == {"value": 0}
