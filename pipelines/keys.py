@@ -191,6 +191,13 @@ class Keys:
         name -> digest (:mod:`runtime.definitions`; partition 0, beside the record)."""
         return f"{self.at(0).prefix}:definition-holders:{stage}"
 
+    def cpu_models(self) -> str:
+        """The hash of the worker processes that run a model with torch on the CPU:
+        consumer name -> when its last beat runs out (as :meth:`alive`). A worker started
+        by hand divides its host's cores among these (:mod:`workers.threads`), not among
+        every worker (a toy or a function step runs no torch thread; kept in partition 0)."""
+        return f"{self.at(0).prefix}:cpu-models"
+
     def stages_set(self) -> str:
         """The set of stage names that have ever had a worker (for status views; kept in
         partition 0)."""

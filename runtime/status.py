@@ -44,8 +44,15 @@ async def live_workers(client: aioredis.Redis, keys: Keys, stage: str) -> set[st
     Whatever the hash holds is checked: a field that is not a time, a name over 256
     characters, a key of another type count as no worker.
     """
+    return await live_beats(client, keys.alive(stage))
+
+
+async def live_beats(client: aioredis.Redis, key: str) -> set[str]:
+    """The consumer names of the hash of heartbeats ``key`` (:meth:`Keys.alive`,
+    :meth:`Keys.cpu_models`) whose beat has not run out, checked as
+    :func:`live_workers` says."""
     try:
-        raw = await client.hgetall(keys.alive(stage))
+        raw = await client.hgetall(key)
     except ResponseError:  # the key forged to another type
         return set()
     return _live(raw, await client.time())

@@ -140,6 +140,19 @@ def wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes], limit_s: 
     return out
 
 
+def worker_process(log: Path, env: dict[str, str], stages: str) -> subprocess.Popen[bytes]:
+    """``python -m workers <stages>`` started by hand in this checkout with ``env``, its
+    output written to ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "workers", stages],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
 class NumberIn(BaseModel):
     """Input of the test stages."""
 

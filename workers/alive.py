@@ -77,6 +77,10 @@ class Presence:
     idle for hours keeps beating. On its way it deletes the fields that ran out or are
     not a time (a crashed worker's, or forged ones), and an orderly stop deletes its own.
 
+    A worker whose model runs torch on the CPU (:attr:`cpu_model`) beats in
+    :meth:`Keys.cpu_models` too: what a worker started by hand on the same host divides
+    the cores among (:mod:`workers.threads`).
+
     Args:
         client: Redis client.
         keys: key names (the field is kept in partition 0).
@@ -84,6 +88,9 @@ class Presence:
         consumer: this worker's consumer name (the field).
         clock: the Redis clock (calibrated).
         stale_s: how long a beat counts.
+
+    Attributes:
+        cpu_model: its model runs torch's threads on the CPU (set once it is loaded).
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class Presence:
     ) -> None:
         self.client, self.key, self.consumer = client, keys.alive(stage), consumer
         self.place = keys.places(stage)  # where it runs (workers.places), also left
+        self.cpu_models, self.cpu_model = keys.cpu_models(), False
         self.clock, self.stale_s = clock, stale_s
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -104,11 +112,13 @@ class Presence:
     async def beat(self) -> None:
         """Set this worker's beat, and delete the fields that ran out."""
         now_ms = int(self.clock.now() * 1000)
-        await self.client.hset(self.key, self.consumer, str(now_ms + int(self.stale_s * 1000)))
-        beats = await self.client.hgetall(self.key)
-        gone = [name for name, raw in beats.items() if (beat_until(raw) or 0) <= now_ms]
-        if gone:
-            await self.client.hdel(self.key, *gone)
+        until = str(now_ms + int(self.stale_s * 1000))
+        for key in (self.key, self.cpu_models) if self.cpu_model else (self.key,):
+            await self.client.hset(key, self.consumer, until)
+            beats = await self.client.hgetall(key)
+            gone = [name for name, raw in beats.items() if (beat_until(raw) or 0) <= now_ms]
+            if gone:
+                await self.client.hdel(key, *gone)
 
     async def _run(self) -> None:
         while not self._stopping.is_set():
@@ -146,5 +156,7 @@ class Presence:
             try:
                 await self.client.hdel(self.key, self.consumer)
                 await self.client.hdel(self.place, self.consumer)
+                if self.cpu_model:
+                    await self.client.hdel(self.cpu_models, self.consumer)
             except (*REDIS_DOWN, ResponseError) as exc:
                 logger.warning("could not remove the beat in %s: %s", self.key, exc)

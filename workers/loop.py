@@ -29,6 +29,7 @@ from workers.parts import Parts
 from workers.report import Summary
 from workers.runner import Runner
 from workers.settings import WorkerSettings
+from workers.threads import runs_torch_on_cpu
 from workers.values import Entry
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,9 @@ class Worker:
         await parts.clock.calibrate(parts.client)
         await agree_on_partitions(parts.client, self.settings.keys)
         replace = self.settings.replace_stage_definition
+        # Its model loaded: whether it runs torch on the CPU, which a worker started by
+        # hand on its host counts when it divides the cores (workers/threads.py).
+        parts.presence.cpu_model = runs_torch_on_cpu(self.settings.device, self.runner.model)
         try:  # beat first: a worker starting beside it sees it live
             await parts.presence.beat()
         except ResponseError as exc:  # the key forged to another type

@@ -13,9 +13,12 @@ In order, the first that says wins:
 4. on ``cpu``: the cores the process may use divided among the model processes sharing
    them, at least 1. ``up`` knows both for its workers; a worker started by hand
    (``conveyor worker``, ``python -m workers``) counts the other live workers of its host
-   from their heartbeats in Redis (:func:`count_host_workers`, once at start) and takes
-   its share, saying so in one line that names ``CONVEYOR_THREADS``; one that sees none
-   (alone on its host), or the bench in-process, keeps torch's default.
+   that run a model with torch on the CPU, from their heartbeats in Redis
+   (:meth:`~pipelines.keys.Keys.cpu_models`, :func:`count_host_workers`, once at start),
+   and takes its share, saying so in one line that names ``CONVEYOR_THREADS``; one that
+   sees none (alone on its host, or beside toys, function steps and GPU workers, which
+   run no torch thread of their own on its cores), or the bench in-process, keeps
+   torch's default.
 """
 
 from __future__ import annotations
@@ -30,16 +33,12 @@ from dataclasses import dataclass
 
 from pipelines.settings import CommonSettings
 from runtime.redisio import connect
-from runtime.status import known_stages, live_workers
+from runtime.status import live_beats
 
 logger = logging.getLogger(__name__)
 
 CUDA_THREADS = 1
 """Intra-op threads of a process whose models run on cuda, unless something says."""
-
-MAX_STAGES = 1000
-"""Look at the heartbeats of at most this many stages (a namespace with a forged set of
-stage names may hold millions)."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +79,8 @@ def _pid_on(consumer: str, host: str) -> int | None:
 
 async def count_host_workers(settings: CommonSettings, host: str | None = None) -> int:
     """The live worker processes of ``host`` (default: this one) other than this
-    process, in ``settings``' namespace: those whose heartbeat of any stage
-    (:func:`runtime.status.live_workers`) has not run out, by pid.
+    process that run a model with torch on the CPU, in ``settings``' namespace: those
+    whose beat in :meth:`~pipelines.keys.Keys.cpu_models` has not run out, by pid.
 
     Args:
         settings: where Redis is, and the namespace.
@@ -94,11 +93,10 @@ async def count_host_workers(settings: CommonSettings, host: str | None = None) 
     client = connect(settings)
     try:
         pids: set[int] = set()
-        for stage in (await known_stages(client, settings.keys, ()))[:MAX_STAGES]:
-            for name in await live_workers(client, settings.keys, stage):
-                pid = _pid_on(name, host)
-                if pid is not None and pid != os.getpid():
-                    pids.add(pid)
+        for name in await live_beats(client, settings.keys.cpu_models()):
+            pid = _pid_on(name, host)
+            if pid is not None and pid != os.getpid():
+                pids.add(pid)
     finally:
         await client.aclose()
     return len(pids)
@@ -165,6 +163,18 @@ def torch_threads(
     if cores is None:
         return None
     return max(1, cores // max(1, processes))
+
+
+def runs_torch_on_cpu(spec: str, model: object) -> bool:
+    """Whether a process whose model is ``model`` runs torch's threads on the CPU: torch
+    is loaded (a framework-free runner, a toy or a function step, never loads it) and
+    the model is not on cuda.
+
+    Args:
+        spec: the device setting.
+        model: the built model.
+    """
+    return "torch" in sys.modules and resolved_device(spec, model) == "cpu"
 
 
 def resolved_device(spec: str, model: object = None) -> str:

@@ -6,8 +6,6 @@ runs few, however many cores the host has (issue 24: 16 spinning threads took a 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from bench.workloads import in_process_threads
 from conveyor.placement import GpuPool, Group, PlacementSettings, Placer, worker_groups
 from pipelines.registry import Registry
 from pipelines.stages import Resources
-from tests.helpers import REPO, up_env, wait_for_line
+from tests.helpers import up_env, wait_for_line, worker_process
 from tests.support.deviceapp import ON_DEVICE
 from tests.support.deviceapp import pipelines as device_pipelines
 from workers.build import build_model
@@ -126,14 +124,7 @@ def test_a_bare_worker_process_chooses_its_threads_by_device(
         CONVEYOR_PIPELINES="ondevice",
         CONVEYOR_DEVICE=device,
     )
-    with log.open("wb") as out:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "workers", "ondevice"],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    worker = worker_process(log, env, "ondevice")
     try:
         wait_for_line(log, "stage ondevice: on ", worker, limit_s=90)
         text = wait_for_line(log, "torch thread(s)", worker, limit_s=10)
