@@ -113,12 +113,21 @@ class Presence:
         """Set this worker's beat, and delete the fields that ran out."""
         now_ms = int(self.clock.now() * 1000)
         until = str(now_ms + int(self.stale_s * 1000))
-        for key in (self.key, self.cpu_models) if self.cpu_model else (self.key,):
-            await self.client.hset(key, self.consumer, until)
-            beats = await self.client.hgetall(key)
-            gone = [name for name, raw in beats.items() if (beat_until(raw) or 0) <= now_ms]
-            if gone:
-                await self.client.hdel(key, *gone)
+        await self._beat_in(self.key, until, now_ms)
+        if self.cpu_model:
+            try:
+                await self._beat_in(self.cpu_models, until, now_ms)
+            except ResponseError as exc:  # the key forged to another type
+                logger.warning("could not beat in %s: %s", self.cpu_models, exc)
+
+    async def _beat_in(self, key: str, until: str, now_ms: int) -> None:
+        """Set this worker's field of the hash of beats ``key`` to ``until``, and delete
+        the fields that ran out by ``now_ms``."""
+        await self.client.hset(key, self.consumer, until)
+        beats = await self.client.hgetall(key)
+        gone = [name for name, raw in beats.items() if (beat_until(raw) or 0) <= now_ms]
+        if gone:
+            await self.client.hdel(key, *gone)
 
     async def _run(self) -> None:
         while not self._stopping.is_set():
@@ -152,11 +161,14 @@ class Presence:
             done, _ = await asyncio.wait({task}, timeout=STOP_WAIT_S)
             if not done:
                 await cancel_and_wait([task])
-        if leave:
+        if not leave:
+            return
+        keys = [self.key, self.place] + ([self.cpu_models] if self.cpu_model else [])
+        for key in keys:
             try:
-                await self.client.hdel(self.key, self.consumer)
-                await self.client.hdel(self.place, self.consumer)
-                if self.cpu_model:
-                    await self.client.hdel(self.cpu_models, self.consumer)
-            except (*REDIS_DOWN, ResponseError) as exc:
-                logger.warning("could not remove the beat in %s: %s", self.key, exc)
+                await self.client.hdel(key, self.consumer)
+            except ResponseError as exc:  # this key forged to another type: the others still
+                logger.warning("could not remove the beat in %s: %s", key, exc)
+            except REDIS_DOWN as exc:  # the beats run out by themselves
+                logger.warning("could not remove the beat in %s: %s", key, exc)
+                return

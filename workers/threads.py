@@ -16,8 +16,8 @@ In order, the first that says wins:
    that run a model with torch on the CPU, from their heartbeats in Redis
    (:meth:`~pipelines.keys.Keys.cpu_models`, :func:`count_host_workers`, once at start),
    and takes its share, saying so in one line that names ``CONVEYOR_THREADS``; one that
-   sees none (alone on its host, or beside toys, function steps and GPU workers, which
-   run no torch thread of their own on its cores), or the bench in-process, keeps
+   sees none (alone on its host, or beside processes that never load torch, such as the
+   built-in toys', or whose models are on a GPU), or the bench in-process, keeps
    torch's default.
 """
 

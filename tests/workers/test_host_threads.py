@@ -24,8 +24,10 @@ import torch
 
 from pipelines.keys import Keys
 from pipelines.settings import CommonSettings
+from runtime.redisio import RedisClock
 from tests.helpers import up_env, wait_for_line, worker_process
 from tests.support.deviceapp import ON_DEVICE
+from workers.alive import Presence
 from workers.build import build_model
 from workers.settings import WorkerSettings
 from workers.threads import count_host_workers, host_cores, host_share, share_host
@@ -73,6 +75,22 @@ async def test_the_other_live_workers_of_this_host_are_counted_by_process(
     assert await count_host_workers(CommonSettings(), host="otherhost") == 1
 
 
+async def test_a_forged_hash_of_cpu_models_counts_no_one_and_stops_no_beat(
+    redis: aioredis.Redis,
+) -> None:
+    keys = CommonSettings().keys
+    await redis.set(keys.cpu_models(), "forged")
+    assert await count_host_workers(CommonSettings()) == 0
+    name = f"{HOST}-4108-jj"
+    presence = Presence(redis, keys, "embed", name, RedisClock(), 30.0)
+    presence.cpu_model = True
+    await presence.beat()  # its stage's beat is set all the same
+    assert await redis.hexists(keys.alive("embed"), name)
+    await presence.stop(leave=True)
+    assert not await redis.hexists(keys.alive("embed"), name)
+    assert await redis.get(keys.cpu_models()) == b"forged"
+
+
 @pytest.fixture
 def kept_threads() -> Iterator[None]:
     """torch's threads and the host share as they were, after the test."""
@@ -108,6 +126,7 @@ async def others(redis: aioredis.Redis) -> None:
     await two_others(redis)
 
 
+@pytest.mark.timeout(240)  # a worker's start, torch's import and its stop, on a busy machine
 @pytest.mark.usefixtures("others")
 def test_a_worker_started_by_hand_beside_others_takes_its_share(
     tmp_path: Path, redis_url: str, namespace: str
@@ -154,6 +173,7 @@ def pid_of(name: bytes | str) -> int | None:
     return int(rest) if host == HOST and rest.isdigit() else None
 
 
+@pytest.mark.timeout(240)
 def test_a_toy_worker_takes_no_share_of_the_cores(
     tmp_path: Path, redis_url: str, namespace: str
 ) -> None:
