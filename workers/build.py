@@ -21,7 +21,13 @@ from pipelines.stages import Stage
 from runtime.logs import adopt_library_loggers
 from workers.models.buckets import Bucketed, CannotCapture, summary
 from workers.settings import WorkerSettings
-from workers.threads import host_share, resolved_device, runner_device, torch_threads
+from workers.threads import (
+    host_share,
+    on_cpu,
+    resolved_device,
+    runner_device,
+    torch_threads,
+)
 
 logger = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
@@ -34,6 +40,8 @@ def _set_threads(stage: Stage, model: object, device: str, settings: WorkerSetti
     if torch is None:
         return
     where = resolved_device(device, model)
+    if where == "cpu":
+        on_cpu(stage.name)
     share = host_share()  # a worker started by hand beside others: its share of the cores
     threads = torch_threads(
         where,

@@ -123,8 +123,7 @@ class Worker:
         replace = self.settings.replace_stage_definition
         # Its model loaded: whether it runs torch on the CPU, which a worker started by
         # hand on its host counts when it divides the cores (workers/threads.py).
-        device = self.stage.device or self.settings.device  # as its model was built
-        parts.presence.cpu_model = runs_torch_on_cpu(device, self.runner.model)
+        parts.presence.cpu_model = runs_torch_on_cpu()
         try:  # beat first: a worker starting beside it sees it live
             await parts.presence.beat()
         except ResponseError as exc:  # the key forged to another type

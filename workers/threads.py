@@ -58,6 +58,10 @@ _SHARE: list[HostShare] = []
 """This process's share, once :func:`share_host` found other workers (torch's thread
 pool is the process's, and so is this)."""
 
+_ON_CPU: set[str] = set()
+"""The stages whose models this process runs with torch on the CPU, as their threads were
+set (:func:`on_cpu`)."""
+
 
 def host_cores() -> int:
     """The cores this process may run on (its CPU affinity, where the platform says)."""
@@ -165,16 +169,17 @@ def torch_threads(
     return max(1, cores // max(1, processes))
 
 
-def runs_torch_on_cpu(spec: str, model: object) -> bool:
-    """Whether a process whose model is ``model`` runs torch's threads on the CPU: torch
-    is loaded (a framework-free runner, a toy or a function step, never loads it) and
-    the model is not on cuda.
+def on_cpu(stage: str) -> None:
+    """Note that ``stage``'s model runs with torch on the CPU in this process (its threads
+    were set for it: :func:`workers.build.build_model`)."""
+    _ON_CPU.add(stage)
 
-    Args:
-        spec: the device setting.
-        model: the built model.
-    """
-    return "torch" in sys.modules and resolved_device(spec, model) == "cpu"
+
+def runs_torch_on_cpu() -> bool:
+    """Whether this process runs a model with torch on the CPU: what a worker started by
+    hand on the same host counts when it divides the cores (a process that never loads
+    torch, such as a toy's or a function step's, or whose models are on cuda, does not)."""
+    return bool(_ON_CPU)
 
 
 def resolved_device(spec: str, model: object = None) -> str:

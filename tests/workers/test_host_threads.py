@@ -24,13 +24,13 @@ import torch
 
 from pipelines.keys import Keys
 from pipelines.settings import CommonSettings
-from runtime.redisio import RedisClock
+from runtime.redisio import RedisClock, text
 from tests.helpers import up_env, wait_for_line, worker_process
 from tests.support.deviceapp import ON_DEVICE
 from workers.alive import Presence
 from workers.build import build_model
 from workers.settings import WorkerSettings
-from workers.threads import count_host_workers, host_cores, host_share, share_host
+from workers.threads import _pid_on, count_host_workers, host_cores, host_share, share_host
 
 HOST = socket.gethostname()
 
@@ -168,9 +168,7 @@ def cpu_model_pids(redis_url: str, namespace: str) -> set[int]:
 
 def pid_of(name: bytes | str) -> int | None:
     """The pid in a consumer name ``host-pid-random`` of this host (None: another's)."""
-    text = name.decode() if isinstance(name, bytes) else name
-    host, _, rest = text.rpartition("-")[0].rpartition("-")
-    return int(rest) if host == HOST and rest.isdigit() else None
+    return _pid_on(text(name), HOST)
 
 
 @pytest.mark.timeout(240)
