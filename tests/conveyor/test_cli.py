@@ -33,6 +33,7 @@ from tests.helpers import (
     up_env,
     wait_for_line,
     wait_ready,
+    worker_process,
 )
 
 CONVEYOR = str(Path(sys.executable).with_name("conveyor"))
@@ -342,14 +343,7 @@ def _worker_on(port: int, namespace: str, log: Path) -> subprocess.Popen[bytes]:
         CONVEYOR_NAMESPACE=namespace,
         CONVEYOR_PIPELINES="echo",
     )
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "workers", "echo"],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    return worker_process(log, env, "echo")
 
 
 def test_a_worker_started_before_redis_waits_for_it_and_serves(

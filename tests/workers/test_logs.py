@@ -15,7 +15,15 @@ import pytest
 import redis.asyncio as aioredis
 
 from runtime.logs import LogSettings
-from tests.helpers import REPO, GatewayProcess, Harness, replies_in, until, wait_for_line
+from tests.helpers import (
+    REPO,
+    GatewayProcess,
+    Harness,
+    replies_in,
+    until,
+    wait_for_line,
+    worker_process,
+)
 from tests.support.faultapp import stop
 from workers.report import Summary
 from workers.values import BatchRecord
@@ -27,14 +35,7 @@ SUMMARY_FIELDS |= {"mean_batch", "items_per_s", "run_ms_mean", "span_s"}
 
 def start_worker(stages: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """A real ``python -m workers STAGES`` from this checkout, its output to ``log``."""
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "workers", stages],
-            cwd=REPO,
-            env=env | {"PYTHONPATH": str(REPO)},
-            stdout=out,
-            stderr=out,
-        )
+    return worker_process(log, env | {"PYTHONPATH": str(REPO)}, stages)
 
 
 def parsed(text: str) -> list[dict[str, Any]]:
